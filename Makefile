@@ -1,0 +1,39 @@
+# The two set-up commands of the README: `make demo` and `make test` work on a fresh machine.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip -q --disable-pip-version-check
+DEMO_OUT ?= demo-out
+
+.PHONY: demo test install install-test slurm-install bench clean
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+
+# login-node install: CLI, simulator, planner (no torch)
+$(VENV)/.installed: setup.cfg pyproject.toml | $(VENV)/bin/python
+	$(PIP) install -e .
+	touch $@
+
+# everything: runtime (torch 2.13.0 CPU wheel, megatron-core 0.16.1) and test tools
+$(VENV)/.installed-test: setup.cfg pyproject.toml | $(VENV)/bin/python
+	$(PIP) install -e '.[runtime,test]'
+	touch $@ $(VENV)/.installed
+
+install: $(VENV)/.installed
+install-test: $(VENV)/.installed-test
+
+demo: $(VENV)/.installed
+	$(VENV)/bin/sailor-hpc site show site_configs/a100-v100.toml
+	$(VENV)/bin/sailor-hpc profiles list
+
+# Installs Debian's Slurm (root) so the tests can start a real local cluster; then the whole suite.
+test: $(VENV)/.installed-test
+	-bash tests/slurm/install.sh
+	$(PY) -m pytest -q tests
+
+bench: $(VENV)/.installed-test
+	for b in benchmarks/*.py; do $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) build *.egg-info $(DEMO_OUT)

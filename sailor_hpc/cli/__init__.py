@@ -1,0 +1,39 @@
+"""The ``sailor-hpc`` command line: a thin face over functions the tests call directly.
+
+Each command group lives in its own module and registers itself on :data:`main`. Every
+:class:`~sailor_hpc.errors.SailorError` becomes one message naming file, field and fix, and exit code 2.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import click
+
+from sailor_hpc.errors import EXIT_BAD_INPUT, SailorError
+
+
+class _Group(click.Group):
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except SailorError as exc:
+            if "--json" in sys.argv:
+                click.echo(json.dumps(exc.to_dict()), err=True)
+            else:
+                click.echo(f"error: {exc}", err=True)
+            ctx.exit(EXIT_BAD_INPUT)
+
+
+@click.group(cls=_Group)
+@click.version_option(package_name="sailor-hpc")
+def main() -> None:
+    """Plan and run LLM training on the mixed GPU partitions of a SLURM site."""
+
+
+def _register() -> None:
+    from sailor_hpc.cli import plan_cmds, profiles_cmds, site_cmds  # noqa: F401  (registration side effect)
+
+
+_register()

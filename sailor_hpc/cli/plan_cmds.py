@@ -1,0 +1,51 @@
+"""``sailor-hpc plan validate``: check a plan (ours or Sailor's plan_config)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from sailor_hpc.cli import main
+from sailor_hpc.cli.output import echo_json, json_option, table
+from sailor_hpc.plan import Plan
+
+
+def plan_rows(plan: Plan) -> list[tuple]:
+    return [(i, p.micro_batch_size, p.num_micro_batches, j, f"{s.first_layer}-{s.last_layer}", s.tp, s.gpu_type,
+             s.partition or "-", "-" if s.placement is None else f"node {s.placement.node} gpus {list(s.placement.gpus)}")
+            for i, p in enumerate(plan.pipelines) for j, s in enumerate(p.stages)]
+
+
+def describe_plan(plan: Plan) -> str:
+    head = (f"{plan.model}: global batch {plan.global_batch_size}, {len(plan.pipelines)} pipeline(s), "
+            f"{plan.num_gpus} GPUs {plan.gpus_by_type()}, {plan.dtype}")
+    return head + "\n" + table(("pipe", "mbs", "micro-batches", "stage", "layers", "tp", "gpu", "partition",
+                                "placement"), plan_rows(plan))
+
+
+@main.group(name="plan", invoke_without_command=True)
+@click.pass_context
+def plan_group(ctx: click.Context) -> None:
+    """Plans: validate one (and, with the planner, search for the best)."""
+    if ctx.invoked_subcommand is None:
+        click.echo(ctx.get_help())
+
+
+@plan_group.command("validate")
+@click.argument("plan_file", metavar="PLAN", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--model", default=None, help="Model of a Sailor plan_config (they do not name it).")
+@click.option("--site", "site_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Also check GPU types, partitions and placement against this site.")
+@json_option
+def validate_cmd(plan_file: Path, model: str | None, site_file: Path | None, as_json: bool) -> None:
+    """Check PLAN's invariants (layers, samples, TP, GPUs); Sailor plan_configs are converted."""
+    from sailor_hpc.plan import load_plan
+    from sailor_hpc.site import load_site
+
+    site = load_site(site_file) if site_file else None
+    plan = load_plan(plan_file, model=model, site=site)
+    if as_json:
+        echo_json({"file": str(plan_file), "valid": True, "plan": plan.to_dict()})
+    else:
+        click.echo(f"{plan_file}: valid plan")
+        click.echo(describe_plan(plan))

@@ -1,0 +1,91 @@
+"""``sailor-hpc profiles ...``: the HDF5 profile archive."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+import numpy as np
+
+from sailor_hpc.cli import main
+from sailor_hpc.cli.output import echo_json, json_option, table
+
+archive_option = click.option("--archive", type=click.Path(dir_okay=False, path_type=Path), default=None,
+                              help="Profile archive (default: $SAILOR_PROFILES, else the embedded Sailor profiles).")
+
+
+@main.group()
+def profiles() -> None:
+    """Profile archives (per-layer times, memory, network)."""
+
+
+@profiles.command("import-sailor")
+@click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--archive", type=click.Path(dir_okay=False, path_type=Path), required=True,
+              help="Archive to create or merge into.")
+@json_option
+def import_sailor_cmd(directory: Path, archive: Path, as_json: bool) -> None:
+    """Convert Sailor's published profiles (DIRECTORY has profiles/ and network/) into ARCHIVE."""
+    from sailor_hpc.sailor_import import import_sailor
+
+    n = import_sailor(directory, archive)
+    if as_json:
+        echo_json({"archive": str(archive), "entries": n})
+    else:
+        click.echo(f"wrote {n} entries into {archive}")
+
+
+def _open(archive: Path | None):
+    from sailor_hpc.archive import open_archive, read_archive
+
+    return read_archive(archive) if archive else open_archive()
+
+
+@profiles.command("list")
+@archive_option
+@json_option
+def list_cmd(archive: Path | None, as_json: bool) -> None:
+    """List (model, GPU) pairs with their profiled micro-batch sizes and TP degrees."""
+    a = _open(archive)
+    rows = []
+    for (model, gpu), points in sorted(a.compute.items()):
+        failed = a.failed.get((model, gpu), {})
+        rows.append({"model": model, "gpu": gpu, "mbs": sorted({b for b, _ in points}),
+                     "tp": sorted({t for _, t in points}), "points": len(points), "failed": len(failed),
+                     "source": next(iter(points.values())).provenance.get("source", "")})
+    if as_json:
+        echo_json({"archive": a.where, "profiles": rows, "memory": {m: sorted(t) for m, t in a.memory.items()},
+                   "overhead": sorted(a.overhead), "network": {s: len(v) for s, v in a.network.items()}})
+        return
+    click.echo(f"archive: {a.where}")
+    click.echo(table(("model", "gpu", "mbs", "tp", "points", "failed"),
+                     [(r["model"], r["gpu"], ",".join(map(str, r["mbs"])), ",".join(map(str, r["tp"])), r["points"],
+                       r["failed"]) for r in rows]))
+
+
+@profiles.command("show")
+@click.argument("model")
+@click.argument("gpu")
+@archive_option
+@json_option
+def show_cmd(model: str, gpu: str, archive: Path | None, as_json: bool) -> None:
+    """Per-(mbs, TP) totals of one model on one GPU type, with provenance."""
+    from sailor_hpc.models import get_model
+
+    a = _open(archive)
+    name = get_model(model).name
+    points = a.compute_points(name, gpu)
+    rows = []
+    for (mbs, tp), e in sorted(points.items()):
+        rows.append({"mbs": mbs, "tp": tp, "fwd_s": float(np.sum(e.times[:, 0])), "bwd_s": float(np.sum(e.times[:, 1])),
+                     "update_s": float(np.max(e.times[:, 2])), "layers": int(e.times.shape[0]),
+                     "provenance": e.provenance})
+    failed = [{"mbs": b, "tp": t, "reason": e.reason} for (b, t), e in sorted(a.failed.get((name, gpu), {}).items())]
+    if as_json:
+        echo_json({"model": name, "gpu": gpu, "points": rows, "failed": failed})
+        return
+    click.echo(f"{name} on {gpu} ({a.where}); whole-model seconds per micro-batch")
+    click.echo(table(("mbs", "tp", "fwd s", "bwd s", "update s", "layers", "source"),
+                     [(r["mbs"], r["tp"], r["fwd_s"], r["bwd_s"], r["update_s"], r["layers"],
+                       r["provenance"].get("source", "")[:40]) for r in rows]))
+    for f in failed:
+        click.echo(f"failed: mbs {f['mbs']} tp {f['tp']}: {f['reason']}")

@@ -1,0 +1,69 @@
+"""Typed access to parsed TOML/JSON tables with errors that name the file and the field.
+
+Loaders wrap each table in a :class:`Fields`; ``req``/``opt`` check types, and ``done`` refuses
+unknown keys (a typo such as ``gpus_per_nod`` is an error, not a silently ignored field).
+"""
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping
+from typing import Any
+
+from sailor_hpc.errors import SailorError
+
+_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false",
+               list: "a list", dict: "a table"}
+
+
+class Fields:
+    def __init__(self, data: Any, *, file: object | None, path: str) -> None:
+        if not isinstance(data, Mapping):
+            raise SailorError(f"expected a table, got {type(data).__name__}", file=file, field=path or None,
+                              fix="write it as a table / JSON object")
+        self.data = data
+        self.file = file
+        self.path = path
+        self.seen: set[str] = set()
+
+    def name(self, key: str) -> str:
+        return f"{self.path}.{key}" if self.path else key
+
+    def error(self, key: str | None, message: str, fix: str | None = None) -> SailorError:
+        return SailorError(message, file=self.file, field=self.name(key) if key else (self.path or None), fix=fix)
+
+    def _check(self, key: str, value: Any, kind: type) -> Any:
+        ok = isinstance(value, kind) and not (kind in (int, float) and isinstance(value, bool))
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            return float(value)
+        if not ok:
+            raise self.error(key, f"must be {_TYPE_NAMES.get(kind, kind.__name__)}, got {value!r}")
+        return value
+
+    def req(self, key: str, kind: type) -> Any:
+        self.seen.add(key)
+        if key not in self.data:
+            raise self.error(key, "is missing", fix=f"add {key} = <{_TYPE_NAMES.get(kind, kind.__name__)}>")
+        return self._check(key, self.data[key], kind)
+
+    def opt(self, key: str, kind: type, default: Any = None) -> Any:
+        self.seen.add(key)
+        if key not in self.data or self.data[key] is None:
+            return default
+        return self._check(key, self.data[key], kind)
+
+    def positive(self, key: str, default: int | None = None) -> int:
+        value = self.req(key, int) if default is None else self.opt(key, int, default)
+        if value <= 0:
+            raise self.error(key, f"must be a positive integer, got {value}")
+        return value
+
+    def sub(self, key: str, value: Any) -> "Fields":
+        return Fields(value, file=self.file, path=self.name(key))
+
+    def done(self) -> None:
+        unknown = [k for k in self.data if k not in self.seen]
+        if unknown:
+            key = unknown[0]
+            close = difflib.get_close_matches(key, sorted(self.seen), n=1)
+            fix = f"did you mean {close[0]!r}?" if close else f"remove it; known fields: {', '.join(sorted(self.seen))}"
+            raise self.error(key, "is not a known field", fix=fix)

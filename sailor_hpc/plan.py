@@ -1,0 +1,409 @@
+"""Plans: how a model is trained on a set of GPUs (JSON, versioned).
+
+A plan is a list of *pipelines* that together process one global batch. Pipelines are fully
+independent in shape (Sailor's plan cannot say this): each has its own micro-batch size and count,
+its own stages and layer split, and every stage its own TP degree, GPU type, partition and
+placement. Gradients of a layer are averaged over every pipeline that holds it, weighted by samples.
+
+``load_plan`` reads our format and Sailor's ``plan_config_*.json`` alike.
+"""
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from sailor_hpc.atomic import atomic_write_text
+from sailor_hpc.errors import SailorError
+from sailor_hpc.fields import Fields
+from sailor_hpc.models import ModelSpec, get_model
+
+PLAN_FORMAT = "sailor-hpc-plan"
+PLAN_VERSION = 1
+DTYPES = ("fp32", "bf16", "fp16")
+OPTIMIZERS = ("adam", "sgd")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a stage's TP group sits: node index inside the job's share of its partition, local GPU ids."""
+
+    node: int
+    gpus: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Stage:
+    first_layer: int
+    last_layer: int  # inclusive
+    tp: int
+    gpu_type: str
+    partition: str | None = None
+    placement: Placement | None = None
+
+    @property
+    def layers(self) -> range:
+        return range(self.first_layer, self.last_layer + 1)
+
+    @property
+    def num_layers(self) -> int:
+        return self.last_layer - self.first_layer + 1
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    micro_batch_size: int
+    num_micro_batches: int
+    stages: tuple[Stage, ...]
+
+    @property
+    def samples(self) -> int:
+        return self.micro_batch_size * self.num_micro_batches
+
+    @property
+    def num_gpus(self) -> int:
+        return sum(s.tp for s in self.stages)
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: str
+    global_batch_size: int
+    pipelines: tuple[Pipeline, ...]
+    seq_len: int | None = None  # None: the model's
+    dtype: str = "fp32"
+    recompute: bool = False
+    optimizer: str = "adam"
+    notes: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @property
+    def model_spec(self) -> ModelSpec:
+        return get_model(self.model)
+
+    @property
+    def sequence_length(self) -> int:
+        return self.seq_len or self.model_spec.seq_len
+
+    @property
+    def num_gpus(self) -> int:
+        return sum(p.num_gpus for p in self.pipelines)
+
+    def gpus_by_type(self) -> dict[str, int]:
+        out: dict[str, int] = defaultdict(int)
+        for p in self.pipelines:
+            for s in p.stages:
+                out[s.gpu_type] += s.tp
+        return dict(out)
+
+    def gpus_by_partition(self) -> dict[str, int]:
+        out: dict[str, int] = defaultdict(int)
+        for p in self.pipelines:
+            for s in p.stages:
+                out[s.partition or s.gpu_type] += s.tp
+        return dict(out)
+
+    def nodes_by_partition(self) -> dict[str, int]:
+        """Nodes per partition the placement uses (needs placements)."""
+        nodes: dict[str, set[int]] = defaultdict(set)
+        for p in self.pipelines:
+            for s in p.stages:
+                if s.placement is None or s.partition is None:
+                    raise SailorError("plan has stages without partition/placement", field="pipelines",
+                                      fix="place the plan on a site first (sailor-hpc plan, or plan validate --site)")
+                nodes[s.partition].add(s.placement.node)
+        return {k: len(v) for k, v in nodes.items()}
+
+    def tp_degrees(self) -> tuple[int, ...]:
+        return tuple(sorted({s.tp for p in self.pipelines for s in p.stages}))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": PLAN_FORMAT, "version": PLAN_VERSION, "model": self.model,
+            "global_batch_size": self.global_batch_size, "seq_len": self.seq_len, "dtype": self.dtype,
+            "recompute": self.recompute, "optimizer": self.optimizer,
+            "pipelines": [{
+                "micro_batch_size": p.micro_batch_size, "num_micro_batches": p.num_micro_batches,
+                "stages": [{
+                    "layers": [s.first_layer, s.last_layer], "tp": s.tp, "gpu_type": s.gpu_type,
+                    "partition": s.partition,
+                    "placement": None if s.placement is None else {"node": s.placement.node,
+                                                                   "gpus": list(s.placement.gpus)},
+                } for s in p.stages],
+            } for p in self.pipelines],
+            "notes": self.notes,
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1) + "\n"
+
+    def save(self, path: str | Path) -> None:
+        atomic_write_text(path, self.to_json())
+
+
+def _parse_stage(f: Fields) -> Stage:
+    layers = f.req("layers", list)
+    if len(layers) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in layers):
+        raise f.error("layers", f"must be [first, last] layer indices (inclusive), got {layers!r}")
+    placement = f.opt("placement", dict)
+    pl = None
+    if placement is not None:
+        pf = f.sub("placement", placement)
+        gpus = pf.req("gpus", list)
+        node = pf.req("node", int)
+        pf.done()
+        if node < 0 or not all(isinstance(g, int) and g >= 0 for g in gpus):
+            raise pf.error(None, "node and gpus must be non-negative integers")
+        pl = Placement(node=node, gpus=tuple(gpus))
+    stage = Stage(first_layer=layers[0], last_layer=layers[1], tp=f.positive("tp"), gpu_type=f.req("gpu_type", str),
+                  partition=f.opt("partition", str), placement=pl)
+    f.done()
+    return stage
+
+
+def plan_from_dict(data: dict[str, Any], source: object | None = None) -> Plan:
+    """Parse our JSON plan format (structure and types only; see :func:`validate_plan`)."""
+    f = Fields(data, file=source, path="")
+    fmt = f.opt("format", str, PLAN_FORMAT)
+    if fmt != PLAN_FORMAT:
+        raise f.error("format", f"unknown plan format {fmt!r}", fix=f"expected {PLAN_FORMAT!r} or a Sailor plan_config")
+    version = f.opt("version", int, PLAN_VERSION)
+    if version != PLAN_VERSION:
+        raise f.error("version", f"plan version {version} is not supported", fix=f"this sailor-hpc reads version {PLAN_VERSION}")
+    pipes = []
+    for i, raw in enumerate(f.req("pipelines", list)):
+        pf = f.sub(f"pipelines[{i}]", raw)
+        stages = tuple(_parse_stage(pf.sub(f"stages[{j}]", s)) for j, s in enumerate(pf.req("stages", list)))
+        pipes.append(Pipeline(micro_batch_size=pf.positive("micro_batch_size"),
+                              num_micro_batches=pf.positive("num_micro_batches"), stages=stages))
+        pf.done()
+    seq = f.opt("seq_len", int)
+    plan = Plan(model=f.req("model", str), global_batch_size=f.positive("global_batch_size"), pipelines=tuple(pipes),
+                seq_len=seq, dtype=f.opt("dtype", str, "fp32"), recompute=f.opt("recompute", bool, False),
+                optimizer=f.opt("optimizer", str, "adam"), notes=f.opt("notes", dict, {}))
+    f.done()
+    return plan
+
+
+def validate_plan(plan: Plan, site: Any | None = None, *, source: object | None = None,
+                  check_placement: bool = True) -> None:
+    """Check a plan's invariants; raise :class:`SailorError` naming the first broken one.
+
+    Without a site only the model-level invariants are checked; with one, GPU types, partitions,
+    TP within a node and the placement against the partitions' sizes are checked too.
+    """
+    def err(fld: str, msg: str, fix: str | None = None) -> SailorError:
+        return SailorError(msg, file=source, field=fld, fix=fix)
+
+    try:
+        model = get_model(plan.model)
+    except SailorError as exc:
+        raise err("model", exc.message, exc.fix) from None
+    if plan.dtype not in DTYPES:
+        raise err("dtype", f"unknown dtype {plan.dtype!r}", f"use one of {', '.join(DTYPES)}")
+    if plan.optimizer not in OPTIMIZERS:
+        raise err("optimizer", f"unknown optimizer {plan.optimizer!r}", f"use one of {', '.join(OPTIMIZERS)}")
+    if plan.seq_len is not None and plan.seq_len <= 0:
+        raise err("seq_len", f"must be positive, got {plan.seq_len}")
+    if not plan.pipelines:
+        raise err("pipelines", "is empty", "a plan needs at least one pipeline")
+    L = model.num_pipeline_layers
+    for i, pipe in enumerate(plan.pipelines):
+        where = f"pipelines[{i}]"
+        if not pipe.stages:
+            raise err(f"{where}.stages", "is empty")
+        expect = 0
+        for j, s in enumerate(pipe.stages):
+            sw = f"{where}.stages[{j}]"
+            if s.first_layer != expect:
+                what = "missing" if s.first_layer > expect else "assigned twice"
+                raise err(f"{sw}.layers", f"starts at layer {s.first_layer}, but layer {expect} is {what}",
+                          f"stages must cover layers 0..{L - 1} of {model.name} in order, each exactly once")
+            if s.last_layer < s.first_layer:
+                raise err(f"{sw}.layers", f"[{s.first_layer}, {s.last_layer}] is empty")
+            if model.num_heads % s.tp or model.ffn_hidden_size % s.tp:
+                raise err(f"{sw}.tp", f"TP {s.tp} does not divide {model.name}'s {model.num_heads} heads")
+            expect = s.last_layer + 1
+        if expect != L:
+            raise err(f"{where}.stages", f"covers layers 0..{expect - 1}, but {model.name} has {L} pipeline layers",
+                      f"the last stage must end at layer {L - 1}")
+    total = sum(p.samples for p in plan.pipelines)
+    if total != plan.global_batch_size:
+        raise err("pipelines", f"micro_batch_size x num_micro_batches adds up to {total} samples, "
+                               f"not the global batch of {plan.global_batch_size}",
+                  "make the pipelines' samples add up to global_batch_size")
+    if site is not None:
+        _validate_on_site(plan, site, err, check_placement)
+
+
+def _validate_on_site(plan: Plan, site: Any, err: Any, check_placement: bool) -> None:
+    used: dict[tuple[str, int], set[int]] = defaultdict(set)
+    for i, pipe in enumerate(plan.pipelines):
+        for j, s in enumerate(pipe.stages):
+            sw = f"pipelines[{i}].stages[{j}]"
+            try:
+                gpu = site.gpu(s.gpu_type)
+            except SailorError as exc:
+                raise err(f"{sw}.gpu_type", exc.message, exc.fix) from None
+            if s.partition is None:
+                if check_placement:
+                    raise err(f"{sw}.partition", "is missing", "name the partition the stage runs on")
+                continue
+            try:
+                part = site.partition(s.partition)
+            except SailorError as exc:
+                raise err(f"{sw}.partition", exc.message, exc.fix) from None
+            if part.gpu_type != gpu.name:
+                raise err(f"{sw}.gpu_type", f"partition {part.name!r} has {part.gpu_type} GPUs, not {gpu.name}")
+            if s.tp > part.gpus_per_node:
+                raise err(f"{sw}.tp", f"TP {s.tp} does not fit in one node of {part.name!r} "
+                                      f"({part.gpus_per_node} GPUs per node)", "TP groups must stay inside a node")
+            if not check_placement:
+                continue
+            if s.placement is None:
+                raise err(f"{sw}.placement", "is missing", "place the plan (sailor-hpc plan does it)")
+            pl = s.placement
+            if len(pl.gpus) != s.tp or len(set(pl.gpus)) != s.tp:
+                raise err(f"{sw}.placement.gpus", f"must list {s.tp} distinct local GPUs, got {list(pl.gpus)}")
+            if max(pl.gpus) >= part.gpus_per_node:
+                raise err(f"{sw}.placement.gpus", f"GPU {max(pl.gpus)} does not exist on a {part.gpus_per_node}-GPU node")
+            taken = used[(part.name, pl.node)]
+            clash = taken.intersection(pl.gpus)
+            if clash:
+                raise err(f"{sw}.placement", f"GPU(s) {sorted(clash)} of node {pl.node} in {part.name!r} "
+                                             "are used by another stage")
+            taken.update(pl.gpus)
+    for part_name, count in plan.nodes_by_partition().items() if check_placement else ():
+        part = site.partition(part_name)
+        limit = min(part.nodes, part.max_nodes_per_job)
+        if count > limit:
+            raise err("pipelines", f"the plan uses {count} nodes of partition {part_name!r}, "
+                                   f"which allows {limit} per job", "use fewer GPUs of that partition")
+        highest = max(n for (p, n) in used if p == part_name)
+        if highest >= limit:
+            raise err("pipelines", f"placement uses node index {highest} of {part_name!r}; indices must be < {limit}")
+
+
+def place_plan(plan: Plan, site: Any) -> Plan:
+    """Give every stage a partition (if missing) and a placement, packing TP groups onto nodes.
+
+    TP groups are packed first-fit by decreasing size, so a plan takes as few nodes as it can.
+    """
+    free: dict[str, list[int]] = {}
+    order = sorted(((i, j) for i, p in enumerate(plan.pipelines) for j in range(len(p.stages))),
+                   key=lambda ij: -plan.pipelines[ij[0]].stages[ij[1]].tp)
+    placed: dict[tuple[int, int], Stage] = {}
+    for i, j in order:
+        s = plan.pipelines[i].stages[j]
+        part_name = s.partition
+        if part_name is None:
+            candidates = site.partitions_with_gpu(s.gpu_type)
+            if not candidates:
+                raise SailorError(f"no partition of site {site.name!r} has {s.gpu_type} GPUs", file=site.source,
+                                  field="partitions", fix="add one, or plan for this site's GPU types")
+            part_name = candidates[0].name
+        part = site.partition(part_name)
+        nodes = free.setdefault(part.name, [])
+        node = next((n for n, left in enumerate(nodes) if left >= s.tp), None)
+        if node is None:
+            nodes.append(part.gpus_per_node)
+            node = len(nodes) - 1
+        first = part.gpus_per_node - nodes[node]
+        nodes[node] -= s.tp
+        placed[(i, j)] = replace(s, partition=part.name, placement=Placement(node, tuple(range(first, first + s.tp))))
+    pipes = tuple(replace(p, stages=tuple(placed[(i, j)] for j in range(len(p.stages))))
+                  for i, p in enumerate(plan.pipelines))
+    return replace(plan, pipelines=pipes)
+
+
+# ---------------------------------------------------------------- Sailor's plan_config format
+
+@dataclass(frozen=True)
+class SailorRun:
+    """A Sailor ``plan_config`` file: the plan plus what was measured when it ran (if anything)."""
+
+    plan: Plan
+    real_s: float | None
+    max_mem_bytes: float | None
+
+
+def is_sailor_plan(data: Any) -> bool:
+    return isinstance(data, dict) and "pipeline_list" in data
+
+
+def plan_from_sailor(data: dict[str, Any], model: str, source: object | None = None) -> SailorRun:
+    """Convert Sailor's plan: replica j of every stage becomes our pipeline j.
+
+    Sailor runs m = ceil(gbs / (mbs * D)) micro-batches on every replica, so the converted plan's
+    global batch is m * mbs * D (equal to gbs whenever gbs divides evenly, as in all published runs).
+    """
+    f = Fields(data, file=source, path="")
+    mbs = f.positive("mbs")
+    gbs = f.positive("gbs")
+    raw = f.req("pipeline_list", list)
+    pipes: list[Pipeline] = []
+    for pi, rp in enumerate(raw):
+        pf = f.sub(f"pipeline_list[{pi}]", rp)
+        dp = pf.req("dp", list)
+        layers = pf.req("layers_per_stage", list)
+        tmp = pf.req("tmp_per_stage", list)
+        if not dp or len(set(dp)) != 1:
+            raise pf.error("dp", f"stages with different DP degrees {dp} cannot be expressed as pipelines",
+                           fix="give every stage the same dp")
+        if not (len(dp) == len(layers) == len(tmp)):
+            raise pf.error(None, "dp, layers_per_stage and tmp_per_stage must have one entry per stage")
+        d = dp[0]
+        m = math.ceil(gbs / (mbs * d))
+        for j in range(d):
+            stages = []
+            for s, (lay, reps) in enumerate(zip(layers, tmp)):
+                if len(reps) < d:
+                    raise pf.error(f"tmp_per_stage[{s}]", f"has {len(reps)} replicas, dp says {d}")
+                vms, tp = reps[j]
+                stages.append(Stage(first_layer=min(lay), last_layer=max(lay), tp=int(tp), gpu_type=str(vms[0][0])))
+            pipes.append(Pipeline(micro_batch_size=mbs, num_micro_batches=m, stages=tuple(stages)))
+    total = sum(p.samples for p in pipes)
+    notes = {"source": "sailor plan_config", "sailor_gbs": gbs}
+    plan = Plan(model=get_model(model).name, global_batch_size=total, pipelines=tuple(pipes), notes=notes)
+    real = data.get("real")
+    mem = data.get("max_mem")
+    return SailorRun(plan=plan, real_s=float(real) if real else None, max_mem_bytes=float(mem) if mem else None)
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise SailorError("file not found", file=path, fix="pass the path of a plan JSON") from None
+    except json.JSONDecodeError as exc:
+        raise SailorError(f"not valid JSON: {exc}", file=path, fix="fix the JSON syntax") from None
+
+
+def load_plan(path: str | Path, *, model: str | None = None, site: Any | None = None,
+              validate: bool = True) -> Plan:
+    """Read a plan in our format or Sailor's (``model`` is then required), optionally placed on ``site``."""
+    return load_run(path, model=model, site=site, validate=validate).plan
+
+
+def load_run(path: str | Path, *, model: str | None = None, site: Any | None = None,
+             validate: bool = True) -> SailorRun:
+    """Like :func:`load_plan`, keeping Sailor's measured time and memory when the file has them."""
+    path = Path(path)
+    data = _read_json(path)
+    if is_sailor_plan(data):
+        if model is None:
+            raise SailorError("a Sailor plan_config does not say which model it trains", file=path, field="model",
+                              fix="pass --model (e.g. OPT-350M)")
+        run = plan_from_sailor(data, model, source=path)
+        if site is not None:
+            run = SailorRun(place_plan(run.plan, site), run.real_s, run.max_mem_bytes)
+    else:
+        run = SailorRun(plan_from_dict(data, source=path), None, None)
+        if model is not None and get_model(model).name != get_model(run.plan.model).name:
+            raise SailorError(f"plan is for {run.plan.model}, not {model}", file=path, field="model")
+    if validate:
+        validate_plan(run.plan, site, source=path,
+                      check_placement=site is not None and all(s.placement for p in run.plan.pipelines for s in p.stages))
+    return run
