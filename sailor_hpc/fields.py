@@ -42,7 +42,10 @@ class Fields:
     def req(self, key: str, kind: type) -> Any:
         self.seen.add(key)
         if key not in self.data:
-            raise self.error(key, "is missing", fix=f"add {key} = <{_TYPE_NAMES.get(kind, kind.__name__)}>")
+            typo = difflib.get_close_matches(key, [str(k) for k in self.data], n=1)
+            fix = (f"rename {typo[0]!r} to {key!r}" if typo
+                   else f"add {key} = <{_TYPE_NAMES.get(kind, kind.__name__)}>")
+            raise self.error(key, "is missing", fix=fix)
         return self._check(key, self.data[key], kind)
 
     def opt(self, key: str, kind: type, default: Any = None) -> Any:

@@ -239,7 +239,7 @@ def validate_plan(plan: Plan, site: Any | None = None, *, source: object | None 
 
 
 def _validate_on_site(plan: Plan, site: Any, err: Any, check_placement: bool) -> None:
-    used: dict[tuple[str, int], set[int]] = defaultdict(set)
+    used: dict[tuple[str, int], dict[int, str]] = defaultdict(dict)  # (partition, node) -> gpu -> stage
     for i, pipe in enumerate(plan.pipelines):
         for j, s in enumerate(pipe.stages):
             sw = f"pipelines[{i}].stages[{j}]"
@@ -270,11 +270,11 @@ def _validate_on_site(plan: Plan, site: Any, err: Any, check_placement: bool) ->
             if max(pl.gpus) >= part.gpus_per_node:
                 raise err(f"{sw}.placement.gpus", f"GPU {max(pl.gpus)} does not exist on a {part.gpus_per_node}-GPU node")
             taken = used[(part.name, pl.node)]
-            clash = taken.intersection(pl.gpus)
+            clash = sorted(g for g in pl.gpus if g in taken)
             if clash:
-                raise err(f"{sw}.placement", f"GPU(s) {sorted(clash)} of node {pl.node} in {part.name!r} "
-                                             "are used by another stage")
-            taken.update(pl.gpus)
+                raise err(f"{sw}.placement", f"GPU(s) {clash} of node {pl.node} in {part.name!r} "
+                                             f"are also used by {taken[clash[0]]}", "give every stage its own GPUs")
+            taken.update({g: sw for g in pl.gpus})
     for part_name, count in plan.nodes_by_partition().items() if check_placement else ():
         part = site.partition(part_name)
         limit = min(part.nodes, part.max_nodes_per_job)
@@ -344,6 +344,7 @@ def plan_from_sailor(data: dict[str, Any], model: str, source: object | None = N
     gbs = f.positive("gbs")
     raw = f.req("pipeline_list", list)
     pipes: list[Pipeline] = []
+    warnings: list[str] = []
     for pi, rp in enumerate(raw):
         pf = f.sub(f"pipeline_list[{pi}]", rp)
         dp = pf.req("dp", list)
@@ -356,16 +357,24 @@ def plan_from_sailor(data: dict[str, Any], model: str, source: object | None = N
             raise pf.error(None, "dp, layers_per_stage and tmp_per_stage must have one entry per stage")
         d = dp[0]
         m = math.ceil(gbs / (mbs * d))
+        for s, lay in enumerate(layers):
+            if not lay or sorted(lay) != list(range(lay[0], lay[0] + len(lay))):
+                # a published file lists [16, 17, 18, 29, 20, ...]: its run used the contiguous range
+                warnings.append(f"pipeline_list[{pi}].layers_per_stage[{s}] = {lay} is not contiguous; "
+                                f"read as layers {lay[0] if lay else '?'}..{(lay[0] + len(lay) - 1) if lay else '?'}")
         for j in range(d):
             stages = []
             for s, (lay, reps) in enumerate(zip(layers, tmp)):
                 if len(reps) < d:
                     raise pf.error(f"tmp_per_stage[{s}]", f"has {len(reps)} replicas, dp says {d}")
                 vms, tp = reps[j]
-                stages.append(Stage(first_layer=min(lay), last_layer=max(lay), tp=int(tp), gpu_type=str(vms[0][0])))
+                stages.append(Stage(first_layer=lay[0], last_layer=lay[0] + len(lay) - 1, tp=int(tp),
+                                    gpu_type=str(vms[0][0])))
             pipes.append(Pipeline(micro_batch_size=mbs, num_micro_batches=m, stages=tuple(stages)))
     total = sum(p.samples for p in pipes)
-    notes = {"source": "sailor plan_config", "sailor_gbs": gbs}
+    notes: dict[str, Any] = {"source": "sailor plan_config", "sailor_gbs": gbs}
+    if warnings:
+        notes["warnings"] = warnings
     plan = Plan(model=get_model(model).name, global_batch_size=total, pipelines=tuple(pipes), notes=notes)
     real = data.get("real")
     mem = data.get("max_mem")

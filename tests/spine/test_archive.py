@@ -1,0 +1,195 @@
+"""The HDF5 profile archive: Sailor import fidelity, concurrency, permissions, precedence, errors."""
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import stat
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from sailor_hpc.archive import (EMBEDDED_ARCHIVE, ComputeEntry, NetworkEntry, OverheadEntry, make_provenance,
+                                open_archive, read_archive, write_entries)
+from sailor_hpc.errors import SailorError
+from sailor_hpc.models import get_model
+from sailor_hpc.network import NetworkFit
+from sailor_hpc.sailor_import import import_sailor, sailor_entries
+from tests.spine.conftest import sailor_data
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("arch") / "sailor.h5"
+    import_sailor(sailor_data(), path)
+    return path
+
+
+def test_imported_archive_equals_sailors_numbers(imported: Path) -> None:
+    archive = read_archive(imported)
+    compute = json.loads((sailor_data() / "profiles" / "compute_profiles.json").read_text())
+    memory = json.loads((sailor_data() / "profiles" / "memory_profiles.json").read_text())
+    checked = 0
+    for sailor_model, gpus in compute.items():
+        model = get_model(sailor_model).name
+        for gpu, by_mbs in gpus.items():
+            points = archive.compute_points(model, gpu)
+            assert {(int(b), int(t)) for b in by_mbs for t in by_mbs[b]} == set(points)
+            for b, by_tp in by_mbs.items():
+                for t, layers in by_tp.items():
+                    times = points[(int(b), int(t))].times
+                    assert times.shape == (len(layers), 3)
+                    for layer, values in layers.items():
+                        assert list(times[int(layer)]) == values  # bit-exact
+                        checked += 3
+    for sailor_model, by_tp in memory.items():
+        model = get_model(sailor_model).name
+        for t, layers in by_tp.items():
+            table = archive.memory_table(model, int(t)).table
+            for layer, v in layers.items():
+                row = table[int(layer)]
+                assert list(row) == [v["params_floats"], v["act_output_floats"], v["act_input_floats"], v["act_mem_bytes"]]
+                checked += 4
+    assert checked > 20_000
+    prov = archive.compute_points("OPT-350M", "GH-96")[(1, 4)].provenance
+    assert {"user", "host", "time", "source"} <= set(prov) and "Sailor" in prov["source"]
+
+
+def test_network_entries_match_sailors_fits(imported: Path) -> None:
+    archive = read_archive(imported)
+    raw = json.loads((sailor_data() / "network" / "network_coeffs_all_homo.json").read_text())
+    entries = {(e.kind, e.a, e.senders): e.fit for e in archive.network["sailor"]}
+    for kind, by_gpu in raw.items():
+        for gpu, by_k in by_gpu.items():
+            for k, ((a, b, c), max_bps) in by_k.items():
+                fit = entries[(kind, gpu, int(k))]
+                assert fit.coeffs == (a, b, c) and fit.max_gbps == pytest.approx(max_bps / 1e9, rel=1e-12)
+
+
+def test_shipped_embedded_archive_is_a_fresh_import(imported: Path) -> None:
+    shipped, fresh = read_archive(EMBEDDED_ARCHIVE), read_archive(imported)
+    assert set(shipped.compute) == set(fresh.compute)
+    for key, points in fresh.compute.items():
+        for point, entry in points.items():
+            np.testing.assert_array_equal(shipped.compute[key][point].times, entry.times)
+    for model, tables in fresh.memory.items():
+        for tp, entry in tables.items():
+            np.testing.assert_array_equal(shipped.memory[model][tp].table, entry.table)
+    assert {g: e.by_tp for g, e in shipped.overhead.items()} == {g: e.by_tp for g, e in fresh.overhead.items()}
+
+
+def _writer(path: str, worker: int, n: int) -> None:
+    for i in range(n):
+        times = np.full((6, 3), worker * 1000 + i, dtype=np.float64)
+        write_entries(path, [ComputeEntry("tiny-gpt", f"GPU{worker}", i + 1, 1, times,
+                                          make_provenance("test", worker=worker))])
+
+
+def _reader(path: str, stop: "mp.synchronize.Event", seen: "mp.Queue") -> None:
+    reads = 0
+    while not stop.is_set():
+        if os.path.exists(path):
+            archive = read_archive(path)  # must never fail on a half-written file
+            reads += 1 if archive.models() else 0
+    seen.put(reads)
+
+
+def test_eight_concurrent_writers_lose_nothing(tmp_path: Path) -> None:
+    path = str(tmp_path / "shared.h5")
+    ctx = mp.get_context("spawn")
+    stop, seen = ctx.Event(), ctx.Queue()
+    reader = ctx.Process(target=_reader, args=(path, stop, seen))
+    reader.start()
+    writers = [ctx.Process(target=_writer, args=(path, w, 4)) for w in range(8)]
+    for p in writers:
+        p.start()
+    for p in writers:
+        p.join(120)
+        assert p.exitcode == 0
+    stop.set()
+    reader.join(60)
+    assert reader.exitcode == 0 and seen.get(timeout=10) > 0
+    archive = read_archive(path)
+    for w in range(8):
+        points = archive.compute_points("tiny-gpt", f"GPU{w}")
+        assert sorted(points) == [(i + 1, 1) for i in range(4)]
+        for i in range(4):
+            assert points[(i + 1, 1)].times[0, 0] == w * 1000 + i
+            assert points[(i + 1, 1)].provenance["worker"] == w
+    with h5py.File(path, "r", locking=False) as h5:  # a valid HDF5 file, nothing left over
+        assert h5.attrs["format"] == "sailor-hpc-profiles"
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_group_permissions_survive_rewrites(tmp_path: Path) -> None:
+    path = tmp_path / "shared.h5"
+    write_entries(path, [OverheadEntry("X", {1: 1e9}, make_provenance("test"))])
+    os.chmod(path, 0o664)
+    write_entries(path, [OverheadEntry("Y", {1: 2e9}, make_provenance("test"))])
+    assert stat.S_IMODE(path.stat().st_mode) == 0o664
+    assert set(read_archive(path).overhead) == {"X", "Y"}
+
+
+def test_failed_points_are_recorded_not_dropped(tmp_path: Path) -> None:
+    path = tmp_path / "a.h5"
+    bad = ComputeEntry("tiny-gpt", "V100-16", 8, 1, np.full((6, 3), np.nan), make_provenance("test"),
+                       status="failed", reason="CUDA out of memory")
+    write_entries(path, [bad])
+    archive = read_archive(path)
+    assert archive.failed[("tiny-gpt", "V100-16")][(8, 1)].reason == "CUDA out of memory"
+    with pytest.raises(SailorError, match="no compute profile"):
+        archive.compute_points("tiny-gpt", "V100-16")
+
+
+def test_earlier_archive_hides_later_one(tmp_path: Path) -> None:
+    shared = tmp_path / "site.h5"
+    mine = np.ones((26, 3))
+    write_entries(shared, [ComputeEntry("OPT-350M", "GH-96", 1, 4, mine, make_provenance("measured"))])
+    archive = read_archive(shared, EMBEDDED_ARCHIVE)
+    assert archive.compute_points("OPT-350M", "GH-96")[(1, 4)].provenance["source"] == "measured"
+    assert (2, 4) in archive.compute_points("OPT-350M", "GH-96")  # the rest still comes from the embedded one
+    os.environ["SAILOR_PROFILES"] = str(shared)
+    try:
+        assert open_archive().sources == (str(shared), str(EMBEDDED_ARCHIVE))
+    finally:
+        del os.environ["SAILOR_PROFILES"]
+
+
+def test_network_and_constant_fits_round_trip(tmp_path: Path) -> None:
+    path = tmp_path / "n.h5"
+    fits = [NetworkEntry("lab", "inter", "a100", "v100", 2, NetworkFit(coeffs=(0.1, 0.2, 3.0), max_gbps=4.0),
+                         make_provenance("test")),
+            NetworkEntry("lab", "intra", "a100", "a100", 4, NetworkFit(constant_gbps=100.0), make_provenance("test"))]
+    write_entries(path, fits)
+    back = {e.kind: e.fit for e in read_archive(path).network["lab"]}
+    assert back["inter"].coeffs == (0.1, 0.2, 3.0)
+    assert back["intra"].bandwidth(1e6) == pytest.approx(100e9)
+
+
+def test_archive_errors(tmp_path: Path) -> None:
+    with pytest.raises(SailorError, match="profile archive not found"):
+        read_archive(tmp_path / "missing.h5")
+    other = tmp_path / "other.h5"
+    with h5py.File(other, "w") as h5:
+        h5.attrs["format"] = "something-else"
+    with pytest.raises(SailorError, match="not a sailor-hpc profile archive"):
+        read_archive(other)
+    with pytest.raises(SailorError, match="refusing to overwrite"):
+        write_entries(other, [OverheadEntry("X", {1: 1.0}, {})])
+    junk = tmp_path / "junk.h5"
+    junk.write_text("not hdf5")
+    with pytest.raises(SailorError, match="cannot read the archive"):
+        read_archive(junk)
+    archive = read_archive(EMBEDDED_ARCHIVE)
+    with pytest.raises(SailorError) as info:
+        archive.memory_table("OPT-350M", 16)
+    assert "memory/OPT-350M/tp16" == info.value.field and "profile" in info.value.fix
+    with pytest.raises(SailorError, match="no fixed memory overhead"):
+        archive.overhead_bytes("MI300X", 1)
+
+
+def test_import_reports_missing_directory(tmp_path: Path) -> None:
+    with pytest.raises(SailorError, match="file not found"):
+        sailor_entries(tmp_path)

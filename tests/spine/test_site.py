@@ -1,0 +1,141 @@
+"""Site configs: shipped files, round trip, and one test per validation error."""
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from sailor_hpc.errors import SailorError
+from sailor_hpc.site import load_site, load_site_dict, parse_walltime
+from tests.spine.conftest import SITE_CONFIGS
+
+
+def test_shipped_sites_validate_and_have_the_fixed_shapes() -> None:
+    sites = {p.stem: load_site(p) for p in SITE_CONFIGS.glob("*.toml")}
+    assert {"clariden", "mit-mixed", "a100-v100", "local-lab"} <= set(sites)
+    av = sites["a100-v100"]
+    assert [(p.name, p.gpu_type, p.nodes, p.gpus_per_node) for p in av.partitions] == [
+        ("a100", "A100-40", 64, 4), ("v100", "V100-16", 64, 4)]
+    assert sum(p.total_gpus for p in av.partitions) == 512
+    lab = sites["local-lab"]
+    assert [(p.name, p.gpu_type, p.gres, p.nodes, p.gpus_per_node) for p in lab.partitions] == [
+        ("a100", "A100-40", "gpu:a100", 2, 4), ("v100", "V100-16", "gpu:v100", 2, 8)]
+    assert {p.gpu_type for p in sites["mit-mixed"].partitions} == {"Titan-RTX", "RTX-2080", "RTX-3090"}
+    assert {p.gpu_type for p in sites["clariden"].partitions} == {"GH-96"}
+    assert all(p.inter_node and p.intra_node for s in sites.values() for p in s.partitions)
+
+
+def test_round_trip_through_the_document_form() -> None:
+    for path in SITE_CONFIGS.glob("*.toml"):
+        site = load_site(path)
+        again = load_site_dict(site.to_dict(), source=path)
+        assert again.partitions == site.partitions
+        assert again.gpu_types == site.gpu_types
+        assert again.slurm == site.slurm and again.prelude == site.prelude and again.between == site.between
+
+
+def test_site_fits_evaluate_like_sailors_published_quadratics() -> None:
+    """Inside the measured range our fit is Sailor's quadratic, capped at the highest bandwidth observed."""
+    import json
+    import math
+
+    from tests.spine.conftest import sailor_data
+
+    raw = json.loads((sailor_data() / "network" / "network_coeffs_all_homo.json").read_text())
+    site = load_site(SITE_CONFIGS / "clariden.toml")
+    for k in (1, 2, 4):
+        (a, b, c), max_bps = raw["inter"]["GH-96"][str(k)]
+        fit = site.inter_node_fit("normal", "normal", k)
+        for nbytes in (2**17, 8_388_608, 96_083_456, 2**29):
+            u = math.log2(nbytes / 1e6)
+            expected = min((a * u * u + b * u + c) * 1e9, max_bps)
+            assert fit.bandwidth(nbytes) == pytest.approx(expected, rel=1e-4)
+    # sailor_model.md §3.6: GH-96 k=1 carries a 96 MB gradient bucket at about 22.96 GB/s
+    assert site.inter_node_fit("normal", "normal", 1).bandwidth(96_083_456) / 1e9 == pytest.approx(22.96, rel=2e-3)
+
+
+def test_fits_are_clamped_to_their_measured_range() -> None:
+    site = load_site(SITE_CONFIGS / "a100-v100.toml")
+    fit = site.inter_node_fit("a100", "a100", 1)
+    assert fit.bandwidth(1e15) == fit.bandwidth(2**30)  # outside the range: the edge value, never a negative quadratic
+    assert fit.bandwidth(1.0) == fit.bandwidth(2**16)
+    assert all(fit.bandwidth(10.0**e) > 0 for e in range(0, 16))
+    assert fit.transfer_time(0) == 0.0
+
+
+def test_cross_partition_link_defaults_to_the_slower_network() -> None:
+    site = load_site(SITE_CONFIGS / "a100-v100.toml")
+    mixed = site.inter_node_fit("a100", "v100", 4)
+    assert mixed == site.inter_node_fit("v100", "v100", 4)  # V100's network peaks lower
+
+
+def test_walltime_formats() -> None:
+    assert parse_walltime("1-00:00:00") == 86400
+    assert parse_walltime("12:30:00") == 45000
+    assert parse_walltime("90") == 5400
+
+
+def _broken(path: Path, old: str, new: str) -> Path:
+    text = path.read_text()
+    assert old in text, old
+    path.write_text(text.replace(old, new, 1))
+    return path
+
+
+@pytest.mark.parametrize("old,new,field,words", [
+    ("gpus_per_node = 4", "gpus_per_nod = 4", "partitions[0].gpus_per_node", "rename 'gpus_per_nod'"),
+    ("gpus_per_node = 4", "gpus_per_node = 0", "partitions[0].gpus_per_node", "positive"),
+    ("gpus_per_node = 4", 'gpus_per_node = "four"', "partitions[0].gpus_per_node", "integer"),
+    ('gpu_type = "A100-40"', 'gpu_type = "H100-80"', "partitions[0].gpu_type", "not declared"),
+    ('name = "v100"', 'name = "a100"', "partitions[1].name", "declared twice"),
+    ('max_walltime = "1-00:00:00"', 'max_walltime = "tomorrow"', "partitions[0].max_walltime", "Slurm time"),
+    ('gres = "gpu:a100"', 'gres = "gpu:a100; rm -rf /"', "partitions[0].gres", "gres"),
+    ("max_nodes_per_job = 2", "max_nodes_per_job = 3", "partitions[0].max_nodes_per_job", "exceeds"),
+    ("schema_version = 1", "schema_version = 7", "schema_version", "not supported"),
+    ('"1" = { coeffs = [-0.0024414231124647644, 0.1408627339370467, 1.116822757126346], max_gbps = 2.4204 }',
+     '"1" = { coeffs = [1.0, 2.0] }', "partitions[0].network.inter_node.1.coeffs", "three numbers"),
+    ('"1" = { coeffs = [-0.0024414231124647644, 0.1408627339370467, 1.116822757126346], max_gbps = 2.4204 }',
+     '"1" = { max_gbps = 2.0 }', "partitions[0].network.inter_node.1", "exactly one of"),
+    ('"1" = { coeffs = [-0.0024414231124647644, 0.1408627339370467, 1.116822757126346], max_gbps = 2.4204 }',
+     '"x" = { constant_gbps = 2.0 }', "partitions[0].network.inter_node.x", "number of GPUs"),
+    ("memory_gib = 16", "memory_gib = -1", "gpu_types.V100-16.memory_gib", "positive"),
+    ("cost_per_gpu_hour = 0.5", "cost_per_gpu_hour = -0.5", "partitions[1].cost_per_gpu_hour", ">= 0"),
+])
+def test_every_validation_error_names_file_field_and_problem(lab_site: Path, old: str, new: str, field: str,
+                                                             words: str) -> None:
+    _broken(lab_site, old, new)
+    with pytest.raises(SailorError) as info:
+        load_site(lab_site)
+    err = info.value
+    assert err.file == str(lab_site)
+    assert err.field == field
+    assert words in str(err)
+
+
+def test_missing_required_field_and_file_and_syntax(lab_site: Path, tmp_path: Path) -> None:
+    _broken(lab_site, "nodes = 2\n", "\n")
+    with pytest.raises(SailorError, match=r"partitions\[0\]\.nodes: is missing"):
+        load_site(lab_site)
+    with pytest.raises(SailorError, match="file not found"):
+        load_site(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("name = [unclosed")
+    with pytest.raises(SailorError, match="not valid TOML"):
+        load_site(bad)
+
+
+def test_relative_archive_path_resolves_next_to_the_site(lab_site: Path) -> None:
+    _broken(lab_site, 'archive = ""', 'archive = "profiles/shared.h5"')
+    site = load_site(lab_site)
+    assert site.archive == str(lab_site.parent / "profiles" / "shared.h5")
+
+
+def test_gpu_lookup_by_alias_and_unknown() -> None:
+    data = tomllib.loads((SITE_CONFIGS / "local-lab.toml").read_text())
+    site = load_site_dict(data, source="x.toml")
+    assert site.gpu("a100").name == "A100-40"
+    with pytest.raises(SailorError, match="unknown GPU type"):
+        site.gpu("MI250")
+    with pytest.raises(SailorError, match="no partition 'gpu'"):
+        site.partition("gpu")
