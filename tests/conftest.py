@@ -1,0 +1,43 @@
+"""Project-wide pytest setup: the ``slurm`` marker and the session-scoped ``slurm_cluster`` fixture.
+
+``slurm_cluster`` starts a real local Slurm cluster (tests/slurm/start.sh: partitions a100 and
+v100 with fake GPUs, slurmdbd for sacct) on first use and stops it, by PID, at the end of the
+session; it reuses a running one named by ``SAILOR_SLURM_LAB`` without stopping it. Where no
+cluster can be started (not root, no apt, ...) the tests using it are skipped with the reason,
+or fail when ``SAILOR_REQUIRE_SLURM=1``. See tests/slurm/cluster.py for the other variables.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from tests.slurm.cluster import ClusterUnavailable, SlurmCluster, get_cluster
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "slurm: needs the real local Slurm test cluster (fixture slurm_cluster)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # a test that uses the fixture is a slurm test, marked or not (so `-m "not slurm"` leaves it out)
+    for item in items:
+        if "slurm_cluster" in getattr(item, "fixturenames", ()) and item.get_closest_marker("slurm") is None:
+            item.add_marker(pytest.mark.slurm)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> Iterator[SlurmCluster]:
+    """The running test cluster: ``.lab``, ``.env`` (SLURM_CONF, PATH, ...), ``.run([...])``."""
+    try:
+        cluster = get_cluster()
+    except ClusterUnavailable as exc:
+        reason = f"no local Slurm test cluster: {exc}"
+        if os.environ.get("SAILOR_REQUIRE_SLURM") == "1":
+            pytest.fail(f"{reason} (SAILOR_REQUIRE_SLURM=1)", pytrace=False)
+        pytest.skip(reason)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()

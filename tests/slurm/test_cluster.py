@@ -1,0 +1,93 @@
+"""The local test cluster itself: GPUs in jobs, het jobs over both partitions, sacct."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from sailor_hpc.slurm.commands import sacct
+
+pytestmark = pytest.mark.slurm
+
+
+def _sacct_rows(cluster, job: str, want: int, timeout: float = 30.0) -> list[list[str]]:
+    """``sacct -X`` rows (JobID, Partition, State, AllocTRES) once ``want`` rows are in a final state."""
+    deadline = time.monotonic() + timeout
+    rows: list[list[str]] = []
+    while time.monotonic() < deadline:    # accounting can lag a moment behind squeue
+        proc = cluster.run(["sacct", "-n", "-P", "-X", "-j", job, "-o", "JobID,Partition,State,AllocTRES"])
+        assert proc.returncode == 0, proc.stderr
+        rows = [line.split("|") for line in proc.stdout.splitlines() if line.strip()]
+        # a short job can first show up half-recorded (JobName "allocation", no Partition) until
+        # slurmctld's job-start message reaches slurmdbd: wait for the partition as well
+        if len(rows) == want and all(r[2] not in ("PENDING", "RUNNING") and r[1] for r in rows):
+            break
+        time.sleep(0.3)
+    return rows
+
+
+def test_nodes_idle_and_partitions(slurm_cluster):
+    out = slurm_cluster.run(["sinfo", "-h", "-N", "-o", "%N %P %T %G"], check=True).stdout
+    rows = sorted(line.split() for line in out.splitlines() if line.strip())
+    assert [r[0] for r in rows] == ["a100-1", "a100-2", "v100-1", "v100-2"]
+    assert {r[1] for r in rows} == {"a100*", "v100"}          # a100 is the default partition
+    assert {r[3] for r in rows} == {"gpu:a100:4", "gpu:v100:8"}
+
+
+def test_plain_job_gets_cuda_visible_devices(slurm_cluster):
+    proc = slurm_cluster.run(["srun", "-p", "a100", "--gres=gpu:a100:2", "-c", "1",
+                              "bash", "-c", 'echo "$SLURMD_NODENAME|$CUDA_VISIBLE_DEVICES|$SLURM_GPUS_ON_NODE"'],
+                             timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    node, cvd, n = proc.stdout.strip().split("|")
+    assert node.startswith("a100-")
+    assert len(cvd.split(",")) == 2 and n == "2", proc.stdout
+
+
+def test_batch_job_gets_cuda_visible_devices(slurm_cluster):
+    out = slurm_cluster.shared / "plain-%j.out"
+    job = slurm_cluster.sbatch(["-p", "v100", "--gres=gpu:v100:3", "-o", str(out),
+                                "--wrap", 'echo "cvd=$CUDA_VISIBLE_DEVICES node=$SLURMD_NODENAME"'])
+    assert slurm_cluster.wait_job(job) == ["COMPLETED"]
+    text = (slurm_cluster.shared / f"plain-{job}.out").read_text()
+    assert "cvd=0,1,2 " in text and "node=v100-" in text, text
+
+
+def test_het_job_runs_in_both_groups_and_sacct_completed(slurm_cluster):
+    script = f"""#!/bin/bash
+#SBATCH -J het-test
+#SBATCH -o {slurm_cluster.shared}/het-%j.out
+#SBATCH -p a100 -N 1 --gres=gpu:a100:2 -c 1
+#SBATCH hetjob
+#SBATCH -p v100 -N 2 --gres=gpu:v100:4 -c 1
+echo "HET_SIZE=$SLURM_HET_SIZE"
+srun --het-group=0,1 --label bash -c 'echo "node=$SLURMD_NODENAME cvd=$CUDA_VISIBLE_DEVICES"'
+"""
+    job = slurm_cluster.sbatch([], script)
+    states = slurm_cluster.wait_job(job, timeout=90)
+    text = (slurm_cluster.shared / f"het-{job}.out").read_text()
+    assert states == ["COMPLETED", "COMPLETED"], text
+    assert "HET_SIZE=2" in text, text
+    seen = {}
+    for line in text.splitlines():
+        if "node=" in line:
+            node = line.split("node=")[1].split()[0]
+            seen[node] = line.split("cvd=")[1].strip()
+    nodes = sorted(seen)
+    assert len(nodes) == 3 and nodes[0].startswith("a100-") and nodes[1:] == ["v100-1", "v100-2"], text
+    assert all(len(cvd.split(",")) == (2 if node.startswith("a100") else 4) for node, cvd in seen.items()), seen
+
+    rows = _sacct_rows(slurm_cluster, job, want=2)
+    assert sorted(r[0] for r in rows) == [f"{job}+0", f"{job}+1"], rows
+    assert all(r[2] == "COMPLETED" for r in rows), rows
+    tres = {r[1]: r[3] for r in rows}
+    assert "gres/gpu:a100=2" in tres["a100"] and "gres/gpu:v100=8" in tres["v100"], tres
+
+
+def test_failed_job_shows_failed_in_sacct_wrapper(slurm_cluster):
+    job = slurm_cluster.sbatch(["-p", "v100", "--gres=gpu:v100:1", "-o", "/dev/null", "--wrap", "exit 3"])
+    assert slurm_cluster.wait_job(job) == ["FAILED"]
+    _sacct_rows(slurm_cluster, job, want=1)
+    rows = [r for r in sacct(slurm_cluster.env, jobs=[job]) if not r.is_step]
+    assert len(rows) == 1 and rows[0].base_state == "FAILED" and rows[0].exit_code == "3:0", rows
+    assert rows[0].partition == "v100" and "gres/gpu:v100=1" in rows[0].alloc_tres
