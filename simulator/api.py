@@ -1,0 +1,333 @@
+"""The simulator's public entry points: :func:`simulate` for a whole plan, :class:`StageEvaluator` for
+callers (the planner) that score stages and pipelines without building plans.
+
+:func:`simulate` is written on top of :class:`StageEvaluator`, :func:`simulator.schedule.pipeline_schedule`
+and :func:`simulator.iteration.finish_iteration`; there is no other copy of the time or memory model.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from sailor_hpc.archive import ProfileArchive, open_archive
+from sailor_hpc.errors import SailorError
+from sailor_hpc.models import ModelSpec, get_model
+from sailor_hpc.plan import Plan, Stage, place_plan, validate_plan
+from sailor_hpc.site import Site
+from simulator.cost import plan_cost_per_hour
+from simulator.iteration import Collective, IterationEnd, StageKey, finish_iteration, gradient_segments
+from simulator.memory import DEFAULT_BUCKET_ELEMS, GRAD_BYTES, StageMemory, stage_memory
+from simulator.network import Endpoint, p2p_seconds, ring_allreduce_seconds
+from simulator.schedule import ScheduleResult, pipeline_schedule
+from simulator.tables import ComputeTable, MemoryTable, ProfileTables, tables_for
+
+
+@dataclass(frozen=True)
+class SimOptions:
+    """Knobs of the runtime being modelled (defaults: the DeepSpeed runtime of the measured runs)."""
+
+    bucket_elems: int = DEFAULT_BUCKET_ELEMS  # gradient all-reduce bucket (elements)
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """One stage's numbers per micro-batch, on one GPU of its TP group."""
+
+    gpu: str
+    tp: int
+    mbs: int
+    first: int
+    last: int
+    fwd_s: float
+    bwd_s: float  # includes the forward recomputation when the plan recomputes
+    update_s: float  # optimizer step of the stage
+    out_bytes: float  # activation sent to the next stage per micro-batch (and its gradient back)
+    in_bytes: float  # activation received from the previous stage per micro-batch (0 for layer 0)
+    params: float  # parameters per TP rank
+    grad_bytes: float  # gradient bytes per GPU (what its all-reduce moves)
+
+
+class StageEvaluator:
+    """O(1) per-stage numbers from the archive's prefix sums, for one model, dtype and optimizer.
+
+    The planner's fast path: ``stage(...)`` costs a dictionary lookup after the first call with the
+    same key; :meth:`pipeline_times` scores a batch of equal-length pipelines in one numpy pass.
+    """
+
+    def __init__(self, archive: ProfileArchive, site: Site, model: str | ModelSpec, *, dtype: str = "fp32",
+                 optimizer: str = "adam", recompute: bool = False, options: SimOptions | None = None) -> None:
+        self.model = model if isinstance(model, ModelSpec) else get_model(model)
+        self.site = site
+        self.archive = archive
+        self.tables: ProfileTables = tables_for(archive, self.model)
+        self.dtype, self.optimizer, self.recompute = dtype, optimizer, recompute
+        self.options = options or SimOptions()
+        self._stages: dict[tuple[str, int, int, int, int], StageCost] = {}
+
+    # ------------------------------------------------------------------ stages
+    def compute_table(self, gpu: str, mbs: int, tp: int) -> ComputeTable:
+        return self.tables.compute(self._gpu(gpu), mbs, tp, self.dtype)
+
+    def memory_table(self, tp: int) -> MemoryTable:
+        return self.tables.memory(tp)
+
+    def _gpu(self, gpu: str) -> str:
+        return self.site.gpu(gpu).name
+
+    def stage(self, gpu: str, tp: int, mbs: int, first: int, last: int) -> StageCost:
+        key = (gpu, tp, mbs, first, last)
+        cost = self._stages.get(key)
+        if cost is None:
+            cost = self._stages[key] = self._stage(gpu, tp, mbs, first, last)
+        return cost
+
+    def _stage(self, gpu: str, tp: int, mbs: int, first: int, last: int) -> StageCost:
+        L = self.model.num_pipeline_layers
+        if not 0 <= first <= last < L:
+            raise SailorError(f"layers {first}..{last} are outside {self.model.name}'s 0..{L - 1}", field="layers",
+                              fix=f"use layers within 0..{L - 1}")
+        table = self.compute_table(gpu, mbs, tp)
+        mem = self.memory_table(tp)
+        fwd, bwd = table.fwd(first, last), table.bwd(first, last)
+        if self.recompute:
+            bwd += fwd
+        out = self.tables.boundary_bytes(last, mbs, tp, self.dtype) if last < L - 1 else 0.0
+        inp = self.tables.boundary_bytes(first - 1, mbs, tp, self.dtype) if first > 0 else 0.0
+        params = mem.params(first, last)
+        return StageCost(gpu=table.gpu, tp=tp, mbs=mbs, first=first, last=last, fwd_s=fwd, bwd_s=bwd,
+                         update_s=self.tables.update_seconds(table, first, last), out_bytes=out, in_bytes=inp,
+                         params=params, grad_bytes=params * GRAD_BYTES[self.dtype])
+
+    def stage_memory(self, cost: StageCost, *, stage: int, num_stages: int, micro_batches: int,
+                     synced: bool) -> StageMemory:
+        """Peak memory of one GPU of the stage (see :mod:`simulator.memory`)."""
+        return stage_memory(self.memory_table(cost.tp), cost.first, cost.last, stage=stage, num_stages=num_stages,
+                            mbs=cost.mbs, micro_batches=micro_batches, dtype=self.dtype, optimizer=self.optimizer,
+                            recompute=self.recompute, synced=synced, input_bytes=cost.in_bytes,
+                            overhead=self.archive.overhead_bytes(cost.gpu, cost.tp),
+                            bucket_elems=self.options.bucket_elems)
+
+    def capacity(self, gpu: str) -> int:
+        return self.site.gpu(gpu).memory_bytes
+
+    # ------------------------------------------------------------------ network
+    def p2p(self, a: Endpoint, b: Endpoint, nbytes: float) -> float:
+        return p2p_seconds(self.site, a, b, nbytes)
+
+    def allreduce(self, holders: Sequence[Endpoint], per_gpu_bytes: Sequence[float], elem_bytes: float) -> float:
+        buckets = [self.options.bucket_elems * elem_bytes] * len(holders)
+        return ring_allreduce_seconds(self.site, holders, per_gpu_bytes, buckets)
+
+    # ------------------------------------------------------------------ pipelines
+    def transfer_times(self, costs: Sequence[StageCost], ends: Sequence[Endpoint]) -> tuple[list[float], list[float]]:
+        """Activation and gradient seconds of each boundary of one pipeline."""
+        act = [self.p2p(ends[j], ends[j + 1], costs[j].out_bytes) for j in range(len(costs) - 1)]
+        grad = [self.p2p(ends[j + 1], ends[j], costs[j].out_bytes) for j in range(len(costs) - 1)]
+        return act, grad
+
+    def pipeline(self, costs: Sequence[StageCost], ends: Sequence[Endpoint], micro_batches: int) -> ScheduleResult:
+        """Finish time of every stage of one pipeline."""
+        act, grad = self.transfer_times(costs, ends)
+        return pipeline_schedule([c.fwd_s for c in costs], [c.bwd_s for c in costs], act, grad, micro_batches)
+
+    @staticmethod
+    def pipeline_times(F: np.ndarray, B: np.ndarray, act: np.ndarray, grad: np.ndarray,
+                       m: np.ndarray | int) -> ScheduleResult:
+        """Batch form for the planner: (N, P) stage times, (N, P-1) transfers, (N,) micro-batches."""
+        return pipeline_schedule(F, B, act, grad, m)
+
+
+# ---------------------------------------------------------------------- whole plans
+
+@dataclass(frozen=True)
+class StageReport:
+    pipeline: int
+    stage: int
+    first_layer: int
+    last_layer: int
+    gpu_type: str
+    partition: str
+    tp: int
+    fwd_s: float
+    bwd_s: float
+    update_s: float
+    act_send_s: float  # to the next stage, per micro-batch
+    grad_send_s: float  # back to the previous stage, per micro-batch
+    flush_s: float  # when the stage ended its last backward (and exchange)
+    end_s: float  # when it ended its optimizer step
+    memory: StageMemory
+    capacity_bytes: int
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total <= self.capacity_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {k: getattr(self, k) for k in ("pipeline", "stage", "first_layer", "last_layer", "gpu_type", "partition",
+                                           "tp", "fwd_s", "bwd_s", "update_s", "act_send_s", "grad_send_s",
+                                           "flush_s", "end_s", "capacity_bytes", "fits")}
+        d["memory_bytes"] = self.memory.total
+        d["memory"] = self.memory.to_dict()
+        return d
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """What one training iteration of a plan costs."""
+
+    plan: Plan
+    iteration_time_s: float
+    throughput_samples_per_s: float
+    tokens_per_s: float
+    peak_memory_bytes: float  # max over GPUs
+    stages: tuple[StageReport, ...]
+    fits: bool
+    cost_per_hour: float
+    cost_per_iteration: float
+    cost_unit: str
+    breakdown: dict[str, Any] = field(default_factory=dict)
+    collectives: tuple[Collective, ...] = ()
+    collective_starts: tuple[float, ...] = ()
+
+    @property
+    def stage_memory(self) -> list[float]:
+        return [s.memory.total for s in self.stages]
+
+    def memory_by_gpu_type(self) -> dict[str, dict[str, float]]:
+        out: dict[str, dict[str, float]] = {}
+        for s in self.stages:
+            d = out.setdefault(s.gpu_type, {"peak_bytes": 0.0, "capacity_bytes": float(s.capacity_bytes)})
+            d["peak_bytes"] = max(d["peak_bytes"], s.memory.total)
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        oom = [f"pipeline {s.pipeline} stage {s.stage}" for s in self.stages if not s.fits]
+        return {
+            "model": self.plan.model, "global_batch_size": self.plan.global_batch_size,
+            "iteration_time_s": self.iteration_time_s, "throughput_samples_per_s": self.throughput_samples_per_s,
+            "tokens_per_s": self.tokens_per_s, "peak_memory_bytes": self.peak_memory_bytes, "fits": self.fits,
+            "out_of_memory": oom, "cost_per_iteration": self.cost_per_iteration, "cost_per_hour": self.cost_per_hour,
+            "cost_unit": self.cost_unit, "memory_by_gpu_type": self.memory_by_gpu_type(),
+            "stages": [s.to_dict() for s in self.stages], "breakdown": self.breakdown,
+        }
+
+
+def _endpoint(stage: Stage) -> Endpoint:
+    return Endpoint(partition=stage.partition or stage.gpu_type,
+                    node=None if stage.placement is None else stage.placement.node, tp=stage.tp)
+
+
+def prepare_plan(plan: Plan, site: Site) -> Plan:
+    """Validate the plan and place it on the site when it carries no placement."""
+    validate_plan(plan, site, check_placement=False)
+    if any(s.placement is None or s.partition is None for p in plan.pipelines for s in p.stages):
+        plan = place_plan(plan, site)
+    validate_plan(plan, site, check_placement=True)
+    model = plan.model_spec
+    if plan.seq_len is not None and plan.seq_len != model.seq_len:
+        raise SailorError(f"profiles of {model.name} are taken at sequence length {model.seq_len}, the plan asks for "
+                          f"{plan.seq_len}", field="seq_len", fix="drop seq_len, or profile at that length")
+    return plan
+
+
+def simulate(plan: Plan, site: Site, archive: ProfileArchive | None = None, *,
+             options: SimOptions | None = None) -> SimResult:
+    """Iteration time, throughput, peak memory per GPU and cost of ``plan`` on ``site``.
+
+    Raises :class:`SailorError` for plans that cannot be evaluated (layers missing, unknown GPU type,
+    a profile point the archive lacks); a plan that runs out of memory is evaluated and reported with
+    ``fits = False`` and the stages that overflow.
+    """
+    plan = prepare_plan(plan, site)
+    archive = archive if archive is not None else open_archive(site=site)
+    ev = StageEvaluator(archive, site, plan.model, dtype=plan.dtype, optimizer=plan.optimizer,
+                        recompute=plan.recompute, options=options)
+    costs: list[list[StageCost]] = []
+    ends: list[list[Endpoint]] = []
+    scheds: list[ScheduleResult] = []
+    transfers: list[tuple[list[float], list[float]]] = []
+    for i, pipe in enumerate(plan.pipelines):
+        c = [ev.stage(s.gpu_type, s.tp, pipe.micro_batch_size, s.first_layer, s.last_layer) for s in pipe.stages]
+        e = [_endpoint(s) for s in pipe.stages]
+        act, grad = ev.transfer_times(c, e)
+        scheds.append(pipeline_schedule([x.fwd_s for x in c], [x.bwd_s for x in c], act, grad, pipe.num_micro_batches))
+        costs.append(c)
+        ends.append(e)
+        transfers.append((act, grad))
+    collectives = plan_collectives(ev, plan, costs, ends)
+    flush = {(i, s): float(scheds[i].finish[0, s]) for i in range(len(costs)) for s in range(len(costs[i]))}
+    update = {(i, s): costs[i][s].update_s for i in range(len(costs)) for s in range(len(costs[i]))}
+    end = finish_iteration(flush, collectives, update)
+    return _result(plan, site, ev, costs, transfers, scheds, collectives, end)
+
+
+def plan_collectives(ev: StageEvaluator, plan: Plan, costs: Sequence[Sequence[StageCost]],
+                     ends: Sequence[Sequence[Endpoint]]) -> list[Collective]:
+    """Tied-embedding all-reduces, then one gradient all-reduce per segment (see :mod:`simulator.iteration`)."""
+    out: list[Collective] = []
+    model = ev.model
+    L = model.num_pipeline_layers
+    elem = GRAD_BYTES[ev.dtype]
+    if model.tied_embeddings:
+        for i, c in enumerate(costs):
+            if len(c) < 2:
+                continue
+            first, last = c[0], c[-1]
+            nbytes = ev.memory_table(last.tp).params(L - 1, L - 1) * elem
+            secs = ev.allreduce([ends[i][0], ends[i][-1]], [nbytes * last.tp / first.tp, nbytes], elem)
+            out.append(Collective("tied", ((i, 0), (i, len(c) - 1)), secs, 0, L - 1))
+    ranges = [[(x.first, x.last) for x in c] for c in costs]
+    if len(costs) > 1:
+        for lo, hi, holders in gradient_segments(ranges):
+            eps = [ends[i][s] for i, s in holders]
+            per_gpu = [ev.memory_table(costs[i][s].tp).params(lo, hi) * elem for i, s in holders]
+            out.append(Collective("grads", holders, ev.allreduce(eps, per_gpu, elem), lo, hi))
+    return out
+
+
+def _result(plan: Plan, site: Site, ev: StageEvaluator, costs, transfers, scheds, collectives,
+            end: IterationEnd) -> SimResult:
+    reports = []
+    synced = len(plan.pipelines) > 1
+    for i, (pipe, c) in enumerate(zip(plan.pipelines, costs)):
+        act, grad = transfers[i]
+        P = len(c)
+        for s, (stage, x) in enumerate(zip(pipe.stages, c)):
+            mem = ev.stage_memory(x, stage=s, num_stages=P, micro_batches=pipe.num_micro_batches, synced=synced)
+            reports.append(StageReport(
+                pipeline=i, stage=s, first_layer=x.first, last_layer=x.last, gpu_type=x.gpu,
+                partition=stage.partition or "", tp=x.tp, fwd_s=x.fwd_s, bwd_s=x.bwd_s, update_s=x.update_s,
+                act_send_s=act[s] if s < P - 1 else 0.0, grad_send_s=grad[s - 1] if s > 0 else 0.0,
+                flush_s=float(scheds[i].finish[0, s]), end_s=end.stage_end[(i, s)], memory=mem,
+                capacity_bytes=ev.capacity(x.gpu)))
+    T = end.time_s
+    per_hour = plan_cost_per_hour(plan, site)
+    seq = plan.sequence_length
+    pipes = []
+    for i, (pipe, sched) in enumerate(zip(plan.pipelines, scheds)):
+        busy = sum(x.fwd_s + x.bwd_s for x in costs[i]) * pipe.num_micro_batches
+        pipes.append({"pipeline": i, "micro_batch_size": pipe.micro_batch_size,
+                      "micro_batches": pipe.num_micro_batches, "stages": len(costs[i]),
+                      "flush_s": float(sched.makespan[0]), "steady_period_s": float(sched.steady_period[0]),
+                      "compute_share": busy / (len(costs[i]) * float(sched.makespan[0]))})
+    breakdown = {
+        "pipelines": pipes,
+        "flush_s": max(p["flush_s"] for p in pipes),
+        "collectives": [{"kind": c.kind, "layers": [c.first_layer, c.last_layer], "holders": [list(h) for h in c.holders],
+                         "start_s": st, "seconds": c.seconds} for c, st in zip(collectives, end.collective_start)],
+        "sync_s": max(end.stage_sync_end.values()) - max(p["flush_s"] for p in pipes),
+        "optimizer_s": max(x.update_s for c in costs for x in c),
+    }
+    return SimResult(plan=plan, iteration_time_s=T, throughput_samples_per_s=plan.global_batch_size / T,
+                     tokens_per_s=plan.global_batch_size * seq / T,
+                     peak_memory_bytes=max(r.memory.total for r in reports), stages=tuple(reports),
+                     fits=all(r.fits for r in reports), cost_per_hour=per_hour,
+                     cost_per_iteration=per_hour * T / 3600.0, cost_unit=site.cost_unit, breakdown=breakdown,
+                     collectives=tuple(collectives), collective_starts=end.collective_start)
+
+
+__all__ = ["SimOptions", "StageCost", "StageEvaluator", "StageReport", "SimResult", "simulate", "prepare_plan",
+           "plan_collectives"]

@@ -1,0 +1,76 @@
+"""From the pipelines' flush to the end of the iteration: gradient syncs, then the optimizer step.
+
+After its last backward, every GPU runs (DeepSpeed's order, which the measured runs used):
+
+1. the tied-embedding all-reduce between the first and the last stage of its pipeline (models whose
+   LM head shares the embedding, when the profile says the last stage holds that copy);
+2. one ring all-reduce per *gradient segment* it holds: a segment is a maximal run of layers that the
+   same stage of every pipeline holds (for Sailor's plans, whose pipelines share one split, a segment
+   is a stage, and this is Sailor's per-stage data-parallel all-reduce);
+3. its optimizer step.
+
+A collective starts when its last participant arrives and ends for all of them together. Nothing
+overlaps with compute except what the schedule allows naturally: a late stage of a pipeline finishes
+its cool-down earlier than stage 0 and starts reducing while stage 0 still computes. The iteration
+ends when the last GPU ends its optimizer step (the grad-norm all-reduce and the next iteration's
+first exchange make every GPU wait for it).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+StageKey = tuple[int, int]  # (pipeline, stage)
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One all-reduce: who takes part and how long it takes once all have arrived."""
+
+    kind: str  # "tied" or "grads"
+    holders: tuple[StageKey, ...]
+    seconds: float
+    first_layer: int
+    last_layer: int
+
+
+@dataclass(frozen=True)
+class IterationEnd:
+    time_s: float
+    collective_start: tuple[float, ...]  # same order as the collectives given
+    stage_sync_end: dict[StageKey, float]  # when each stage finished its collectives
+    stage_end: dict[StageKey, float]  # ... and its optimizer step
+
+
+def finish_iteration(flush: dict[StageKey, float], collectives: Sequence[Collective],
+                     update: dict[StageKey, float]) -> IterationEnd:
+    """Run the collectives in the given (global) order, then each stage's optimizer step."""
+    ready = dict(flush)
+    starts = []
+    for c in collectives:
+        start = max(ready[h] for h in c.holders)
+        starts.append(start)
+        for h in c.holders:
+            ready[h] = start + c.seconds
+    ends = {k: ready[k] + update[k] for k in ready}
+    return IterationEnd(time_s=max(ends.values()), collective_start=tuple(starts), stage_sync_end=dict(ready),
+                        stage_end=ends)
+
+
+def gradient_segments(stage_ranges: Sequence[Sequence[tuple[int, int]]]) -> list[tuple[int, int, tuple[StageKey, ...]]]:
+    """Maximal layer runs held by the same stage of every pipeline.
+
+    ``stage_ranges[i]`` lists pipeline i's stages as (first, last) layers covering the same 0..L-1.
+    Returns (first, last, holders) with holders = ((pipeline, stage), ...) for every pipeline.
+    """
+    cuts = sorted({first for ranges in stage_ranges for first, _ in ranges})
+    last_layer = stage_ranges[0][-1][1]
+    bounds = cuts + [last_layer + 1]
+    out = []
+    for lo, nxt in zip(bounds[:-1], bounds[1:]):
+        holders = []
+        for i, ranges in enumerate(stage_ranges):
+            s = next(j for j, (a, b) in enumerate(ranges) if a <= lo <= b)
+            holders.append((i, s))
+        out.append((lo, nxt - 1, tuple(holders)))
+    return out

@@ -1,0 +1,191 @@
+"""Per-layer profiles as prefix sums, so a stage's numbers cost O(1) whatever its layer range.
+
+For one model, :class:`ProfileTables` turns the archive's entries into
+
+* :class:`ComputeTable` per (GPU type, micro-batch size, TP): cumulative forward and backward seconds
+  over layers, and the optimizer step of the profiled model;
+* :class:`MemoryTable` per TP: cumulative parameters (elements per TP rank) and retained activation
+  bytes (mbs 1), each layer's output size, and the largest single-layer activation of any layer range.
+
+Tables are built on first use and cached. A point the archive lacks raises :class:`SailorError`
+naming the archive entry and how to get it, never a zero.
+
+Conventions kept from Sailor's profiles (the archive's format):
+
+* the update column is the optimizer step of the *profiled* model (embedding + 2 transformer blocks +
+  tail), repeated on every layer; an optimizer step streams over the parameters (Adam: read weights,
+  grads and 2 states, write 3), so a stage's step is that time scaled by the stage's share of
+  parameters (Sailor used the 2-block time unscaled for any stage). A profile that measured another
+  number of blocks records it as ``profiled_blocks`` in its provenance.
+* memory profiles are taken at micro-batch 1 in the dtype recorded on the entry; activations scale
+  linearly with the micro-batch size and with the element size of the plan's dtype.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+import numpy as np
+
+from sailor_hpc.archive import ProfileArchive
+from sailor_hpc.errors import SailorError
+from sailor_hpc.models import ModelSpec
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+DEFAULT_PROFILED_BLOCKS = 2
+
+
+@dataclass(frozen=True)
+class ComputeTable:
+    """Seconds of one micro-batch on one GPU of a TP group, per layer range."""
+
+    gpu: str
+    mbs: int
+    tp: int
+    cum_fwd: np.ndarray  # (L+1,)
+    cum_bwd: np.ndarray  # (L+1,)
+    update_s: float  # optimizer step of the profiled model
+    update_params: float  # parameters (per TP rank) that step covered
+    dtype: str
+
+    def fwd(self, first: int, last: int) -> float:
+        return float(self.cum_fwd[last + 1] - self.cum_fwd[first])
+
+    def bwd(self, first: int, last: int) -> float:
+        return float(self.cum_bwd[last + 1] - self.cum_bwd[first])
+
+
+@dataclass(frozen=True)
+class MemoryTable:
+    """Per-TP-rank parameters and activations of every layer range (activations at micro-batch 1)."""
+
+    tp: int
+    cum_params: np.ndarray  # (L+1,) elements per TP rank
+    cum_act: np.ndarray  # (L+1,) retained activation bytes at mbs 1, in ``dtype``
+    act_output: np.ndarray  # (L,) elements of each layer's output (the full tensor)
+    act_input: np.ndarray  # (L,) elements of each layer's input
+    range_max_act: np.ndarray  # (L, L): [first, last] -> largest single-layer activation bytes
+    dtype: str
+
+    def params(self, first: int, last: int) -> float:
+        return float(self.cum_params[last + 1] - self.cum_params[first])
+
+    def act_bytes(self, first: int, last: int) -> float:
+        return float(self.cum_act[last + 1] - self.cum_act[first])
+
+    def max_layer_act(self, first: int, last: int) -> float:
+        return float(self.range_max_act[first, last])
+
+
+class ProfileTables:
+    """Cached prefix-sum tables of one model from one (possibly layered) archive."""
+
+    def __init__(self, archive: ProfileArchive, model: ModelSpec) -> None:
+        self.archive = archive
+        self.model = model
+        self._compute: dict[tuple[str, int, int], ComputeTable] = {}
+        self._memory: dict[int, MemoryTable] = {}
+
+    @property
+    def num_layers(self) -> int:
+        return self.model.num_pipeline_layers
+
+    # ------------------------------------------------------------------ compute
+    def compute(self, gpu: str, mbs: int, tp: int, dtype: str = "fp32") -> ComputeTable:
+        key = (gpu, mbs, tp)
+        table = self._compute.get(key)
+        if table is None:
+            table = self._compute[key] = self._build_compute(gpu, mbs, tp)
+        if table.dtype != dtype:
+            raise SailorError(
+                f"the profile of {self.model.name} on {gpu} at micro-batch {mbs}, TP {tp} was measured in "
+                f"{table.dtype}, the plan trains in {dtype}", file=self.archive.where,
+                field=f"compute/{self.model.name}/{gpu}/mbs{mbs}_tp{tp}",
+                fix=f"profile {dtype} (`sailor-hpc profile --model {self.model.name} --dtype {dtype}`) "
+                    f"or plan in {table.dtype}")
+        return table
+
+    def _build_compute(self, gpu: str, mbs: int, tp: int) -> ComputeTable:
+        name = self.model.name
+        points = self.archive.compute_points(name, gpu)
+        entry = points.get((mbs, tp))
+        where = f"compute/{name}/{gpu}/mbs{mbs}_tp{tp}"
+        if entry is None:
+            failed = self.archive.failed.get((name, gpu), {}).get((mbs, tp))
+            if failed is not None:
+                raise SailorError(f"profiling {name} on {gpu} at micro-batch {mbs}, TP {tp} failed: "
+                                  f"{failed.reason or 'no reason recorded'}", file=self.archive.where, field=where,
+                                  fix="choose another micro-batch size or TP (this point does not run)")
+            have = ", ".join(f"mbs{b}/tp{t}" for b, t in sorted(points))
+            raise SailorError(f"no profile of {name} on {gpu} at micro-batch {mbs}, TP {tp} (have {have})",
+                              file=self.archive.where, field=where,
+                              fix=f"run `sailor-hpc profile --model {name} --mbs {mbs} --tp {tp}` on a {gpu} "
+                                  "partition, or use a profiled point")
+        times = np.asarray(entry.times, dtype=np.float64)
+        if times.ndim != 2 or times.shape[0] != self.num_layers or times.shape[1] < 3:
+            raise SailorError(f"{where} has shape {times.shape}, expected ({self.num_layers}, 3) for {name}",
+                              file=self.archive.where, field=where, fix="re-profile this point")
+        if not np.isfinite(times).all() or (times < 0).any():
+            raise SailorError(f"{where} holds negative or non-finite times", file=self.archive.where, field=where,
+                              fix="re-profile this point")
+        cum_fwd = np.concatenate(([0.0], np.cumsum(times[:, 0])))
+        cum_bwd = np.concatenate(([0.0], np.cumsum(times[:, 1])))
+        blocks = int(entry.provenance.get("profiled_blocks", DEFAULT_PROFILED_BLOCKS))
+        mem = self.memory(tp)
+        T = self.model.num_layers
+        profiled = mem.params(0, min(blocks, T))
+        if self.model.tail_layers:
+            profiled += mem.params(T + 1, self.num_layers - 1)
+        return ComputeTable(gpu=gpu, mbs=mbs, tp=tp, cum_fwd=cum_fwd, cum_bwd=cum_bwd,
+                            update_s=float(times[:, 2].max()), update_params=profiled, dtype=entry.dtype)
+
+    def update_seconds(self, table: ComputeTable, first: int, last: int) -> float:
+        """Optimizer step of a stage: the profiled step scaled by the stage's share of parameters."""
+        if table.update_params <= 0:
+            return table.update_s
+        return table.update_s * self.memory(table.tp).params(first, last) / table.update_params
+
+    # ------------------------------------------------------------------ memory
+    def memory(self, tp: int) -> MemoryTable:
+        table = self._memory.get(tp)
+        if table is None:
+            table = self._memory[tp] = self._build_memory(tp)
+        return table
+
+    def _build_memory(self, tp: int) -> MemoryTable:
+        entry = self.archive.memory_table(self.model.name, tp)
+        rows = np.asarray(entry.table, dtype=np.float64)
+        L = self.num_layers
+        if rows.shape != (L, 4):
+            raise SailorError(f"memory/{self.model.name}/tp{tp} has shape {rows.shape}, expected ({L}, 4)",
+                              file=self.archive.where, field=f"memory/{self.model.name}/tp{tp}",
+                              fix="re-profile the model's memory")
+        act = rows[:, 3]
+        return MemoryTable(tp=tp, cum_params=np.concatenate(([0.0], np.cumsum(rows[:, 0]))),
+                           cum_act=np.concatenate(([0.0], np.cumsum(act))), act_output=rows[:, 1].copy(),
+                           act_input=rows[:, 2].copy(), range_max_act=_range_max(act), dtype=entry.dtype)
+
+    def boundary_bytes(self, last_layer: int, mbs: int, tp: int, dtype: str) -> float:
+        """Bytes of the activation that leaves ``last_layer`` for the next stage (and of its gradient
+        coming back). Between transformer layers it is the full hidden state, which every TP rank holds."""
+        return float(self.memory(tp).act_output[last_layer]) * mbs * DTYPE_BYTES[dtype]
+
+
+def _range_max(values: np.ndarray) -> np.ndarray:
+    """(L, L) table of max(values[i..j]) for i <= j (L is a few dozen layers)."""
+    L = values.size
+    out = np.zeros((L, L))
+    for i in range(L):
+        out[i, i:] = np.maximum.accumulate(values[i:])
+    return out
+
+
+_CACHE: dict[tuple[int, str], tuple[ProfileArchive, ProfileTables]] = {}
+
+
+def tables_for(archive: ProfileArchive, model: ModelSpec) -> ProfileTables:
+    """The cached tables of ``model`` in ``archive`` (one set per archive object)."""
+    key = (id(archive), model.name)
+    hit = _CACHE.get(key)
+    if hit is None or hit[0] is not archive:
+        hit = (archive, ProfileTables(archive, model))
+        _CACHE[key] = hit
+    return hit[1]
