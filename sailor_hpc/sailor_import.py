@@ -25,19 +25,47 @@ from sailor_hpc.network import NetworkFit
 
 SAILOR_SOURCE = "Sailor published profiles (eth-easl/sailor cf2c8e3, MIT licence, (c) ETH Zurich)"
 
-# Fixed per-GPU memory overhead in bytes, by TP degree (TP>1 adds NCCL communicator buffers).
-# Estimate, not a fit to measured runs: a CUDA context with cuBLAS/cuDNN handles and workspaces
-# (~0.6-1.0 GB, larger on newer architectures), NCCL buffers per communicator (~0.2-0.5 GB) and the
-# caching allocator's reserved-but-unallocated slack that nvidia-smi counts. The profiler measures the
-# real value per GPU type (`sailor-hpc profile`), which then hides these estimates.
+# Fixed per-GPU memory overhead in bytes, by TP degree: what nvidia-smi shows on the fullest GPU of a node
+# besides the model state and activations (which the simulator models separately). Sailor never measured
+# it; these are estimates from the parts that make it up, not a fit to the measured runs. The profiler
+# measures the real value per GPU type (`sailor-hpc profile`), which then hides these estimates.
+#
+#   own CUDA context      PyTorch + CUDA 12 with lazy module loading: ~0.6 GB on Hopper (sm_90, the
+#                         GH200's 64 KiB-page system), 0.5 GB A100, 0.4 GB V100, 0.3-0.35 GB consumer
+#                         Turing/Ampere cards.
+#   NCCL, network         communicators over the node's network (data-parallel, world, model-parallel,
+#                         tied-embedding, one per pipeline neighbour): with GPUDirect RDMA (Clariden's
+#                         Slingshot) every channel's SIMPLE (4 MiB) and LL128 (~4.6 MiB) buffers per
+#                         direction live in GPU memory, ~0.1-0.15 GB per communicator -> 0.6 GB; over TCP
+#                         sockets (the GCP VMs, the MIT cluster's Ethernet) they live in host memory -> 0.1.
+#   NCCL, TP group        one ring/tree communicator inside the node when TP > 1: NVLink nodes run 16-32
+#                         channels x ~18 MiB -> 0.4 GB; PCIe-only nodes 2-4 channels -> 0.2 GB.
+#   workspaces, pools     cuBLAS/cuBLASLt workspaces and the caching allocator's small-block pool -> 0.3 GB.
+#   other ranks' contexts the DeepSpeed/Megatron launch that produced Sailor's runs creates a CUDA context
+#                         (and an NCCL barrier communicator) on device 0 for every local rank before it
+#                         binds its own device (torch.distributed's "using GPU 0 to perform barrier"), so
+#                         GPU 0 of a node carries (ranks per node - 1) x (context + 0.1 GB); in these runs a
+#                         node hosts one TP group, so ranks per node = TP. nvidia-smi's max over ranks is
+#                         that GPU. (A runtime that binds devices first does not pay this; the profiler's
+#                         measurement then shows it.)
+_CONTEXT_GB = {"GH-96": 0.6, "A100-80": 0.5, "A100-40": 0.5, "V100-16": 0.4, "Titan-RTX": 0.3, "RTX-2080": 0.3,
+               "RTX-3090": 0.35}
+_NET_GB = {"GH-96": 0.6, "A100-80": 0.1, "A100-40": 0.1, "V100-16": 0.1, "Titan-RTX": 0.1, "RTX-2080": 0.1,
+           "RTX-3090": 0.1}
+_TP_COMM_GB = {"GH-96": 0.4, "A100-80": 0.4, "A100-40": 0.4, "V100-16": 0.4, "Titan-RTX": 0.2, "RTX-2080": 0.2,
+               "RTX-3090": 0.2}
+_WORKSPACE_GB = 0.3
+_BARRIER_COMM_GB = 0.1
+
+
+def _overhead_estimate(gpu: str, tp: int) -> float:
+    own = _CONTEXT_GB[gpu] + _NET_GB[gpu] + _WORKSPACE_GB + (_TP_COMM_GB[gpu] if tp > 1 else 0.0)
+    others = (tp - 1) * (_CONTEXT_GB[gpu] + _BARRIER_COMM_GB)
+    return round((own + others) * 1e9, -7)
+
+
 OVERHEAD_ESTIMATES: dict[str, dict[int, float]] = {
-    "GH-96": {1: 1.6e9, 2: 2.2e9},
-    "A100-80": {1: 1.2e9, 2: 1.7e9},
-    "A100-40": {1: 1.2e9, 2: 1.7e9},
-    "V100-16": {1: 0.9e9, 2: 1.3e9},
-    "Titan-RTX": {1: 0.9e9, 2: 1.3e9},
-    "RTX-2080": {1: 0.8e9, 2: 1.2e9},
-    "RTX-3090": {1: 1.0e9, 2: 1.4e9},
+    gpu: {tp: _overhead_estimate(gpu, tp) for tp in (1, 2, 4, 8)} for gpu in _CONTEXT_GB
 }
 
 

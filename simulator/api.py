@@ -19,7 +19,7 @@ from sailor_hpc.plan import Plan, Stage, place_plan, validate_plan
 from sailor_hpc.site import Site
 from simulator.cost import plan_cost_per_hour
 from simulator.iteration import Collective, IterationEnd, StageKey, finish_iteration, gradient_segments
-from simulator.memory import DEFAULT_BUCKET_ELEMS, GRAD_BYTES, StageMemory, stage_memory
+from simulator.memory import ALLOCATOR_SLACK, DEFAULT_BUCKET_ELEMS, GRAD_BYTES, StageMemory, stage_memory
 from simulator.network import Endpoint, p2p_seconds, ring_allreduce_seconds
 from simulator.schedule import ScheduleResult, pipeline_schedule
 from simulator.tables import ComputeTable, MemoryTable, ProfileTables, tables_for
@@ -30,6 +30,7 @@ class SimOptions:
     """Knobs of the runtime being modelled (defaults: the DeepSpeed runtime of the measured runs)."""
 
     bucket_elems: int = DEFAULT_BUCKET_ELEMS  # gradient all-reduce bucket (elements)
+    allocator_slack: float = ALLOCATOR_SLACK  # see simulator.memory
 
 
 @dataclass(frozen=True)
@@ -101,14 +102,13 @@ class StageEvaluator:
                          update_s=self.tables.update_seconds(table, first, last), out_bytes=out, in_bytes=inp,
                          params=params, grad_bytes=params * GRAD_BYTES[self.dtype])
 
-    def stage_memory(self, cost: StageCost, *, stage: int, num_stages: int, micro_batches: int,
-                     synced: bool) -> StageMemory:
+    def stage_memory(self, cost: StageCost, *, stage: int, num_stages: int, micro_batches: int) -> StageMemory:
         """Peak memory of one GPU of the stage (see :mod:`simulator.memory`)."""
         return stage_memory(self.memory_table(cost.tp), cost.first, cost.last, stage=stage, num_stages=num_stages,
                             mbs=cost.mbs, micro_batches=micro_batches, dtype=self.dtype, optimizer=self.optimizer,
-                            recompute=self.recompute, synced=synced, input_bytes=cost.in_bytes,
+                            recompute=self.recompute, input_bytes=cost.in_bytes,
                             overhead=self.archive.overhead_bytes(cost.gpu, cost.tp),
-                            bucket_elems=self.options.bucket_elems)
+                            bucket_elems=self.options.bucket_elems, allocator_slack=self.options.allocator_slack)
 
     def capacity(self, gpu: str) -> int:
         return self.site.gpu(gpu).memory_bytes
@@ -291,12 +291,11 @@ def plan_collectives(ev: StageEvaluator, plan: Plan, costs: Sequence[Sequence[St
 def _result(plan: Plan, site: Site, ev: StageEvaluator, costs, transfers, scheds, collectives,
             end: IterationEnd) -> SimResult:
     reports = []
-    synced = len(plan.pipelines) > 1
     for i, (pipe, c) in enumerate(zip(plan.pipelines, costs)):
         act, grad = transfers[i]
         P = len(c)
         for s, (stage, x) in enumerate(zip(pipe.stages, c)):
-            mem = ev.stage_memory(x, stage=s, num_stages=P, micro_batches=pipe.num_micro_batches, synced=synced)
+            mem = ev.stage_memory(x, stage=s, num_stages=P, micro_batches=pipe.num_micro_batches)
             reports.append(StageReport(
                 pipeline=i, stage=s, first_layer=x.first, last_layer=x.last, gpu_type=x.gpu,
                 partition=stage.partition or "", tp=x.tp, fwd_s=x.fwd_s, bwd_s=x.bwd_s, update_s=x.update_s,

@@ -1,34 +1,40 @@
 """Peak memory of one GPU of a stage, as ``nvidia-smi`` sees it.
 
-peak = model state + retained activations + backward working set + gradient-reduction buffer
-       + fixed per-GPU overhead
+peak = model state + optimizer temporaries + gradient-reduction buffer
+       + retained activations + backward working set + allocator slack + fixed per-GPU overhead
 
 * Model state, bytes per parameter held by the GPU (its TP shard of the stage's layers):
 
-  ============  =====  ===================================================================
-  dtype         adam   sgd (momentum)
-  ============  =====  ===================================================================
-  fp32          16     12   weights 4 + grads 4 + Adam m, v 8 (SGD: one momentum buffer)
-  bf16          18     14   weights 2 + fp32 main grads 4 (megatron accumulates bf16 in fp32)
-                            + fp32 master weights 4 + states
-  fp16          16     12   weights 2 + grads 2 + fp32 master weights 4 + states
-  ============  =====  ===================================================================
+  =====  ====  ====  ====================================================================
+  dtype  adam  sgd   what
+  =====  ====  ====  ====================================================================
+  fp32   16    12    weights 4 + grads 4 + Adam m, v 8 (SGD: one momentum buffer 4)
+  bf16   18    14    weights 2 + fp32 main grads 4 (megatron accumulates bf16 grads in fp32)
+                     + fp32 master weights 4 + states
+  fp16   16    12    weights 2 + grads 2 + fp32 master weights 4 + states
+  =====  ====  ====  ====================================================================
 
+* Optimizer temporaries: torch's multi-tensor (foreach) Adam materialises ``sqrt(v)`` for all
+  parameters of a step at once, one fp32 word per parameter (SGD needs none).
+* Gradient reduction: DeepSpeed's reduction flattens the gradients into one contiguous buffer per
+  bucket (up to 5e8 elements), at any data-parallel degree (its pipeline engine reduces through the
+  same path with a group of one). The caching allocator cannot carve a buffer that large out of the
+  freed activation blocks, so it adds to what nvidia-smi reports. Sailor's 24 bytes/parameter for
+  fp32 Adam is these three terms; the data (GH200, OPT-350M and GPT-Neo-2.7B) agrees.
 * Retained activations: the profiled bytes of the stage's layers at micro-batch 1, times the
   micro-batch size, times the micro-batches in flight, ``min(P - s, m)`` for stage s of a P-stage
   1F1B pipeline running m micro-batches (Sailor used ``P - s`` even when m is smaller), scaled from
-  the profile's dtype to the plan's. With recomputation a stage keeps only each in-flight micro-batch's
-  input and recomputes one layer at a time.
+  the profile's dtype to the plan's, plus the received input of each in-flight micro-batch. With
+  recomputation a stage keeps only the inputs and recomputes one layer at a time.
 * Backward working set: while a layer runs backward, the gradients of its activations live next to
-  the activations they replace, about one more copy of that layer's activation; the stage's largest
-  layer sets it.
-* Gradient reduction: the data-parallel all-reduce flattens gradients into one contiguous buffer per
-  bucket (DeepSpeed: up to 5e8 elements) when the stage shares its layers with other pipelines. The
-  caching allocator cannot carve a buffer that large out of the freed activation blocks, so the bucket
-  adds to the peak nvidia-smi reports.
-* Fixed overhead: CUDA context, library workspaces, NCCL communicator buffers and allocator slack, per
-  GPU type and TP degree, from the profile archive (measured by the profiler; for the imported Sailor
-  data, estimated in :mod:`sailor_hpc.sailor_import`).
+  the activations they replace: about one more copy of the stage's largest layer activation.
+* Allocator slack: PyTorch's caching allocator keeps freed blocks of one size class that later,
+  differently sized activation requests cannot use, so what it has reserved from the driver (what
+  nvidia-smi shows) exceeds what is allocated by a few percent of the activation traffic; charged as
+  :data:`ALLOCATOR_SLACK` of the activation terms (expandable segments would remove most of it).
+* Fixed overhead: CUDA context, library workspaces, NCCL communicator buffers, per GPU type and TP
+  degree, from the profile archive (measured by the profiler; for the imported Sailor data estimated
+  in :mod:`sailor_hpc.sailor_import`).
 """
 from __future__ import annotations
 
@@ -39,7 +45,9 @@ from simulator.tables import DTYPE_BYTES, MemoryTable
 STATE_BYTES = {("fp32", "adam"): 16, ("fp32", "sgd"): 12, ("bf16", "adam"): 18, ("bf16", "sgd"): 14,
                ("fp16", "adam"): 16, ("fp16", "sgd"): 12}
 GRAD_BYTES = {"fp32": 4, "bf16": 4, "fp16": 2}  # element size of the gradients that are all-reduced
+OPTIMIZER_TEMP_BYTES = {"adam": 4, "sgd": 0}  # per parameter, fp32 (master) precision
 DEFAULT_BUCKET_ELEMS = 500_000_000  # DeepSpeed's allreduce_bucket_size
+ALLOCATOR_SLACK = 0.05  # share of the activation terms the caching allocator holds but cannot reuse
 
 
 @dataclass(frozen=True)
@@ -47,14 +55,17 @@ class StageMemory:
     """Peak bytes on one GPU of a stage, by component."""
 
     state: float
+    optimizer_temp: float
+    reduce_buffer: float
     activations: float
     working: float
-    reduce_buffer: float
+    allocator_slack: float
     overhead: float
 
     @property
     def total(self) -> float:
-        return self.state + self.activations + self.working + self.reduce_buffer + self.overhead
+        return (self.state + self.optimizer_temp + self.reduce_buffer + self.activations + self.working
+                + self.allocator_slack + self.overhead)
 
     def to_dict(self) -> dict[str, float]:
         return {**asdict(self), "total": self.total}
@@ -66,12 +77,12 @@ def in_flight(stage: int, num_stages: int, micro_batches: int) -> int:
 
 
 def stage_memory(mem: MemoryTable, first: int, last: int, *, stage: int, num_stages: int, mbs: int,
-                 micro_batches: int, dtype: str, optimizer: str, recompute: bool, synced: bool,
-                 input_bytes: float, overhead: float, bucket_elems: int = DEFAULT_BUCKET_ELEMS) -> StageMemory:
+                 micro_batches: int, dtype: str, optimizer: str, recompute: bool, input_bytes: float,
+                 overhead: float, bucket_elems: int = DEFAULT_BUCKET_ELEMS,
+                 allocator_slack: float = ALLOCATOR_SLACK) -> StageMemory:
     """Peak memory of one GPU of a stage holding layers ``first..last`` at TP ``mem.tp``.
 
-    ``input_bytes``: the activation a non-first stage receives per micro-batch (0 for stage 0);
-    ``synced``: whether its gradients are all-reduced with other pipelines.
+    ``input_bytes``: the activation a non-first stage receives per micro-batch (0 for stage 0).
     """
     params = mem.params(first, last)
     scale = DTYPE_BYTES[dtype] / DTYPE_BYTES[mem.dtype]
@@ -81,6 +92,8 @@ def stage_memory(mem: MemoryTable, first: int, last: int, *, stage: int, num_sta
         acts = flight * input_bytes + layer_max  # inputs kept, one layer recomputed at a time
     else:
         acts = flight * (mem.act_bytes(first, last) * mbs * scale + input_bytes)
-    reduce_buffer = GRAD_BYTES[dtype] * min(params, bucket_elems) if synced else 0.0
-    return StageMemory(state=STATE_BYTES[(dtype, optimizer)] * params, activations=acts, working=layer_max,
-                       reduce_buffer=reduce_buffer, overhead=overhead)
+    return StageMemory(state=STATE_BYTES[(dtype, optimizer)] * params,
+                       optimizer_temp=OPTIMIZER_TEMP_BYTES[optimizer] * params,
+                       reduce_buffer=GRAD_BYTES[dtype] * min(params, bucket_elems),
+                       activations=acts, working=layer_max, allocator_slack=allocator_slack * (acts + layer_max),
+                       overhead=overhead)
