@@ -1,0 +1,149 @@
+"""``sailor-hpc sbatch | submit | status | cancel | logs``: training jobs of a plan on a Slurm site."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+
+from sailor_hpc.cli import main
+from sailor_hpc.cli.output import echo_json, json_option, table
+
+_PATH = click.Path(dir_okay=False, path_type=Path)
+
+
+def _job_options(f: Any) -> Any:
+    """Options shared by ``sbatch`` and ``submit`` (what the job script is rendered from)."""
+    opts = [
+        click.argument("plan_file", metavar="PLAN", type=_PATH),
+        click.option("--site", "site_file", type=_PATH, required=True, help="Site config TOML."),
+        click.option("--model", default=None, help="Model (required for a Sailor plan_config)."),
+        click.option("--data", default=None, help="Dataset prefix (PREFIX.bin/.idx) the ranks train on."),
+        click.option("--save", default=None, help="Checkpoint directory (default: <plan>-ckpt next to the plan)."),
+        click.option("--load", default=None, help="Checkpoint to start from (until the job has its own)."),
+        click.option("--steps", type=click.IntRange(min=1), default=100, show_default=True,
+                     help="Optimizer step to train to."),
+        click.option("--time", "time_limit", default=None, help="Time limit (default 1 h, capped by the partitions)."),
+        click.option("--job-name", default=None, help="Slurm job name (default sailor-<model>)."),
+        click.option("--extra-sbatch", multiple=True, help="Extra header option, e.g. --mail-type=END (repeatable)."),
+        click.option("--train-arg", multiple=True, help="Extra argument of megatron_patch.launch (repeatable)."),
+        click.option("--python", default="python", show_default=True, help="Interpreter on the compute nodes."),
+        click.option("--signal-grace", type=int, default=None,
+                     help="Seconds before the limit at which ranks checkpoint (default min(300, limit/10))."),
+        click.option("--workdir", default=None, help="Job working directory (default: the plan's directory)."),
+        click.option("--log-dir", default=None, help="Directory of the job log (default: the work directory)."),
+        click.option("--dry-run", is_flag=True, help="Ranks only print their role (no training)."),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
+def _render(plan_file: Path, site_file: Path, model: str | None, data: str | None, save: str | None,
+            load: str | None, steps: int, time_limit: str | None, job_name: str | None, extra_sbatch: tuple[str, ...],
+            train_arg: tuple[str, ...], python: str, signal_grace: int | None, workdir: str | None,
+            log_dir: str | None, dry_run: bool) -> tuple[str, Path]:
+    from sailor_hpc.jobs.render import placed_plan_file, render_job_script
+    from sailor_hpc.site import load_site
+
+    site = load_site(site_file)
+    plan, plan_path = placed_plan_file(plan_file, site, model)
+    if plan_path != plan_file.absolute():
+        click.echo(f"placed plan written to {plan_path} (the job reads it)", err=True)
+    if save is None and not dry_run:
+        save = str(plan_path.with_name(f"{plan_file.stem}-ckpt"))
+    text = render_job_script(plan, site, plan_path=plan_path, model=model, data=data, save=save, load=load,
+                             steps=steps, job_name=job_name, time=time_limit, extra_sbatch=extra_sbatch,
+                             train_args=train_arg, python=python, signal_grace_s=signal_grace, workdir=workdir,
+                             log_dir=log_dir, dry_run=dry_run)
+    return text, plan_path
+
+
+@main.command("sbatch")
+@_job_options
+@click.option("-o", "--output", type=_PATH, default=None, help="Write the script here (default: print it).")
+def sbatch_cmd(output: Path | None, **kw: Any) -> None:
+    """Render the (het) sbatch script that trains PLAN on SITE; nothing is submitted."""
+    from sailor_hpc.jobs.render import write_job_script
+
+    text, _ = _render(**kw)
+    if output is None:
+        click.echo(text, nl=False)
+    else:
+        write_job_script(output, text)
+        click.echo(f"wrote {output}", err=True)
+
+
+@main.command("submit")
+@_job_options
+@click.option("--script", "script_out", type=_PATH, default=None,
+              help="Where to keep the rendered script (default: <plan>.sbatch next to the plan).")
+@click.option("--test-only", is_flag=True, help="Only ask Slurm whether and when it would start (sbatch --test-only).")
+@json_option
+def submit_cmd(script_out: Path | None, test_only: bool, as_json: bool, **kw: Any) -> None:
+    """Render and submit the job that trains PLAN on SITE; prints the job id."""
+    from sailor_hpc.jobs.render import write_job_script
+    from sailor_hpc.jobs.submit import check_script, submit_script
+
+    text, plan_path = _render(**kw)
+    script = script_out or kw["plan_file"].with_suffix(".sbatch")
+    write_job_script(script, text)
+    if test_only:
+        answer = check_script(script)
+        echo_json({"script": str(script), "test_only": answer}) if as_json else click.echo(answer)
+        return
+    rec = submit_script(script, plan=str(plan_path), site=str(kw["site_file"]))
+    if as_json:
+        echo_json({"job_id": rec.job_id, "script": rec.script, "log": rec.log, "plan": rec.plan})
+    else:
+        click.echo(f"submitted {script}; log: {rec.log}", err=True)
+        click.echo(rec.job_id)
+
+
+@main.command("status")
+@click.argument("job_id", metavar="[JOBID]", required=False)
+@json_option
+def status_cmd(job_id: str | None, as_json: bool) -> None:
+    """State of a job (het components, nodes; squeue + sacct) or of your queued jobs."""
+    from sailor_hpc.jobs.status import job_status, list_jobs
+
+    if job_id is not None:
+        jobs = [job_status(job_id)]
+    else:
+        import getpass
+        jobs = list_jobs(user=getpass.getuser())
+    if as_json:
+        echo_json(jobs[0].to_dict() if job_id is not None else [j.to_dict() for j in jobs])
+        return
+    rows = []
+    for j in jobs:
+        for c in j.components or []:
+            rows.append((j.job_id, j.state, c.job_id, c.partition, c.state, c.nodes or "-",
+                         c.exit_code or c.reason or "-"))
+        if not j.components:
+            rows.append((j.job_id, j.state, "-", "-", "-", "-", "unknown to squeue and sacct"))
+    click.echo(table(("job", "job state", "component", "partition", "state", "nodes", "exit/reason"), rows))
+
+
+@main.command("cancel")
+@click.argument("job_id", metavar="JOBID")
+def cancel_cmd(job_id: str) -> None:
+    """Cancel a job (every het component / array element)."""
+    from sailor_hpc.jobs.submit import cancel_job
+
+    click.echo(f"cancelled {cancel_job(job_id)}")
+
+
+@main.command("logs")
+@click.argument("job_id", metavar="JOBID")
+@click.option("--tail", type=click.IntRange(min=1), default=None, help="Only the last N lines.")
+@click.option("--path", "path_only", is_flag=True, help="Only print where the log is.")
+def logs_cmd(job_id: str, tail: int | None, path_only: bool) -> None:
+    """Print the output of a job submitted with sailor-hpc (all ranks, het groups included)."""
+    from sailor_hpc.jobs.submit import log_path, read_log
+
+    if path_only:
+        click.echo(str(log_path(job_id)))
+        return
+    _, text = read_log(job_id, tail=tail)
+    click.echo(text, nl=False)

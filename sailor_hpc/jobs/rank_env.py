@@ -1,0 +1,80 @@
+"""Per-task wrapper of the training step: Slurm task -> plan rank, then exec the runtime.
+
+    python -m sailor_hpc.jobs.rank_env --plan plan.json -- python -m megatron_patch.launch ...
+
+``srun`` numbers the tasks of a het job component by component (see :mod:`sailor_hpc.jobs.layout`);
+the plan numbers ranks pipeline by pipeline. This wrapper reads ``SLURM_PROCID`` / ``SLURM_NTASKS`` /
+``SLURM_LOCALID``, looks the task up in the plan's job layout, checks that Slurm placed it where the
+layout expects (task count, local index), exports ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` /
+``LOCAL_WORLD_SIZE`` (the torchrun variables, which ``megatron_patch.env`` prefers over Slurm's) and
+``OMP_NUM_THREADS`` (this component's CPUs per task, unless set), then replaces itself with the command.
+It imports no torch, so it costs a few tens of milliseconds per rank.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Mapping
+
+from sailor_hpc.errors import EXIT_BAD_INPUT, SailorError
+from sailor_hpc.jobs.layout import JobLayout, job_layout
+from sailor_hpc.plan import load_plan
+
+
+def _int(env: Mapping[str, str], key: str) -> int:
+    try:
+        return int(env[key])
+    except KeyError:
+        raise SailorError(f"{key} is not set: not started by srun", field=key,
+                          fix="run the job script with sbatch (its srun step starts this wrapper)") from None
+    except ValueError:
+        raise SailorError(f"{key}={env[key]!r} is not an integer", field=key) from None
+
+
+def rank_environment(layout: JobLayout, env: Mapping[str, str]) -> dict[str, str]:
+    """The variables to export for the task described by ``env`` (Slurm's task variables)."""
+    procid, ntasks = _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS")
+    if ntasks != layout.world_size:
+        raise SailorError(f"srun started {ntasks} tasks but the plan has {layout.world_size} ranks",
+                          field="SLURM_NTASKS", fix="the job script and the plan file disagree: re-render the script")
+    place = layout.place(procid)
+    comp = layout.components[place.component]
+    if "SLURM_LOCALID" in env and _int(env, "SLURM_LOCALID") != place.local:
+        raise SailorError(f"task {procid} has SLURM_LOCALID={env['SLURM_LOCALID']}, the layout expects {place.local}",
+                          field="SLURM_LOCALID", fix="use block task distribution (the rendered script does)")
+    out = {"RANK": str(place.rank), "WORLD_SIZE": str(layout.world_size), "LOCAL_RANK": str(place.local),
+           "LOCAL_WORLD_SIZE": str(comp.tasks_per_node), "SAILOR_HET_GROUP": str(place.component)}
+    if "OMP_NUM_THREADS" not in env:
+        cpus = env.get(f"SLURM_CPUS_PER_TASK_HET_GROUP_{place.component}") or env.get("SLURM_CPUS_PER_TASK")
+        if cpus and cpus.isdigit():
+            out["OMP_NUM_THREADS"] = cpus
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--" not in argv:
+        print("usage: python -m sailor_hpc.jobs.rank_env --plan PLAN -- COMMAND...", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    cut = argv.index("--")
+    ap = argparse.ArgumentParser(prog="python -m sailor_hpc.jobs.rank_env")
+    ap.add_argument("--plan", required=True)
+    args = ap.parse_args(argv[:cut])
+    command = argv[cut + 1:]
+    if not command:
+        print("error: no command after --", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
+        layout = job_layout(load_plan(args.plan))
+        os.environ.update(rank_environment(layout, os.environ))
+    except SailorError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_BAD_INPUT
+    sys.stdout.flush()
+    os.execvp(command[0], command)
+    return 0  # not reached
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,200 @@
+"""Render the training job script of a plan on a site (``sbatch_templates/train.sbatch.j2``).
+
+One ``#SBATCH`` component per partition the plan uses (het job; a plan on one partition renders an
+ordinary job), nodes / tasks / GPUs / CPUs from the plan's placement and the site, time, account,
+QOS and constraint from the site and the caller, the site's environment prelude, the rendezvous
+address from het group 0, and one ``srun`` step that starts ``megatron_patch.launch`` on every rank
+through :mod:`sailor_hpc.jobs.rank_env`. Every user-supplied value is validated or quoted here
+(:mod:`sailor_hpc.jobs.safety`); the template only lays values out.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jinja2
+
+import sbatch_templates
+from megatron_patch.env import EXIT_SAVED_ON_SIGNAL
+from sailor_hpc import __version__
+from sailor_hpc.atomic import atomic_write_text
+from sailor_hpc.errors import SailorError
+from sailor_hpc.jobs import safety
+from sailor_hpc.jobs.layout import JobLayout, job_layout
+from sailor_hpc.models import get_model
+from sailor_hpc.plan import Plan, is_sailor_plan, load_plan, place_plan, validate_plan
+from sailor_hpc.site import Site, parse_walltime
+from sailor_hpc.slurm.discover import normalize_walltime
+
+DEFAULT_TIME = "01:00:00"
+MAX_SIGNAL_GRACE_S = 300  # SIGUSR1 this long before the time limit (capped at a tenth of the limit)
+PORT_BASE, PORT_SPAN = 20000, 20000  # MASTER_PORT = base + job id % span (two jobs on a node rarely clash)
+
+
+@dataclass(frozen=True)
+class ComponentView:
+    """What the template needs of one het component (all values already validated)."""
+
+    index: int
+    partition: str
+    nodes: int
+    tasks_per_node: int
+    gres: str
+    cpus_per_task: int
+
+
+def _environment() -> jinja2.Environment:
+    return jinja2.Environment(loader=jinja2.FileSystemLoader(str(sbatch_templates.TEMPLATE_DIR)),
+                              undefined=jinja2.StrictUndefined, autoescape=False, trim_blocks=True,
+                              lstrip_blocks=True, keep_trailing_newline=True)
+
+
+def components_for(layout: JobLayout, site: Site) -> list[ComponentView]:
+    out = []
+    for comp in layout.components:
+        part = site.partition(comp.partition)
+        safety.slurm_word(part.name, f"partitions[{part.name}].name")
+        cpus = max(1, part.cpus_per_node // part.gpus_per_node)
+        out.append(ComponentView(index=comp.index, partition=part.name, nodes=comp.nodes,
+                                 tasks_per_node=comp.tasks_per_node, gres=f"{part.gres}:{comp.tasks_per_node}",
+                                 cpus_per_task=cpus))
+    return out
+
+
+def job_time(time: str | None, site: Site, layout: JobLayout) -> tuple[str, int]:
+    """The job's time limit (Slurm text, seconds), checked against every used partition's maximum."""
+    limits = [(p.name, p.max_walltime_s) for p in (site.partition(c.partition) for c in layout.components)
+              if p.max_walltime_s is not None]
+    if time is None:
+        seconds = parse_walltime(DEFAULT_TIME)
+        if limits:
+            seconds = min([seconds] + [s for _, s in limits])
+    else:
+        safety.no_control_chars(time, "--time")
+        norm = normalize_walltime(time)
+        if norm is None:
+            raise SailorError(f"{time!r} is not a Slurm time limit", field="--time",
+                              fix='use "D-HH:MM:SS", "HH:MM:SS" or minutes')
+        seconds = parse_walltime(norm)
+        for name, limit in limits:
+            if seconds > limit:
+                raise SailorError(f"time limit {norm} exceeds partition {name!r}'s maximum {site.partition(name).max_walltime}",
+                                  field="--time", fix="ask for less time; the job requeues itself after a checkpoint")
+    if seconds <= 0:
+        raise SailorError("the time limit must be positive", field="--time")
+    days, rest = divmod(seconds, 86400)
+    text = f"{rest // 3600:02d}:{rest % 3600 // 60:02d}:{rest % 60:02d}"
+    return (f"{days}-{text}" if days else text), seconds
+
+
+def _plan_file_matches(plan: Plan, plan_path: Path) -> None:
+    if not plan_path.is_file():
+        raise SailorError("the plan file the job will read does not exist", file=plan_path, field="plan_path",
+                          fix="write the (placed) plan there first")
+    on_disk = load_plan(plan_path, validate=False)
+    if on_disk != plan:
+        raise SailorError("the plan file differs from the plan being rendered (placement or layers)", file=plan_path,
+                          field="plan_path", fix="save the placed plan to this path and render again")
+
+
+def render_job_script(plan: Plan, site: Site, *, plan_path: str | os.PathLike[str], model: str | None = None,
+                      data: str | os.PathLike[str] | None = None, save: str | os.PathLike[str] | None = None,
+                      load: str | os.PathLike[str] | None = None, steps: int = 100, job_name: str | None = None,
+                      time: str | None = None, extra_sbatch: Sequence[str] = (), train_args: Sequence[str] = (),
+                      python: str = "python", signal_grace_s: int | None = None,
+                      workdir: str | os.PathLike[str] | None = None, log_dir: str | os.PathLike[str] | None = None,
+                      dry_run: bool = False) -> str:
+    """The sbatch script that trains ``plan`` (read by the job from ``plan_path``) on ``site``.
+
+    ``data`` and ``save`` are required unless ``dry_run`` (every rank then only prints its role);
+    ``load`` is used until the job has a checkpoint of its own in ``save`` (requeued runs resume from
+    ``save``). ``extra_sbatch`` are ``--option=value`` header lines, ``train_args`` extra arguments of
+    ``megatron_patch.launch``. Raises :class:`SailorError` for anything unsafe or inconsistent.
+    """
+    validate_plan(plan, site, source=plan_path, check_placement=True)
+    plan_file = Path(safety.shell_path(plan_path, "plan_path"))
+    _plan_file_matches(plan, plan_file)
+    name = get_model(model or plan.model).name
+    if name != get_model(plan.model).name:
+        raise SailorError(f"the plan trains {plan.model}, not {model}", field="--model", fix="drop --model or fix it")
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps <= 0:
+        raise SailorError(f"must be a positive integer, got {steps!r}", field="--steps")
+    if not dry_run and (data is None or save is None):
+        missing = "--data" if data is None else "--save"
+        raise SailorError("training needs a dataset prefix and a checkpoint directory", field=missing,
+                          fix="pass --data PREFIX and --save DIR (or render a --dry-run job)")
+    layout = job_layout(plan)
+    time_text, seconds = job_time(time, site, layout)
+    grace = signal_grace_s if signal_grace_s is not None else min(MAX_SIGNAL_GRACE_S, max(1, seconds // 10))
+    if not 0 < grace < seconds:
+        raise SailorError(f"signal grace {grace} s must be between 0 and the time limit ({seconds} s)",
+                          field="--signal-grace", fix="checkpointing needs time before the limit, but less than all of it")
+    work = safety.sbatch_path(workdir if workdir is not None else plan_file.parent, "--workdir")
+    logs = safety.sbatch_path(log_dir if log_dir is not None else work, "--log-dir")
+    jname = safety.job_name(job_name or f"sailor-{name}", "--job-name")
+    extra = [safety.sbatch_option(o, f"slurm.extra_sbatch (site {site.source or site.name})")
+             for o in site.slurm.extra_sbatch]
+    extra += [safety.sbatch_option(o) for o in extra_sbatch]
+    for i, line in enumerate(site.prelude):
+        if any(c in line for c in "\n\r\x00"):
+            raise SailorError("prelude lines must be single lines", file=site.source, field=f"environment.prelude[{i}]")
+    ctx: dict[str, Any] = {
+        "version": __version__, "model": name, "model_q": safety.q(name), "num_ranks": layout.world_size,
+        "plan_path_comment": str(plan_file), "task_ranks_comment": " ".join(map(str, layout.task_ranks)),
+        "job_name": jname, "output": f"{logs}/%x-%j.out", "workdir": work, "time": time_text,
+        "signal_grace_s": grace, "dry_run": dry_run, "extra_sbatch": extra,
+        "components": components_for(layout, site), "heterogeneous": layout.heterogeneous,
+        "account": safety.slurm_word(site.slurm.account, "slurm.account") if site.slurm.account else "",
+        "qos": safety.slurm_word(site.slurm.qos, "slurm.qos") if site.slurm.qos else "",
+        "constraint": safety.constraint(site.slurm.constraint) if site.slurm.constraint else "",
+        "prelude": list(site.prelude), "port_base": PORT_BASE, "port_span": PORT_SPAN,
+        "plan_path": safety.q(str(plan_file)),
+        "data": safety.q(safety.shell_path(data, "--data")) if data is not None else "",
+        "save": safety.q(safety.shell_path(save, "--save")) if save is not None else "",
+        "load": safety.q(safety.shell_path(load, "--load")) if load is not None else "",
+        "steps": steps, "train_args": [safety.q(safety.no_control_chars(a, "--train-arg")) for a in train_args],
+        "python": safety.q(safety.python_exe(python)), "exit_saved_on_signal": EXIT_SAVED_ON_SIGNAL,
+    }
+    return _environment().get_template(sbatch_templates.TRAIN_TEMPLATE).render(**ctx)
+
+
+def write_job_script(path: str | os.PathLike[str], text: str) -> Path:
+    """Write a rendered script atomically, executable by its owner and group."""
+    target = Path(path)
+    atomic_write_text(target, text)
+    target.chmod(0o750)
+    return target
+
+
+def placed_plan_file(plan_path: str | os.PathLike[str], site: Site, model: str | None = None) -> tuple[Plan, Path]:
+    """The plan of ``plan_path`` placed on ``site``, and the file the job should read it from.
+
+    A plan in our format that is already placed is used as it is. A Sailor ``plan_config`` or an
+    unplaced plan is converted / placed and saved next to it as ``<stem>.placed.json``, because the
+    job's ranks read the plan file and must see exactly the placement the script was rendered for.
+    """
+    path = Path(plan_path)
+    plan = load_plan(path, model=model, site=site)
+    if not all(s.placement is not None and s.partition is not None for p in plan.pipelines for s in p.stages):
+        plan = place_plan(plan, site)
+    validate_plan(plan, site, source=path, check_placement=True)
+    try:
+        same = load_plan(path, model=model, validate=False) == plan and not _is_sailor_file(path)
+    except SailorError:
+        same = False
+    if same:
+        return plan, path.absolute()
+    out = path.with_name(f"{path.stem}.placed.json").absolute()
+    plan.save(out)
+    return plan, out
+
+
+def _is_sailor_file(path: Path) -> bool:
+    try:
+        return is_sailor_plan(json.loads(path.read_text()))
+    except (OSError, ValueError):
+        return False

@@ -1,0 +1,69 @@
+"""Plans, site and job environment shared by the job tests."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+LOCAL_LAB = REPO / "site_configs" / "local-lab.toml"
+A100, V100 = "A100-40", "V100-16"
+
+
+def stage(first: int, last: int, tp: int, gpu: str, part: str | None = None, node: int | None = None,
+          gpus: list[int] | None = None) -> dict[str, Any]:
+    s: dict[str, Any] = {"layers": [first, last], "tp": tp, "gpu_type": gpu}
+    if part is not None:
+        s["partition"] = part
+    if node is not None:
+        s["placement"] = {"node": node, "gpus": gpus if gpus is not None else list(range(tp))}
+    return s
+
+
+def plan_doc(pipelines: list[tuple[int, int, list[dict[str, Any]]]], model: str = "tiny-gpt") -> dict[str, Any]:
+    pipes = [{"micro_batch_size": mbs, "num_micro_batches": m, "stages": st} for mbs, m, st in pipelines]
+    return {"format": "sailor-hpc-plan", "version": 1, "model": model,
+            "global_batch_size": sum(mbs * m for mbs, m, _ in pipelines), "pipelines": pipes}
+
+
+# tiny-gpt has pipeline layers 0..5 (embedding, 4 blocks, head) and 4 heads (TP 1, 2, 4)
+PLANS: dict[str, dict[str, Any]] = {
+    # one partition, equal nodes: an ordinary job
+    "a100-only": plan_doc([(2, 2, [stage(0, 2, 2, A100, "a100", 0, [0, 1]), stage(3, 5, 2, A100, "a100", 0, [2, 3])]),
+                           (2, 2, [stage(0, 5, 4, A100, "a100", 1)])]),
+    # both partitions, pipelines interleave partitions; a100 nodes run 3 and 1 ranks (two a100 components)
+    "het-mixed": plan_doc([(2, 2, [stage(0, 2, 2, V100, "v100", 0, [0, 1]), stage(3, 5, 1, A100, "a100", 0, [0])]),
+                           (2, 2, [stage(0, 3, 1, A100, "a100", 1, [0]), stage(4, 5, 2, A100, "a100", 0, [2, 1])])]),
+    # every GPU of the cluster: 2 x 4 a100 + 2 x 8 v100 = 24 ranks
+    "het-full": plan_doc([(1, 4, [stage(0, 2, 4, V100, "v100", n, [0, 1, 2, 3]), stage(3, 5, 4, V100, "v100", n, [4, 5, 6, 7])])
+                          for n in (0, 1)] + [(2, 2, [stage(0, 5, 4, A100, "a100", n)]) for n in (0, 1)]),
+    # no partition/placement: sailor-hpc places it (first fit)
+    "unplaced": plan_doc([(2, 1, [stage(0, 1, 1, V100), stage(2, 5, 2, A100)]), (1, 2, [stage(0, 5, 4, V100)])]),
+}
+
+
+def write_plan(directory: Path, name: str, doc: dict[str, Any] | None = None) -> Path:
+    path = directory / f"{name}.json"
+    path.write_text(json.dumps(doc if doc is not None else PLANS[name], indent=1))
+    return path
+
+
+@pytest.fixture()
+def job_env(slurm_cluster, tmp_path: Path) -> dict[str, str]:
+    """The cluster's environment plus this checkout on PYTHONPATH (jobs run from other directories and
+    must import this checkout's megatron_patch / sailor_hpc) and a private job-record directory."""
+    env = dict(slurm_cluster.env)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env["SAILOR_HPC_STATE_DIR"] = str(tmp_path / "job-records")
+    return env
+
+
+@pytest.fixture()
+def job_dir(slurm_cluster, tmp_path: Path) -> Path:
+    """A directory visible to the jobs (on this one-host cluster any directory is)."""
+    d = tmp_path / "jobs"
+    d.mkdir()
+    return d
