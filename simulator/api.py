@@ -23,6 +23,7 @@ from simulator.memory import ALLOCATOR_SLACK, DEFAULT_BUCKET_ELEMS, GRAD_BYTES, 
 from simulator.network import Endpoint, p2p_seconds, ring_allreduce_seconds
 from simulator.schedule import ScheduleResult, pipeline_schedule
 from simulator.tables import ComputeTable, MemoryTable, ProfileTables, tables_for
+from simulator.timeline import Timeline, build_programs, run_programs
 
 
 @dataclass(frozen=True)
@@ -233,35 +234,63 @@ def prepare_plan(plan: Plan, site: Site) -> Plan:
     return plan
 
 
-def simulate(plan: Plan, site: Site, archive: ProfileArchive | None = None, *,
-             options: SimOptions | None = None) -> SimResult:
-    """Iteration time, throughput, peak memory per GPU and cost of ``plan`` on ``site``.
+@dataclass
+class _Assembled:
+    """A placed plan's per-stage numbers, shared by :func:`simulate` and :func:`plan_timeline`."""
 
-    Raises :class:`SailorError` for plans that cannot be evaluated (layers missing, unknown GPU type,
-    a profile point the archive lacks); a plan that runs out of memory is evaluated and reported with
-    ``fits = False`` and the stages that overflow.
-    """
+    plan: Plan
+    ev: StageEvaluator
+    costs: list[list[StageCost]]
+    ends: list[list[Endpoint]]
+    transfers: list[tuple[list[float], list[float]]]
+    collectives: list[Collective]
+
+    @property
+    def update(self) -> dict[StageKey, float]:
+        return {(i, s): x.update_s for i, c in enumerate(self.costs) for s, x in enumerate(c)}
+
+
+def _assemble(plan: Plan, site: Site, archive: ProfileArchive | None, options: SimOptions | None) -> _Assembled:
     plan = prepare_plan(plan, site)
     archive = archive if archive is not None else open_archive(site=site)
     ev = StageEvaluator(archive, site, plan.model, dtype=plan.dtype, optimizer=plan.optimizer,
                         recompute=plan.recompute, options=options)
-    costs: list[list[StageCost]] = []
-    ends: list[list[Endpoint]] = []
-    scheds: list[ScheduleResult] = []
-    transfers: list[tuple[list[float], list[float]]] = []
-    for i, pipe in enumerate(plan.pipelines):
+    costs, ends, transfers = [], [], []
+    for pipe in plan.pipelines:
         c = [ev.stage(s.gpu_type, s.tp, pipe.micro_batch_size, s.first_layer, s.last_layer) for s in pipe.stages]
         e = [_endpoint(s) for s in pipe.stages]
-        act, grad = ev.transfer_times(c, e)
-        scheds.append(pipeline_schedule([x.fwd_s for x in c], [x.bwd_s for x in c], act, grad, pipe.num_micro_batches))
         costs.append(c)
         ends.append(e)
-        transfers.append((act, grad))
-    collectives = plan_collectives(ev, plan, costs, ends)
-    flush = {(i, s): float(scheds[i].finish[0, s]) for i in range(len(costs)) for s in range(len(costs[i]))}
-    update = {(i, s): costs[i][s].update_s for i in range(len(costs)) for s in range(len(costs[i]))}
-    end = finish_iteration(flush, collectives, update)
-    return _result(plan, site, ev, costs, transfers, scheds, collectives, end)
+        transfers.append(ev.transfer_times(c, e))
+    return _Assembled(plan, ev, costs, ends, transfers, plan_collectives(ev, plan, costs, ends))
+
+
+def simulate(plan: Plan, site: Site, archive: ProfileArchive | None = None, *,
+             options: SimOptions | None = None) -> SimResult:
+    """Iteration time, throughput, peak memory per GPU and cost of ``plan`` on ``site``.
+
+    ``archive``: profiles (default: the site's archive, then the embedded Sailor profiles). Raises
+    :class:`SailorError` for plans that cannot be evaluated (layers missing, unknown GPU type, a
+    profile point the archive lacks); a plan that runs out of memory is evaluated and reported with
+    ``fits = False`` and the stages that overflow.
+    """
+    a = _assemble(plan, site, archive, options)
+    scheds = [pipeline_schedule([x.fwd_s for x in c], [x.bwd_s for x in c], act, grad, pipe.num_micro_batches)
+              for pipe, c, (act, grad) in zip(a.plan.pipelines, a.costs, a.transfers)]
+    flush = {(i, s): float(sch.finish[0, s]) for i, sch in enumerate(scheds) for s in range(sch.finish.shape[1])}
+    end = finish_iteration(flush, a.collectives, a.update)
+    return _result(a.plan, site, a.ev, a.costs, a.transfers, scheds, a.collectives, end)
+
+
+def plan_timeline(plan: Plan, site: Site, archive: ProfileArchive | None = None, *,
+                  options: SimOptions | None = None) -> Timeline:
+    """The per-rank events of one iteration, from the event-driven engine of :mod:`simulator.timeline`
+    (same stage costs as :func:`simulate`, scheduled independently)."""
+    a = _assemble(plan, site, archive, options)
+    progs = build_programs([[x.fwd_s for x in c] for c in a.costs], [[x.bwd_s for x in c] for c in a.costs],
+                           [t[0] for t in a.transfers], [t[1] for t in a.transfers],
+                           [p.num_micro_batches for p in a.plan.pipelines], a.collectives, a.update)
+    return Timeline(tuple(run_programs(progs)))
 
 
 def plan_collectives(ev: StageEvaluator, plan: Plan, costs: Sequence[Sequence[StageCost]],
@@ -328,5 +357,5 @@ def _result(plan: Plan, site: Site, ev: StageEvaluator, costs, transfers, scheds
                      collectives=tuple(collectives), collective_starts=end.collective_start)
 
 
-__all__ = ["SimOptions", "StageCost", "StageEvaluator", "StageReport", "SimResult", "simulate", "prepare_plan",
-           "plan_collectives"]
+__all__ = ["SimOptions", "StageCost", "StageEvaluator", "StageReport", "SimResult", "simulate", "plan_timeline",
+           "prepare_plan", "plan_collectives"]

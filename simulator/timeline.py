@@ -1,0 +1,226 @@
+"""Event-driven replay of one iteration, rank by rank: the ``--timeline`` chart and the independent
+check of :mod:`simulator.schedule` and :mod:`simulator.iteration`.
+
+Every stage of every pipeline gets the instruction list DeepSpeed's ``TrainSchedule`` issues (load,
+forward, backward, send/receive of activations and gradients, then the tied-embedding and gradient
+all-reduces and the optimizer step). An engine then runs the lists: compute advances a rank's clock;
+a send and its matching receive (same boundary, same micro-batch) start together once both ranks have
+reached them and end together; a collective starts once its last participant arrives. Nothing here
+uses the step recurrence or the closed forms of the analytic model, so agreement between the two is a
+real check.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from sailor_hpc.atomic import atomic_write_text
+from sailor_hpc.errors import SailorError
+from simulator.iteration import Collective, StageKey
+
+COLORS = {"fwd": "#4c72b0", "bwd": "#55a868", "send_act": "#c4a000", "recv_act": "#c4a000", "send_grad": "#dd8452",
+          "recv_grad": "#dd8452", "tied": "#8172b3", "grads": "#c44e52", "optimizer": "#333333"}
+
+
+@dataclass(frozen=True)
+class Event:
+    pipeline: int
+    stage: int
+    kind: str  # fwd, bwd, send_act, recv_act, send_grad, recv_grad, tied, grads, optimizer
+    micro_batch: int | None
+    start: float
+    end: float
+    peer: str = ""
+
+
+@dataclass(frozen=True)
+class _Op:
+    kind: str
+    mb: int | None = None
+    seconds: float = 0.0
+    key: tuple | None = None  # rendezvous key (p2p pair or collective)
+    parties: int = 1
+    peer: str = ""
+
+
+def deepspeed_instructions(num_stages: int, stage: int, micro_batches: int) -> list[tuple[str, int]]:
+    """DeepSpeed ``TrainSchedule`` of one stage as (instruction, micro-batch) pairs.
+
+    Step ``t`` maps to a micro-batch and a direction exactly as DeepSpeed's ``_step_to_micro_batch``;
+    forward steps exchange with the previous stage (send the last gradient, receive the activation),
+    backward steps with the next one (receive the gradient, send the last activation).
+    """
+    P, s, m = num_stages, stage, micro_batches
+    out: list[tuple[str, int]] = []
+    prev = -1
+
+    def valid(b: int) -> bool:
+        return 0 <= b < m
+
+    for step in range(2 * (m + P - 1)):
+        even_step, even_stage = step % 2 == 0, s % 2 == 0
+        if even_step and even_stage:
+            mb, fwd = step // 2 - s // 2, True
+        elif not even_step and not even_stage:
+            mb, fwd = (step - 1) // 2 - s // 2, True
+        elif even_step:
+            mb, fwd = step // 2 - P + (s + 1) // 2, False
+        else:
+            mb, fwd = (step - 1) // 2 - P + 1 + s // 2, False
+        if fwd:
+            if valid(prev) and s > 0:
+                out.append(("send_grad", prev))
+            if valid(mb) and s > 0:
+                out.append(("recv_act", mb))
+            if valid(mb):
+                out.append(("fwd", mb))
+        else:
+            if valid(mb) and s < P - 1:
+                out.append(("recv_grad", mb))
+            if valid(prev) and s < P - 1:
+                out.append(("send_act", prev))
+            if valid(mb):
+                out.append(("bwd", mb))
+        prev = mb
+    return out
+
+
+def build_programs(F: Sequence[Sequence[float]], B: Sequence[Sequence[float]], act: Sequence[Sequence[float]],
+                   grad: Sequence[Sequence[float]], micro_batches: Sequence[int], collectives: Sequence[Collective],
+                   update: dict[StageKey, float]) -> dict[StageKey, list[_Op]]:
+    """Instruction lists of every rank (pipeline i, stage s) of one iteration."""
+    progs: dict[StageKey, list[_Op]] = {}
+    for i, (Fi, Bi) in enumerate(zip(F, B)):
+        P = len(Fi)
+        for s in range(P):
+            ops = []
+            for name, mb in deepspeed_instructions(P, s, micro_batches[i]):
+                if name == "fwd":
+                    ops.append(_Op("fwd", mb, Fi[s]))
+                elif name == "bwd":
+                    ops.append(_Op("bwd", mb, Bi[s]))
+                elif name in ("send_act", "recv_act"):
+                    j = s if name == "send_act" else s - 1  # boundary between stage j and j+1
+                    ops.append(_Op(name, mb, act[i][j], ("act", i, j, mb), 2, f"stage {j + 1 if name == 'send_act' else j}"))
+                else:
+                    j = s - 1 if name == "send_grad" else s
+                    ops.append(_Op(name, mb, grad[i][j], ("grad", i, j, mb), 2, f"stage {j if name == 'send_grad' else j + 1}"))
+            progs[(i, s)] = ops
+    for n, c in enumerate(collectives):
+        for h in c.holders:
+            progs[h].append(_Op(c.kind, None, c.seconds, ("coll", n), len(c.holders), f"layers {c.first_layer}-{c.last_layer}"))
+    for k, ops in progs.items():
+        ops.append(_Op("optimizer", None, update[k]))
+    return progs
+
+
+def run_programs(progs: dict[StageKey, list[_Op]]) -> list[Event]:
+    """Execute the instruction lists; rendezvous ops start when every party has reached them."""
+    pc = {k: 0 for k in progs}
+    clock = {k: 0.0 for k in progs}
+    waiting: dict[tuple, list[tuple[StageKey, float]]] = {}
+    events: list[Event] = []
+    active = [k for k in progs if progs[k]]
+    while active:
+        moved = False
+        for k in active:
+            ops = progs[k]
+            while pc[k] < len(ops):
+                op = ops[pc[k]]
+                if op.key is None:
+                    events.append(Event(k[0], k[1], op.kind, op.mb, clock[k], clock[k] + op.seconds, op.peer))
+                    clock[k] += op.seconds
+                    pc[k] += 1
+                    moved = True
+                    continue
+                arrived = waiting.setdefault(op.key, [])
+                if all(r != k for r, _ in arrived):
+                    arrived.append((k, clock[k]))
+                if len(arrived) < op.parties:
+                    break
+                start = max(t for _, t in arrived)
+                for r, _ in arrived:
+                    rop = progs[r][pc[r]]
+                    events.append(Event(r[0], r[1], rop.kind, rop.mb, start, start + rop.seconds, rop.peer))
+                    clock[r] = start + rop.seconds
+                    pc[r] += 1
+                del waiting[op.key]
+                moved = True
+        active = [k for k in active if pc[k] < len(progs[k])]
+        if active and not moved:
+            stuck = {k: progs[k][pc[k]].kind for k in active}
+            raise SailorError(f"the schedule deadlocks (ranks waiting: {stuck})", field="pipelines",
+                              fix="report this plan: every send must have a matching receive")
+    return events
+
+
+@dataclass(frozen=True)
+class Timeline:
+    events: tuple[Event, ...]
+
+    @property
+    def iteration_time_s(self) -> float:
+        return max(e.end for e in self.events)
+
+    def stage_end(self, kind: str | None = None) -> dict[StageKey, float]:
+        """Last end time per rank (of one kind of event, or of all)."""
+        out: dict[StageKey, float] = {}
+        for e in self.events:
+            if kind is None or e.kind == kind:
+                k = (e.pipeline, e.stage)
+                out[k] = max(out.get(k, 0.0), e.end)
+        return out
+
+    def flush_times(self) -> dict[StageKey, float]:
+        """When each rank ended its last pipeline instruction (compute or transfer)."""
+        out: dict[StageKey, float] = {}
+        for e in self.events:
+            if e.kind in ("fwd", "bwd", "send_act", "recv_act", "send_grad", "recv_grad"):
+                k = (e.pipeline, e.stage)
+                out[k] = max(out.get(k, 0.0), e.end)
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"iteration_time_s": self.iteration_time_s, "events": [asdict(e) for e in self.events]}
+
+    def write_json(self, path: str | Path) -> None:
+        atomic_write_text(path, json.dumps(self.to_dict(), indent=0) + "\n")
+
+    def write_png(self, path: str | Path, title: str = "") -> None:
+        write_gantt(self, path, title)
+
+
+def write_gantt(timeline: Timeline, path: str | Path, title: str = "") -> None:
+    """Per-rank Gantt chart of one iteration (matplotlib, no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    ranks = sorted({(e.pipeline, e.stage) for e in timeline.events})
+    row = {k: n for n, k in enumerate(ranks)}
+    fig, ax = plt.subplots(figsize=(12, max(2.0, 0.35 * len(ranks) + 1.2)))
+    for e in timeline.events:
+        if e.end <= e.start:
+            continue
+        ax.barh(row[(e.pipeline, e.stage)], e.end - e.start, left=e.start, height=0.8, color=COLORS.get(e.kind, "#999"),
+                edgecolor="none")
+    ax.set_yticks(range(len(ranks)), [f"p{p} s{s}" for p, s in ranks])
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds")
+    ax.set_title(title or f"one iteration: {timeline.iteration_time_s:.4g} s")
+    kinds = ["fwd", "bwd", "send_act", "send_grad", "tied", "grads", "optimizer"]
+    labels = ["forward", "backward", "activation transfer", "gradient transfer", "tied-embedding all-reduce",
+              "gradient all-reduce", "optimizer"]
+    ax.legend(handles=[Patch(color=COLORS[k], label=lab) for k, lab in zip(kinds, labels)], loc="upper center",
+              bbox_to_anchor=(0.5, -0.12), ncol=4, fontsize=8, frameon=False)
+    fig.tight_layout()
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(path)
