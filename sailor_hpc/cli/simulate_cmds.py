@@ -1,0 +1,135 @@
+"""``sailor-hpc simulate`` and ``sailor-hpc validate-sim``: the simulator's command-line face."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from sailor_hpc.cli import main
+from sailor_hpc.cli.output import echo_json, human_bytes, json_option, table
+
+site_option = click.option("--site", "site_file", required=True, type=click.Path(dir_okay=False, path_type=Path),
+                           help="Site config (site_configs/*.toml).")
+profiles_option = click.option("--profiles", "profiles", type=click.Path(dir_okay=False, path_type=Path), default=None,
+                               help="Profile archive (default: $SAILOR_PROFILES, the site's, then the embedded one).")
+
+
+def _archive(profiles: Path | None, site):
+    from sailor_hpc.archive import open_archive
+
+    return open_archive(profiles, site)
+
+
+@main.command("simulate")
+@click.argument("plan_file", metavar="PLAN", type=click.Path(dir_okay=False, path_type=Path))
+@site_option
+@profiles_option
+@click.option("--model", default=None, help="Model of a Sailor plan_config (they do not name it).")
+@click.option("--timeline", "timeline_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write the per-rank schedule of one iteration: a Gantt chart (.png) or its events (.json).")
+@json_option
+def simulate_cmd(plan_file: Path, site_file: Path, profiles: Path | None, model: str | None,
+                 timeline_file: Path | None, as_json: bool) -> None:
+    """Iteration time, throughput, peak memory per GPU and cost of PLAN (ours or a Sailor plan_config)."""
+    from sailor_hpc.errors import SailorError
+    from sailor_hpc.plan import load_plan
+    from sailor_hpc.site import load_site
+    from simulator import plan_timeline, simulate
+
+    site = load_site(site_file)
+    plan = load_plan(plan_file, model=model, site=site)
+    archive = _archive(profiles, site)
+    res = simulate(plan, site, archive)
+    if timeline_file is not None:
+        if timeline_file.suffix.lower() not in (".png", ".json"):
+            raise SailorError(f"cannot write a timeline as {timeline_file.suffix or 'a file without suffix'}",
+                              field="--timeline", fix="name it *.png (chart) or *.json (events)")
+        tl = plan_timeline(plan, site, archive)
+        if timeline_file.suffix.lower() == ".json":
+            tl.write_json(timeline_file)
+        else:
+            tl.write_png(timeline_file, title=f"{plan_file.name}: {res.iteration_time_s:.4g} s per iteration")
+    if as_json:
+        out = {"file": str(plan_file), "site": site.name, "archive": archive.where, **res.to_dict()}
+        if timeline_file is not None:
+            out["timeline"] = str(timeline_file)
+        echo_json(out)
+        return
+    click.echo(describe_result(res, str(plan_file), site.name))
+    if timeline_file is not None:
+        click.echo(f"timeline written to {timeline_file}")
+
+
+def describe_result(res, name: str, site_name: str) -> str:
+    plan = res.plan
+    lines = [f"{name} on {site_name}: {plan.model}, global batch {plan.global_batch_size}, {plan.num_gpus} GPUs, "
+             f"{len(plan.pipelines)} pipeline(s), {plan.dtype}",
+             f"iteration time   {res.iteration_time_s:.4f} s  (pipeline flush {res.breakdown['flush_s']:.4f} s, "
+             f"gradient sync after flush {max(res.breakdown['sync_s'], 0.0):.4f} s, "
+             f"optimizer {res.breakdown['optimizer_s']:.4f} s)",
+             f"throughput       {res.throughput_samples_per_s:.2f} samples/s, {res.tokens_per_s:,.0f} tokens/s",
+             f"peak memory      {human_bytes(res.peak_memory_bytes)} per GPU (max)  -> "
+             + ("fits" if res.fits else "DOES NOT FIT"),
+             f"cost             {res.cost_per_iteration:.6g} {res.cost_unit} per iteration, "
+             f"{res.cost_per_hour:.6g} {res.cost_unit} per hour", ""]
+    rows = [(s.pipeline, s.stage, f"{s.first_layer}-{s.last_layer}", s.gpu_type, s.tp, f"{s.fwd_s * 1e3:.2f}",
+             f"{s.bwd_s * 1e3:.2f}", f"{s.act_send_s * 1e3:.2f}", human_bytes(s.memory.total),
+             human_bytes(s.capacity_bytes), "yes" if s.fits else "NO")
+            for s in res.stages]
+    lines.append(table(("pipe", "stage", "layers", "gpu", "tp", "fwd ms", "bwd ms", "send ms", "memory", "capacity",
+                        "fits"), rows))
+    by_type = res.memory_by_gpu_type()
+    lines.append("")
+    lines.append(table(("gpu type", "peak memory", "capacity"),
+                       [(g, human_bytes(d["peak_bytes"]), human_bytes(d["capacity_bytes"])) for g, d in by_type.items()]))
+    return "\n".join(lines)
+
+
+@main.command("validate-sim")
+@click.argument("paths", nargs=-1, required=True, type=click.Path(path_type=Path))
+@site_option
+@click.option("--model", required=True, help="Model the runs trained (e.g. OPT-350M).")
+@profiles_option
+@json_option
+def validate_sim_cmd(paths: tuple[Path, ...], site_file: Path, model: str, profiles: Path | None,
+                     as_json: bool) -> None:
+    """Measured vs simulated time and memory of Sailor-format runs (files or folders)."""
+    from sailor_hpc.site import load_site
+    from simulator.validation import validate_runs
+
+    site = load_site(site_file)
+    report = validate_runs(paths, site, model, _archive(profiles, site))
+    if as_json:
+        echo_json(report.to_dict())
+        return
+    click.echo(describe_report(report))
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
+def _num(x: float | None, scale: float = 1.0, fmt: str = "{:.4g}") -> str:
+    return "-" if x is None else fmt.format(x / scale)
+
+
+def describe_report(report) -> str:
+    rows, notes = [], []
+    for n, r in enumerate(report.rows, 1):
+        mark = ""
+        for what, why in (("time", r.time_excluded), ("memory", r.mem_excluded)):
+            if why:
+                mark += "t" if what == "time" else "m"
+                notes.append(f"[{n}] {what} excluded: {why}")
+        rows.append((n, r.file, _num(r.real_s), _num(r.est_s), _pct(r.time_err_pct), _num(r.real_mem_bytes, 2**30, "{:.2f}"),
+                     _num(r.est_mem_bytes, 2**30, "{:.2f}"), _pct(r.mem_err_pct), mark or ""))
+    out = [table(("#", "file", "real s", "est s", "err %", "real GiB", "est GiB", "err %", "excl"), rows), ""]
+    s = report.summary()
+    out.append(f"time error   mean {_pct(s['time_mape_pct'])} %  median {_pct(s['time_median_pct'])} %  "
+               f"max {_pct(s['time_max_pct'])} %  over {s['time_files']} of {s['files']} files")
+    out.append(f"memory error mean {_pct(s['mem_mape_pct'])} %  median {_pct(s['mem_median_pct'])} %  "
+               f"max {_pct(s['mem_max_pct'])} %  over {s['mem_files']} of {s['files']} files")
+    if notes:
+        out.append("")
+        out.extend(notes)
+    return "\n".join(out)

@@ -1,0 +1,166 @@
+"""Simulator against measured runs: Sailor's ``plan_config`` files with ``real`` (s/iteration) and
+``max_mem`` (bytes, nvidia-smi, max over ranks).
+
+Error = |estimate - measured| / measured (Sailor's definition). A file is kept out of a mean only for a
+reason that is printed with it:
+
+* documented data anomalies of the published files (:data:`DOCUMENTED_ANOMALIES`, from the reference
+  notes on Sailor's data);
+* the plan cannot be evaluated (e.g. it does not cover the model's layers): the error is shown;
+* ``real`` equals ``red_grads``: a copied value, not an iteration time (time only);
+* the reported peak memory is below what the busiest rank must hold at once (its model state plus one
+  micro-batch of its stage's activations, from the profile): it cannot be that run's peak (memory only).
+"""
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sailor_hpc.archive import ProfileArchive
+from sailor_hpc.errors import SailorError
+from sailor_hpc.plan import load_run
+from sailor_hpc.site import Site
+from simulator.api import SimResult, simulate
+
+# trailing path parts -> reason (reference: /work/shared/reference/sailor_model.md section 4.3)
+DOCUMENTED_ANOMALIES: dict[tuple[str, ...], str] = {
+    ("GPT-NEO", "N4", "plan_config_N4_D4.json"):
+        "documented anomaly: its plan covers 26 of GPT-Neo's 34 layers (copied from OPT) and `real` is a copy "
+        "of `red_grads`",
+    ("GPT-NEO", "N2", "plan_config_N2_D1.json"):
+        "documented anomaly: gbs = 1 does not match the run that was timed",
+}
+
+
+@dataclass
+class ValidationRow:
+    file: str
+    real_s: float | None = None
+    est_s: float | None = None
+    real_mem_bytes: float | None = None
+    est_mem_bytes: float | None = None
+    time_excluded: str | None = None
+    mem_excluded: str | None = None
+    error: str | None = None
+    result: SimResult | None = field(default=None, repr=False)
+
+    @property
+    def time_err_pct(self) -> float | None:
+        if self.real_s is None or self.est_s is None:
+            return None
+        return abs(self.est_s - self.real_s) / self.real_s * 100
+
+    @property
+    def mem_err_pct(self) -> float | None:
+        if self.real_mem_bytes is None or self.est_mem_bytes is None:
+            return None
+        return abs(self.est_mem_bytes - self.real_mem_bytes) / self.real_mem_bytes * 100
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"file": self.file, "real_s": self.real_s, "est_s": self.est_s, "time_err_pct": self.time_err_pct,
+                "real_mem_bytes": self.real_mem_bytes, "est_mem_bytes": self.est_mem_bytes,
+                "mem_err_pct": self.mem_err_pct, "time_excluded": self.time_excluded,
+                "mem_excluded": self.mem_excluded, "error": self.error}
+
+
+def _stats(values: Sequence[float]) -> dict[str, float | int | None]:
+    if not values:
+        return {"mean": None, "median": None, "max": None, "n": 0}
+    return {"mean": statistics.fmean(values), "median": statistics.median(values), "max": max(values),
+            "n": len(values)}
+
+
+@dataclass
+class ValidationReport:
+    rows: list[ValidationRow]
+
+    def time_errors(self) -> list[float]:
+        return [r.time_err_pct for r in self.rows if r.time_err_pct is not None and not r.time_excluded]
+
+    def mem_errors(self) -> list[float]:
+        return [r.mem_err_pct for r in self.rows if r.mem_err_pct is not None and not r.mem_excluded]
+
+    def summary(self) -> dict[str, Any]:
+        t, m = _stats(self.time_errors()), _stats(self.mem_errors())
+        return {"time_mape_pct": t["mean"], "mem_mape_pct": m["mean"], "time_median_pct": t["median"],
+                "mem_median_pct": m["median"], "time_max_pct": t["max"], "mem_max_pct": m["max"],
+                "time_files": t["n"], "mem_files": m["n"], "files": len(self.rows)}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"files": [r.to_dict() for r in self.rows], "summary": self.summary()}
+
+
+def find_runs(paths: Iterable[str | Path]) -> list[Path]:
+    """Every ``*.json`` under the given files and folders, sorted."""
+    out: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            out.extend(sorted(q for q in p.rglob("*.json") if q.is_file()))
+        elif p.is_file():
+            out.append(p)
+        else:
+            raise SailorError("no such file or folder", file=p, fix="pass Sailor plan_config files or folders of them")
+    return out
+
+
+def documented_anomaly(path: Path) -> str | None:
+    parts = path.resolve().parts
+    for suffix, reason in DOCUMENTED_ANOMALIES.items():
+        if tuple(parts[-len(suffix):]) == suffix:
+            return reason
+    return None
+
+
+def memory_floor(result: SimResult) -> float:
+    """What the busiest rank must hold at once: its model state plus one micro-batch of activations."""
+    plan = result.plan
+    floor = 0.0
+    for s in result.stages:
+        pipe = plan.pipelines[s.pipeline]
+        state = s.memory.state
+        one = s.memory.activations / max(1, min(len(pipe.stages) - s.stage, pipe.num_micro_batches))
+        floor = max(floor, state + one)
+    return floor
+
+
+def validate_file(path: Path, site: Site, model: str, archive: ProfileArchive) -> ValidationRow:
+    row = ValidationRow(file=str(path))
+    anomaly = documented_anomaly(path)
+    try:
+        raw = json.loads(path.read_text())
+        run = load_run(path, model=model, site=site)
+        row.real_s, row.real_mem_bytes = run.real_s, run.max_mem_bytes
+        res = simulate(run.plan, site, archive)
+    except (SailorError, OSError, ValueError) as exc:
+        row.error = str(exc)
+        row.time_excluded = row.mem_excluded = anomaly or f"cannot be evaluated: {exc}"
+        return row
+    row.result = res
+    row.est_s, row.est_mem_bytes = res.iteration_time_s, res.peak_memory_bytes
+    if anomaly:
+        row.time_excluded = row.mem_excluded = anomaly
+        return row
+    if row.real_s is not None and raw.get("red_grads") is not None and float(raw["red_grads"]) == row.real_s:
+        row.time_excluded = "`real` equals `red_grads` (a copied value, not an iteration time)"
+    if row.real_mem_bytes is not None:
+        floor = memory_floor(res)
+        if row.real_mem_bytes < floor:
+            row.mem_excluded = (f"reported peak {row.real_mem_bytes / 2**30:.2f} GiB is below the {floor / 2**30:.2f} GiB "
+                                "the busiest rank must hold (model state + one micro-batch of activations)")
+    return row
+
+
+def validate_runs(paths: Iterable[str | Path], site: Site, model: str, archive: ProfileArchive) -> ValidationReport:
+    """Simulate every measured run under ``paths`` and compare."""
+    files = find_runs(paths)
+    if not files:
+        raise SailorError("no plan_config JSON files found", field="PATHS", fix="pass files or folders of them")
+    return ValidationReport([validate_file(f, site, model, archive) for f in files])
+
+
+__all__ = ["DOCUMENTED_ANOMALIES", "ValidationRow", "ValidationReport", "validate_runs", "validate_file", "find_runs",
+           "memory_floor"]
