@@ -1,0 +1,41 @@
+"""What the planner is asked: a model on a site, what is available, the objective and the constraints."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from sailor_hpc.errors import SailorError
+
+OBJECTIVES = ("throughput", "cost")
+
+
+@dataclass(frozen=True)
+class Constraints:
+    """Hard limits a plan must meet (None = no limit). Costs are in the site's cost unit."""
+
+    max_cost_per_hour: float | None = None
+    max_cost_per_iteration: float | None = None
+    min_throughput: float | None = None  # samples per second
+    max_gpus: int | None = None
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    model: str
+    global_batch_size: int
+    objective: str = "throughput"
+    constraints: Constraints = Constraints()
+    available: dict[str, int] = field(default_factory=dict)  # partition -> GPUs that may be used
+    seq_len: int | None = None
+    dtype: str = "fp32"
+    max_stages: int | None = None
+    top_k: int = 5
+    space: str = "full"  # "full", "sailor" (Sailor's plan shape) or "homogeneous" (one partition)
+
+    def __post_init__(self) -> None:
+        if self.objective not in OBJECTIVES:
+            raise SailorError(f"unknown objective {self.objective!r}", field="--objective",
+                              fix=f"use one of {', '.join(OBJECTIVES)}")
+        if self.global_batch_size <= 0:
+            raise SailorError("must be positive", field="--gbs")
+        if self.space not in ("full", "sailor", "homogeneous"):
+            raise SailorError(f"unknown search space {self.space!r}", field="space")

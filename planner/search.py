@@ -1,0 +1,280 @@
+"""The search: templates per partition, then how many pipelines of each, then exact scoring.
+
+1. *Templates* (:mod:`planner.templates`): for every partition with GPUs available, the most efficient
+   pipeline shapes (stage count, split, TP per stage, micro-batch size).
+2. *Allocations*: for each partition, a template and a number of copies; the global batch is shared
+   among all pipelines so they flush together (:mod:`planner.balance`). Copy counts are the values where
+   a pipeline's micro-batch count changes (n = ceil(M / m)), the only ones worth paying for. Partitions
+   are combined by a beam search (exhaustive while the product of options is small) ranked by the
+   objective on the flush time.
+3. *Exact scoring*: the best allocations become placed plans and are simulated whole
+   (:func:`simulator.simulate`: flush, gradient syncs, optimizer, memory); constraints are checked on
+   those numbers and the plans are ranked by them.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from planner.balance import Share, balance
+from planner.request import PlanRequest
+from planner.templates import Template, TemplateBuilder, build_templates
+from sailor_hpc.archive import ProfileArchive
+from sailor_hpc.errors import SailorError
+from sailor_hpc.models import get_model
+from sailor_hpc.plan import Pipeline, Plan, Stage, place_plan
+from sailor_hpc.site import Site
+from simulator import SimResult, StageEvaluator, simulate
+
+Option = tuple[Template, int]  # a template and how many copies
+Progress = Callable[[int, int], None]
+
+
+@dataclass
+class Allocation:
+    options: tuple[Option, ...]
+    time_s: float  # estimated iteration time: balanced flush + the template set's tail
+    shares: list[Share]
+    gpus: int
+    cost_per_hour: float
+
+    def score(self, objective: str, gbs: int) -> float:
+        """Smaller is better: seconds per sample, or cost per sample."""
+        per_sample = self.time_s / gbs
+        return per_sample if objective == "throughput" else per_sample * self.cost_per_hour
+
+
+@dataclass
+class Candidate:
+    plan: Plan
+    result: SimResult
+
+    @property
+    def throughput(self) -> float:
+        return self.result.throughput_samples_per_s
+
+
+@dataclass
+class SearchResult:
+    request: PlanRequest
+    candidates: list[Candidate]  # feasible, best first
+    search_time_s: float
+    allocations_scored: int
+    plans_simulated: int
+    rejected: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class SearchSettings:
+    templates_per_partition: int = 4
+    beam: int = 48
+    simulate_top: int = 12
+    max_stages: int = 16
+
+
+def default_available(site: Site) -> dict[str, int]:
+    """Every GPU a job may take from each partition (its size, capped by the per-job node limit)."""
+    return {p.name: min(p.nodes, p.max_nodes_per_job) * p.gpus_per_node for p in site.partitions}
+
+
+def copy_counts(max_copies: int, micro_batches: int) -> list[int]:
+    """n = ceil(M / m) for m = 1..M: the fewest pipelines that give each micro-batch count m."""
+    values = sorted({math.ceil(micro_batches / m) for m in range(1, micro_batches + 1)})
+    return [n for n in values if n <= max_copies]
+
+
+def search(site: Site, archive: ProfileArchive, request: PlanRequest, *, settings: SearchSettings | None = None,
+           progress: Progress | None = None) -> SearchResult:
+    """Best plans for ``request`` on ``site``, best first (raises SailorError when none is feasible)."""
+    t0 = time.perf_counter()
+    settings = settings or SearchSettings()
+    model = get_model(request.model)
+    gbs = request.global_batch_size
+    ev = StageEvaluator(archive, site, model, dtype=request.dtype)
+    available = request.available or default_available(site)
+    for name in available:
+        site.partition(name)  # unknown partition names are errors
+    per_part: list[list[Option]] = []
+    tails = Tails(site, archive, request)
+    quick_tails = Tails(site, archive, request, copies=4)
+
+    def alone(t: Template, gpus: int) -> float:
+        """Seconds per sample of this template on ``gpus`` GPUs of its partition alone."""
+        n = max(1, min(gpus // t.gpus, gbs // t.mbs))
+        m = math.ceil(gbs / (t.mbs * n))
+        return (t.speed().time(m) + quick_tails(((t, n),))) / (n * m * t.mbs)
+
+    for part in site.partitions:
+        gpus = available.get(part.name, 0)
+        if request.constraints.max_gpus is not None:
+            gpus = min(gpus, request.constraints.max_gpus)
+        gpus = min(gpus, min(part.nodes, part.max_nodes_per_job) * part.gpus_per_node)
+        if gpus <= 0 or (model.name, part.gpu_type) not in archive.compute:
+            continue
+        points = archive.compute_points(model.name, part.gpu_type)
+        mbs_values = sorted({b for b, _ in points if b <= gbs})
+        tps = sorted({t for _, t in points if t <= part.gpus_per_node and model.num_heads % t == 0})
+        builder = TemplateBuilder(ev, part, tps, request.max_stages or settings.max_stages, gbs)
+        usable = [m for m in mbs_values if any((m, t) in points for t in tps)]
+        templates = []
+        for mbs in usable:
+            builder.tps = sorted(t for t in tps if (mbs, t) in points)
+            templates += build_templates(builder, [mbs], sailor_shape=request.space == "sailor",
+                                         keep=settings.templates_per_partition)
+        # rank templates by what they achieve alone on this partition (flush at the micro-batch count
+        # that the partition's GPUs leave them, plus their sync tail): the bubble and the sync matter
+        # as much as the steady-state period
+        templates.sort(key=lambda t: (alone(t, gpus), t.gpus, t.key))
+        if request.space != "sailor":
+            keep = templates[:settings.templates_per_partition]
+            keep += [t for t in templates if t not in keep and t is next(x for x in templates if x.mbs == t.mbs)]
+            templates = keep
+        options = [(t, n) for t in templates for n in copy_counts(gpus // t.gpus, gbs // t.mbs)]
+        if options:
+            per_part.append(options)
+    if not per_part:
+        raise SailorError(f"no partition of site {site.name!r} can run {model.name}", file=site.source,
+                          field="partitions", fix="check the available GPUs and that the archive has profiles "
+                                                  f"of {model.name} for the site's GPU types (sailor-hpc profiles list)")
+    allocations, scored = _combine(per_part, request, site, tails, progress)
+    result = _simulate_best(site, archive, request, allocations, settings)
+    return SearchResult(request, result[0], time.perf_counter() - t0, scored, result[1], result[2])
+
+
+def _gpu_cost(site: Site, options: tuple[Option, ...]) -> tuple[int, float]:
+    gpus = sum(t.gpus * n for t, n in options)
+    per_hour = sum(t.gpus * n * site.partition(t.partition).cost_per_gpu_hour for t, n in options)
+    return gpus, per_hour
+
+
+class Tails:
+    """Seconds from the pipelines' flush to the end of the iteration (gradient syncs, optimizer step) of a
+    set of templates, from :func:`simulator.simulate` on a plan with the allocation's copies of each
+    template, capped at ``copies``: exact for small allocations; larger ones reuse the capped ring (a ring
+    all-reduce grows slowly with its size). The plans finally returned are simulated whole."""
+
+    def __init__(self, site: Site, archive: ProfileArchive, request: PlanRequest, copies: int = 16) -> None:
+        self.site, self.archive, self.request, self.copies = site, archive, request, copies
+        self._cache: dict[tuple, float] = {}
+
+    def __call__(self, options: tuple[Option, ...]) -> float:
+        # copies rounded down to a power of two and capped: few distinct small plans to simulate
+        key = tuple(sorted((t.key, min(1 << (n.bit_length() - 1), self.copies)) for t, n in options))
+        hit = self._cache.get(key)
+        if hit is None:
+            pipes = []
+            copies = dict(key)
+            for t, _ in options:
+                stages = tuple(Stage(i, j, tp, t.gpu, t.partition) for i, j, tp in t.stages)
+                pipes += [Pipeline(t.mbs, 1, stages)] * copies[t.key]
+            plan = Plan(get_model(self.request.model).name, sum(p.samples for p in pipes), tuple(pipes),
+                        seq_len=self.request.seq_len, dtype=self.request.dtype)
+            res = simulate(place_plan(plan, self.site), self.site, self.archive)
+            hit = self._cache[key] = res.iteration_time_s - res.breakdown["flush_s"]
+        return hit
+
+
+def _evaluate(options: tuple[Option, ...], request: PlanRequest, site: Site, tails: Tails) -> Allocation | None:
+    gbs = request.global_batch_size
+    gpus, per_hour = _gpu_cost(site, options)
+    c = request.constraints
+    if (c.max_gpus is not None and gpus > c.max_gpus) or (c.max_cost_per_hour is not None and per_hour > c.max_cost_per_hour):
+        return None
+    if request.space == "sailor":
+        if len({(t.mbs, t.num_stages) for t, _ in options}) > 1:
+            return None
+        total = sum(n for _, n in options)
+        mbs = options[0][0].mbs
+        if gbs % (mbs * total):
+            return None  # Sailor's shape: the same micro-batch count on every pipeline
+        m = gbs // (mbs * total)
+        shares = [Share(m, n, n) for _, n in options]
+        flush = max(t.speed().time(m) for t, _ in options)
+        return Allocation(options, flush + tails(options), shares, gpus, per_hour)
+    balanced = balance([(t.speed(), n) for t, n in options], gbs)
+    if balanced is None:
+        return None
+    flush, shares = balanced
+    return Allocation(options, flush + tails(options), shares, gpus, per_hour)
+
+
+def _combine(per_part: list[list[Option]], request: PlanRequest, site: Site, tails: Tails,
+             progress: Progress | None) -> tuple[list[Allocation], int]:
+    """Beam search over partitions (each: skip it, or one of its options)."""
+    obj, gbs = request.objective, request.global_batch_size
+    beam: list[tuple[Option, ...]] = [()]
+    scored: dict[tuple, Allocation] = {}
+    total = sum(len(o) for o in per_part) * 48 + 1
+    done = 0
+    for k, options in enumerate(per_part):
+        nxt: list[tuple[Allocation | None, tuple[Option, ...]]] = []
+        for partial in beam:
+            for opt in [None, *options]:
+                combo = partial if opt is None else partial + (opt,)
+                if not combo or (request.space == "homogeneous" and len(combo) > 1):
+                    continue
+                key = tuple((t.key, n) for t, n in combo)
+                if key not in scored:
+                    alloc = _evaluate(combo, request, site, tails)
+                    if alloc is None:
+                        continue
+                    scored[key] = alloc
+                    done += 1
+                nxt.append((scored[key], combo))
+            if progress is not None:
+                progress(done, total)
+        nxt.sort(key=lambda ac: (ac[0].score(obj, gbs), ac[0].gpus, tuple((t.key, n) for t, n in ac[1])))
+        width = 48 if k < len(per_part) - 1 else len(nxt)
+        beam = [combo for _, combo in nxt[:width]]
+        if k < len(per_part) - 1:
+            beam = [()] + beam  # later partitions may also run alone
+    allocations = sorted(scored.values(), key=lambda a: (a.score(obj, gbs), a.gpus,
+                                                        tuple((t.key, n) for t, n in a.options)))
+    return allocations, len(scored)
+
+
+def to_plan(alloc: Allocation, request: PlanRequest) -> Plan:
+    pipes = []
+    for (t, _), share in zip(alloc.options, alloc.shares):
+        stages = tuple(Stage(i, j, tp, t.gpu, t.partition) for i, j, tp in t.stages)
+        pipes += [Pipeline(t.mbs, m, stages) for m in share.counts()]
+    return Plan(model=get_model(request.model).name, global_batch_size=request.global_batch_size,
+                pipelines=tuple(pipes), seq_len=request.seq_len, dtype=request.dtype,
+                notes={"planner": {"objective": request.objective, "space": request.space}})
+
+
+def _simulate_best(site: Site, archive: ProfileArchive, request: PlanRequest, allocations: list[Allocation],
+                   settings: SearchSettings) -> tuple[list[Candidate], int, dict[str, int]]:
+    c = request.constraints
+    rejected: dict[str, int] = {}
+    out: list[Candidate] = []
+    simulated = 0
+    per_set: dict[tuple, int] = {}
+    for alloc in allocations:
+        if simulated >= settings.simulate_top and len(out) >= max(1, request.top_k):
+            break
+        family = tuple(t.key for t, _ in alloc.options)
+        if per_set.get(family, 0) >= 3 and simulated >= settings.simulate_top:
+            continue
+        per_set[family] = per_set.get(family, 0) + 1
+        plan = place_plan(to_plan(alloc, request), site)
+        res = simulate(plan, site, archive)
+        simulated += 1
+        reason = None
+        if not res.fits:
+            reason = "memory"
+        elif c.min_throughput is not None and res.throughput_samples_per_s < c.min_throughput:
+            reason = "min_throughput"
+        elif c.max_cost_per_iteration is not None and res.cost_per_iteration > c.max_cost_per_iteration:
+            reason = "max_cost_per_iteration"
+        if reason:
+            rejected[reason] = rejected.get(reason, 0) + 1
+            continue
+        out.append(Candidate(plan, res))
+    key = ((lambda x: (-x.throughput, x.result.cost_per_hour)) if request.objective == "throughput"
+           else (lambda x: (x.result.cost_per_iteration / request.global_batch_size, -x.throughput)))
+    out.sort(key=key)
+    return out, simulated, rejected

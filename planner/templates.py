@@ -1,0 +1,249 @@
+"""Pipeline templates: the best way to run one pipeline on one partition.
+
+For a partition, a micro-batch size and a stage count P, a dynamic program over the layers picks the
+split (and each stage's TP) that minimises the pipeline's steady-state period -- the busiest stage's
+forward + backward plus its exchanges with both neighbours, which is what the simulator's 1F1B
+schedule converges to -- subject to every stage fitting in memory with the micro-batches it holds in
+flight. The DP runs over suffixes ("k stages left for layers i..L-1"), because a stage's in-flight
+count is k, the number of stages from it to the end; one pass gives the best split for every P.
+
+TP per stage follows one of two policies: *uniform* (every stage TP t, for each profiled t) or
+*min-fit* (each stage takes the smallest profiled TP under which it fits), so stages of a pipeline can
+differ in TP where memory asks for it. All numbers come from :class:`simulator.StageEvaluator`.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from planner.balance import PipelineSpeed
+from sailor_hpc.site import Partition
+from simulator import StageEvaluator
+from simulator.network import Endpoint
+
+INF = math.inf
+
+
+@dataclass
+class Template:
+    """One pipeline shape on one partition, with its exact flush times for every micro-batch count."""
+
+    partition: str
+    gpu: str
+    mbs: int
+    stages: tuple[tuple[int, int, int], ...]  # (first layer, last layer, tp)
+    period: float  # steady-state seconds per micro-batch (the DP's objective)
+    F: np.ndarray = field(repr=False, default_factory=lambda: np.zeros(0))
+    B: np.ndarray = field(repr=False, default_factory=lambda: np.zeros(0))
+    act: np.ndarray = field(repr=False, default_factory=lambda: np.zeros(0))
+    grad: np.ndarray = field(repr=False, default_factory=lambda: np.zeros(0))
+    flush: np.ndarray = field(repr=False, default_factory=lambda: np.zeros(0))  # flush[m-1]: m micro-batches
+    slope: float = 0.0  # seconds each micro-batch beyond len(flush) adds
+
+    def speed(self) -> PipelineSpeed:
+        return PipelineSpeed(self.flush, self.slope, self.mbs)
+
+    @property
+    def gpus(self) -> int:
+        return sum(t for _, _, t in self.stages)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def key(self) -> tuple:
+        return (self.partition, self.mbs, self.stages)
+
+    def efficiency(self) -> float:
+        """Samples per second per GPU in the steady state (how templates of one partition compare)."""
+        return self.mbs / (self.period * self.gpus)
+
+
+def endpoints(stages: tuple[tuple[int, int, int], ...], part: Partition) -> list[Endpoint]:
+    """Stages packed onto consecutive nodes in order, as the plan's placement packs one pipeline."""
+    out, used = [], 0
+    for _, _, tp in stages:
+        node = used // part.gpus_per_node
+        if (used % part.gpus_per_node) + tp > part.gpus_per_node:
+            node += 1
+            used = node * part.gpus_per_node
+        out.append(Endpoint(part.name, node, tp))
+        used += tp
+    return out
+
+
+class TemplateBuilder:
+    """Builds templates of one partition (cached per micro-batch size)."""
+
+    def __init__(self, ev: StageEvaluator, part: Partition, tps: list[int], max_stages: int,
+                 max_micro_batches: int) -> None:
+        self.ev = ev
+        self.part = part
+        self.tps = sorted(tps)
+        self.L = ev.model.num_pipeline_layers
+        self.max_stages = max(1, min(max_stages, self.L))
+        self.max_m = max_micro_batches
+        self.capacity = ev.capacity(part.gpu_type)
+        self._fits: dict[tuple, bool] = {}
+
+    # -------------------------------------------------------------- per-stage numbers
+    def _cost(self, mbs: int, tp: int, i: int, j: int):
+        return self.ev.stage(self.part.gpu_type, tp, mbs, i, j)
+
+    def _fits_mem(self, mbs: int, tp: int, i: int, j: int, k: int) -> bool:
+        key = (mbs, tp, i, j, k)
+        hit = self._fits.get(key)
+        if hit is None:
+            cost = self._cost(mbs, tp, i, j)
+            mem = self.ev.stage_memory(cost, stage=0, num_stages=k, micro_batches=k)
+            hit = self._fits[key] = mem.total <= self.capacity
+        return hit
+
+    def _boundary(self, mbs: int, j: int) -> float:
+        """Seconds of activation + gradient across the boundary after layer j (between nodes)."""
+        if j >= self.L - 1:
+            return 0.0
+        cost = self._cost(mbs, self.tps[0], j, j)
+        a = Endpoint(self.part.name, None, 1)
+        return self.ev.p2p(a, a, cost.out_bytes) * 2
+
+    # -------------------------------------------------------------- the DP
+    def build(self, mbs: int, policy: int | None) -> list[tuple[tuple[tuple[int, int, int], ...], float]]:
+        """Best split for every stage count P (policy: a uniform TP, or None for min-fit), with the DP's
+        period estimate; :meth:`finish` turns the ones worth keeping into templates."""
+        L, K = self.L, self.max_stages
+        bnd = [self._boundary(mbs, j) for j in range(L)]
+
+        def stage_tp(i: int, j: int, k: int) -> int | None:
+            options = [policy] if policy is not None else self.tps
+            for tp in options:
+                if self._fits_mem(mbs, tp, i, j, k):
+                    return tp
+            return None
+
+        def stage_time(i: int, j: int, tp: int) -> float:
+            c = self._cost(mbs, tp, i, j)
+            return c.fwd_s + c.bwd_s + (bnd[i - 1] if i > 0 else 0.0) + bnd[j]
+
+        # best[k][i]: min period of layers i..L-1 in k stages; choice[k][i] = (j, tp)
+        best = [[INF] * (L + 1) for _ in range(K + 1)]
+        choice: list[list[tuple[int, int] | None]] = [[None] * (L + 1) for _ in range(K + 1)]
+        for i in range(L):
+            tp = stage_tp(i, L - 1, 1)
+            if tp is not None:
+                best[1][i] = stage_time(i, L - 1, tp)
+                choice[1][i] = (L - 1, tp)
+        for k in range(2, K + 1):
+            for i in range(L - k + 1):
+                b, ch = INF, None
+                for j in range(i, L - k + 1):
+                    rest = best[k - 1][j + 1]
+                    if rest >= b:
+                        continue
+                    tp = stage_tp(i, j, k)
+                    if tp is None:
+                        continue
+                    t = stage_time(i, j, tp)
+                    if t >= b:
+                        if t > rest:
+                            break  # longer first stages only get slower
+                        continue
+                    v = max(t, rest)
+                    if v < b:
+                        b, ch = v, (j, tp)
+                best[k][i], choice[k][i] = b, ch
+        out = []
+        for P in range(1, K + 1):
+            if best[P][0] == INF:
+                continue
+            stages, i = [], 0
+            for k in range(P, 0, -1):
+                j, tp = choice[k][i]  # type: ignore[misc]
+                stages.append((i, j, tp))
+                i = j + 1
+            out.append((tuple(stages), best[P][0]))
+        return out
+
+    def uniform(self, mbs: int) -> list[tuple[tuple[int, int, int], ...]]:
+        """Sailor's shape for every P: uniform split, each stage at the smallest TP that fits."""
+        out = []
+        for P in range(1, self.max_stages + 1):
+            stages = []
+            for s, (i, j) in enumerate(uniform_split(self.L, P)):
+                tp = next((t for t in self.tps if self._fits_mem(mbs, t, i, j, P - s)), None)
+                if tp is None:
+                    break
+                stages.append((i, j, tp))
+            else:
+                out.append(tuple(stages))
+        return out
+
+    def period_estimate(self, mbs: int, stages: tuple[tuple[int, int, int], ...]) -> float:
+        """The DP's objective for a given split: the busiest stage with its exchanges."""
+        bnd = [self._boundary(mbs, j) for j in range(self.L)]
+        return max(self._cost(mbs, tp, i, j).fwd_s + self._cost(mbs, tp, i, j).bwd_s
+                   + (bnd[i - 1] if i > 0 else 0.0) + bnd[j] for i, j, tp in stages)
+
+    def finish(self, mbs: int, stages: tuple[tuple[int, int, int], ...]) -> Template:
+        """Exact per-stage numbers (placement-aware transfers) and flush times for m = 1..max_m."""
+        costs = [self._cost(mbs, tp, i, j) for i, j, tp in stages]
+        ends = endpoints(stages, self.part)
+        act, grad = self.ev.transfer_times(costs, ends)
+        F = np.array([c.fwd_s for c in costs])
+        B = np.array([c.bwd_s for c in costs])
+        A, G = np.array(act), np.array(grad)
+        # exact flush for m = 1 .. past the transient; beyond it each micro-batch adds the same period
+        M = max(1, min(self.max_m // mbs, 2 * len(stages) + 4))
+        ms = np.arange(1, M + 1)
+        sched = self.ev.pipeline_times(np.tile(F, (M, 1)), np.tile(B, (M, 1)), np.tile(A, (M, 1)),
+                                       np.tile(G, (M, 1)), ms)
+        flush = sched.makespan
+        slope = float(flush[-1] - flush[-2]) if M >= 2 else float(sched.steady_period[0])
+        return Template(self.part.name, self.part.gpu_type, mbs, stages, float(sched.steady_period[0]),
+                        F, B, A, G, flush, slope)
+
+    def fits_at(self, t: Template, m: int) -> bool:
+        """Whether every stage fits with ``m`` micro-batches (in flight: min(P - s, m))."""
+        P = t.num_stages
+        return all(self._fits_mem(t.mbs, tp, i, j, min(P - s, m)) for s, (i, j, tp) in enumerate(t.stages))
+
+
+def uniform_split(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
+    """Sailor's partition: L div P layers per stage, the remainder to the last stages."""
+    base, extra = divmod(num_layers, num_stages)
+    out, first = [], 0
+    for s in range(num_stages):
+        n = base + (1 if s >= num_stages - extra else 0)
+        out.append((first, first + n - 1))
+        first += n
+    return out
+
+
+def build_templates(builder: TemplateBuilder, mbs_values: list[int], *, sailor_shape: bool,
+                    keep: int) -> list[Template]:
+    """Candidate templates of one partition: Sailor's uniform splits for every P, and the DP's splits
+    (every P and TP policy) of which the ``3 * keep`` best by steady-state efficiency are kept."""
+    found: dict[tuple, float] = {}
+    for mbs in mbs_values:
+        for stages in builder.uniform(mbs):  # Sailor's shape, also a candidate of the full space
+            found.setdefault((mbs, stages), builder.period_estimate(mbs, stages))
+        if sailor_shape:
+            continue
+        for policy in [None, *builder.tps]:
+            for stages, period in builder.build(mbs, policy):
+                found.setdefault((mbs, stages), period)
+    # rank by the DP's estimate first, so only the promising few are timed exactly
+    def estimate(item: tuple) -> tuple:
+        (mbs, stages), period = item
+        gpus = sum(t for _, _, t in stages)
+        return (-(mbs / (period * gpus)) if period > 0 else 0.0, gpus, mbs, stages)
+
+    ranked = [k for k, _ in sorted(found.items(), key=estimate)]
+    uniform = [(mbs, stages) for mbs in mbs_values for stages in builder.uniform(mbs)]
+    shortlist = ranked[:3 * keep] + uniform
+    templates = [builder.finish(mbs, stages) for mbs, stages in dict.fromkeys(shortlist)]
+    templates.sort(key=lambda t: (-t.efficiency(), t.gpus, t.key))
+    return templates
