@@ -19,7 +19,8 @@ from sailor_hpc.plan import Plan, Stage, place_plan, validate_plan
 from sailor_hpc.site import Site
 from simulator.cost import plan_cost_per_hour
 from simulator.iteration import Collective, IterationEnd, StageKey, finish_iteration, gradient_segments
-from simulator.memory import ALLOCATOR_SLACK, DEFAULT_BUCKET_ELEMS, GRAD_BYTES, StageMemory, stage_memory
+from simulator.memory import (ALLOCATOR_SLACK, DEFAULT_BUCKET_ELEMS, GRAD_BYTES, StageMemory, in_flight,
+                              stage_memory)
 from simulator.network import Endpoint, p2p_seconds, ring_allreduce_seconds
 from simulator.schedule import ScheduleResult, pipeline_schedule
 from simulator.tables import ComputeTable, MemoryTable, ProfileTables, tables_for
@@ -68,6 +69,8 @@ class StageEvaluator:
         self.dtype, self.optimizer, self.recompute = dtype, optimizer, recompute
         self.options = options or SimOptions()
         self._stages: dict[tuple[str, int, int, int, int], StageCost] = {}
+        self._memory: dict[tuple, StageMemory] = {}
+        self._p2p: dict[tuple, float] = {}
 
     # ------------------------------------------------------------------ stages
     def compute_table(self, gpu: str, mbs: int, tp: int) -> ComputeTable:
@@ -104,7 +107,14 @@ class StageEvaluator:
                          params=params, grad_bytes=params * GRAD_BYTES[self.dtype])
 
     def stage_memory(self, cost: StageCost, *, stage: int, num_stages: int, micro_batches: int) -> StageMemory:
-        """Peak memory of one GPU of the stage (see :mod:`simulator.memory`)."""
+        """Peak memory of one GPU of the stage (see :mod:`simulator.memory`); cached per in-flight count."""
+        key = (cost.gpu, cost.tp, cost.mbs, cost.first, cost.last, in_flight(stage, num_stages, micro_batches))
+        hit = self._memory.get(key)
+        if hit is None:
+            hit = self._memory[key] = self._stage_memory(cost, stage, num_stages, micro_batches)
+        return hit
+
+    def _stage_memory(self, cost: StageCost, stage: int, num_stages: int, micro_batches: int) -> StageMemory:
         return stage_memory(self.memory_table(cost.tp), cost.first, cost.last, stage=stage, num_stages=num_stages,
                             mbs=cost.mbs, micro_batches=micro_batches, dtype=self.dtype, optimizer=self.optimizer,
                             recompute=self.recompute, input_bytes=cost.in_bytes,
@@ -116,7 +126,12 @@ class StageEvaluator:
 
     # ------------------------------------------------------------------ network
     def p2p(self, a: Endpoint, b: Endpoint, nbytes: float) -> float:
-        return p2p_seconds(self.site, a, b, nbytes)
+        """Seconds to move ``nbytes`` from a to b (cached per link kind and size)."""
+        key = (a.same_node(b), a.partition, b.partition, nbytes)
+        hit = self._p2p.get(key)
+        if hit is None:
+            hit = self._p2p[key] = p2p_seconds(self.site, a, b, nbytes)
+        return hit
 
     def allreduce(self, holders: Sequence[Endpoint], per_gpu_bytes: Sequence[float], elem_bytes: float) -> float:
         buckets = [self.options.bucket_elems * elem_bytes] * len(holders)
@@ -124,10 +139,10 @@ class StageEvaluator:
 
     # ------------------------------------------------------------------ pipelines
     def transfer_times(self, costs: Sequence[StageCost], ends: Sequence[Endpoint]) -> tuple[list[float], list[float]]:
-        """Activation and gradient seconds of each boundary of one pipeline."""
+        """Activation and gradient seconds of each boundary of one pipeline (the gradient of an
+        activation has its size, and a site's links are symmetric, so both take the same time)."""
         act = [self.p2p(ends[j], ends[j + 1], costs[j].out_bytes) for j in range(len(costs) - 1)]
-        grad = [self.p2p(ends[j + 1], ends[j], costs[j].out_bytes) for j in range(len(costs) - 1)]
-        return act, grad
+        return act, list(act)
 
     def pipeline(self, costs: Sequence[StageCost], ends: Sequence[Endpoint], micro_batches: int) -> ScheduleResult:
         """Finish time of every stage of one pipeline."""
@@ -139,6 +154,85 @@ class StageEvaluator:
                        m: np.ndarray | int) -> ScheduleResult:
         """Batch form for the planner: (N, P) stage times, (N, P-1) transfers, (N,) micro-batches."""
         return pipeline_schedule(F, B, act, grad, m)
+
+
+    # ------------------------------------------------------------------ batches (vectorised)
+    def score_batch(self, batch: "CandidateBatch") -> "BatchScores":
+        """Time and memory of N single pipelines at once, straight from the prefix sums.
+
+        The same formulas as :meth:`stage`, :meth:`stage_memory` and :meth:`pipeline`, evaluated on
+        (N, P) arrays: per stage kind (GPU type, TP, partition) one fancy-indexing pass over the
+        prefix sums, one cached transfer time per distinct (link, bytes), one schedule pass.
+        """
+        first, last = np.asarray(batch.first), np.asarray(batch.last)
+        kind = np.asarray(batch.kind)
+        n, P = first.shape
+        m = np.broadcast_to(np.asarray(batch.micro_batches, dtype=np.int64), (n,))
+        F, Bw, U, out, mem_total = (np.zeros((n, P)) for _ in range(5))
+        fits = np.ones((n, P), dtype=bool)
+        stage_idx = np.broadcast_to(np.arange(P), (n, P))
+        mcol = np.broadcast_to(m[:, None], (n, P))
+        for k in np.unique(kind):
+            gpu, tp, _part = batch.stage_kinds[int(k)]
+            sel = kind == k
+            a, b = first[sel], last[sel]
+            table = self.compute_table(gpu, batch.mbs, tp)
+            f = table.fwd(a, b)
+            F[sel] = f
+            Bw[sel] = table.bwd(a, b) + (f if self.recompute else 0.0)
+            U[sel] = self.tables.update_seconds(table, a, b)
+            L = self.model.num_pipeline_layers
+            out[sel] = np.where(b < L - 1, self.tables.boundary_bytes(np.minimum(b, L - 2), batch.mbs, tp, self.dtype), 0.0)
+            inp = np.where(a > 0, self.tables.boundary_bytes(np.maximum(a - 1, 0), batch.mbs, tp, self.dtype), 0.0)
+            mem = stage_memory(self.memory_table(tp), a, b, stage=stage_idx[sel], num_stages=P, mbs=batch.mbs,
+                               micro_batches=mcol[sel], dtype=self.dtype, optimizer=self.optimizer,
+                               recompute=self.recompute, input_bytes=inp,
+                               overhead=self.archive.overhead_bytes(table.gpu, tp),
+                               bucket_elems=self.options.bucket_elems, allocator_slack=self.options.allocator_slack)
+            mem_total[sel] = mem.total
+            fits[sel] = mem.total <= self.capacity(gpu)
+        act = np.zeros((n, max(P - 1, 0)))
+        if P > 1:
+            same = np.zeros((n, P - 1), dtype=bool) if batch.same_node is None else np.asarray(batch.same_node)
+            keys = np.stack([kind[:, :-1], kind[:, 1:], same.astype(np.int64)], axis=-1).reshape(-1, 3)
+            sizes = out[:, :-1].reshape(-1)
+            uniq, inv = np.unique(np.column_stack([keys, sizes]), axis=0, return_inverse=True)
+            vals = np.empty(len(uniq))
+            for u, row in enumerate(uniq):
+                ka, kb, sm, nbytes = int(row[0]), int(row[1]), bool(row[2]), float(row[3])
+                pa, pb = batch.stage_kinds[ka][2], batch.stage_kinds[kb][2]
+                vals[u] = self.p2p(Endpoint(pa, 0, 1), Endpoint(pb, 0 if sm else 1, 1), nbytes)
+            act = vals[inv.reshape(-1)].reshape(n, P - 1)
+        sched = pipeline_schedule(F, Bw, act, act, m)
+        return BatchScores(flush=sched.finish, update=U, time_s=(sched.finish + U).max(axis=1),
+                           steady_period=sched.steady_period, memory=mem_total, fits=fits.all(axis=1))
+
+
+@dataclass(frozen=True)
+class CandidateBatch:
+    """N candidate pipelines with P stages each, for :meth:`StageEvaluator.score_batch`.
+
+    ``kind[i, s]`` indexes ``stage_kinds``, a list of (GPU type, TP, partition); ``same_node[i, j]``
+    says boundary j (stage j -> j+1) stays inside one node (default: no boundary does).
+    """
+
+    mbs: int
+    micro_batches: np.ndarray  # (N,) or a scalar
+    first: np.ndarray  # (N, P) first layer of each stage
+    last: np.ndarray  # (N, P) last layer (inclusive)
+    kind: np.ndarray  # (N, P) index into stage_kinds
+    stage_kinds: Sequence[tuple[str, int, str]]
+    same_node: np.ndarray | None = None  # (N, P-1) bool
+
+
+@dataclass(frozen=True)
+class BatchScores:
+    flush: np.ndarray  # (N, P) when each stage ends its last backward and exchange
+    update: np.ndarray  # (N, P) optimizer step per stage
+    time_s: np.ndarray  # (N,) pipeline time without data-parallel sync: max over stages of flush + update
+    steady_period: np.ndarray  # (N,) seconds per micro-batch in the steady state
+    memory: np.ndarray  # (N, P) peak bytes per GPU of each stage
+    fits: np.ndarray  # (N,) every stage within its GPU's memory
 
 
 # ---------------------------------------------------------------------- whole plans
@@ -357,5 +451,5 @@ def _result(plan: Plan, site: Site, ev: StageEvaluator, costs, transfers, scheds
                      collectives=tuple(collectives), collective_starts=end.collective_start)
 
 
-__all__ = ["SimOptions", "StageCost", "StageEvaluator", "StageReport", "SimResult", "simulate", "plan_timeline",
+__all__ = ["SimOptions", "StageCost", "StageEvaluator", "CandidateBatch", "BatchScores", "StageReport", "SimResult", "simulate", "plan_timeline",
            "prepare_plan", "plan_collectives"]

@@ -40,6 +40,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+import numpy as np
+
 from simulator.tables import DTYPE_BYTES, MemoryTable
 
 STATE_BYTES = {("fp32", "adam"): 16, ("fp32", "sgd"): 12, ("bf16", "adam"): 18, ("bf16", "sgd"): 14,
@@ -68,21 +70,22 @@ class StageMemory:
                 + self.allocator_slack + self.overhead)
 
     def to_dict(self) -> dict[str, float]:
-        return {**asdict(self), "total": self.total}
+        return {k: float(v) for k, v in {**asdict(self), "total": self.total}.items()}
 
 
-def in_flight(stage: int, num_stages: int, micro_batches: int) -> int:
-    """Micro-batches whose activations stage ``stage`` holds at once in 1F1B."""
-    return max(1, min(num_stages - stage, micro_batches))
+def in_flight(stage, num_stages, micro_batches):
+    """Micro-batches whose activations stage ``stage`` holds at once in 1F1B (ints or arrays)."""
+    return np.maximum(1, np.minimum(np.subtract(num_stages, stage), micro_batches))
 
 
-def stage_memory(mem: MemoryTable, first: int, last: int, *, stage: int, num_stages: int, mbs: int,
-                 micro_batches: int, dtype: str, optimizer: str, recompute: bool, input_bytes: float,
-                 overhead: float, bucket_elems: int = DEFAULT_BUCKET_ELEMS,
+def stage_memory(mem: MemoryTable, first, last, *, stage, num_stages, mbs: int, micro_batches, dtype: str,
+                 optimizer: str, recompute: bool, input_bytes, overhead, bucket_elems: int = DEFAULT_BUCKET_ELEMS,
                  allocator_slack: float = ALLOCATOR_SLACK) -> StageMemory:
     """Peak memory of one GPU of a stage holding layers ``first..last`` at TP ``mem.tp``.
 
     ``input_bytes``: the activation a non-first stage receives per micro-batch (0 for stage 0).
+    Layer ranges, stage indices, micro-batch counts and inputs may be arrays of one shape (many
+    stages at once, same TP); every component then is an array of that shape.
     """
     params = mem.params(first, last)
     scale = DTYPE_BYTES[dtype] / DTYPE_BYTES[mem.dtype]
@@ -94,6 +97,6 @@ def stage_memory(mem: MemoryTable, first: int, last: int, *, stage: int, num_sta
         acts = flight * (mem.act_bytes(first, last) * mbs * scale + input_bytes)
     return StageMemory(state=STATE_BYTES[(dtype, optimizer)] * params,
                        optimizer_temp=OPTIMIZER_TEMP_BYTES[optimizer] * params,
-                       reduce_buffer=GRAD_BYTES[dtype] * min(params, bucket_elems),
+                       reduce_buffer=GRAD_BYTES[dtype] * np.minimum(params, bucket_elems),
                        activations=acts, working=layer_max, allocator_slack=allocator_slack * (acts + layer_max),
                        overhead=overhead)

@@ -103,17 +103,25 @@ def pipeline_schedule(F, B, act, grad, m) -> ScheduleResult:
     stages = np.arange(P)
     t = 0
     while idx.size:
-        mc = m_cur[None, :]
         par = t % 2
         sf, sb = slice(par, P, 2), slice(1 - par, P, 2)  # stages doing a forward / backward now
-        kf = (t - stages[sf]) // 2
-        kb = (t - 2 * P + stages[sb] + 1) // 2
+        j0 = (t + 1) % 2
+        L, R = slice(j0, P - 1, 2), slice(j0 + 1, P, 2)  # boundaries exchanging now: stage j with j+1
         new = y.copy()
-        if P > 1:
-            j0 = (t + 1) % 2
-            js = np.arange(j0, P - 1, 2)  # boundaries exchanging now (left stage j, right stage j+1)
-            if js.size:
-                L, R = slice(j0, P - 1, 2), slice(j0 + 1, P, 2)
+        if 2 * P - 1 <= t <= 2 * int(m_cur.min()) - 2:
+            # steady window of every running pipeline: every stage computes, every exchange carries both
+            if P > 1 and j0 < P - 1:
+                e = np.maximum(y[L], y[R]) + (At[L] + Gt[L])
+                new[L] = e
+                new[R] = e
+            new[sf] += Ft[sf]
+            new[sb] += Bt[sb]
+        else:
+            mc = m_cur[None, :]
+            kf = (t - stages[sf]) // 2  # micro-batch of each forward (valid if 0 <= k < m)
+            kb = (t - 2 * P + stages[sb] + 1) // 2
+            if P > 1 and j0 < P - 1:
+                js = np.arange(j0, P - 1, 2)
                 ka = ((t - js - 1) // 2)[:, None]
                 kg = ((t - 2 * P + js + 1) // 2)[:, None]
                 va = (ka >= 0) & (ka < mc)
@@ -122,11 +130,11 @@ def pipeline_schedule(F, B, act, grad, m) -> ScheduleResult:
                 e = np.where(va | vg, e, 0.0)  # no exchange due: no wait (times are >= 0)
                 new[L] = np.maximum(y[L], e)
                 new[R] = np.maximum(y[R], e)
-        new[sf] += Ft[sf] * ((kf[:, None] >= 0) & (kf[:, None] < mc))
-        new[sb] += Bt[sb] * ((kb[:, None] >= 0) & (kb[:, None] < mc))
+            new[sf] += Ft[sf] * ((kf[:, None] >= 0) & (kf[:, None] < mc))
+            new[sb] += Bt[sb] * ((kb[:, None] >= 0) & (kb[:, None] < mc))
         prev2, prev1, y = prev1, y, new
         t += 1
-        if prev2 is not None and t > 2 * P:
+        if prev2 is not None and t > 2 * P and t % 2 == 0:
             room = (2 * m_cur - 1 - t) // 2  # whole periods left inside the steady window
             cand = room >= 1
             if cand.any():

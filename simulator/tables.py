@@ -46,11 +46,12 @@ class ComputeTable:
     update_params: float  # parameters (per TP rank) that step covered
     dtype: str
 
-    def fwd(self, first: int, last: int) -> float:
-        return float(self.cum_fwd[last + 1] - self.cum_fwd[first])
+    # layer ranges may be ints or integer arrays (vectorised scoring): the result has their shape
+    def fwd(self, first, last):
+        return self.cum_fwd[last + 1] - self.cum_fwd[first]
 
-    def bwd(self, first: int, last: int) -> float:
-        return float(self.cum_bwd[last + 1] - self.cum_bwd[first])
+    def bwd(self, first, last):
+        return self.cum_bwd[last + 1] - self.cum_bwd[first]
 
 
 @dataclass(frozen=True)
@@ -65,14 +66,15 @@ class MemoryTable:
     range_max_act: np.ndarray  # (L, L): [first, last] -> largest single-layer activation bytes
     dtype: str
 
-    def params(self, first: int, last: int) -> float:
-        return float(self.cum_params[last + 1] - self.cum_params[first])
+    # layer ranges may be ints or integer arrays (vectorised scoring): the result has their shape
+    def params(self, first, last):
+        return self.cum_params[last + 1] - self.cum_params[first]
 
-    def act_bytes(self, first: int, last: int) -> float:
-        return float(self.cum_act[last + 1] - self.cum_act[first])
+    def act_bytes(self, first, last):
+        return self.cum_act[last + 1] - self.cum_act[first]
 
-    def max_layer_act(self, first: int, last: int) -> float:
-        return float(self.range_max_act[first, last])
+    def max_layer_act(self, first, last):
+        return self.range_max_act[first, last]
 
 
 class ProfileTables:
@@ -137,7 +139,7 @@ class ProfileTables:
         return ComputeTable(gpu=gpu, mbs=mbs, tp=tp, cum_fwd=cum_fwd, cum_bwd=cum_bwd,
                             update_s=float(times[:, 2].max()), update_params=profiled, dtype=entry.dtype)
 
-    def update_seconds(self, table: ComputeTable, first: int, last: int) -> float:
+    def update_seconds(self, table: ComputeTable, first, last):
         """Optimizer step of a stage: the profiled step scaled by the stage's share of parameters."""
         if table.update_params <= 0:
             return table.update_s
@@ -163,10 +165,10 @@ class ProfileTables:
                            cum_act=np.concatenate(([0.0], np.cumsum(act))), act_output=rows[:, 1].copy(),
                            act_input=rows[:, 2].copy(), range_max_act=_range_max(act), dtype=entry.dtype)
 
-    def boundary_bytes(self, last_layer: int, mbs: int, tp: int, dtype: str) -> float:
+    def boundary_bytes(self, last_layer, mbs: int, tp: int, dtype: str):
         """Bytes of the activation that leaves ``last_layer`` for the next stage (and of its gradient
         coming back). Between transformer layers it is the full hidden state, which every TP rank holds."""
-        return float(self.memory(tp).act_output[last_layer]) * mbs * DTYPE_BYTES[dtype]
+        return self.memory(tp).act_output[last_layer] * mbs * DTYPE_BYTES[dtype]
 
 
 def _range_max(values: np.ndarray) -> np.ndarray:
