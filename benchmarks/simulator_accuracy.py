@@ -1,0 +1,112 @@
+"""Our simulator against Sailor's on Sailor's measured runs: error per file and the means per set.
+
+Sailor's estimates are the reference numbers of its own simulator on these files
+(/work/shared/reference/sailor_model.md section 4.3, full-precision list). Files kept out of our means
+(documented anomalies, physically impossible memory readings) are kept out of Sailor's too, with the
+reason printed; Sailor's mean over every file is shown as well.
+
+    .venv/bin/python benchmarks/simulator_accuracy.py [--data /work/shared/sailor_data]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+from pathlib import Path
+
+from sailor_hpc.archive import open_archive
+from sailor_hpc.site import load_site
+from simulator.validation import validate_runs
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_DATA = os.environ.get("SAILOR_DATA", "/work/shared/sailor_data")
+
+# (set, site config, model, folder under validation/)
+SETS = [("clariden/OPT-350", "clariden.toml", "OPT-350M", "clariden/OPT-350"),
+        ("clariden/GPT-NEO", "clariden.toml", "GPT-Neo-2.7B", "clariden/GPT-NEO"),
+        ("mit", "mit-mixed.toml", "OPT-350M", "mit")]
+
+# Sailor's simulator on each file: (seconds per iteration, peak bytes), reference section 4.3
+SAILOR = {
+    "clariden/GPT-NEO/N16/plan_config_N16_D4.json": (6.4406416482, 35700923648),
+    "clariden/GPT-NEO/N32/plan_config_N32_D16.json": (3.1690155748, 42564629760),
+    "clariden/GPT-NEO/N4/plan_config_N4_D1.json": (2.3253908873, 15908494592),
+    "clariden/GPT-NEO/N8/plan_config_N8_D4.json": (11.8135139437, 42564629760),
+    "clariden/OPT-350/N1/plan_config_N1_D1_M4_G1.json": (0.0829590000, 10394447104),
+    "clariden/OPT-350/N1/plan_config_N1_D1_M4_G32.json": (2.6408310000, 10394447104),
+    "clariden/OPT-350/N16/plan_config_N16_D16.json": (1.8836671720, 30307358976),
+    "clariden/OPT-350/N16/plan_config_N16_D4.json": (2.3032628996, 23913287936),
+    "clariden/OPT-350/N16/plan_config_N16_D8.json": (2.2077434235, 25593245952),
+    "clariden/OPT-350/N2/plan_config_N2_D1.json": (0.6248823881, 25593245952),
+    "clariden/OPT-350/N2/plan_config_N2_D2.json": (0.7271154107, 13239148800),
+    "clariden/OPT-350/N32/plan_config_N32_D16.json": (1.1668914576, 25593245952),
+    "clariden/OPT-350/N32/plan_config_N32_D32.json": (0.9639720257, 30307358976),
+    "clariden/OPT-350/N32/plan_config_N32_D8.json": (1.2436617477, 23913287936),
+    "clariden/OPT-350/N4/plan_config_N4_D1.json": (1.5711832663, 7880249600),
+    "clariden/OPT-350/N4/plan_config_N4_D2.json": (1.5230135232, 8671691008),
+    "clariden/OPT-350/N4/plan_config_N4_D4.json": (1.0366874845, 18928552192),
+    "clariden/OPT-350/N8/plan_config_N8_D2.json": (2.3000607076, 23913287936),
+    "clariden/OPT-350/N8/plan_config_N8_D4.json": (2.2044977955, 25593245952),
+    "mit/N2/plan_config_N2_D1.json": (120.9518126900, 15917172992),
+    "mit/N2/plan_config_N2_D2.json": (81.3149802595, 20105208064),
+    "mit/N4/plan_config_N4_D1.json": (81.4365654593, 8144684288),
+    "mit/N4/plan_config_N4_D4.json": (65.9878998257, 9800352000),
+    "mit/N6/plan_config_N6_D6.json": (51.4405985261, 9800352000),
+}
+
+
+def _err(est: float | None, real: float | None) -> float | None:
+    return None if est is None or real is None else abs(est - real) / real * 100
+
+
+def _mean(xs: list[float]) -> str:
+    return f"{statistics.fmean(xs):5.1f}" if xs else "    -"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--data", default=DEFAULT_DATA, help="Sailor's data directory (with validation/)")
+    args = ap.parse_args()
+    val = Path(args.data) / "validation"
+    archive = open_archive()
+    print(f"{'file':52s} {'time err % ours':>15s} {'Sailor':>7s}   {'mem err % ours':>14s} {'Sailor':>7s}  note")
+    summary = []
+    for name, site_file, model, folder in SETS:
+        site = load_site(ROOT / "site_configs" / site_file)
+        report = validate_runs([val / folder], site, model, archive)
+        ours_t, sail_t, ours_m, sail_m, sail_t_all, sail_m_all = [], [], [], [], [], []
+        for r in report.rows:
+            rel = Path(r.file).resolve().relative_to(val.resolve()).as_posix()
+            s_t, s_m = SAILOR.get(rel, (None, None))
+            st, sm = _err(s_t, r.real_s), _err(s_m, r.real_mem_bytes)
+            notes = []
+            if st is not None:
+                sail_t_all.append(st)
+            if sm is not None:
+                sail_m_all.append(sm)
+            if r.time_excluded:
+                notes.append(f"time excluded: {r.time_excluded}")
+            elif r.time_err_pct is not None:
+                ours_t.append(r.time_err_pct)
+                if st is not None:
+                    sail_t.append(st)
+            if r.mem_excluded:
+                notes.append(f"memory excluded: {r.mem_excluded}")
+            elif r.mem_err_pct is not None:
+                ours_m.append(r.mem_err_pct)
+                if sm is not None:
+                    sail_m.append(sm)
+            fmt = lambda x: "      -" if x is None else f"{x:7.1f}"  # noqa: E731
+            print(f"{rel:52s} {fmt(r.time_err_pct):>15s} {fmt(st)}   {fmt(r.mem_err_pct):>14s} {fmt(sm)}  "
+                  f"{'; '.join(notes)}")
+        summary.append((name, ours_t, sail_t, sail_t_all, ours_m, sail_m, sail_m_all))
+    print()
+    print(f"{'set':18s} {'time ours':>9s} {'Sailor':>7s} {'(all)':>6s}   {'memory ours':>11s} {'Sailor':>7s} {'(all)':>6s}"
+          "   mean |error| %, over the files each mean uses")
+    for name, ot, stt, sta, om, smm, sma in summary:
+        print(f"{name:18s} {_mean(ot):>9s} {_mean(stt):>7s} {_mean(sta):>6s}   {_mean(om):>11s} {_mean(smm):>7s} "
+              f"{_mean(sma):>6s}   (time {len(ot)} files, memory {len(om)} files)")
+
+
+if __name__ == "__main__":
+    main()
