@@ -1,0 +1,90 @@
+"""Fixtures of the simulator tests: the shipped sites, the embedded archive, and a tiny synthetic world
+(tiny-gpt on one GPU type with constant-bandwidth links) where every number can be computed by hand."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from sailor_hpc.archive import ComputeEntry, MemoryEntry, OverheadEntry, ProfileArchive, open_archive
+from sailor_hpc.site import Site, load_site, load_site_dict
+
+REPO = Path(__file__).resolve().parents[2]
+SITES = REPO / "site_configs"
+SAILOR_DATA = REPO.parent / "shared" / "sailor_data"
+VALIDATION = SAILOR_DATA / "validation"
+
+# tiny-gpt: layer 0 embedding, 1..4 blocks, 5 head -> 6 pipeline layers
+TINY_L = 6
+TINY_FWD = np.array([0.001, 0.010, 0.010, 0.010, 0.010, 0.004])  # seconds at mbs 1, tp 1
+TINY_BWD = 2 * TINY_FWD
+TINY_UPDATE = 0.003
+TINY_PARAMS = np.array([1000.0, 500.0, 500.0, 500.0, 500.0, 1000.0])  # elements per TP rank at tp 1
+TINY_ACT = np.array([1e6, 4e6, 4e6, 4e6, 4e6, 6e6])  # retained bytes at mbs 1
+TINY_OUT = np.full(TINY_L, 2048.0)  # elements of each layer's output
+OVERHEAD = 1e9
+TINY_SITE = {
+    "name": "tiny", "cost_unit": "GPU-hours",
+    "gpu_types": {"G1": {"memory_gib": 1.0}, "G2": {"memory_gib": 2.0}},
+    "partitions": [
+        {"name": "p1", "gpu_type": "G1", "nodes": 4, "gpus_per_node": 4, "cost_per_gpu_hour": 2.0,
+         "network": {"intra_node": {"1": {"constant_gbps": 100.0}},
+                     "inter_node": {"1": {"constant_gbps": 10.0}, "2": {"constant_gbps": 16.0}}}},
+        {"name": "p2", "gpu_type": "G2", "nodes": 4, "gpus_per_node": 4, "cost_per_gpu_hour": 1.0,
+         "network": {"intra_node": {"1": {"constant_gbps": 50.0}},
+                     "inter_node": {"1": {"constant_gbps": 5.0}, "2": {"constant_gbps": 8.0}}}},
+    ],
+}
+
+
+def tiny_archive() -> ProfileArchive:
+    """Profiles of tiny-gpt on G1 (mbs 1, 2; tp 1, 2) and G2 (twice as slow), memory at tp 1 and 2."""
+    a = ProfileArchive()
+    for gpu, slow in (("G1", 1.0), ("G2", 2.0)):
+        for mbs in (1, 2):
+            for tp in (1, 2):
+                times = np.column_stack([TINY_FWD * mbs * slow / tp, TINY_BWD * mbs * slow / tp,
+                                         np.full(TINY_L, TINY_UPDATE / tp)])
+                a.add(ComputeEntry("tiny-gpt", gpu, mbs, tp, times, {"source": "test"}))
+        a.add(OverheadEntry(gpu, {1: OVERHEAD, 2: OVERHEAD * 1.5}, {"source": "test"}))
+    for tp in (1, 2):
+        a.add(MemoryEntry("tiny-gpt", tp, np.column_stack([TINY_PARAMS / tp, TINY_OUT, TINY_OUT, TINY_ACT / tp]),
+                          {"source": "test"}))
+    return a
+
+
+@pytest.fixture(scope="session")
+def tiny_site() -> Site:
+    return load_site_dict(TINY_SITE, source="<tiny>")
+
+
+@pytest.fixture(scope="session")
+def tiny() -> ProfileArchive:
+    return tiny_archive()
+
+
+@pytest.fixture(scope="session")
+def clariden() -> Site:
+    return load_site(SITES / "clariden.toml")
+
+
+@pytest.fixture(scope="session")
+def mit() -> Site:
+    return load_site(SITES / "mit-mixed.toml")
+
+
+@pytest.fixture(scope="session")
+def a100v100() -> Site:
+    return load_site(SITES / "a100-v100.toml")
+
+
+@pytest.fixture(scope="session")
+def sailor_archive() -> ProfileArchive:
+    return open_archive()
+
+
+def validation_dir() -> Path:
+    if not VALIDATION.exists():
+        pytest.fail(f"Sailor's measured runs are expected at {VALIDATION} (shared/ beside the checkout)")
+    return VALIDATION

@@ -1,0 +1,64 @@
+"""Peak memory per GPU, component by component, on the tiny synthetic profile."""
+from __future__ import annotations
+
+import pytest
+
+from simulator.memory import ALLOCATOR_SLACK, in_flight, stage_memory
+from simulator.tables import ProfileTables
+from sailor_hpc.models import get_model
+from tests.simulator.conftest import OVERHEAD, TINY_ACT, TINY_PARAMS
+
+
+def table(tiny, tp=1):
+    return ProfileTables(tiny, get_model("tiny-gpt")).memory(tp)
+
+
+def test_in_flight_is_capped_by_micro_batches():
+    assert in_flight(0, 4, 16) == 4 and in_flight(3, 4, 16) == 1
+    assert in_flight(0, 8, 3) == 3  # Sailor charged P - s = 8 here
+
+
+def test_stage_memory_by_hand(tiny):
+    mem = table(tiny)
+    # stage 1 of 3 holding blocks 2..3, mbs 2, 10 micro-batches: 2 in flight
+    got = stage_memory(mem, 2, 3, stage=1, num_stages=3, mbs=2, micro_batches=10, dtype="fp32", optimizer="adam",
+                       recompute=False, input_bytes=1000.0, overhead=OVERHEAD)
+    params = TINY_PARAMS[2] + TINY_PARAMS[3]
+    acts = 2 * (2 * (TINY_ACT[2] + TINY_ACT[3]) + 1000.0)
+    working = 2 * TINY_ACT[2]
+    assert got.state == 16 * params
+    assert got.optimizer_temp == 4 * params
+    assert got.reduce_buffer == 4 * params
+    assert got.activations == pytest.approx(acts)
+    assert got.working == pytest.approx(working)
+    assert got.allocator_slack == pytest.approx(ALLOCATOR_SLACK * (acts + working))
+    assert got.total == pytest.approx(24 * params + (1 + ALLOCATOR_SLACK) * (acts + working) + OVERHEAD)
+
+
+def test_dtype_optimizer_and_recompute(tiny):
+    mem = table(tiny)
+    kw = dict(stage=0, num_stages=2, mbs=1, micro_batches=8, input_bytes=0.0, overhead=0.0)
+    fp32 = stage_memory(mem, 0, 2, dtype="fp32", optimizer="adam", recompute=False, **kw)
+    bf16 = stage_memory(mem, 0, 2, dtype="bf16", optimizer="adam", recompute=False, **kw)
+    sgd = stage_memory(mem, 0, 2, dtype="fp32", optimizer="sgd", recompute=False, **kw)
+    rec = stage_memory(mem, 0, 2, dtype="fp32", optimizer="adam", recompute=True, **kw)
+    params = TINY_PARAMS[:3].sum()
+    assert bf16.state == 18 * params and sgd.state == 12 * params and sgd.optimizer_temp == 0
+    assert bf16.activations == pytest.approx(fp32.activations / 2)  # profile in fp32, plan in bf16
+    # recomputation keeps only inputs (stage 0 has none) and one layer being recomputed
+    assert rec.activations == pytest.approx(TINY_ACT[1]) and rec.activations < fp32.activations
+
+
+def test_bucket_caps_the_reduce_buffer(tiny):
+    mem = table(tiny)
+    got = stage_memory(mem, 0, 5, stage=0, num_stages=1, mbs=1, micro_batches=1, dtype="fp32", optimizer="adam",
+                       recompute=False, input_bytes=0.0, overhead=0.0, bucket_elems=1000)
+    assert got.reduce_buffer == 4 * 1000
+
+
+def test_tp_halves_sharded_memory(tiny):
+    one = stage_memory(table(tiny, 1), 1, 4, stage=0, num_stages=1, mbs=1, micro_batches=1, dtype="fp32",
+                       optimizer="adam", recompute=False, input_bytes=0.0, overhead=0.0)
+    two = stage_memory(table(tiny, 2), 1, 4, stage=0, num_stages=1, mbs=1, micro_batches=1, dtype="fp32",
+                       optimizer="adam", recompute=False, input_bytes=0.0, overhead=0.0)
+    assert two.state == one.state / 2 and two.activations == pytest.approx(one.activations / 2)

@@ -1,0 +1,65 @@
+"""Prefix-sum tables and the errors for profile points the archive lacks."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sailor_hpc.archive import ComputeEntry
+from sailor_hpc.errors import SailorError
+from sailor_hpc.models import get_model
+from simulator.tables import ProfileTables
+from tests.simulator.conftest import TINY_FWD, TINY_PARAMS, TINY_UPDATE, tiny_archive
+
+
+def test_prefix_sums_equal_direct_sums(sailor_archive):
+    t = ProfileTables(sailor_archive, get_model("OPT-350M"))
+    c = t.compute("GH-96", 8, 4)
+    raw = sailor_archive.compute[("OPT-350M", "GH-96")][(8, 4)].times
+    for a, b in [(0, 25), (0, 4), (5, 11), (19, 25), (7, 7)]:
+        assert c.fwd(a, b) == pytest.approx(raw[a:b + 1, 0].sum(), rel=1e-12)
+        assert c.bwd(a, b) == pytest.approx(raw[a:b + 1, 1].sum(), rel=1e-12)
+    m = t.memory(4)
+    rows = sailor_archive.memory["OPT-350M"][4].table
+    assert m.params(5, 11) == pytest.approx(rows[5:12, 0].sum())
+    assert m.max_layer_act(19, 25) == rows[19:26, 3].max()
+
+
+def test_update_scales_with_the_stage_share_of_parameters(tiny):
+    t = ProfileTables(tiny, get_model("tiny-gpt"))
+    c = t.compute("G1", 1, 1)
+    profiled = TINY_PARAMS[0] + TINY_PARAMS[1] + TINY_PARAMS[2] + TINY_PARAMS[5]  # embedding, 2 blocks, tail
+    assert c.update_params == profiled
+    assert t.update_seconds(c, 0, 5) == pytest.approx(TINY_UPDATE * TINY_PARAMS.sum() / profiled)
+    assert c.fwd(1, 4) == pytest.approx(TINY_FWD[1:5].sum())
+
+
+def test_missing_point_names_the_entry_and_the_fix(tiny):
+    t = ProfileTables(tiny, get_model("tiny-gpt"))
+    with pytest.raises(SailorError) as exc:
+        t.compute("G1", 4, 1)
+    assert exc.value.field == "compute/tiny-gpt/G1/mbs4_tp1"
+    assert "sailor-hpc profile" in exc.value.fix and "mbs1/tp1" in exc.value.message
+    with pytest.raises(SailorError) as exc:
+        t.compute("G9", 1, 1)
+    assert "G9" in exc.value.message
+    with pytest.raises(SailorError) as exc:
+        t.memory(8)
+    assert exc.value.field == "memory/tiny-gpt/tp8"
+
+
+def test_failed_point_and_dtype_mismatch():
+    a = tiny_archive()
+    a.add(ComputeEntry("tiny-gpt", "G1", 8, 1, np.zeros((6, 3)), {}, status="failed", reason="CUDA out of memory"))
+    t = ProfileTables(a, get_model("tiny-gpt"))
+    with pytest.raises(SailorError, match="out of memory"):
+        t.compute("G1", 8, 1)
+    with pytest.raises(SailorError, match="bf16") as exc:
+        t.compute("G1", 1, 1, dtype="bf16")
+    assert "--dtype bf16" in exc.value.fix
+
+
+def test_malformed_entry_is_rejected():
+    a = tiny_archive()
+    a.add(ComputeEntry("tiny-gpt", "G1", 4, 1, np.ones((5, 3)), {}))
+    with pytest.raises(SailorError, match="shape"):
+        ProfileTables(a, get_model("tiny-gpt")).compute("G1", 4, 1)
