@@ -59,6 +59,20 @@ def _err(est: float | None, real: float | None) -> float | None:
     return None if est is None or real is None else abs(est - real) / real * 100
 
 
+def _tally(acc: dict[str, list[float]], what: str, excluded: str | None, ours: float | None,
+           sailor: float | None) -> str:
+    """Add one file's errors to the lists the means use; return the exclusion note (or "")."""
+    if sailor is not None:
+        acc["sailor_all"].append(sailor)
+    if excluded:
+        return f"{what} excluded: {excluded}"
+    if ours is not None:
+        acc["ours"].append(ours)
+        if sailor is not None:
+            acc["sailor"].append(sailor)
+    return ""
+
+
 def _mean(xs: list[float]) -> str:
     return f"{statistics.fmean(xs):5.1f}" if xs else "    -"
 
@@ -74,32 +88,18 @@ def main() -> None:
     for name, site_file, model, folder in SETS:
         site = load_site(ROOT / "site_configs" / site_file)
         report = validate_runs([val / folder], site, model, archive)
-        ours_t, sail_t, ours_m, sail_m, sail_t_all, sail_m_all = [], [], [], [], [], []
+        errs = {k: {"ours": [], "sailor": [], "sailor_all": []} for k in ("time", "memory")}
         for r in report.rows:
             rel = Path(r.file).resolve().relative_to(val.resolve()).as_posix()
             s_t, s_m = SAILOR.get(rel, (None, None))
             st, sm = _err(s_t, r.real_s), _err(s_m, r.real_mem_bytes)
-            notes = []
-            if st is not None:
-                sail_t_all.append(st)
-            if sm is not None:
-                sail_m_all.append(sm)
-            if r.time_excluded:
-                notes.append(f"time excluded: {r.time_excluded}")
-            elif r.time_err_pct is not None:
-                ours_t.append(r.time_err_pct)
-                if st is not None:
-                    sail_t.append(st)
-            if r.mem_excluded:
-                notes.append(f"memory excluded: {r.mem_excluded}")
-            elif r.mem_err_pct is not None:
-                ours_m.append(r.mem_err_pct)
-                if sm is not None:
-                    sail_m.append(sm)
+            notes = [_tally(errs["time"], "time", r.time_excluded, r.time_err_pct, st),
+                     _tally(errs["memory"], "memory", r.mem_excluded, r.mem_err_pct, sm)]
             fmt = lambda x: "      -" if x is None else f"{x:7.1f}"  # noqa: E731
             print(f"{rel:52s} {fmt(r.time_err_pct):>15s} {fmt(st)}   {fmt(r.mem_err_pct):>14s} {fmt(sm)}  "
-                  f"{'; '.join(notes)}")
-        summary.append((name, ours_t, sail_t, sail_t_all, ours_m, sail_m, sail_m_all))
+                  f"{'; '.join(n for n in notes if n)}")
+        t, m = errs["time"], errs["memory"]
+        summary.append((name, t["ours"], t["sailor"], t["sailor_all"], m["ours"], m["sailor"], m["sailor_all"]))
     print()
     print(f"{'set':18s} {'time ours':>9s} {'Sailor':>7s} {'(all)':>6s}   {'memory ours':>11s} {'Sailor':>7s} {'(all)':>6s}"
           "   mean |error| %, over the files each mean uses")

@@ -18,7 +18,7 @@ from sailor_hpc.models import ModelSpec, get_model
 from sailor_hpc.plan import Plan, Stage, place_plan, validate_plan
 from sailor_hpc.site import Site
 from simulator.cost import plan_cost_per_hour
-from simulator.iteration import Collective, IterationEnd, StageKey, finish_iteration, gradient_segments
+from simulator.iteration import Collective, IterationEnd, finish_iteration, gradient_segments
 from simulator.memory import (ALLOCATOR_SLACK, DEFAULT_BUCKET_ELEMS, GRAD_BYTES, StageMemory, in_flight,
                               stage_memory)
 from simulator.network import Endpoint, p2p_seconds, ring_allreduce_seconds
@@ -156,6 +156,43 @@ class StageEvaluator:
         return pipeline_schedule(F, B, act, grad, m)
 
 
+    # ------------------------------------------------------------------ whole iterations
+    def collectives(self, costs: Sequence[Sequence[StageCost]], ends: Sequence[Sequence[Endpoint]]) -> list[Collective]:
+        """Tied-embedding all-reduces, then one gradient all-reduce per segment (see :mod:`simulator.iteration`)."""
+        out: list[Collective] = []
+        L = self.model.num_pipeline_layers
+        elem = GRAD_BYTES[self.dtype]
+        if self.model.tied_embeddings:
+            for i, c in enumerate(costs):
+                if len(c) < 2:
+                    continue
+                first, last = c[0], c[-1]
+                nbytes = self.memory_table(last.tp).params(L - 1, L - 1) * elem  # what the last stage holds
+                secs = self.allreduce([ends[i][0], ends[i][-1]], [nbytes * last.tp / first.tp, nbytes], elem)
+                out.append(Collective("tied", ((i, 0), (i, len(c) - 1)), secs, 0, L - 1))
+        if len(costs) > 1:
+            for lo, hi, holders in gradient_segments([[(x.first, x.last) for x in c] for c in costs]):
+                eps = [ends[i][s] for i, s in holders]
+                per_gpu = [self.memory_table(costs[i][s].tp).params(lo, hi) * elem for i, s in holders]
+                out.append(Collective("grads", holders, self.allreduce(eps, per_gpu, elem), lo, hi))
+        return out
+
+    def iteration(self, costs: Sequence[Sequence[StageCost]], ends: Sequence[Sequence[Endpoint]],
+                  micro_batches: Sequence[int]) -> "IterationTiming":
+        """One iteration of several pipelines given their stages: schedules, collectives, optimizer steps.
+
+        What :func:`simulate` computes for a plan, for callers that hold per-stage numbers instead.
+        """
+        scheds, transfers = [], []
+        for c, e, m in zip(costs, ends, micro_batches):
+            act, grad = self.transfer_times(c, e)
+            transfers.append((act, grad))
+            scheds.append(pipeline_schedule([x.fwd_s for x in c], [x.bwd_s for x in c], act, grad, m))
+        colls = self.collectives(costs, ends)
+        flush = {(i, s): float(sch.finish[0, s]) for i, sch in enumerate(scheds) for s in range(sch.finish.shape[1])}
+        update = {(i, s): x.update_s for i, c in enumerate(costs) for s, x in enumerate(c)}
+        return IterationTiming(scheds, transfers, colls, finish_iteration(flush, colls, update))
+
     # ------------------------------------------------------------------ batches (vectorised)
     def score_batch(self, batch: "CandidateBatch") -> "BatchScores":
         """Time and memory of N single pipelines at once, straight from the prefix sums.
@@ -233,6 +270,18 @@ class BatchScores:
     steady_period: np.ndarray  # (N,) seconds per micro-batch in the steady state
     memory: np.ndarray  # (N, P) peak bytes per GPU of each stage
     fits: np.ndarray  # (N,) every stage within its GPU's memory
+
+
+@dataclass(frozen=True)
+class IterationTiming:
+    schedules: list[ScheduleResult]  # per pipeline
+    transfers: list[tuple[list[float], list[float]]]  # per pipeline: activation, gradient seconds per boundary
+    collectives: list[Collective]
+    end: IterationEnd
+
+    @property
+    def time_s(self) -> float:
+        return self.end.time_s
 
 
 # ---------------------------------------------------------------------- whole plans
@@ -336,12 +385,10 @@ class _Assembled:
     ev: StageEvaluator
     costs: list[list[StageCost]]
     ends: list[list[Endpoint]]
-    transfers: list[tuple[list[float], list[float]]]
-    collectives: list[Collective]
 
     @property
-    def update(self) -> dict[StageKey, float]:
-        return {(i, s): x.update_s for i, c in enumerate(self.costs) for s, x in enumerate(c)}
+    def micro_batches(self) -> list[int]:
+        return [p.num_micro_batches for p in self.plan.pipelines]
 
 
 def _assemble(plan: Plan, site: Site, archive: ProfileArchive | None, options: SimOptions | None) -> _Assembled:
@@ -349,14 +396,10 @@ def _assemble(plan: Plan, site: Site, archive: ProfileArchive | None, options: S
     archive = archive if archive is not None else open_archive(site=site)
     ev = StageEvaluator(archive, site, plan.model, dtype=plan.dtype, optimizer=plan.optimizer,
                         recompute=plan.recompute, options=options)
-    costs, ends, transfers = [], [], []
-    for pipe in plan.pipelines:
-        c = [ev.stage(s.gpu_type, s.tp, pipe.micro_batch_size, s.first_layer, s.last_layer) for s in pipe.stages]
-        e = [_endpoint(s) for s in pipe.stages]
-        costs.append(c)
-        ends.append(e)
-        transfers.append(ev.transfer_times(c, e))
-    return _Assembled(plan, ev, costs, ends, transfers, plan_collectives(ev, plan, costs, ends))
+    costs = [[ev.stage(s.gpu_type, s.tp, pipe.micro_batch_size, s.first_layer, s.last_layer) for s in pipe.stages]
+             for pipe in plan.pipelines]
+    ends = [[_endpoint(s) for s in pipe.stages] for pipe in plan.pipelines]
+    return _Assembled(plan, ev, costs, ends)
 
 
 def simulate(plan: Plan, site: Site, archive: ProfileArchive | None = None, *,
@@ -369,11 +412,8 @@ def simulate(plan: Plan, site: Site, archive: ProfileArchive | None = None, *,
     ``fits = False`` and the stages that overflow.
     """
     a = _assemble(plan, site, archive, options)
-    scheds = [pipeline_schedule([x.fwd_s for x in c], [x.bwd_s for x in c], act, grad, pipe.num_micro_batches)
-              for pipe, c, (act, grad) in zip(a.plan.pipelines, a.costs, a.transfers)]
-    flush = {(i, s): float(sch.finish[0, s]) for i, sch in enumerate(scheds) for s in range(sch.finish.shape[1])}
-    end = finish_iteration(flush, a.collectives, a.update)
-    return _result(a.plan, site, a.ev, a.costs, a.transfers, scheds, a.collectives, end)
+    timing = a.ev.iteration(a.costs, a.ends, a.micro_batches)
+    return _result(a.plan, site, a.ev, a.costs, timing)
 
 
 def plan_timeline(plan: Plan, site: Site, archive: ProfileArchive | None = None, *,
@@ -381,38 +421,16 @@ def plan_timeline(plan: Plan, site: Site, archive: ProfileArchive | None = None,
     """The per-rank events of one iteration, from the event-driven engine of :mod:`simulator.timeline`
     (same stage costs as :func:`simulate`, scheduled independently)."""
     a = _assemble(plan, site, archive, options)
+    transfers = [a.ev.transfer_times(c, e) for c, e in zip(a.costs, a.ends)]
+    update = {(i, s): x.update_s for i, c in enumerate(a.costs) for s, x in enumerate(c)}
     progs = build_programs([[x.fwd_s for x in c] for c in a.costs], [[x.bwd_s for x in c] for c in a.costs],
-                           [t[0] for t in a.transfers], [t[1] for t in a.transfers],
-                           [p.num_micro_batches for p in a.plan.pipelines], a.collectives, a.update)
+                           [t[0] for t in transfers], [t[1] for t in transfers], a.micro_batches,
+                           a.ev.collectives(a.costs, a.ends), update)
     return Timeline(tuple(run_programs(progs)))
 
 
-def plan_collectives(ev: StageEvaluator, plan: Plan, costs: Sequence[Sequence[StageCost]],
-                     ends: Sequence[Sequence[Endpoint]]) -> list[Collective]:
-    """Tied-embedding all-reduces, then one gradient all-reduce per segment (see :mod:`simulator.iteration`)."""
-    out: list[Collective] = []
-    model = ev.model
-    L = model.num_pipeline_layers
-    elem = GRAD_BYTES[ev.dtype]
-    if model.tied_embeddings:
-        for i, c in enumerate(costs):
-            if len(c) < 2:
-                continue
-            first, last = c[0], c[-1]
-            nbytes = ev.memory_table(last.tp).params(L - 1, L - 1) * elem
-            secs = ev.allreduce([ends[i][0], ends[i][-1]], [nbytes * last.tp / first.tp, nbytes], elem)
-            out.append(Collective("tied", ((i, 0), (i, len(c) - 1)), secs, 0, L - 1))
-    ranges = [[(x.first, x.last) for x in c] for c in costs]
-    if len(costs) > 1:
-        for lo, hi, holders in gradient_segments(ranges):
-            eps = [ends[i][s] for i, s in holders]
-            per_gpu = [ev.memory_table(costs[i][s].tp).params(lo, hi) * elem for i, s in holders]
-            out.append(Collective("grads", holders, ev.allreduce(eps, per_gpu, elem), lo, hi))
-    return out
-
-
-def _result(plan: Plan, site: Site, ev: StageEvaluator, costs, transfers, scheds, collectives,
-            end: IterationEnd) -> SimResult:
+def _result(plan: Plan, site: Site, ev: StageEvaluator, costs, timing: IterationTiming) -> SimResult:
+    scheds, transfers, collectives, end = timing.schedules, timing.transfers, timing.collectives, timing.end
     reports = []
     for i, (pipe, c) in enumerate(zip(plan.pipelines, costs)):
         act, grad = transfers[i]
@@ -452,4 +470,4 @@ def _result(plan: Plan, site: Site, ev: StageEvaluator, costs, transfers, scheds
 
 
 __all__ = ["SimOptions", "StageCost", "StageEvaluator", "CandidateBatch", "BatchScores", "StageReport", "SimResult", "simulate", "plan_timeline",
-           "prepare_plan", "plan_collectives"]
+           "prepare_plan", "IterationTiming"]
