@@ -203,7 +203,7 @@ def write_gantt(timeline: Timeline, path: str | Path, title: str = "") -> None:
 
     ranks = sorted({(e.pipeline, e.stage) for e in timeline.events})
     row = {k: n for n, k in enumerate(ranks)}
-    fig, ax = plt.subplots(figsize=(12, max(2.0, 0.35 * len(ranks) + 1.2)))
+    fig, ax = plt.subplots(figsize=(14, max(2.6, 0.35 * len(ranks) + 1.2)))
     for e in timeline.events:
         if e.end <= e.start:
             continue
@@ -216,8 +216,8 @@ def write_gantt(timeline: Timeline, path: str | Path, title: str = "") -> None:
     kinds = ["fwd", "bwd", "send_act", "send_grad", "tied", "grads", "optimizer"]
     labels = ["forward", "backward", "activation transfer", "gradient transfer", "tied-embedding all-reduce",
               "gradient all-reduce", "optimizer"]
-    ax.legend(handles=[Patch(color=COLORS[k], label=lab) for k, lab in zip(kinds, labels)], loc="upper center",
-              bbox_to_anchor=(0.5, -0.12), ncol=4, fontsize=8, frameon=False)
+    ax.legend(handles=[Patch(color=COLORS[k], label=lab) for k, lab in zip(kinds, labels)], loc="upper left",
+              bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     fig.tight_layout()
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp.png")
