@@ -65,11 +65,21 @@ class SearchResult:
     allocations_scored: int
     plans_simulated: int
     rejected: dict[str, int] = field(default_factory=dict)
+    simulated: list[Candidate] = field(default_factory=list)  # every plan simulated that fits in memory
 
 
 @dataclass
 class SearchSettings:
+    """Knobs of the search's heuristics. Small problems are searched exhaustively: every template when a
+    partition has at most ``exhaustive_templates`` shapes, every (template, copies) option of a partition
+    while there are at most ``exhaustive_options`` (else the ``templates_per_partition`` best templates
+    and the best of each micro-batch size), every allocation simulated when there are at most
+    ``exhaustive_allocations``, and the beam keeps everything while it is narrower than ``beam``."""
+
     templates_per_partition: int = 4
+    exhaustive_templates: int = 600
+    exhaustive_options: int = 150
+    exhaustive_allocations: int = 64
     beam: int = 48
     simulate_top: int = 12
     max_stages: int = 16
@@ -123,25 +133,29 @@ def search(site: Site, archive: ProfileArchive, request: PlanRequest, *, setting
         for mbs in usable:
             builder.tps = sorted(t for t in tps if (mbs, t) in points)
             templates += build_templates(builder, [mbs], sailor_shape=request.space == "sailor",
-                                         keep=settings.templates_per_partition)
+                                         keep=settings.templates_per_partition,
+                                         exhaustive_limit=settings.exhaustive_templates // max(1, len(usable)))
         # rank templates by what they achieve alone on this partition (flush at the micro-batch count
         # that the partition's GPUs leave them, plus their sync tail): the bubble and the sync matter
         # as much as the steady-state period
+        templates = [t for t in templates if t.gpus <= gpus]
         templates.sort(key=lambda t: (alone(t, gpus), t.gpus, t.key))
-        if request.space != "sailor":
+        options = [(t, n) for t in templates for n in copy_counts(gpus // t.gpus, gbs // t.mbs)]
+        if len(options) > settings.exhaustive_options:
             keep = templates[:settings.templates_per_partition]
             keep += [t for t in templates if t not in keep and t is next(x for x in templates if x.mbs == t.mbs)]
-            templates = keep
-        options = [(t, n) for t in templates for n in copy_counts(gpus // t.gpus, gbs // t.mbs)]
+            options = [(t, n) for t in keep for n in copy_counts(gpus // t.gpus, gbs // t.mbs)]
         if options:
             per_part.append(options)
     if not per_part:
         raise SailorError(f"no partition of site {site.name!r} can run {model.name}", file=site.source,
                           field="partitions", fix="check the available GPUs and that the archive has profiles "
                                                   f"of {model.name} for the site's GPU types (sailor-hpc profiles list)")
-    allocations, scored = _combine(per_part, request, site, tails, progress)
-    result = _simulate_best(site, archive, request, allocations, settings)
-    return SearchResult(request, result[0], time.perf_counter() - t0, scored, result[1], result[2])
+    allocations, scored = _combine(per_part, request, site, tails, progress, settings)
+    best, simulated, rejected, fitting = _simulate_best(site, archive, request, allocations, settings)
+    if not best:
+        raise _infeasible(request, site, rejected, fitting, scored)
+    return SearchResult(request, best, time.perf_counter() - t0, scored, simulated, rejected, fitting)
 
 
 def _gpu_cost(site: Site, options: tuple[Option, ...]) -> tuple[int, float]:
@@ -202,12 +216,12 @@ def _evaluate(options: tuple[Option, ...], request: PlanRequest, site: Site, tai
 
 
 def _combine(per_part: list[list[Option]], request: PlanRequest, site: Site, tails: Tails,
-             progress: Progress | None) -> tuple[list[Allocation], int]:
+             progress: Progress | None, settings: SearchSettings) -> tuple[list[Allocation], int]:
     """Beam search over partitions (each: skip it, or one of its options)."""
     obj, gbs = request.objective, request.global_batch_size
     beam: list[tuple[Option, ...]] = [()]
     scored: dict[tuple, Allocation] = {}
-    total = sum(len(o) for o in per_part) * 48 + 1
+    total = sum(len(o) for o in per_part) * (settings.beam + 1) + 1
     done = 0
     for k, options in enumerate(per_part):
         nxt: list[tuple[Allocation | None, tuple[Option, ...]]] = []
@@ -227,7 +241,7 @@ def _combine(per_part: list[list[Option]], request: PlanRequest, site: Site, tai
             if progress is not None:
                 progress(done, total)
         nxt.sort(key=lambda ac: (ac[0].score(obj, gbs), ac[0].gpus, tuple((t.key, n) for t, n in ac[1])))
-        width = 48 if k < len(per_part) - 1 else len(nxt)
+        width = settings.beam if k < len(per_part) - 1 else len(nxt)
         beam = [combo for _, combo in nxt[:width]]
         if k < len(per_part) - 1:
             beam = [()] + beam  # later partitions may also run alone
@@ -247,23 +261,27 @@ def to_plan(alloc: Allocation, request: PlanRequest) -> Plan:
 
 
 def _simulate_best(site: Site, archive: ProfileArchive, request: PlanRequest, allocations: list[Allocation],
-                   settings: SearchSettings) -> tuple[list[Candidate], int, dict[str, int]]:
+                   settings: SearchSettings) -> tuple[list[Candidate], int, dict[str, int], list[Candidate]]:
     c = request.constraints
     rejected: dict[str, int] = {}
     out: list[Candidate] = []
+    fitting: list[Candidate] = []
     simulated = 0
     per_set: dict[tuple, int] = {}
+    exhaustive = len(allocations) <= settings.exhaustive_allocations
     for alloc in allocations:
-        if simulated >= settings.simulate_top and len(out) >= max(1, request.top_k):
+        if not exhaustive and simulated >= settings.simulate_top and len(out) >= max(1, request.top_k):
             break
         family = tuple(t.key for t, _ in alloc.options)
-        if per_set.get(family, 0) >= 3 and simulated >= settings.simulate_top:
+        if not exhaustive and per_set.get(family, 0) >= 3 and simulated >= settings.simulate_top:
             continue
         per_set[family] = per_set.get(family, 0) + 1
         plan = place_plan(to_plan(alloc, request), site)
         res = simulate(plan, site, archive)
         simulated += 1
         reason = None
+        if res.fits:
+            fitting.append(Candidate(plan, res))
         if not res.fits:
             reason = "memory"
         elif c.min_throughput is not None and res.throughput_samples_per_s < c.min_throughput:
@@ -277,4 +295,28 @@ def _simulate_best(site: Site, archive: ProfileArchive, request: PlanRequest, al
     key = ((lambda x: (-x.throughput, x.result.cost_per_hour)) if request.objective == "throughput"
            else (lambda x: (x.result.cost_per_iteration / request.global_batch_size, -x.throughput)))
     out.sort(key=key)
-    return out, simulated, rejected
+    return out, simulated, rejected, fitting
+
+
+def _infeasible(request: PlanRequest, site: Site, rejected: dict[str, int], fitting: list[Candidate],
+                scored: int) -> SailorError:
+    """Explain why no plan met the request: the constraint that cut the most, with the closest value."""
+    c = request.constraints
+    if not scored:
+        limits = ", ".join(f"{k}={v}" for k, v in (("max_gpus", c.max_gpus), ("max_cost_per_hour", c.max_cost_per_hour))
+                           if v is not None)
+        return SailorError(f"no allocation fits the GPU limits ({limits or 'the available GPUs'})",
+                           field="--max-gpus/--max-cost-per-hour",
+                           fix="raise the limit, or make more GPUs available")
+    if fitting and rejected.get("min_throughput"):
+        best = max(x.throughput for x in fitting)
+        return SailorError(f"the fastest plan found reaches {best:.1f} samples/s, below --min-throughput "
+                           f"{c.min_throughput}", field="--min-throughput",
+                           fix="lower it, or allow more GPUs / a higher budget")
+    if fitting and rejected.get("max_cost_per_iteration"):
+        cheapest = min(x.result.cost_per_iteration for x in fitting)
+        return SailorError(f"the cheapest plan found costs {cheapest:.4g} {site.cost_unit} per iteration, above "
+                           f"--max-cost-per-iteration {c.max_cost_per_iteration}", field="--max-cost-per-iteration",
+                           fix="raise it, or lower the global batch")
+    return SailorError(f"no plan of {request.model} fits in GPU memory on the available GPUs",
+                       field="--available", fix="make GPUs with more memory available, or a smaller model/batch")

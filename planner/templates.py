@@ -13,6 +13,7 @@ differ in TP where memory asks for it. All numbers come from :class:`simulator.S
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -167,6 +168,24 @@ class TemplateBuilder:
             out.append((tuple(stages), best[P][0]))
         return out
 
+    def enumerate_all(self, mbs_values: list[int], limit: int) -> list[tuple[int, tuple]] | None:
+        """Every (mbs, stages) whose stages fit in memory and in one node, or None if more than ``limit``."""
+        L, n = self.L, self.part.gpus_per_node
+        shapes = sum(math.comb(L - 1, P - 1) * len(self.tps) ** P for P in range(1, self.max_stages + 1))
+        if shapes * len(mbs_values) > limit:
+            return None
+        out = []
+        for mbs in mbs_values:
+            for P in range(1, self.max_stages + 1):
+                for cuts in itertools.combinations(range(1, L), P - 1):
+                    bounds = list(zip((0, *cuts), (*[c - 1 for c in cuts], L - 1)))
+                    for tps in itertools.product(self.tps, repeat=P):
+                        if sum(tps) > n * self.part.nodes:
+                            continue
+                        if all(self._fits_mem(mbs, tp, i, j, P - s) for s, ((i, j), tp) in enumerate(zip(bounds, tps))):
+                            out.append((mbs, tuple((i, j, tp) for (i, j), tp in zip(bounds, tps))))
+        return out
+
     def uniform(self, mbs: int) -> list[tuple[tuple[int, int, int], ...]]:
         """Sailor's shape for every P: uniform split, each stage at the smallest TP that fits."""
         out = []
@@ -223,9 +242,15 @@ def uniform_split(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
 
 
 def build_templates(builder: TemplateBuilder, mbs_values: list[int], *, sailor_shape: bool,
-                    keep: int) -> list[Template]:
-    """Candidate templates of one partition: Sailor's uniform splits for every P, and the DP's splits
-    (every P and TP policy) of which the ``3 * keep`` best by steady-state efficiency are kept."""
+                    keep: int, exhaustive_limit: int = 0) -> list[Template]:
+    """Candidate templates of one partition: every feasible split and TP vector when there are at most
+    ``exhaustive_limit`` of them (small models, small nodes); otherwise Sailor's uniform splits for
+    every P and the DP's splits (every P and TP policy), of which the ``3 * keep`` best by steady-state
+    efficiency are kept."""
+    every = builder.enumerate_all(mbs_values, exhaustive_limit)
+    if every is not None:  # small enough to try every split and TP vector
+        return sorted((builder.finish(mbs, stages) for mbs, stages in every),
+                      key=lambda t: (-t.efficiency(), t.gpus, t.key))
     found: dict[tuple, float] = {}
     for mbs in mbs_values:
         for stages in builder.uniform(mbs):  # Sailor's shape, also a candidate of the full space

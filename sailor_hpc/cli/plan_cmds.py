@@ -24,11 +24,41 @@ def describe_plan(plan: Plan) -> str:
 
 
 @main.group(name="plan", invoke_without_command=True)
+@click.option("--site", "site_file", type=click.Path(dir_okay=False, path_type=Path), help="Site TOML.")
+@click.option("--model", "model_name", help="Model (catalog name or Sailor alias).")
+@click.option("--profiles", "archive_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Profile archive (default: $SAILOR_PROFILES, the site's, then the embedded one).")
+@click.option("--gbs", type=int, default=None, help="Global batch size (default: 1024).")
+@click.option("--seq-len", type=int, default=None, help="Sequence length (default: the model's).")
+@click.option("--objective", type=click.Choice(["throughput", "cost"]), default="throughput", show_default=True)
+@click.option("--max-cost-per-hour", type=float, default=None, help="In the site's cost unit.")
+@click.option("--max-cost-per-iteration", type=float, default=None, help="In the site's cost unit.")
+@click.option("--min-throughput", type=float, default=None, help="Samples per second.")
+@click.option("--max-gpus", type=int, default=None)
+@click.option("--available", default="site", show_default=True,
+              help="'site' (every GPU of the site), 'live' (whole idle nodes from sinfo) or "
+                   "'PART=GPUS,PART=GPUS'.")
+@click.option("--space", type=click.Choice(["full", "sailor", "homogeneous"]), default="full", show_default=True,
+              help="Search space: everything, Sailor's plan shape, or one partition.")
+@click.option("--top", "top_k", type=int, default=5, show_default=True, help="Plans to show.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write the best plan here.")
+@click.option("--pareto", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Plot the cost-throughput front of the simulated plans (PNG).")
+@json_option
 @click.pass_context
-def plan_group(ctx: click.Context) -> None:
-    """Plans: validate one (and, with the planner, search for the best)."""
-    if ctx.invoked_subcommand is None:
-        click.echo(ctx.get_help())
+def plan_group(ctx: click.Context, site_file: Path | None, model_name: str | None, **opts: object) -> None:
+    """Search the best plans (sailor-hpc plan --site S --model M ...), or `plan validate`."""
+    if ctx.invoked_subcommand is not None:
+        return
+    if site_file is None or model_name is None:
+        if site_file is None and model_name is None:
+            click.echo(ctx.get_help())
+            return
+        raise click.UsageError("plan needs both --site and --model")
+    from sailor_hpc.cli.planning import run_planner
+
+    run_planner(site_file, model_name, **opts)
 
 
 @plan_group.command("validate")

@@ -1,0 +1,121 @@
+"""The work behind ``sailor-hpc plan --site ... --model ...`` (kept out of the option declarations)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from sailor_hpc.cli.output import echo_json, human_bytes, table
+from sailor_hpc.errors import SailorError
+from sailor_hpc.site import Site, load_site
+
+DEFAULT_GBS = 1024
+
+
+def parse_available(spec: str, site: Site) -> dict[str, int]:
+    """GPUs per partition the planner may use."""
+    if spec == "site":
+        return {}
+    if spec == "live":
+        from sailor_hpc.slurm.discover import live_availability
+
+        live = live_availability()
+        return {p.name: live.get(p.name, {}).get("nodes_idle", 0) * p.gpus_per_node for p in site.partitions}
+    out: dict[str, int] = {}
+    for item in spec.split(","):
+        name, _, count = item.partition("=")
+        if not count.strip().isdigit():
+            raise SailorError(f"{item!r} is not PART=GPUS", field="--available",
+                              fix="use 'site', 'live' or e.g. 'a100=64,v100=128'")
+        site.partition(name.strip())
+        out[name.strip()] = int(count)
+    return out
+
+
+def run_planner(site_file: Path, model_name: str, *, archive_path: Path | None, gbs: int | None,
+                seq_len: int | None, objective: str, max_cost_per_hour: float | None,
+                max_cost_per_iteration: float | None, min_throughput: float | None, max_gpus: int | None,
+                available: str, space: str, top_k: int, output: Path | None, pareto: Path | None,
+                as_json: bool) -> None:
+    from planner import Constraints, PlanRequest, search
+    from sailor_hpc.archive import open_archive
+
+    site = load_site(site_file)
+    archive = open_archive(archive_path, site)
+    request = PlanRequest(model=model_name, global_batch_size=gbs or DEFAULT_GBS, objective=objective,
+                          constraints=Constraints(max_cost_per_hour, max_cost_per_iteration, min_throughput, max_gpus),
+                          available=parse_available(available, site), seq_len=seq_len, space=space, top_k=top_k)
+    bar = _ProgressBar() if not as_json and sys.stderr.isatty() else None
+    try:
+        result = search(site, archive, request, progress=bar)
+    finally:
+        if bar is not None:
+            bar.close()
+    best = result.candidates[0]
+    if output is not None:
+        best.plan.save(output)
+    if pareto is not None:
+        from planner.pareto import plot_pareto
+
+        plot_pareto(result, pareto, site.cost_unit)
+    shown = result.candidates[:top_k]
+    if as_json:
+        echo_json({"plans": [_plan_json(c) for c in shown], "search_time_s": result.search_time_s,
+                   "allocations_scored": result.allocations_scored, "plans_simulated": result.plans_simulated,
+                   "output": str(output) if output else None})
+        return
+    click.echo(f"{request.model} on {site.name}: global batch {request.global_batch_size}, objective "
+               f"{objective}, space {space}; searched in {result.search_time_s:.2f} s "
+               f"({result.allocations_scored} allocations scored, {result.plans_simulated} plans simulated)")
+    click.echo(table(("#", "GPUs", "pipelines", "stages", "TP", "mbs x micro-batches", "iteration s",
+                      "samples/s", "peak mem / capacity", f"{site.cost_unit}/hour"),
+                     [_plan_row(i, c) for i, c in enumerate(shown)]))
+    if output is not None:
+        click.echo(f"best plan written to {output}")
+
+
+def _plan_json(c: Any) -> dict[str, Any]:
+    r = c.result
+    return {"plan": c.plan.to_dict(), "iteration_time_s": r.iteration_time_s,
+            "throughput_samples_per_s": r.throughput_samples_per_s, "tokens_per_s": r.tokens_per_s,
+            "cost_per_hour": r.cost_per_hour, "cost_per_iteration": r.cost_per_iteration,
+            "peak_memory_bytes": r.peak_memory_bytes, "gpus": c.plan.gpus_by_type()}
+
+
+def _plan_row(i: int, c: Any) -> tuple:
+    plan, r = c.plan, c.result
+    shapes: dict[tuple, int] = {}
+    for p in plan.pipelines:
+        key = (p.stages[0].gpu_type, len(p.stages), "/".join(str(s.tp) for s in p.stages), p.micro_batch_size)
+        shapes[key] = shapes.get(key, 0) + 1
+    stages = ", ".join(f"{n}x {g}" for (g, _, _, _), n in shapes.items())
+    micro = sorted({(p.micro_batch_size, p.num_micro_batches) for p in plan.pipelines})
+    cap = max(s.capacity_bytes for s in r.stages)
+    return (i + 1, " + ".join(f"{n} {g}" for g, n in plan.gpus_by_type().items()), stages,
+            ",".join(sorted({str(k[1]) for k in shapes})), ",".join(sorted({k[2] for k in shapes})),
+            " ".join(f"{b}x{m}" for b, m in micro[:4]) + (" ..." if len(micro) > 4 else ""),
+            f"{r.iteration_time_s:.3f}", f"{r.throughput_samples_per_s:.1f}",
+            f"{human_bytes(r.peak_memory_bytes)} / {human_bytes(cap)}", f"{r.cost_per_hour:.2f}")
+
+
+class _ProgressBar:
+    """A click progress bar fed by the search's (done, total) callbacks."""
+
+    def __init__(self) -> None:
+        self._bar: Any = None
+        self._shown = 0
+
+    def __call__(self, done: int, total: int) -> None:
+        if self._bar is None:
+            self._bar = click.progressbar(length=total, label="searching", file=sys.stderr)
+            self._bar.__enter__()
+        step = min(done, total) - self._shown
+        if step > 0:
+            self._bar.update(step)
+            self._shown += step
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.__exit__(None, None, None)
