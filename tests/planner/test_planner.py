@@ -1,0 +1,115 @@
+"""Planner behaviour: monotonicity, constraints, infeasible requests, determinism, the CLI."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from planner import Constraints, PlanRequest, search
+from sailor_hpc.archive import open_archive
+from sailor_hpc.errors import SailorError
+from sailor_hpc.plan import load_plan, validate_plan
+from sailor_hpc.site import load_site
+from tests.planner.conftest import small_site
+
+REPO = Path(__file__).resolve().parents[2]
+LAB = REPO / "site_configs" / "local-lab.toml"
+
+
+@pytest.fixture(scope="module")
+def lab():
+    return load_site(LAB)
+
+
+@pytest.fixture(scope="module")
+def archive(lab):
+    return open_archive(site=lab)
+
+
+def best_throughput(site, archive, **kw) -> float:
+    return search(site, archive, PlanRequest("OPT-350M", 32, **kw)).candidates[0].throughput
+
+
+def test_more_gpus_never_lower_throughput(lab, archive) -> None:
+    values = [best_throughput(lab, archive, available={"a100": a, "v100": v})
+              for a, v in ((1, 0), (2, 0), (4, 0), (4, 4), (8, 8), (8, 16))]
+    assert all(b >= a * (1 - 1e-9) for a, b in zip(values, values[1:])), values
+    assert values[-1] > values[0]
+
+
+def test_more_budget_never_worse(lab, archive) -> None:
+    values = [best_throughput(lab, archive, constraints=Constraints(max_cost_per_hour=b)) for b in (1, 2, 4, 8, 16)]
+    assert all(b >= a * (1 - 1e-9) for a, b in zip(values, values[1:])), values
+    assert values[-1] > values[0]
+
+
+def test_constraints_are_met(lab, archive) -> None:
+    r = search(lab, archive, PlanRequest("OPT-350M", 32, constraints=Constraints(max_gpus=3)))
+    assert all(c.plan.num_gpus <= 3 for c in r.candidates)
+    r = search(lab, archive, PlanRequest("OPT-350M", 32, constraints=Constraints(max_cost_per_hour=2.5)))
+    assert all(c.result.cost_per_hour <= 2.5 for c in r.candidates)
+    floor = r.candidates[0].throughput * 0.5
+    cheap = search(lab, archive, PlanRequest("OPT-350M", 32, objective="cost", constraints=Constraints(min_throughput=floor)))
+    assert all(c.throughput >= floor for c in cheap.candidates)
+    for c in r.candidates + cheap.candidates:
+        validate_plan(c.plan, lab)  # placed, every invariant holds
+        assert c.result.fits
+
+
+def test_cost_objective_is_cheaper_per_sample(lab, archive) -> None:
+    fast = search(lab, archive, PlanRequest("OPT-350M", 32)).candidates[0].result
+    cheap = search(lab, archive, PlanRequest("OPT-350M", 32, objective="cost")).candidates[0].result
+    assert cheap.cost_per_iteration <= fast.cost_per_iteration
+    assert fast.throughput_samples_per_s >= cheap.throughput_samples_per_s
+
+
+def test_infeasible_requests_name_the_tightest_constraint(lab, archive) -> None:
+    with pytest.raises(SailorError) as info:
+        search(lab, archive, PlanRequest("OPT-350M", 32, constraints=Constraints(min_throughput=1e9)))
+    assert info.value.field == "--min-throughput" and "fastest plan found reaches" in info.value.message
+    with pytest.raises(SailorError) as info:
+        search(lab, archive, PlanRequest("OPT-350M", 32, constraints=Constraints(max_cost_per_hour=0.1)))
+    assert "GPU limits" in info.value.message
+    with pytest.raises(SailorError, match="no partition"):
+        search(lab, archive, PlanRequest("OPT-350M", 32, available={"a100": 0, "v100": 0}))
+    with pytest.raises(SailorError, match="unknown model"):
+        search(lab, archive, PlanRequest("GPT-7", 32))
+
+
+def test_deterministic(tiny_archive) -> None:
+    site = small_site(2, 2)
+    runs = [search(site, tiny_archive, PlanRequest("tiny-gpt", 32)) for _ in range(2)]
+    assert [c.plan.to_json() for c in runs[0].candidates] == [c.plan.to_json() for c in runs[1].candidates]
+
+
+def test_sailor_space_is_within_the_full_space(lab, archive) -> None:
+    full = search(lab, archive, PlanRequest("OPT-350M", 64)).candidates[0]
+    sailor = search(lab, archive, PlanRequest("OPT-350M", 64, space="sailor")).candidates[0]
+    homo = search(lab, archive, PlanRequest("OPT-350M", 64, space="homogeneous")).candidates[0]
+    assert full.throughput >= sailor.throughput * (1 - 1e-9)
+    assert full.throughput >= homo.throughput * (1 - 1e-9)
+    assert len({p.micro_batch_size for p in sailor.plan.pipelines}) == 1
+    assert len({p.num_micro_batches for p in sailor.plan.pipelines}) == 1
+    assert len(homo.plan.gpus_by_partition()) == 1
+
+
+def test_cli_plan_json_and_output(tmp_path: Path) -> None:
+    exe = shutil.which("sailor-hpc", path=str(Path(sys.executable).parent)) or "sailor-hpc"
+    out = subprocess.run([exe, "plan", "--site", str(LAB), "--model", "OPT-350", "--gbs", "32", "--json",
+                          "-o", str(tmp_path / "best.json"), "--pareto", str(tmp_path / "front.png")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert {"plans", "search_time_s"} <= set(data)
+    first = data["plans"][0]
+    assert {"plan", "iteration_time_s", "throughput_samples_per_s", "cost_per_hour", "peak_memory_bytes"} <= set(first)
+    plan = load_plan(tmp_path / "best.json", site=load_site(LAB))
+    assert plan.to_dict()["pipelines"] == first["plan"]["pipelines"]
+    assert (tmp_path / "front.png").read_bytes()[:4] == b"\x89PNG"
+    bad = subprocess.run([exe, "plan", "--site", str(LAB), "--model", "OPT-350", "--available", "a100=x"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--available" in bad.stderr
