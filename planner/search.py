@@ -78,9 +78,9 @@ class SearchSettings:
 
     templates_per_partition: int = 4
     exhaustive_templates: int = 600
-    exhaustive_options: int = 150
+    exhaustive_options: int = 40
     exhaustive_allocations: int = 64
-    beam: int = 48
+    beam: int = 24
     simulate_top: int = 12
     max_stages: int = 16
 
@@ -170,7 +170,7 @@ class Tails:
     template, capped at ``copies``: exact for small allocations; larger ones reuse the capped ring (a ring
     all-reduce grows slowly with its size). The plans finally returned are simulated whole."""
 
-    def __init__(self, site: Site, archive: ProfileArchive, request: PlanRequest, copies: int = 16) -> None:
+    def __init__(self, site: Site, archive: ProfileArchive, request: PlanRequest, copies: int = 8) -> None:
         self.site, self.archive, self.request, self.copies = site, archive, request, copies
         self._cache: dict[tuple, float] = {}
 
