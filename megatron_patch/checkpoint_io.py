@@ -1,0 +1,162 @@
+"""Saving and loading checkpoints from a running plan (and in one process), the torch side.
+
+Ownership: pipeline layer ``l`` is written by pipeline ``l % num_pipelines`` (spreading the writes),
+by TP rank 0 of the stage holding it, after gathering the stage's TP shards; every tensor therefore
+has exactly one writer. Tensors are stored full, fp32 (the optimizer's master copy) and with the real
+vocabulary only (padding rows are zero by construction, P6), so any plan, or a single process, can
+slice what it needs. Loading reads only the files of this rank's layers.
+"""
+from __future__ import annotations
+
+import base64
+import io
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_patch import checkpoint as ck
+from megatron_patch.layout import ParamInfo, full_of, shard_of
+from megatron_patch.patch import megatron_version
+
+if TYPE_CHECKING:
+    from megatron_patch.engine import Trainer
+
+FIELDS = ("param", "exp_avg", "exp_avg_sq")
+
+
+def layer_file(layer: int) -> str:
+    return f"layer_{layer:03d}.pt"
+
+
+def owner_pipeline(layer: int, num_pipelines: int) -> int:
+    return layer % num_pipelines
+
+
+def _trim(t: torch.Tensor, info: ParamInfo, vocab: int) -> torch.Tensor:
+    return t if info.vocab_dim is None else t.narrow(info.vocab_dim, 0, vocab)
+
+
+def _pad(t: torch.Tensor, info: ParamInfo) -> torch.Tensor:
+    if info.vocab_dim is None or t.shape[info.vocab_dim] == info.shape[info.vocab_dim]:
+        return t
+    pad = list(t.shape)
+    pad[info.vocab_dim] = info.shape[info.vocab_dim] - t.shape[info.vocab_dim]
+    return torch.cat([t, torch.zeros(pad, dtype=t.dtype)], dim=info.vocab_dim)
+
+
+def rng_to_json() -> str:
+    return base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()
+
+
+def rng_from_json(text: str) -> None:
+    import numpy as np
+    torch.set_rng_state(torch.from_numpy(np.frombuffer(base64.b64decode(text), dtype=np.uint8).copy()))
+
+
+def save(trainer: "Trainer", root: str, keep: int = 3) -> str:
+    """Collective over all ranks of the plan: write a complete checkpoint of the trainer's state."""
+    t = trainer
+    rank, role = t.rank, t.role
+    tmp = ck.tmp_dir(root, t.step)
+    if rank == 0:
+        ck.start_tmp(root, t.step)
+    dist.barrier()
+    files: dict[str, dict[str, Any]] = {}
+    params: dict[str, dict[str, Any]] = {}
+    tp_group = t.pgc.tp
+    n_pipes = len(t.plan.pipelines)
+    vocab = t.spec.vocab_size
+    for layer in role.layers:
+        if owner_pipeline(layer, n_pipes) != role.pipeline:
+            continue
+        entries: dict[str, dict[str, torch.Tensor]] = {}
+        for info in (i for i in t.layout if i.layer == layer):
+            state = t.optimizer.state_of(info.name)
+            full: dict[str, torch.Tensor] = {}
+            for key in FIELDS:
+                local = state[key].detach().float().cpu().contiguous()
+                if info.shard_dim is not None and role.tp > 1:
+                    shards = [torch.empty_like(local) for _ in range(role.tp)]
+                    dist.all_gather(shards, local, group=tp_group)
+                    local = full_of(shards, info)
+                full[key] = _trim(local, info, vocab).clone()
+            entries[info.name] = full
+            params[info.name] = {"file": layer_file(layer), "shape": list(full["param"].shape)}
+        if role.tp_rank == 0:
+            buf = io.BytesIO()
+            torch.save(entries, buf)
+            data = buf.getvalue()
+            with open(tmp / layer_file(layer), "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            files[layer_file(layer)] = {"bytes": len(data), "sha256": ck.sha256_bytes(data), "layer": layer}
+    gathered: list[Any] = [None] * t.world if rank == 0 else []
+    dist.gather_object((files, params if role.tp_rank == 0 else {}), gathered if rank == 0 else None, dst=0)
+    final = ""
+    if rank == 0:
+        all_files: dict[str, Any] = {}
+        all_params: dict[str, Any] = {}
+        for f, p in gathered:
+            all_files.update(f)
+            all_params.update(p)
+        manifest = {
+            "step": t.step, "consumed_samples": t.consumed_samples, "global_batch_size": t.plan.global_batch_size,
+            "adam_steps": t.optimizer.adam_steps(), "seed": t.opts.seed, "model": t.spec.name,
+            "vocab_size": vocab, "dtype": t.plan.dtype, "plan": t.plan.to_dict(),
+            "megatron_core": megatron_version(), "torch": torch.__version__,
+            "rng": {"torch_cpu": rng_to_json()}, "files": all_files, "params": all_params,
+        }
+        final = str(ck.publish(tmp, manifest))
+        ck.prune(root, keep)
+    out = [final]
+    dist.broadcast_object_list(out, src=0)
+    return out[0]
+
+
+class CheckpointReader:
+    """Reads a verified checkpoint's tensors by Megatron name (one file per layer, cached)."""
+
+    def __init__(self, path: str, deep: bool = True) -> None:
+        self.path = ck.resolve(path, deep=deep)
+        self.manifest = ck.read_manifest(self.path)
+        self._files: dict[str, dict[str, dict[str, torch.Tensor]]] = {}
+
+    def names(self) -> list[str]:
+        return list(self.manifest["params"])
+
+    def tensors(self, name: str) -> dict[str, torch.Tensor]:
+        """``{"param", "exp_avg", "exp_avg_sq"}`` full fp32 tensors (real vocabulary only)."""
+        try:
+            fname = self.manifest["params"][name]["file"]
+        except KeyError:
+            raise ck.CheckpointError(f"checkpoint has no parameter {name!r}", file=self.path) from None
+        if fname not in self._files:
+            self._files[fname] = torch.load(self.path / fname, map_location="cpu", weights_only=True)
+        return self._files[fname][name]
+
+    def full_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Every parameter, full: what a single process needs."""
+        return {n: self.tensors(n) for n in self.names()}
+
+
+def load(trainer: "Trainer", path: str) -> str:
+    """Collective: load a checkpoint written under any plan into this trainer's layout."""
+    t = trainer
+    chosen = [str(ck.resolve(path)) if t.rank == 0 else ""]
+    dist.broadcast_object_list(chosen, src=0)  # rank 0 verified every checksum; all load the same one
+    reader = CheckpointReader(chosen[0], deep=False)
+    m = reader.manifest
+    if m.get("model") != t.spec.name:
+        raise ck.CheckpointError(f"checkpoint is for {m.get('model')}, not {t.spec.name}", file=reader.path)
+    for name in t.params:
+        info = t.infos[name]
+        full = reader.tensors(name)
+        shard = {k: shard_of(_pad(full[k], info), info, t.role.tp, t.role.tp_rank).to(t.device) for k in FIELDS}
+        t.optimizer.load_state(name, shard["param"], shard["exp_avg"], shard["exp_avg_sq"], int(m["adam_steps"]))
+    t.step = int(m["step"])
+    t.consumed_samples = int(m["consumed_samples"])
+    rng_from_json(m["rng"]["torch_cpu"])
+    return chosen[0]

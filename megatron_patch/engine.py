@@ -1,0 +1,143 @@
+"""One rank's trainer under a plan: stage module, 1F1B, gradient sync, Adam, step bookkeeping.
+
+A training step is:
+
+1. megatron's non-interleaved 1F1B schedule (``forward_backward_pipelining_without_interleaving``)
+   over this pipeline's micro-batches, with the plan's stage-boundary communicator (P4/P5);
+2. the per-layer, per-TP-chunk, sample-weighted gradient sync (``grad_sync``);
+3. one scalar all-reduce over all ranks carrying the gradient norm, the weighted loss and the
+   "stop" flag (a signal reached some rank), so every rank clips, logs and stops alike;
+4. Adam on the local shards.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_patch import patch
+from megatron_patch.data import GlobalSamples
+from megatron_patch.grad_sync import GradSync
+from megatron_patch.groups import create_groups, group, singleton_collection
+from megatron_patch.layout import param_layout
+from megatron_patch.model import build_stage_module, padded_vocab_size
+from megatron_patch.optimizer import StageOptimizer, clip_coefficient
+from megatron_patch.options import TrainOptions
+from megatron_patch.p2p import HeteroP2PCommunicator, StageGroup
+from megatron_patch.roles import Role, role_of, stage_rank_table
+from sailor_hpc.errors import SailorError
+from sailor_hpc.plan import Plan
+
+
+@dataclass(frozen=True)
+class StepResult:
+    step: int  # optimizer steps done after this one
+    loss: float  # global weighted loss of the step (mean over all samples)
+    grad_norm: float
+    stop: bool  # some rank asked to stop (signal)
+    seconds: float
+    sync_seconds: float
+
+
+class Trainer:
+    """Everything one rank needs to train under ``plan``; every rank of the plan builds one."""
+
+    def __init__(self, plan: Plan, samples: GlobalSamples, opts: TrainOptions = TrainOptions(),
+                 device: torch.device | None = None) -> None:
+        self.plan = plan
+        self.spec = plan.model_spec
+        self.samples = samples
+        self.opts = opts
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.role: Role = role_of(plan, self.rank, self.world)
+        self.device = device or torch.device("cpu")
+        self.seq_len = plan.sequence_length
+        if self.seq_len > self.spec.seq_len:
+            raise SailorError(f"seq_len {self.seq_len} exceeds {self.spec.name}'s {self.spec.seq_len} positions",
+                              field="seq_len")
+        if samples.seq_len != self.seq_len:
+            raise SailorError(f"data samples have {samples.seq_len} tokens, the plan trains {self.seq_len}",
+                              field="seq_len")
+        patch.apply(cpu=self.device.type == "cpu")
+        patch.seed_model_parallel_rng(opts.seed, self.role.tp_rank)
+
+        table = stage_rank_table(plan)
+        create_groups(ranks for row in table for ranks in row)
+        self.pgc = singleton_collection(group(self.role.stage_ranks),
+                                        StageGroup(self.role.stage, self.role.num_stages))
+        self.padded_vocab = padded_vocab_size(self.spec, plan.tp_degrees())
+        self.layout = param_layout(self.spec, self.padded_vocab)
+        self.infos = {p.name: p for p in self.layout}
+        self.module = build_stage_module(self.spec, self.role.first_layer, self.role.last_layer,
+                                         pg_collection=self.pgc, dtype=plan.dtype, padded_vocab=self.padded_vocab,
+                                         device=self.device, seed=opts.seed, recompute=plan.recompute)
+        self.p2p = HeteroP2PCommunicator(table[self.role.pipeline], self.role.stage, self.role.tp_rank,
+                                         self.module.config, self.device)
+        self.params = self.module.canonical_params()
+        self.sync = GradSync(plan, self.layout, opts.weighting)
+        self.optimizer = StageOptimizer(self.params, self.infos, opts.adam)
+        self.pipe = plan.pipelines[self.role.pipeline]
+        self.sample_offset = sum(p.samples for p in plan.pipelines[:self.role.pipeline])
+        self.weight = self.pipe.samples / plan.global_batch_size
+        self.step = 0
+        self.consumed_samples = 0
+
+    # -- data
+    def _micro_batches(self) -> list[dict[str, torch.Tensor]]:
+        """This pipeline's micro-batches of the current global batch (only what this stage reads)."""
+        if not (self.role.is_first_stage or self.role.is_last_stage):
+            return [{} for _ in range(self.pipe.num_micro_batches)]
+        start = self.consumed_samples + self.sample_offset
+        data = self.samples.batch(start, self.pipe.samples).to(self.device)
+        out = []
+        for m in range(self.pipe.num_micro_batches):
+            chunk = data[m * self.pipe.micro_batch_size:(m + 1) * self.pipe.micro_batch_size]
+            mb: dict[str, torch.Tensor] = {}
+            if self.role.is_first_stage:
+                mb["tokens"] = chunk[:, :-1].contiguous()
+            if self.role.is_last_stage:
+                mb["labels"] = chunk[:, 1:].contiguous()
+            out.append(mb)
+        return out
+
+    @staticmethod
+    def _forward_step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
+        mb = next(data_iterator)
+        out = model(tokens=mb.get("tokens"), labels=mb.get("labels"))
+
+        def loss_func(per_token: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            loss = per_token.float().mean()
+            return loss, {"loss": loss.detach().clone()}  # the schedule divides `loss` in place
+        return out, loss_func
+
+    # -- training
+    def train_step(self, stop_requested: bool = False) -> StepResult:
+        from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining_without_interleaving
+        t0 = time.perf_counter()
+        self.module.train()
+        losses = forward_backward_pipelining_without_interleaving(
+            forward_step_func=self._forward_step, data_iterator=iter(self._micro_batches()), model=self.module,
+            num_microbatches=self.pipe.num_micro_batches, seq_length=self.seq_len,
+            micro_batch_size=self.pipe.micro_batch_size, forward_only=False,
+            p2p_communicator=self.p2p, pg_collection=self.pgc)
+        t1 = time.perf_counter()
+        grads = self.optimizer.main_grads()
+        self.sync.run(grads)
+        t2 = time.perf_counter()
+        local_loss = 0.0
+        if self.role.is_last_stage and self.role.tp_rank == 0:
+            local_loss = self.weight * sum(float(x["loss"]) for x in losses) / len(losses)
+        vec = torch.tensor([self.sync.owned_sq_norm(grads), local_loss, float(stop_requested)],
+                           dtype=torch.float64, device=self.device)
+        dist.all_reduce(vec)
+        grad_norm = math.sqrt(float(vec[0]))
+        self.optimizer.step(clip_coefficient(grad_norm, self.opts.adam.clip_grad))
+        self.optimizer.zero_grad()
+        self.step += 1
+        self.consumed_samples += self.plan.global_batch_size
+        return StepResult(step=self.step, loss=float(vec[1]), grad_norm=grad_norm, stop=bool(vec[2] > 0),
+                          seconds=time.perf_counter() - t0, sync_seconds=t2 - t1)

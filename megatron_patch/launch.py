@@ -1,0 +1,168 @@
+"""Entry point of the training runtime, one process per GPU (or CPU rank), as the sbatch jobs start it.
+
+    python -m megatron_patch.launch --plan plan.json --model M --data PREFIX --save DIR
+                                    [--load DIR | --auto-resume] --steps N [--dry-run]
+
+- Rank and rendezvous come from torchrun (RANK/WORLD_SIZE/LOCAL_RANK) or Slurm (SLURM_PROCID/
+  SLURM_NTASKS/SLURM_LOCALID) plus MASTER_ADDR/MASTER_PORT (``megatron_patch.env``); the rank's role
+  follows ``megatron_patch.roles`` (pipelines, then stages, then TP ranks, in plan order).
+- ``--steps N`` is the step to reach: a resumed run continues from the checkpoint's step to N.
+- ``--dry-run`` prints this rank's role as one JSON line and exits 0, without torch.
+- SIGUSR1 or SIGTERM (Slurm's warning before the time limit): the runtime finishes the current step,
+  every rank agrees to stop (one all-reduce), a complete checkpoint is written to ``--save`` and the
+  processes exit with 75 (``EXIT_SAVED_ON_SIGNAL``); a later job resumes with ``--load DIR`` under
+  any plan. Exit codes: 0 done, 75 saved on a signal, 2 bad input, 1 error.
+- Every rank logs JSON lines on stdout: ``start``, ``step`` (loss, grad norm, iteration and sync
+  seconds, peak memory), ``saved``, ``loaded``, ``signal``, ``done``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import time
+from typing import Any
+
+from megatron_patch.options import TrainOptions, adam_from_args, add_adam_args
+from megatron_patch.env import EXIT_BAD_INPUT, EXIT_DONE, EXIT_SAVED_ON_SIGNAL, DistEnv, read_env
+from megatron_patch.roles import Role, role_of
+from sailor_hpc.errors import SailorError
+from sailor_hpc.plan import Plan, load_plan
+
+_STOP: list[int] = []  # signals received (set by the handler, read at step boundaries)
+
+
+def _on_signal(signum: int, _frame: Any) -> None:
+    _STOP.append(signum)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m megatron_patch.launch",
+                                 description="Train a plan with the heterogeneous megatron-core runtime.")
+    ap.add_argument("--plan", required=True, help="plan JSON (sailor-hpc format)")
+    ap.add_argument("--model", required=True, help="model name (must match the plan's)")
+    ap.add_argument("--data", required=False, help="indexed dataset prefix (PREFIX.bin/.idx)")
+    ap.add_argument("--save", help="checkpoint root directory")
+    ap.add_argument("--load", help="checkpoint directory, or a root whose newest complete checkpoint is loaded")
+    ap.add_argument("--auto-resume", action="store_true",
+                    help="resume from the newest complete checkpoint in --save when there is one")
+    ap.add_argument("--steps", type=int, required=True, help="train until this optimizer step")
+    ap.add_argument("--save-interval", type=int, default=0, help="also save every K steps (0: only at the end)")
+    ap.add_argument("--keep", type=int, default=3, help="complete checkpoints to keep")
+    ap.add_argument("--dry-run", action="store_true", help="print this rank's role as JSON and exit")
+    ap.add_argument("--seed", type=int, default=1234)
+    add_adam_args(ap)
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    ap.add_argument("--grad-weighting", choices=("samples", "uniform"), default="samples",
+                    help=argparse.SUPPRESS)  # "uniform" is wrong on purpose: the tests' negative control
+    ap.add_argument("--timeout-min", type=float, default=30.0, help="collective timeout (minutes)")
+    return ap.parse_args(argv)
+
+
+def emit(record: dict[str, Any]) -> None:
+    print(json.dumps(record, sort_keys=True), flush=True)
+
+
+def role_record(role: Role, env: DistEnv) -> dict[str, Any]:
+    return {"rank": role.rank, "pipeline": role.pipeline, "stage": role.stage, "tp_rank": role.tp_rank,
+            "tp": role.tp, "layers": role.layers, "gpu_type": role.gpu_type, "partition": role.partition,
+            "host": env.host, "node": role.node, "local_gpu": role.local_gpu, "world_size": env.world_size,
+            "local_rank": env.local_rank}
+
+
+def _peak_memory(device: Any) -> int:
+    import resource
+
+    import torch
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def train(args: argparse.Namespace, plan: Plan, env: DistEnv, role: Role) -> int:
+    import datetime
+    import os
+    import warnings
+
+    for signum in (signal.SIGUSR1, signal.SIGTERM):  # before anything slow: the default action kills
+        signal.signal(signum, _on_signal)
+    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|TransformerEngine).*")
+    import torch
+    import torch.distributed as dist
+
+    from megatron_patch import checkpoint as ck
+    from megatron_patch import checkpoint_io
+    from megatron_patch.data import GlobalSamples
+    from megatron_patch.engine import Trainer
+
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if cuda:
+        torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    if args.data is None:
+        raise SailorError("--data is required to train", field="--data",
+                          fix="build a dataset: python -m megatron_patch.data PREFIX")
+    os.environ.setdefault("MASTER_ADDR", env.master_addr)
+    os.environ.setdefault("MASTER_PORT", str(env.master_port))
+    dist.init_process_group("nccl" if cuda else "gloo", rank=env.rank, world_size=env.world_size,
+                            timeout=datetime.timedelta(minutes=args.timeout_min))
+    base = {"rank": role.rank, "pipeline": role.pipeline, "stage": role.stage, "tp_rank": role.tp_rank}
+    emit({"event": "start", **role_record(role, env), "device": str(device), "plan_gpus": plan.num_gpus})
+    opts = TrainOptions(adam=adam_from_args(args), seed=args.seed, weighting=args.grad_weighting)
+    trainer = Trainer(plan, GlobalSamples(args.data, plan.sequence_length, args.seed), opts, device)
+    load = args.load
+    if load is None and args.auto_resume and args.save and ck.latest_complete(args.save) is not None:
+        load = args.save
+    if load:
+        t0 = time.perf_counter()
+        path = checkpoint_io.load(trainer, load)
+        emit({"event": "loaded", **base, "path": path, "step": trainer.step,
+              "consumed_samples": trainer.consumed_samples, "seconds": time.perf_counter() - t0})
+
+    def save() -> None:
+        if args.save:
+            t0 = time.perf_counter()
+            path = checkpoint_io.save(trainer, args.save, keep=args.keep)
+            emit({"event": "saved", **base, "path": path, "step": trainer.step,
+                  "seconds": time.perf_counter() - t0})
+
+    start_step = trainer.step
+    while trainer.step < args.steps:
+        res = trainer.train_step(stop_requested=bool(_STOP))
+        emit({"event": "step", **base, "step": res.step, "loss": res.loss, "grad_norm": res.grad_norm,
+              "iter_s": res.seconds, "sync_s": res.sync_seconds, "mem_bytes": _peak_memory(device),
+              "consumed_samples": trainer.consumed_samples})
+        if res.stop:
+            emit({"event": "signal", **base, "signals": _STOP, "step": trainer.step})
+            save()
+            dist.destroy_process_group()
+            return EXIT_SAVED_ON_SIGNAL
+        if args.save_interval and trainer.step % args.save_interval == 0 and trainer.step < args.steps:
+            save()
+    if trainer.step != start_step:
+        save()
+    emit({"event": "done", **base, "step": trainer.step})
+    dist.destroy_process_group()
+    return EXIT_DONE
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        env = read_env()
+        plan = load_plan(args.plan, model=args.model)
+        role = role_of(plan, env.rank, env.world_size)
+        if args.dry_run:
+            emit(role_record(role, env))
+            return EXIT_DONE
+        return train(args, plan, env, role)
+    except SailorError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

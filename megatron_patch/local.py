@@ -1,0 +1,107 @@
+"""Start N ranks of a command on this machine with torchrun's variables (tests, benchmarks, CPU demos).
+
+torchrun itself would do, but it adds an elastic agent per launch and reads stdin; the tests need
+plain processes they can signal or kill one by one.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def rank_env(rank: int, world: int, port: int, extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    env.pop("SLURM_PROCID", None)
+    env.update(extra or {})
+    return env
+
+
+@dataclass
+class RankResult:
+    rank: int
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def start(argv: list[str], world: int, extra_env: dict[str, str] | None = None) -> list[subprocess.Popen]:
+    """Start ``python argv...`` as ranks 0..world-1 (returns the processes, not waiting).
+
+    Output goes to temporary files (a full pipe would block a rank inside a collective).
+    """
+    port = free_port()
+    procs = []
+    for r in range(world):
+        out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        p = subprocess.Popen([sys.executable, *argv], env=rank_env(r, world, port, extra_env), cwd=REPO,
+                             stdin=subprocess.DEVNULL, stdout=out, stderr=err, text=True)
+        p.outputs = (out, err)  # type: ignore[attr-defined]
+        procs.append(p)
+    return procs
+
+
+def _read(fh: IO[str]) -> str:
+    fh.seek(0)
+    text = fh.read()
+    fh.close()
+    return text
+
+
+class LaunchTimeout(RuntimeError):
+    """The ranks did not finish in time; ``results`` holds what they printed before being killed."""
+
+    def __init__(self, timeout: float, results: list[RankResult]) -> None:
+        tails = "\n".join(f"--- rank {r.rank} rc={r.returncode}\n{r.stdout[-1500:]}\n{r.stderr[-1500:]}"
+                          for r in results)
+        super().__init__(f"ranks still running after {timeout:.0f} s; killed\n{tails}")
+        self.results = results
+
+
+def wait(procs: list[subprocess.Popen], timeout: float = 600, grace: float = 20) -> list[RankResult]:
+    """Wait for every rank; raise :class:`LaunchTimeout` (after killing them) past ``timeout``.
+
+    As torchrun does, once a rank failed (non-zero exit) the others get ``grace`` seconds to finish
+    (they may be blocked in a collective with the dead one) and are then killed.
+    """
+    deadline = time.monotonic() + timeout
+    timed_out = False
+    while any(p.poll() is None for p in procs):
+        now = time.monotonic()
+        if any(p.returncode not in (None, 0) for p in procs):
+            deadline = min(deadline, now + grace)
+        if now > deadline:
+            timed_out = not any(p.returncode not in (None, 0) for p in procs)
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+            break
+        time.sleep(0.05)
+    results = [RankResult(r, p.returncode, _read(p.outputs[0]), _read(p.outputs[1]))  # type: ignore[attr-defined]
+               for r, p in enumerate(procs)]
+    if timed_out:
+        raise LaunchTimeout(timeout, results)
+    return results
+
+
+def run(argv: list[str], world: int, extra_env: dict[str, str] | None = None,
+        timeout: float = 600) -> list[RankResult]:
+    return wait(start(argv, world, extra_env), timeout)

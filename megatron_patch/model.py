@@ -1,0 +1,332 @@
+"""A pipeline stage of a megatron-core GPT, built layer by layer from megatron's own modules.
+
+Why not ``GPTModel`` itself: GPTModel derives the layers of a stage from one homogeneous pipeline
+split (``get_transformer_layer_offset``) and ties the final norm to the output layer, while a plan
+gives every stage an arbitrary range of *pipeline layers* (0 = embedding, 1..T = blocks, then the
+tail; Llama's final norm is a layer of its own). A stage here is a list of pipeline-layer modules,
+each made of the megatron-core modules GPTModel uses (``LanguageModelEmbedding``,
+``TransformerLayer`` from the local or TransformerEngine layer spec with its *global* layer number,
+the spec's norm, ``ColumnParallelLinear``), with the same parameter names, so a stage holding every
+layer at TP=1 is a GPTModel (``tests/megatron_patch`` checks that the losses agree).
+
+The profiler times exactly these modules (``build_stage_module`` on one process, ``tp_size=1``, or
+under torchrun with a TP group).
+"""
+from __future__ import annotations
+
+import zlib
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megatron_patch.layout import (Arch, ParamInfo, arch_of, final_norm_layer, head_layer, local_shape, param_layout,
+                                   params_of_layers, shard_of)
+from megatron_patch.patch import cross_entropy
+from sailor_hpc.models import ModelSpec
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+VOCAB_DIVISOR = 128  # megatron's make_vocab_size_divisible_by default
+
+
+def te_available() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def transformer_config(spec: ModelSpec, *, tp: int, dtype: torch.dtype, cuda: bool, recompute: bool = False) -> Any:
+    """megatron-core TransformerConfig for one stage (pipeline size 1: the plan does the pipelining)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    a = arch_of(spec)
+    act = {"gelu": F.gelu, "relu": F.relu, "swiglu": F.silu}[a.activation]
+    return TransformerConfig(
+        num_layers=spec.num_layers, hidden_size=spec.hidden_size, num_attention_heads=spec.num_heads,
+        num_query_groups=spec.num_kv_heads, ffn_hidden_size=spec.ffn_hidden_size,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
+        hidden_dropout=0.0, attention_dropout=0.0,  # exact across layouts: no layout-dependent RNG streams
+        normalization=a.norm, add_bias_linear=a.bias, gated_linear_unit=a.glu, activation_func=act,
+        bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
+        bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
+        use_cpu_initialization=not cuda, perform_initialization=False,
+        params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, pipeline_dtype=dtype,
+        deallocate_pipeline_outputs=True, batch_p2p_comm=True, batch_p2p_sync=False,
+        recompute_granularity=None, layernorm_epsilon=1e-5,
+    )
+
+
+def layer_spec(spec: ModelSpec, te: bool) -> Any:
+    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
+                                                          get_gpt_layer_with_transformer_engine_spec)
+    norm = arch_of(spec).norm
+    if te:
+        return get_gpt_layer_with_transformer_engine_spec()
+    return get_gpt_layer_local_spec(normalization=norm)
+
+
+# TransformerEngine fuses the pre-attention/pre-MLP norms into the next linear; canonical names are the
+# local spec's (= GPTModel with the local spec), so TE names are renamed (untested: no TE/GPU here).
+_TE_RENAMES = (("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"),
+               ("self_attention.linear_qkv.layer_norm_bias", "input_layernorm.bias"),
+               ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"),
+               ("mlp.linear_fc1.layer_norm_bias", "pre_mlp_layernorm.bias"))
+
+
+def _canonical_local_name(local: str) -> str:
+    for te_name, name in _TE_RENAMES:
+        if local == te_name:
+            return name
+    return local
+
+
+@dataclass
+class StageContext:
+    """What every layer of a stage shares: config, groups, shapes."""
+
+    spec: ModelSpec
+    arch: Arch
+    config: Any
+    tp_group: Any
+    pg_collection: Any
+    tp: int
+    tp_rank: int
+    padded_vocab: int
+    device: torch.device
+
+
+class EmbeddingLayer(torch.nn.Module):
+    """Pipeline layer 0: word (+ learned position) embeddings -> hidden states [s, b, h]."""
+
+    def __init__(self, ctx: StageContext) -> None:
+        super().__init__()
+        from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+        self.index = 0
+        self.prefix = "embedding."
+        self.embedding = LanguageModelEmbedding(config=ctx.config, vocab_size=ctx.padded_vocab,
+                                                max_sequence_length=ctx.spec.seq_len,
+                                                position_embedding_type=ctx.arch.position, tp_group=ctx.tp_group)
+
+    def local_params(self) -> dict[str, torch.nn.Parameter]:
+        return dict(self.embedding.named_parameters())
+
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        return self.embedding(input_ids=tokens, position_ids=position_ids)
+
+
+class BlockLayer(torch.nn.Module):
+    """Pipeline layer b (1..T): megatron's TransformerLayer with global layer number b."""
+
+    def __init__(self, ctx: StageContext, index: int, layer_spec: Any, recompute: bool) -> None:
+        super().__init__()
+        from megatron.core.transformer.spec_utils import build_module
+        self.index = index
+        self.prefix = f"decoder.layers.{index - 1}."
+        self.recompute = recompute
+        self.layer = build_module(layer_spec, config=ctx.config, layer_number=index, pg_collection=ctx.pg_collection)
+
+    def local_params(self) -> dict[str, torch.nn.Parameter]:
+        return {_canonical_local_name(n): p for n, p in self.layer.named_parameters()}
+
+    def _run(self, h: torch.Tensor, mask: torch.Tensor, rotary: torch.Tensor | None) -> torch.Tensor:
+        return self.layer(hidden_states=h, attention_mask=mask, rotary_pos_emb=rotary)[0]
+
+    def forward(self, h: torch.Tensor, mask: torch.Tensor, rotary: torch.Tensor | None) -> torch.Tensor:
+        if self.recompute and torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(self._run, h, mask, rotary, use_reentrant=False)
+        return self._run(h, mask, rotary)
+
+
+class FinalNormLayer(torch.nn.Module):
+    """The final norm (megatron's ``decoder.final_layernorm``)."""
+
+    def __init__(self, ctx: StageContext, te: bool) -> None:
+        super().__init__()
+        from megatron.core.transformer.spec_utils import build_module
+        self.index = final_norm_layer(ctx.spec)
+        self.prefix = "decoder.final_layernorm."
+        if te:
+            from megatron.core.extensions.transformer_engine import TENorm as norm_cls
+        else:
+            from megatron.core.transformer.torch_norm import WrappedTorchNorm as norm_cls
+        self.norm = build_module(norm_cls, config=ctx.config, hidden_size=ctx.spec.hidden_size,
+                                 eps=ctx.config.layernorm_epsilon)
+
+    def local_params(self) -> dict[str, torch.nn.Parameter]:
+        return dict(self.norm.named_parameters())
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.norm(h)
+
+
+class OutputLayer(torch.nn.Module):
+    """LM head + loss: vocab-parallel logits, padded vocabulary masked (P6), per-token loss [b, s]."""
+
+    def __init__(self, ctx: StageContext, shares_embedding: bool) -> None:
+        super().__init__()
+        from megatron.core import tensor_parallel
+        self.index = head_layer(ctx.spec)
+        self.prefix = "output_layer."
+        self.tied = ctx.spec.tied_embeddings
+        self.tp_group = ctx.tp_group
+        self.linear = tensor_parallel.ColumnParallelLinear(
+            ctx.spec.hidden_size, ctx.padded_vocab, config=ctx.config, init_method=ctx.config.init_method,
+            bias=False, gather_output=False, skip_weight_param_allocation=shares_embedding, tp_group=ctx.tp_group)
+        part = ctx.padded_vocab // ctx.tp
+        ids = torch.arange(ctx.tp_rank * part, (ctx.tp_rank + 1) * part, device=ctx.device)
+        self.register_buffer("pad_mask", ids >= ctx.spec.vocab_size, persistent=False)
+        self.has_padding = bool(self.pad_mask.any())
+
+    def local_params(self) -> dict[str, torch.nn.Parameter]:
+        return dict(self.linear.named_parameters())
+
+    def forward(self, h: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+        logits, _ = self.linear(h, weight=weight)
+        if self.has_padding:
+            logits = logits.masked_fill(self.pad_mask, float("-inf"))
+        loss = cross_entropy(logits, labels.transpose(0, 1).contiguous(), self.tp_group)
+        return loss.transpose(0, 1).contiguous()
+
+
+class StageModule(torch.nn.Module):
+    """Pipeline layers ``first..last`` of a model on one TP rank; forward as megatron's schedule expects."""
+
+    def __init__(self, ctx: StageContext, first: int, last: int, te: bool, recompute: bool) -> None:
+        super().__init__()
+        from megatron.core.transformer.enums import ModelType
+        spec = ctx.spec
+        self.ctx = ctx
+        self.config = ctx.config  # read by megatron's schedules (get_model_config)
+        self.model_type = ModelType.encoder_or_decoder
+        self.first_layer, self.last_layer = first, last
+        self.input_tensor: torch.Tensor | None = None
+        layers: list[torch.nn.Module] = []
+        block_spec = layer_spec(spec, te) if first <= spec.num_layers and last >= 1 else None
+        for i in range(first, last + 1):
+            if i == 0:
+                layers.append(EmbeddingLayer(ctx))
+            elif i <= spec.num_layers:
+                layers.append(BlockLayer(ctx, i, block_spec, recompute))
+            elif i == final_norm_layer(spec):
+                layers.append(FinalNormLayer(ctx, te))
+            if i == head_layer(spec):
+                layers.append(OutputLayer(ctx, shares_embedding=spec.tied_embeddings and first == 0))
+        self.layers = torch.nn.ModuleList(layers)
+        self.rotary = None
+        if ctx.arch.position == "rope" and any(isinstance(m, BlockLayer) for m in layers):
+            from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+            self.rotary = RotaryEmbedding(kv_channels=spec.head_dim, rotary_percent=1.0,
+                                          rotary_base=ctx.arch.rotary_base,
+                                          use_cpu_initialization=ctx.device.type == "cpu",
+                                          cp_group=ctx.pg_collection.cp)
+        self._masks: dict[int, torch.Tensor] = {}
+
+    # -- megatron schedule interface
+    def set_input_tensor(self, input_tensor: Any) -> None:
+        self.input_tensor = input_tensor[0] if isinstance(input_tensor, list) else input_tensor
+
+    def _causal_mask(self, s: int) -> torch.Tensor:
+        if s not in self._masks:  # megatron convention: True = masked out
+            self._masks[s] = torch.triu(torch.ones(s, s, dtype=torch.bool, device=self.ctx.device), 1)[None, None]
+        return self._masks[s]
+
+    def forward(self, tokens: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states [s, b, h] to the next stage, or the per-token loss [b, s] on the last stage."""
+        h = self.input_tensor
+        rotary = None
+        for layer in self.layers:
+            if isinstance(layer, EmbeddingLayer):
+                pos = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
+                h = layer(tokens, pos)
+            elif isinstance(layer, BlockLayer):
+                if self.rotary is not None and rotary is None:
+                    rotary = self.rotary(h.shape[0])
+                h = layer(h, self._causal_mask(h.shape[0]), rotary)
+            elif isinstance(layer, FinalNormLayer):
+                h = layer(h)
+            else:
+                weight = self.layers[0].embedding.word_embeddings.weight if layer.linear.weight is None else None
+                h = layer(h, labels, weight)
+        return h
+
+    # -- canonical parameters
+    def canonical_params(self) -> "OrderedDict[str, torch.nn.Parameter]":
+        """Megatron (GPTModel) name -> local parameter; a tied output weight is named after the embedding."""
+        out: OrderedDict[str, torch.nn.Parameter] = OrderedDict()
+        for layer in self.layers:
+            for local, p in layer.local_params().items():
+                name = layer.prefix + local
+                if isinstance(layer, OutputLayer) and layer.tied:
+                    name = "embedding.word_embeddings.weight"
+                out.setdefault(name, p)
+        return out
+
+
+def padded_vocab_size(spec: ModelSpec, tp_degrees: tuple[int, ...], divisor: int = VOCAB_DIVISOR) -> int:
+    return spec.padded_vocab_size(tuple(tp_degrees), divisor)
+
+
+def init_seed(seed: int, name: str) -> int:
+    """Per-parameter seed: the same canonical tensor whatever the layout or construction order."""
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
+
+
+def canonical_init(info: ParamInfo, seed: int, vocab_size: int) -> torch.Tensor:
+    """The canonical fp32 initial value (Megatron's init: normal(0, 0.02), scaled for output layers)."""
+    if info.init_std is None:
+        return torch.full(info.shape, info.init_value, dtype=torch.float32)
+    shape = list(info.shape)
+    if info.vocab_dim is not None:
+        shape[info.vocab_dim] = vocab_size  # padded rows stay zero: they are never used (P6)
+    g = torch.Generator().manual_seed(init_seed(seed, info.name))
+    t = torch.empty(shape, dtype=torch.float32).normal_(0.0, info.init_std, generator=g)
+    if info.vocab_dim is not None and vocab_size < info.shape[info.vocab_dim]:
+        pad = list(info.shape)
+        pad[info.vocab_dim] -= vocab_size
+        t = torch.cat([t, torch.zeros(pad)], dim=info.vocab_dim)
+    return t
+
+
+def build_stage_module(spec: ModelSpec, first_layer: int, last_layer: int, *, tp_group: Any = None,
+                       pg_collection: Any = None, dtype: str | torch.dtype = "fp32",
+                       padded_vocab: int | None = None, device: str | torch.device | None = None,
+                       seed: int | None = 1234, te: bool | None = None, recompute: bool = False) -> StageModule:
+    """Build pipeline layers ``first_layer..last_layer`` of ``spec`` on this process.
+
+    ``tp_group`` is this stage's TP group (None: a TP group of this process alone, the profiler's
+    single-process case; torch.distributed must be initialised either way). ``seed`` gives the
+    canonical layout-independent initialisation; ``None`` leaves a fast random init (profiling).
+    """
+    from megatron_patch.groups import singleton_collection
+    dt = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    dev = torch.device(device) if device is not None else torch.device(
+        f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
+    if pg_collection is None:
+        pg_collection = singleton_collection(tp_group)
+    tp_group = pg_collection.tp
+    tp, tp_rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
+    padded = padded_vocab or padded_vocab_size(spec, (tp,))
+    use_te = te_available() if te is None else te
+    config = transformer_config(spec, tp=tp, dtype=dt, cuda=dev.type == "cuda")
+    ctx = StageContext(spec=spec, arch=arch_of(spec), config=config, tp_group=tp_group,
+                       pg_collection=pg_collection, tp=tp, tp_rank=tp_rank, padded_vocab=padded, device=dev)
+    module = StageModule(ctx, first_layer, last_layer, te=use_te, recompute=recompute).to(dev)
+    layout = {p.name: p for p in params_of_layers(param_layout(spec, padded), first_layer, last_layer)}
+    params = module.canonical_params()
+    if set(params) != set(layout):
+        raise RuntimeError(f"megatron built parameters {sorted(set(params) ^ set(layout))} that megatron_patch.layout "
+                           "does not describe (or the reverse): update layout.param_layout")
+    with torch.no_grad():
+        for name, p in params.items():
+            info = layout[name]
+            if tuple(p.shape) != local_shape(info, tp):
+                raise RuntimeError(f"{name}: megatron shape {tuple(p.shape)} != layout {local_shape(info, tp)}")
+            if seed is None:
+                p.normal_(0.0, 0.02) if info.init_std is not None else p.fill_(info.init_value)
+            else:
+                p.copy_(shard_of(canonical_init(info, seed, spec.vocab_size), info, tp, tp_rank))
+    return module

@@ -1,0 +1,132 @@
+"""Single-process reference trainer: megatron-core's own GPTModel, the whole global batch at once.
+
+The heterogeneous runtime is checked against this. It shares only the starting point (the canonical
+initialisation) and the data (global sample indices) with the runtime: no pipeline, no micro-batches,
+no TP, no gradient sync, no vocabulary padding; megatron's ``GPTModel`` with its own loss
+(``compute_language_model_loss`` -> ``vocab_parallel_cross_entropy`` at TP 1), ``torch.optim.AdamW``
+and ``torch.nn.utils.clip_grad_norm_``. It needs ``torch.distributed`` initialised with one process
+(megatron's layers call collectives on their size-1 groups) and runs on the CPU.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+import torch.distributed as dist
+
+from megatron_patch import patch
+from megatron_patch.data import GlobalSamples
+from megatron_patch.options import TrainOptions, adam_from_args, add_adam_args
+from megatron_patch.layout import arch_of, param_layout
+from megatron_patch.model import layer_spec, canonical_init, transformer_config
+from sailor_hpc.models import ModelSpec
+
+
+class ReferenceTrainer:
+    def __init__(self, spec: ModelSpec, samples: GlobalSamples, global_batch: int,
+                 opts: TrainOptions = TrainOptions()) -> None:
+        from megatron.core import parallel_state
+        from megatron.core.models.gpt import GPTModel
+        if dist.get_world_size() != 1:
+            raise RuntimeError("the reference runs in a single process")
+        if not parallel_state.model_parallel_is_initialized():
+            parallel_state.initialize_model_parallel(1, 1)  # a homogeneous world of one: megatron's own setup
+        patch.apply(cpu=True)
+        patch.seed_model_parallel_rng(opts.seed, 0)
+        self.spec, self.samples, self.global_batch, self.opts = spec, samples, global_batch, opts
+        a = arch_of(spec)
+        config = transformer_config(spec, tp=1, dtype=torch.float32, cuda=False)
+        self.model = GPTModel(config, layer_spec(spec, te=False), vocab_size=spec.vocab_size,
+                              max_sequence_length=spec.seq_len, share_embeddings_and_output_weights=spec.tied_embeddings,
+                              position_embedding_type=a.position, rotary_base=a.rotary_base)
+        self.infos = {p.name: p for p in param_layout(spec, spec.vocab_size)}
+        self.params: OrderedDict[str, torch.nn.Parameter] = OrderedDict(self.model.named_parameters())
+        if set(self.params) != set(self.infos):
+            raise RuntimeError(f"GPTModel names differ from the layout: {sorted(set(self.params) ^ set(self.infos))}")
+        with torch.no_grad():
+            for name, p in self.params.items():
+                p.copy_(canonical_init(self.infos[name], opts.seed, spec.vocab_size))
+        c = opts.adam
+        decay = [p for n, p in self.params.items() if self.infos[n].decay]
+        no_decay = [p for n, p in self.params.items() if not self.infos[n].decay]
+        self.optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": c.weight_decay},
+                                            {"params": no_decay, "weight_decay": 0.0}],
+                                           lr=c.lr, betas=(c.beta1, c.beta2), eps=c.eps, foreach=False)
+        self.step = 0
+        self.consumed_samples = 0
+
+    def loss(self, batch: torch.Tensor) -> torch.Tensor:
+        tokens, labels = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+        s = tokens.shape[1]
+        pos = torch.arange(s).unsqueeze(0).expand_as(tokens)
+        mask = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[None, None]
+        return self.model(tokens, pos, mask, labels=labels).mean()
+
+    def train_step(self) -> float:
+        self.model.train()
+        loss = self.loss(self.samples.batch(self.consumed_samples, self.global_batch))
+        loss.backward()
+        if self.opts.adam.clip_grad > 0:
+            torch.nn.utils.clip_grad_norm_(list(self.params.values()), self.opts.adam.clip_grad)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        self.consumed_samples += self.global_batch
+        return float(loss)
+
+    def state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """name -> {param, exp_avg, exp_avg_sq} (full tensors), as a checkpoint stores them."""
+        out = {}
+        for name, p in self.params.items():
+            st = self.optimizer.state.get(p, {})
+            out[name] = {"param": p.detach().clone(),
+                         "exp_avg": st.get("exp_avg", torch.zeros_like(p)).detach().clone(),
+                         "exp_avg_sq": st.get("exp_avg_sq", torch.zeros_like(p)).detach().clone()}
+        return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Train the reference and save ``{name: {param, exp_avg, exp_avg_sq}}`` at the requested steps."""
+    import argparse
+    import os
+    import warnings
+    from pathlib import Path
+
+    from sailor_hpc.models import get_model
+    ap = argparse.ArgumentParser(prog="python -m megatron_patch.reference", description=__doc__.split("\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--data", required=True)
+    ap.add_argument("--global-batch", type=int, required=True)
+    ap.add_argument("--seq-len", type=int, default=None)
+    ap.add_argument("--steps", type=int, required=True)
+    ap.add_argument("--snapshots", default="", help="comma-separated steps to save (default: the last)")
+    ap.add_argument("--out", required=True, help="directory for ref_step_N.pt files and losses.json")
+    ap.add_argument("--seed", type=int, default=1234)
+    add_adam_args(ap)
+    args = ap.parse_args(argv)
+    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|TransformerEngine).*")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        from megatron_patch.local import free_port
+        os.environ["MASTER_PORT"] = str(free_port())
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    spec = get_model(args.model)
+    opts = TrainOptions(adam=adam_from_args(args), seed=args.seed)
+    ref = ReferenceTrainer(spec, GlobalSamples(args.data, args.seq_len or spec.seq_len, args.seed),
+                           args.global_batch, opts)
+    snaps = {int(s) for s in args.snapshots.split(",") if s} or {args.steps}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    losses = []
+    while ref.step < args.steps:
+        losses.append(ref.train_step())
+        if ref.step in snaps:
+            torch.save(ref.state(), out / f"ref_step_{ref.step}.pt")
+    import json
+    (out / "losses.json").write_text(json.dumps(losses))
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
