@@ -8,31 +8,35 @@ times), trimmed to exactly the global batch.
 """
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 
-@dataclass(frozen=True)
 class PipelineSpeed:
     """Flush time of a pipeline for m = 1..len(flush) micro-batches, extended by ``slope`` per extra one
     (past its transient, a 1F1B schedule adds exactly one steady period per micro-batch)."""
 
-    flush: np.ndarray
-    slope: float
-    mbs: int
+    __slots__ = ("flush", "slope", "mbs", "_last")
+
+    def __init__(self, flush: np.ndarray | list[float], slope: float, mbs: int) -> None:
+        self.flush = [float(x) for x in flush]  # plain floats: bisect beats numpy on a few dozen values
+        self.slope = slope
+        self.mbs = mbs
+        self._last = self.flush[-1]
 
     def time(self, m: int) -> float:
         n = len(self.flush)
-        return float(self.flush[m - 1]) if m <= n else float(self.flush[-1]) + (m - n) * self.slope
+        return self.flush[m - 1] if m <= n else self._last + (m - n) * self.slope
 
     def fits(self, deadline: float) -> int:
         """How many micro-batches finish by ``deadline`` (0 if not even one)."""
-        n = int(np.searchsorted(self.flush, deadline, side="right"))
+        n = bisect_right(self.flush, deadline)
         if n < len(self.flush) or self.slope <= 0:
             return n
-        return n + int((deadline - float(self.flush[-1])) // self.slope)
+        return n + int((deadline - self._last) // self.slope)
 
 
 @dataclass

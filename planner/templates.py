@@ -42,9 +42,12 @@ class Template:
     grad: np.ndarray = field(repr=False, default_factory=lambda: np.zeros(0))
     flush: np.ndarray = field(repr=False, default_factory=lambda: np.zeros(0))  # flush[m-1]: m micro-batches
     slope: float = 0.0  # seconds each micro-batch beyond len(flush) adds
+    _speed: PipelineSpeed | None = field(default=None, repr=False, compare=False)
 
     def speed(self) -> PipelineSpeed:
-        return PipelineSpeed(self.flush, self.slope, self.mbs)
+        if self._speed is None:
+            self._speed = PipelineSpeed(self.flush, self.slope, self.mbs)
+        return self._speed
 
     @property
     def gpus(self) -> int:
