@@ -23,9 +23,12 @@ $(VENV)/.installed-test: setup.cfg pyproject.toml | $(VENV)/bin/python
 install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test
 
+# the main job on embedded defaults: plan OPT-350M on the paper's A100 + V100 site
 demo: $(VENV)/.installed
 	$(VENV)/bin/sailor-hpc site show site_configs/a100-v100.toml
-	$(VENV)/bin/sailor-hpc profiles list
+	$(VENV)/bin/sailor-hpc plan --site site_configs/a100-v100.toml --model OPT-350M --gbs 1024 \
+		-o $(DEMO_OUT)/plan.json
+	$(VENV)/bin/sailor-hpc simulate $(DEMO_OUT)/plan.json --site site_configs/a100-v100.toml
 
 # Installs Debian's Slurm (root) so the tests can start a real local cluster; then the whole suite.
 test: $(VENV)/.installed-test
