@@ -6,6 +6,9 @@ unknown keys (a typo such as ``gpus_per_nod`` is an error, not a silently ignore
 from __future__ import annotations
 
 import difflib
+import json
+import os
+from pathlib import Path
 from collections.abc import Mapping
 from typing import Any
 
@@ -70,3 +73,14 @@ class Fields:
             close = difflib.get_close_matches(key, sorted(self.seen), n=1)
             fix = f"did you mean {close[0]!r}?" if close else f"remove it; known fields: {', '.join(sorted(self.seen))}"
             raise self.error(key, "is not a known field", fix=fix)
+
+
+def read_json(path: "os.PathLike[str] | str", *, missing_fix: str) -> Any:
+    """Parse a JSON file; a missing file or bad syntax becomes a SailorError naming the file."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise SailorError("file not found", file=path, fix=missing_fix) from None
+    except json.JSONDecodeError as exc:
+        raise SailorError(f"not valid JSON: {exc}", file=path, fix="fix the JSON syntax") from None

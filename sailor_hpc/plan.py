@@ -18,7 +18,7 @@ from typing import Any
 
 from sailor_hpc.atomic import atomic_write_text
 from sailor_hpc.errors import SailorError
-from sailor_hpc.fields import Fields
+from sailor_hpc.fields import Fields, read_json
 from sailor_hpc.models import ModelSpec, get_model
 
 PLAN_FORMAT = "sailor-hpc-plan"
@@ -381,15 +381,6 @@ def plan_from_sailor(data: dict[str, Any], model: str, source: object | None = N
     return SailorRun(plan=plan, real_s=float(real) if real else None, max_mem_bytes=float(mem) if mem else None)
 
 
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise SailorError("file not found", file=path, fix="pass the path of a plan JSON") from None
-    except json.JSONDecodeError as exc:
-        raise SailorError(f"not valid JSON: {exc}", file=path, fix="fix the JSON syntax") from None
-
-
 def load_plan(path: str | Path, *, model: str | None = None, site: Any | None = None,
               validate: bool = True) -> Plan:
     """Read a plan in our format or Sailor's (``model`` is then required), optionally placed on ``site``."""
@@ -400,7 +391,7 @@ def load_run(path: str | Path, *, model: str | None = None, site: Any | None = N
              validate: bool = True) -> SailorRun:
     """Like :func:`load_plan`, keeping Sailor's measured time and memory when the file has them."""
     path = Path(path)
-    data = _read_json(path)
+    data = read_json(path, missing_fix="pass the path of a plan JSON")
     if is_sailor_plan(data):
         if model is None:
             raise SailorError("a Sailor plan_config does not say which model it trains", file=path, field="model",

@@ -11,7 +11,6 @@ documented in :data:`OVERHEAD_ESTIMATES`.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,7 @@ import numpy as np
 
 from sailor_hpc.archive import (ComputeEntry, Entry, MemoryEntry, NetworkEntry, OverheadEntry, make_provenance,
                                 write_entries)
-from sailor_hpc.errors import SailorError
+from sailor_hpc.fields import read_json
 from sailor_hpc.models import get_model
 from sailor_hpc.network import NetworkFit
 
@@ -69,13 +68,8 @@ OVERHEAD_ESTIMATES: dict[str, dict[int, float]] = {
 }
 
 
-def _load_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise SailorError("file not found", file=path, fix="pass Sailor's data directory (with profiles/ and network/)") from None
-    except json.JSONDecodeError as exc:
-        raise SailorError(f"not valid JSON: {exc}", file=path) from None
+def _read(path: Path) -> Any:
+    return read_json(path, missing_fix="pass Sailor's data directory (with profiles/ and network/)")
 
 
 def sailor_entries(data_dir: str | Path) -> list[Entry]:
@@ -83,7 +77,7 @@ def sailor_entries(data_dir: str | Path) -> list[Entry]:
     root = Path(data_dir)
     prov = make_provenance(SAILOR_SOURCE, dtype="fp32", data_dir=str(root.resolve()))
     entries: list[Entry] = []
-    compute = _load_json(root / "profiles" / "compute_profiles.json")
+    compute = _read(root / "profiles" / "compute_profiles.json")
     for sailor_model, gpus in compute.items():
         model = get_model(sailor_model).name
         for gpu, by_mbs in gpus.items():
@@ -91,7 +85,7 @@ def sailor_entries(data_dir: str | Path) -> list[Entry]:
                 for tp, layers in by_tp.items():
                     times = np.array([layers[str(i)] for i in range(len(layers))], dtype=np.float64)
                     entries.append(ComputeEntry(model, gpu, int(mbs), int(tp), times, dict(prov)))
-    memory = _load_json(root / "profiles" / "memory_profiles.json")
+    memory = _read(root / "profiles" / "memory_profiles.json")
     for sailor_model, by_tp in memory.items():
         model = get_model(sailor_model).name
         for tp, layers in by_tp.items():
@@ -101,7 +95,7 @@ def sailor_entries(data_dir: str | Path) -> list[Entry]:
     for gpu, by_tp in OVERHEAD_ESTIMATES.items():
         entries.append(OverheadEntry(gpu, dict(by_tp), make_provenance(
             "estimate (see sailor_hpc/sailor_import.py OVERHEAD_ESTIMATES)", dtype="fp32")))
-    homo = _load_json(root / "network" / "network_coeffs_all_homo.json")
+    homo = _read(root / "network" / "network_coeffs_all_homo.json")
     for kind, by_gpu in homo.items():
         for gpu, by_k in by_gpu.items():
             for k, entry in by_k.items():
