@@ -1,0 +1,312 @@
+"""Per-layer forward, backward and optimizer-step times, memory per layer and fixed memory of one GPU,
+measured on the layers megatron_patch trains (torch; runs inside a profiling job, one process per TP rank).
+
+What is built: with ``megatron_patch.model.build_stage_module``, stage A = pipeline layers ``0..K``
+(embedding + the first K transformer blocks) and stage B = the tail (final norm, LM head + loss), on a
+TP group of all processes of the job. Blocks K+1..T have the same shapes as block K and get its
+numbers (Sailor's convention, recorded as ``profiled_blocks`` = K), so a 48-block model is profiled
+with the memory of K blocks.
+
+How it is timed, per micro-batch size: every pipeline layer runs on its own, on the detached output of
+the layer before (so its forward and its backward, weight gradients included, are isolated the way a
+pipeline stage boundary isolates them; TP collectives inside the layer are included). CUDA events on a
+GPU, the wall clock on CPU; ``warmup`` untimed iterations, then the median of ``iters``. The update
+column is the optimizer step (megatron_patch's AdamW, :class:`megatron_patch.optimizer.StageOptimizer`)
+of the whole profiled model, repeated on every row, as the simulator reads it.
+
+Memory at micro-batch 1: parameters per TP rank per layer from megatron_patch's layout (checked against
+the built modules by ``build_stage_module``); each layer's output and input elements; retained
+activation bytes = what the layer's forward keeps until its backward (CUDA: allocator delta around the
+forward, as Sailor; CPU: the unique storages saved for backward plus the output, parameters and inputs
+excluded). Fixed memory: on a GPU, device memory in use that the caching allocator does not hold
+(context, cuBLAS/NCCL workspaces; ``nvidia-smi`` minus reserved) after the TP collectives ran; on CPU,
+the process's resident memory after start-up (a stand-in, recorded under the ``cpu-`` key only).
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_patch import patch
+from megatron_patch.layout import local_shape, param_layout, params_of_layers
+from megatron_patch.model import (BlockLayer, EmbeddingLayer, FinalNormLayer, OutputLayer, StageModule,
+                                  build_stage_module, padded_vocab_size)
+from megatron_patch.optimizer import AdamConfig, StageOptimizer
+from sailor_hpc.models import ModelSpec
+
+DEFAULT_BLOCKS = 2
+
+
+@dataclass
+class PointResult:
+    """One (micro-batch size, TP) point: (L, 3) seconds, or why it failed."""
+
+    mbs: int
+    times: np.ndarray | None
+    reason: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.times is not None
+
+
+@dataclass
+class ComputeResult:
+    points: list[PointResult]
+    memory: np.ndarray | None  # (L, 4) at micro-batch 1, or None when even that failed
+    overhead_bytes: float
+    profiled_blocks: int
+    device: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class _Clock:
+    """Elapsed seconds of a region: CUDA events on a GPU, perf_counter on CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def measure(self, fn: Callable[[], Any]) -> tuple[float, Any]:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1000.0, out
+        t0 = time.perf_counter()
+        out = fn()
+        return time.perf_counter() - t0, out
+
+
+def profiled_blocks(spec: ModelSpec, blocks: int | None) -> int:
+    return max(1, min(spec.num_layers, blocks or DEFAULT_BLOCKS))
+
+
+def source_layer(spec: ModelSpec, layer: int, k: int) -> int:
+    """The measured pipeline layer whose numbers ``layer`` gets (blocks beyond K copy block K)."""
+    return k if k < layer <= spec.num_layers else layer
+
+
+def layer_params(spec: ModelSpec, tp: int, padded_vocab: int) -> np.ndarray:
+    """Parameters per TP rank that a stage holding only layer l keeps (tied embedding on both ends)."""
+    layout = param_layout(spec, padded_vocab)
+    return np.array([sum(math.prod(local_shape(p, tp)) for p in params_of_layers(layout, l, l))
+                     for l in range(spec.num_pipeline_layers)], dtype=np.float64)
+
+
+class _Stage:
+    """A built stage and how to run one of its pipeline layers alone."""
+
+    def __init__(self, module: StageModule, spec: ModelSpec) -> None:
+        self.module = module
+        self.spec = spec
+        self.by_layer: dict[int, list[torch.nn.Module]] = {}
+        for m in module.layers:
+            self.by_layer.setdefault(int(m.index), []).append(m)
+
+    def run(self, layer: int, x: torch.Tensor | None, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h = x
+        for m in self.by_layer[layer]:
+            if isinstance(m, EmbeddingLayer):
+                pos = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
+                h = m(tokens, pos)
+            elif isinstance(m, BlockLayer):
+                rotary = self.module.rotary(h.shape[0]) if self.module.rotary is not None else None
+                h = m(h, self.module._causal_mask(h.shape[0]), rotary)
+            elif isinstance(m, FinalNormLayer):
+                h = m(h)
+            elif isinstance(m, OutputLayer):
+                tied = self.module.layers[0].embedding.word_embeddings.weight if m.linear.weight is None else None
+                h = m(h, labels, tied)
+        assert h is not None
+        return h
+
+
+def _inputs(spec: ModelSpec, mbs: int, device: torch.device, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)  # the same batch on every TP rank, as megatron requires
+    tokens = torch.randint(0, spec.vocab_size, (mbs, spec.seq_len), generator=g)
+    labels = torch.randint(0, spec.vocab_size, (mbs, spec.seq_len), generator=g)
+    return tokens.to(device), labels.to(device)
+
+
+def _grad_like(out: torch.Tensor, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(out.shape, generator=g, dtype=torch.float32).to(device=out.device, dtype=out.dtype)
+
+
+def _retained_bytes(fn: Callable[[], torch.Tensor], exclude: Sequence[torch.Tensor],
+                    device: torch.device) -> tuple[torch.Tensor, float]:
+    """Run a forward; bytes it leaves allocated for the backward (see the module doc)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        out = fn()
+        torch.cuda.synchronize(device)
+        return out, float(torch.cuda.memory_allocated(device) - before)
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if st.data_ptr() not in skip:
+            kept[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    st = out.untyped_storage()
+    kept[st.data_ptr()] = st.nbytes()
+    return out, float(sum(kept.values()))
+
+
+class LayerProfiler:
+    """Builds the profiled stages once and measures any micro-batch size on them."""
+
+    def __init__(self, spec: ModelSpec, *, tp_group: Any, device: torch.device, dtype: str = "fp32",
+                 blocks: int | None = None, warmup: int = 3, iters: int = 10, seed: int = 1234) -> None:
+        self.spec, self.device, self.dtype = spec, device, dtype
+        self.k = profiled_blocks(spec, blocks)
+        self.warmup, self.iters, self.seed = warmup, iters, seed
+        self.tp = dist.get_world_size(tp_group)
+        self.padded = padded_vocab_size(spec, (self.tp,))
+        self.clock = _Clock(device)
+        patch.apply(cpu=device.type == "cpu")  # what the runtime installs before building stages
+        patch.seed_model_parallel_rng(seed, dist.get_rank(tp_group))
+        T, L = spec.num_layers, spec.num_pipeline_layers
+        common = dict(tp_group=tp_group, dtype=dtype, padded_vocab=self.padded, device=device, seed=None)
+        self.stages = [_Stage(build_stage_module(spec, 0, self.k, **common), spec)]
+        if L - 1 > T:
+            self.stages.append(_Stage(build_stage_module(spec, T + 1, L - 1, **common), spec))
+        self.measured = [l for st in self.stages for l in sorted(st.by_layer)]
+        infos = {p.name: p for p in param_layout(spec, self.padded)}
+        self.optimizers = [StageOptimizer(st.module.canonical_params(), infos, AdamConfig()) for st in self.stages]
+
+    def _stage_of(self, layer: int) -> _Stage:
+        return next(st for st in self.stages if layer in st.by_layer)
+
+    def _forward_chain(self, tokens: torch.Tensor, labels: torch.Tensor,
+                       each: Callable[[int, Callable[[], torch.Tensor], torch.Tensor | None], torch.Tensor]) -> None:
+        """Run every measured layer once, each on the detached output of the one before."""
+        prev: torch.Tensor | None = None
+        for layer in self.measured:
+            x = None if prev is None else prev.detach().requires_grad_(True)
+            stage = self._stage_of(layer)
+            prev = each(layer, lambda s=stage, l=layer, x=x: s.run(l, x, tokens, labels), x)
+
+    def measure(self, mbs: int) -> np.ndarray:
+        """(L, 3) seconds: forward, backward, optimizer step of the profiled model."""
+        tokens, labels = _inputs(self.spec, mbs, self.device, self.seed + mbs)
+        fwd: dict[int, list[float]] = {l: [] for l in self.measured}
+        bwd: dict[int, list[float]] = {l: [] for l in self.measured}
+        upd: list[float] = []
+        for it in range(self.warmup + self.iters):
+            timed = it >= self.warmup
+
+            def each(layer: int, run: Callable[[], torch.Tensor], _x: torch.Tensor | None) -> torch.Tensor:
+                tf, out = self.clock.measure(run)
+                grad = _grad_like(out, self.seed + layer)
+                tb, _ = self.clock.measure(lambda: out.backward(grad))
+                if timed:
+                    fwd[layer].append(tf)
+                    bwd[layer].append(tb)
+                return out
+
+            self._forward_chain(tokens, labels, each)
+            tu, _ = self.clock.measure(lambda: [opt.step(1.0) for opt in self.optimizers])
+            for opt in self.optimizers:
+                opt.zero_grad()
+            if timed:
+                upd.append(tu)
+        L = self.spec.num_pipeline_layers
+        times = np.zeros((L, 3))
+        update = statistics.median(upd)
+        for l in range(L):
+            src = source_layer(self.spec, l, self.k)
+            times[l] = (statistics.median(fwd[src]), statistics.median(bwd[src]), update)
+        return times
+
+    def memory_table(self) -> np.ndarray:
+        """(L, 4) at micro-batch 1: params, act_output, act_input (elements per TP rank), act_mem_bytes."""
+        tokens, labels = _inputs(self.spec, 1, self.device, self.seed)
+        L = self.spec.num_pipeline_layers
+        table = np.zeros((L, 4))
+        table[:, 0] = layer_params(self.spec, self.tp, self.padded)
+        measured: dict[int, tuple[float, float, float]] = {}
+        params = [p for st in self.stages for p in st.module.parameters()]
+
+        def each(layer: int, run: Callable[[], torch.Tensor], x: torch.Tensor | None) -> torch.Tensor:
+            exclude = params + ([x] if x is not None else [tokens, labels])
+            out, kept = _retained_bytes(run, exclude, self.device)
+            inp = float(x.numel()) if x is not None else float(2 * tokens.numel())  # token + position ids
+            measured[layer] = (float(out.numel()), inp, kept)
+            out.backward(_grad_like(out, self.seed))
+            return out
+
+        self._forward_chain(tokens, labels, each)
+        for opt in self.optimizers:
+            opt.zero_grad()
+        for l in range(L):
+            table[l, 1:] = measured[source_layer(self.spec, l, self.k)]
+        return table
+
+    def overhead_bytes(self, baseline_rss: float) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            free, total = torch.cuda.mem_get_info(self.device)
+            return float(total - free - torch.cuda.memory_reserved(self.device))
+        return baseline_rss
+
+
+def resident_bytes() -> float:
+    """This process's resident set size (Linux /proc; 0 where unavailable)."""
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmRSS:"):
+                return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+def profile_compute(spec: ModelSpec, mbs_list: Sequence[int], *, tp_group: Any, device: torch.device,
+                    dtype: str = "fp32", blocks: int | None = None, warmup: int = 3, iters: int = 10,
+                    baseline_rss: float = 0.0) -> ComputeResult:
+    """Measure every micro-batch size of ``mbs_list`` (ascending) at this TP degree; an out-of-memory
+    point is recorded as failed and the larger ones are still tried (after freeing the cache)."""
+    prof = LayerProfiler(spec, tp_group=tp_group, device=device, dtype=dtype, blocks=blocks, warmup=warmup,
+                         iters=iters)
+    try:
+        memory = prof.memory_table()
+    except RuntimeError as exc:
+        if not is_oom(exc):
+            raise
+        memory = None
+    points = []
+    for mbs in sorted(mbs_list):
+        try:
+            points.append(PointResult(mbs=mbs, times=prof.measure(mbs)))
+        except RuntimeError as exc:
+            if not is_oom(exc):
+                raise
+            points.append(PointResult(mbs=mbs, times=None, reason=f"out of memory at micro-batch {mbs}: "
+                                                                   f"{str(exc).splitlines()[0][:200]}"))
+            for opt in prof.optimizers:
+                opt.zero_grad()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return ComputeResult(points=points, memory=memory, overhead_bytes=prof.overhead_bytes(baseline_rss),
+                         profiled_blocks=prof.k, device=device.type,
+                         extra={"padded_vocab": prof.padded, "warmup": warmup, "iters": iters})

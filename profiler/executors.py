@@ -1,0 +1,120 @@
+"""submitit executors for profiling jobs, het jobs included.
+
+submitit (1.5) writes one ``#SBATCH`` block; it has no het-job support. :class:`HetSlurmExecutor` adds
+``#SBATCH hetjob`` components after submitit's block (the function then runs in het group 0, and
+:func:`profiler.jobs.network_job` reaches the other group with its own ``srun --het-group=...`` step).
+submitit also cannot follow a het job's state (sacct reports ``12+0``/``12+1``, it looks up ``12``), so
+:mod:`profiler.sweep` watches every job itself (:class:`sailor_hpc.jobs.watch.JobWatcher`) and reads only
+the result file of task 0.
+
+Every value that reaches an ``#SBATCH`` line is checked with :mod:`sailor_hpc.jobs.safety` first.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import submitit
+
+from sailor_hpc.errors import SailorError
+from sailor_hpc.jobs import safety
+from sailor_hpc.site import Partition, Site
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """Resources of one job (or of one het component) on one partition."""
+
+    partition: Partition
+    nodes: int
+    tasks_per_node: int
+
+    @property
+    def cpus_per_task(self) -> int:
+        return max(1, self.partition.cpus_per_node // self.partition.gpus_per_node)
+
+    @property
+    def gres(self) -> str:
+        return f"{self.partition.gres}:{self.tasks_per_node}"
+
+    def sbatch_options(self) -> dict[str, Any]:
+        safety.slurm_word(self.partition.name, "partition")
+        return {"partition": self.partition.name, "nodes": self.nodes, "ntasks-per-node": self.tasks_per_node,
+                "gres": self.gres, "cpus-per-task": self.cpus_per_task}
+
+
+@dataclass(frozen=True)
+class JobSettings:
+    """What every profiling job of a sweep shares."""
+
+    folder: Path
+    python: str
+    time_min: int
+    site: Site
+    begin: str | None = None
+    setup: tuple[str, ...] = ()
+    extra: dict[str, str] = field(default_factory=dict)
+
+    def additional(self) -> dict[str, Any]:
+        add: dict[str, Any] = dict(self.extra)
+        s = self.site.slurm
+        if s.account:
+            add["account"] = safety.slurm_word(s.account, "slurm.account")
+        if s.qos:
+            add["qos"] = safety.slurm_word(s.qos, "slurm.qos")
+        if s.constraint:
+            add["constraint"] = safety.constraint(s.constraint)
+        for opt in s.extra_sbatch:
+            safety.sbatch_option(opt, f"slurm.extra_sbatch (site {self.site.source or self.site.name})")
+            name, _, value = opt[2:].partition("=")
+            add[name] = value or True
+        if self.begin:
+            safety.no_control_chars(self.begin, "--begin")
+            if not safety.SBATCH_OPTION.match(f"--begin={self.begin}"):
+                raise SailorError(f"{self.begin!r} is not a Slurm --begin time", field="--begin",
+                                  fix="e.g. now+1hour, 2030-01-01T20:00 or 20:00")
+            add["begin"] = self.begin
+        return add
+
+
+class HetSlurmExecutor(submitit.SlurmExecutor):
+    """A SlurmExecutor whose job has more het components after submitit's own (group 0)."""
+
+    def __init__(self, folder: str | Path, *, het_components: Sequence[Mapping[str, Any]] = (), **kw: Any) -> None:
+        super().__init__(folder, **kw)
+        self.het_components = [dict(c) for c in het_components]
+
+    def _make_submission_file_text(self, command: str, uid: str) -> str:
+        lines = super()._make_submission_file_text(command, uid).split("\n")
+        last = max(i for i, line in enumerate(lines) if line.startswith("#SBATCH"))
+        extra: list[str] = []
+        for comp in self.het_components:
+            extra.append("#SBATCH hetjob")
+            extra += [f"#SBATCH --{k}={v}" for k, v in comp.items()]
+        lines[last + 1:last + 1] = extra
+        return "\n".join(lines)
+
+
+def make_executor(settings: JobSettings, alloc: Allocation, *, job_name: str, one_task: bool = False,
+                  het: Allocation | None = None) -> submitit.SlurmExecutor:
+    """An executor for ``alloc`` (+ het component ``het``). ``one_task``: submitit starts the function in
+    one task only (it then starts its own step over the allocation), instead of one per task."""
+    safety.job_name(job_name, "job name")
+    safety.python_exe(settings.python)
+    settings.folder.mkdir(parents=True, exist_ok=True)
+    kw: dict[str, Any] = {"python": settings.python}
+    if het is not None:
+        ex: submitit.SlurmExecutor = HetSlurmExecutor(settings.folder, het_components=[het.sbatch_options()], **kw)
+    else:
+        ex = submitit.SlurmExecutor(settings.folder, **kw)
+    srun_args = [f"--cpus-per-task={alloc.cpus_per_task}"]  # Slurm 22.05's srun does not inherit it
+    if one_task:
+        srun_args += ["--ntasks=1", "--nodes=1"]
+    ex.update_parameters(job_name=job_name, partition=alloc.partition.name, nodes=alloc.nodes,
+                         ntasks_per_node=alloc.tasks_per_node, gres=alloc.gres, cpus_per_task=alloc.cpus_per_task,
+                         time=settings.time_min, setup=list(settings.setup), stderr_to_stdout=True,
+                         srun_args=srun_args, additional_parameters=settings.additional(), signal_delay_s=30)
+    return ex
+

@@ -1,0 +1,223 @@
+"""The functions profiling jobs run on the compute nodes (submitted by :mod:`profiler.sweep` via submitit).
+
+- :func:`compute_job` runs in every task of a job with one task per GPU of a TP group (submitit starts
+  them); the tasks form the TP group, measure (:mod:`profiler.compute`) and task 0 writes the compute
+  entries (ok or failed) and the memory table into the archive itself.
+- :func:`network_job` runs once, in the first task of its allocation (one or two nodes of a partition,
+  or a het job over two partitions, which submitit cannot start tasks in); it starts the benchmark on
+  every rank with its own ``srun`` step (:mod:`profiler.netbench`), fits the result (:mod:`profiler.fit`)
+  and writes the network entry.
+
+Both return a small summary dict that the driver reads from submitit's result file.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from sailor_hpc.archive import ComputeEntry, MemoryEntry, NetworkEntry, make_provenance, write_entries
+from sailor_hpc.errors import SailorError
+from sailor_hpc.models import get_model
+from sailor_hpc.slurm.commands import parse_kv_line, run_slurm
+
+PORT_BASE, PORT_SPAN = 30000, 20000
+
+
+@dataclass(frozen=True)
+class ComputeTask:
+    model: str
+    partition: str
+    gpu_key: str
+    tp: int
+    mbs: tuple[int, ...]
+    archive: str
+    cpu: bool
+    sweep: str
+    dtype: str = "fp32"
+    blocks: int | None = None
+    warmup: int = 3
+    iters: int = 10
+
+
+@dataclass(frozen=True)
+class NetworkTask:
+    site_key: str
+    kind: str
+    a: str
+    b: str
+    senders: int
+    nodes: int  # nodes of the (first) allocation: 1 (intra or het) or 2 (inter within a partition)
+    sizes: tuple[int, ...]
+    archive: str
+    cpu: bool
+    sweep: str
+    folder: str
+    python: str
+    iters: int = 5
+    warmup: int = 2
+
+    @property
+    def het(self) -> bool:
+        return self.a != self.b
+
+
+def node_address(node: str | None) -> str:
+    """The address slurmd of ``node`` listens on (NodeAddr), which ranks on other nodes can reach."""
+    if not node:
+        return "127.0.0.1"
+    proc = run_slurm(["scontrol", "-o", "show", "node", node], check=False)
+    for line in proc.stdout.splitlines():
+        addr = parse_kv_line(line).get("NodeAddr")
+        if addr:
+            return addr
+    return node
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def versions() -> dict[str, Any]:
+    """Device name, driver, CUDA and torch versions for provenance."""
+    import torch
+    out: dict[str, Any] = {"torch": torch.__version__, "cuda": torch.version.cuda}
+    try:
+        import megatron.core
+        out["megatron_core"] = megatron.core.__version__
+    except (ImportError, AttributeError):
+        pass
+    if torch.cuda.is_available():
+        out["gpu"] = torch.cuda.get_device_name()
+        try:
+            smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=20)
+            out["driver"] = smi.stdout.split("\n")[0].strip() or None
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    else:
+        out["gpu"] = "cpu"
+    return out
+
+
+def _slurm_where() -> dict[str, Any]:
+    return {k: os.environ.get(v) for k, v in (("slurm_job", "SLURM_JOB_ID"), ("node", "SLURMD_NODENAME"),
+                                              ("array_job", "SLURM_ARRAY_JOB_ID"),
+                                              ("array_task", "SLURM_ARRAY_TASK_ID"))}
+
+
+def _device(cpu: bool) -> Any:
+    import torch
+    if cpu:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise SailorError("no CUDA device in this profiling job", field="--cpu",
+                          fix="run on GPU nodes, or sweep with --cpu into a test archive (recorded under cpu-<type>)")
+    torch.cuda.set_device(int(os.environ.get("SLURM_LOCALID", "0")) % torch.cuda.device_count())
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def compute_job(task: ComputeTask) -> dict[str, Any] | None:
+    """Measure the task's micro-batch sizes at its TP degree (every TP rank runs this)."""
+    import torch
+    import torch.distributed as dist
+
+    from profiler.compute import profile_compute, resident_bytes
+
+    baseline = resident_bytes()
+    rank, world = int(os.environ.get("SLURM_PROCID", "0")), int(os.environ.get("SLURM_NTASKS", "1"))
+    if world != task.tp:
+        raise SailorError(f"the job has {world} tasks for TP {task.tp}", field="--tp",
+                          fix="one task per GPU of the TP group")
+    device = _device(task.cpu)
+    threads = int(os.environ.get("SLURM_CPUS_PER_TASK", "1") or 1)
+    torch.set_num_threads(max(1, threads))
+    os.environ["MASTER_ADDR"] = "127.0.0.1"  # one node: every TP rank is here
+    os.environ["MASTER_PORT"] = str(PORT_BASE + int(os.environ.get("SLURM_JOB_ID", "0")) % PORT_SPAN)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(minutes=20))
+    t0 = time.perf_counter()
+    try:
+        spec = get_model(task.model)
+        res = profile_compute(spec, task.mbs, tp_group=dist.group.WORLD, device=device, dtype=task.dtype,
+                              blocks=task.blocks, warmup=task.warmup, iters=task.iters, baseline_rss=baseline)
+    finally:
+        dist.destroy_process_group()
+    if rank != 0:
+        return None
+    prov = make_provenance(f"sailor-hpc profile ({task.sweep})", device=device.type, partition=task.partition,
+                           method="cuda-events" if device.type == "cuda" else "wall-clock",
+                           profiled_blocks=res.profiled_blocks, **res.extra, **_slurm_where(), **versions())
+    L = spec.num_pipeline_layers
+    entries: list[Any] = []
+    points = []
+    for p in res.points:
+        times = p.times if p.ok else np.full((L, 3), np.nan)
+        entries.append(ComputeEntry(spec.name, task.gpu_key, p.mbs, task.tp, times, prov,
+                                    status="ok" if p.ok else "failed", reason=p.reason, dtype=task.dtype))
+        points.append({"mbs": p.mbs, "tp": task.tp, "ok": p.ok, "reason": p.reason,
+                       "fwd_s": float(np.sum(p.times[:, 0])) if p.ok else None,
+                       "bwd_s": float(np.sum(p.times[:, 1])) if p.ok else None})
+    if res.memory is not None:
+        entries.append(MemoryEntry(spec.name, task.tp, res.memory, prov, dtype=task.dtype))
+    write_entries(task.archive, entries)
+    return {"points": points, "tp": task.tp, "gpu_key": task.gpu_key, "overhead_bytes": res.overhead_bytes,
+            "memory": res.memory is not None, "seconds": time.perf_counter() - t0, "node": os.environ.get("SLURMD_NODENAME")}
+
+
+def _srun_command(task: NetworkTask, spec_file: Path, out_file: Path) -> list[str]:
+    """The benchmark step over the whole allocation (the driver's own step holds one task: --overlap)."""
+    bench = [task.python, "-m", "profiler.netbench", "--spec", str(spec_file), "--out", str(out_file)]
+    common = ["--overlap", "--kill-on-bad-exit=1", "--distribution=block", "--cpus-per-task=1"]
+    if task.kind == "intra":
+        return ["srun", *common, "--nodes=1", f"--ntasks={task.senders}", *bench]
+    if not task.het:
+        return ["srun", *common, f"--nodes={task.nodes}", f"--ntasks={task.nodes * task.senders}",
+                f"--ntasks-per-node={task.senders}", *bench]
+    return ["srun", "--het-group=0", *common, "--nodes=1", f"--ntasks={task.senders}", *bench, ":",
+            "--het-group=1", *common, "--nodes=1", f"--ntasks={task.senders}", *bench]
+
+
+def network_job(task: NetworkTask) -> dict[str, Any]:
+    """Run the bandwidth benchmark on the allocation's ranks, fit it, write the network entry."""
+    from profiler.fit import fit_bandwidth
+    from profiler.netbench import NetSpec
+
+    folder = Path(task.folder)
+    job = os.environ.get("SLURM_JOB_ID", str(os.getpid()))
+    spec_file, out_file = folder / f"net-{job}.spec.json", folder / f"net-{job}.result.json"
+    spec_file.write_text(NetSpec(kind="intra" if task.kind == "intra" else "inter", senders=task.senders,
+                                 sizes=task.sizes, iters=task.iters, warmup=task.warmup,
+                                 device="cpu" if task.cpu else "cuda").to_json())
+    env = dict(os.environ)
+    env.update(MASTER_ADDR=node_address(os.environ.get("SLURMD_NODENAME")), MASTER_PORT=str(free_port()))
+    for var in ("SLURM_NTASKS", "SLURM_NPROCS", "SLURM_NTASKS_PER_NODE", "SLURM_NNODES", "SLURM_STEP_NUM_TASKS"):
+        env.pop(var, None)  # the driver's own one-task step must not shape the benchmark step
+    cmd = _srun_command(task, spec_file, out_file)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0 or not out_file.exists():
+        raise RuntimeError(f"benchmark step failed (exit {proc.returncode}): {' '.join(cmd)}\n"
+                           f"{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
+    result = json.loads(out_file.read_text())
+    fit = fit_bandwidth(result["sizes"], result["p2p_gbps"])
+    ar_fit = fit_bandwidth(result["sizes"], result["allreduce_busbw_gbps"])
+    prov = make_provenance(f"sailor-hpc profile ({task.sweep})", device=result["device"], backend=result["backend"],
+                           hosts=result["hosts"], pairs=result["pairs"], sizes=result["sizes"],
+                           p2p_gbps=result["p2p_gbps"], allreduce_busbw_gbps=result["allreduce_busbw_gbps"],
+                           allreduce_fit=list(ar_fit.coeffs or ()), **_slurm_where(), **versions())
+    entry = NetworkEntry(task.site_key, "intra" if task.kind == "intra" else "inter", task.a, task.b, task.senders,
+                         fit, prov)
+    write_entries(task.archive, [entry])
+    return {"path": entry.path, "coeffs": list(fit.coeffs or ()), "max_gbps": fit.max_gbps, "hosts": result["hosts"],
+            "allreduce_max_gbps": max(result["allreduce_busbw_gbps"])}
+

@@ -1,0 +1,148 @@
+"""Point-to-point and all-reduce bandwidth between the ranks of one ``srun`` step (torch; NCCL on GPUs,
+gloo on CPU). Started by a profiling job on every rank:
+
+    srun [--het-group=0,1] python -m profiler.netbench --spec spec.json --out result.json
+
+Ranks come from ``SLURM_PROCID`` / ``SLURM_NTASKS``, the rendezvous from ``MASTER_ADDR`` / ``MASTER_PORT``
+(set by the job, see :mod:`profiler.jobs`). What is measured, for every message size:
+
+* p2p, aggregate GB/s of ``k`` streams at once (Sailor's "k GPUs sending"): ``intra`` = the k ranks of
+  one node each send to the next one (a ring shift, every GPU sends and receives); ``inter`` = k ranks
+  on the first node (or het group) each send to their partner among the k ranks on the second. Time is
+  the slowest rank's, from a barrier to its last completed transfer; the median over iterations.
+* all-reduce over all ranks, as bus bandwidth (``2(n-1)/n * bytes / time``, nccl-tests' convention).
+
+Rank 0 writes the result JSON (sizes, both series, the host of every rank).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+
+from sailor_hpc.atomic import atomic_write_text
+
+
+@dataclass(frozen=True)
+class NetSpec:
+    kind: str  # "intra" or "inter"
+    senders: int
+    sizes: tuple[int, ...]  # message bytes
+    iters: int = 5
+    warmup: int = 2
+    device: str = "auto"  # "auto", "cpu" or "cuda"
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "NetSpec":
+        d = json.loads(text)
+        d["sizes"] = tuple(d["sizes"])
+        return cls(**d)
+
+
+def stream_pairs(kind: str, senders: int, world: int) -> list[tuple[int, int]]:
+    """The (sender, receiver) ranks that transfer at the same time."""
+    if kind == "intra":
+        if world != senders or senders < 2:
+            raise ValueError(f"intra-node p2p needs k >= 2 ranks on one node, got k={senders}, world={world}")
+        return [(i, (i + 1) % senders) for i in range(senders)]
+    if world != 2 * senders:
+        raise ValueError(f"inter-node p2p needs k ranks on each of two nodes, got k={senders}, world={world}")
+    return [(i, senders + i) for i in range(senders)]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _slowest(seconds: float) -> float:
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _median_seconds(op: Callable[[], None], iters: int, warmup: int, device: torch.device) -> float:
+    """Median over ``iters`` (after ``warmup``) of the slowest rank's time for ``op``, from a barrier."""
+    times = []
+    for it in range(warmup + iters):
+        dist.barrier()
+        _sync(device)
+        t0 = time.perf_counter()
+        op()
+        _sync(device)
+        dt = _slowest(time.perf_counter() - t0)
+        if it >= warmup:
+            times.append(dt)
+    return statistics.median(times)
+
+
+def p2p_gbps(pairs: Sequence[tuple[int, int]], nbytes: int, iters: int, warmup: int, device: torch.device) -> float:
+    me = dist.get_rank()
+    n = max(1, nbytes // 4)
+    send = torch.ones(n, dtype=torch.float32, device=device)
+    recv = torch.empty(n, dtype=torch.float32, device=device)
+
+    def exchange() -> None:
+        ops = [dist.P2POp(dist.isend, send, d) for s, d in pairs if s == me] + \
+              [dist.P2POp(dist.irecv, recv, s) for s, d in pairs if d == me]
+        for req in (dist.batch_isend_irecv(ops) if ops else []):
+            req.wait()
+
+    return len(pairs) * n * 4 / _median_seconds(exchange, iters, warmup, device) / 1e9
+
+
+def allreduce_busbw(nbytes: int, iters: int, warmup: int, device: torch.device) -> float:
+    world = dist.get_world_size()
+    n = max(1, nbytes // 4)
+    buf = torch.ones(n, dtype=torch.float32, device=device)
+    seconds = _median_seconds(lambda: dist.all_reduce(buf), iters, warmup, device)
+    return 2 * (world - 1) / world * n * 4 / seconds / 1e9
+
+
+def run(spec: NetSpec) -> dict[str, object]:
+    """Measure on an initialised process group; the result (rank 0's view) as a dict."""
+    cuda = spec.device == "cuda" or (spec.device == "auto" and torch.cuda.is_available())
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("SLURM_LOCALID", "0")) % torch.cuda.device_count())
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    pairs = stream_pairs(spec.kind, spec.senders, dist.get_world_size())
+    hosts: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, os.environ.get("SLURMD_NODENAME") or os.uname().nodename)
+    p2p = [p2p_gbps(pairs, s, spec.iters, spec.warmup, device) for s in spec.sizes]
+    ar = [allreduce_busbw(s, spec.iters, spec.warmup, device) for s in spec.sizes]
+    return {"sizes": list(spec.sizes), "p2p_gbps": p2p, "allreduce_busbw_gbps": ar, "pairs": pairs, "hosts": hosts,
+            "device": device.type, "backend": dist.get_backend(), "world": dist.get_world_size()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m profiler.netbench")
+    ap.add_argument("--spec", required=True, help="NetSpec JSON file")
+    ap.add_argument("--out", required=True, help="result JSON (written by rank 0)")
+    args = ap.parse_args(argv)
+    spec = NetSpec.from_json(open(args.spec).read())
+    rank, world = int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"])
+    cuda = spec.device == "cuda" or (spec.device == "auto" and torch.cuda.is_available())
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(minutes=10))
+    try:
+        result = run(spec)
+        if rank == 0:
+            atomic_write_text(args.out, json.dumps(result) + "\n")
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

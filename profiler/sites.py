@@ -1,0 +1,46 @@
+"""A site whose network fits come from a sweep's measurements (torch-free), for the simulator and planner.
+
+The simulator reads bandwidth from the site (``site.intra_node_fit`` / ``inter_node_fit``); a sweep stores
+its fits in the archive (``network/<site key>/...``). :func:`measured_site` lays the measured fits over
+the site's own (a measured (link, k) replaces the configured one; links not measured keep theirs), and,
+for a CPU sweep, renames the GPU types to the ``cpu-`` keys the compute profiles were recorded under,
+so ``simulate(plan, measured_site(...), archive)`` prices a plan entirely from CPU measurements.
+``sailor-hpc profile --write-site FILE`` writes the result as a site TOML.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from profiler.keys import device_key, network_site_key
+from sailor_hpc.archive import ProfileArchive
+from sailor_hpc.network import LinkTable, NetworkFit
+from sailor_hpc.site import Site
+
+
+def _overlay(table: LinkTable | None, fits: dict[int, NetworkFit]) -> LinkTable | None:
+    if not fits:
+        return table
+    return LinkTable({**(table.fits if table is not None else {}), **fits})
+
+
+def measured_site(site: Site, archive: ProfileArchive, *, cpu: bool) -> Site:
+    key = network_site_key(site.name, cpu)
+    intra: dict[str, dict[int, NetworkFit]] = {}
+    inter: dict[str, dict[int, NetworkFit]] = {}
+    between: dict[frozenset[str], dict[int, NetworkFit]] = {}
+    for e in archive.network.get(key, []):
+        if e.kind == "intra":
+            intra.setdefault(e.a, {})[e.senders] = e.fit
+        elif e.a == e.b:
+            inter.setdefault(e.a, {})[e.senders] = e.fit
+        else:
+            between.setdefault(frozenset((e.a, e.b)), {})[e.senders] = e.fit
+    gpu_types = {device_key(n, cpu): (replace(g, name=device_key(n, cpu), aliases=()) if cpu else g)
+                 for n, g in site.gpu_types.items()}
+    parts = tuple(replace(p, gpu_type=device_key(p.gpu_type, cpu), intra_node=_overlay(p.intra_node, intra.get(p.name, {})),
+                          inter_node=_overlay(p.inter_node, inter.get(p.name, {}))) for p in site.partitions)
+    links = dict(site.between)
+    for pair, fits in between.items():
+        links[pair] = _overlay(links.get(pair), fits)  # type: ignore[assignment]
+    return replace(site, name=key if cpu else site.name, gpu_types=gpu_types, partitions=parts, between=links)
+

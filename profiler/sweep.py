@@ -1,0 +1,456 @@
+"""A profiling sweep: submit the jobs, watch them, record every outcome, resume a partial sweep.
+
+``run_sweep`` builds the grid (per partition: micro-batch sizes x TP degrees that fit; network links
+inside a node, between two nodes of a partition, between partitions), submits it through submitit
+(one job array per partition and TP degree, ``points_per_job`` micro-batch sizes per array element;
+one job per network link, a het job between partitions), and watches all jobs with
+:class:`sailor_hpc.jobs.watch.JobWatcher`, never submitit's own polling, which loses het jobs and waits
+forever on jobs that die without a result.
+
+Outcomes, every one reported and recorded, none dropped:
+
+- a job's own result: per point ok, or failed with its reason (out of memory: the job records it);
+- a job that ends without a result (cancelled, node failure, time limit, lost, exception): each of its
+  grid points is written to the archive as a failed entry with the Slurm state as the reason;
+- ``timeout_s`` reached: the open jobs are cancelled and their points recorded as failed.
+
+State lives in ``<folder>/sweep-state.json`` (unit -> job id, status). ``resume=True`` skips every point
+the archive already holds as ok (and every network link it has), re-attaches to jobs of the previous
+run that are still queued or running, and submits the rest, so an interrupted or partly failed sweep
+is completed by running the same command with ``--resume``.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import submitit
+
+from profiler.executors import Allocation, JobSettings, make_executor
+from profiler.jobs import ComputeTask, NetworkTask, compute_job, network_job
+from profiler.keys import ComputePoint, NetworkLink, device_key, network_site_key
+from profiler.progress import Progress
+from sailor_hpc.archive import (EMBEDDED_ARCHIVE, ComputeEntry, OverheadEntry, ProfileArchive, make_provenance,
+                                read_archive, write_entries)
+from sailor_hpc.atomic import atomic_write_text
+from sailor_hpc.errors import SailorError
+from sailor_hpc.jobs.status import JobStatus, poll_jobs
+from sailor_hpc.jobs.submit import cancel_job
+from sailor_hpc.jobs.watch import JobWatcher
+from sailor_hpc.models import get_model
+from sailor_hpc.plan import DTYPES
+from sailor_hpc.site import Site
+
+NETWORK_KINDS = ("intra", "inter", "between")
+GPU_SIZES = tuple(2 ** e for e in range(16, 31, 2))  # 64 KiB .. 1 GiB, as Sailor's fits
+CPU_SIZES = tuple(2 ** e for e in range(16, 25, 2))  # 64 KiB .. 16 MiB (gloo over loopback)
+STATE_FILE = "sweep-state.json"
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    site: Site
+    model: str
+    archive: Path
+    partitions: tuple[str, ...] = ()  # () = every partition of the site
+    mbs: tuple[int, ...] = (1, 2, 4, 8)
+    tp: tuple[int, ...] = (1, 2, 4)
+    cpu: bool = False
+    compute: bool = True
+    network: tuple[str, ...] = NETWORK_KINDS
+    senders: tuple[int, ...] = (1, 2, 4)
+    sizes: tuple[int, ...] = ()  # () = by device
+    dtype: str = "fp32"
+    blocks: int | None = None
+    warmup: int = 3
+    iters: int = 10
+    net_iters: int = 5
+    time_min: int = 30
+    begin: str | None = None
+    folder: Path = Path("sailor-profile")
+    python: str = sys.executable
+    points_per_job: int = 1
+    timeout_s: float | None = None
+    lost_after_s: float = 120.0
+    poll_s: float = 1.0
+    resume: bool = False
+
+    @property
+    def part_names(self) -> tuple[str, ...]:
+        return self.partitions or tuple(p.name for p in self.site.partitions)
+
+    @property
+    def message_sizes(self) -> tuple[int, ...]:
+        return self.sizes or (CPU_SIZES if self.cpu else GPU_SIZES)
+
+
+@dataclass
+class Unit:
+    """One thing the sweep measures: a compute point or a network link."""
+
+    key: str
+    point: ComputePoint | None = None
+    link: NetworkLink | None = None
+    status: str = "pending"  # pending, queued, running, ok, failed, skipped
+    job_id: str | None = None
+    reason: str = ""
+    result: dict[str, Any] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"key": self.key, "status": self.status, "job_id": self.job_id, "reason": self.reason}
+
+
+@dataclass
+class SweepReport:
+    units: list[Unit]
+    archive: Path
+    folder: Path
+    seconds: float
+    overhead: dict[str, dict[int, float]] = field(default_factory=dict)
+
+    def by_status(self, status: str) -> list[Unit]:
+        return [u for u in self.units if u.status == status]
+
+    @property
+    def complete(self) -> bool:
+        return not self.by_status("failed") and all(u.status in ("ok", "skipped") for u in self.units)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"archive": str(self.archive), "folder": str(self.folder), "seconds": self.seconds,
+                "complete": self.complete, "counts": dict(Counter(u.status for u in self.units)),
+                "units": [u.to_dict() for u in self.units],
+                "overhead": {g: {str(t): b for t, b in v.items()} for g, v in self.overhead.items()}}
+
+
+# ------------------------------------------------------------------------------------------- checking
+
+def check_config(cfg: SweepConfig) -> None:
+    spec = get_model(cfg.model)
+    for name in cfg.part_names:
+        cfg.site.partition(name)
+    if cfg.dtype not in DTYPES:
+        raise SailorError(f"unknown dtype {cfg.dtype!r}", field="--dtype", fix=f"use one of {', '.join(DTYPES)}")
+    for flag, values in (("--mbs", cfg.mbs), ("--tp", cfg.tp), ("--net-senders", cfg.senders)):
+        if not values or any(v <= 0 for v in values):
+            raise SailorError(f"needs positive integers, got {list(values)}", field=flag)
+    bad = [k for k in cfg.network if k not in NETWORK_KINDS]
+    if bad:
+        raise SailorError(f"unknown network measurement {bad[0]!r}", field="--network",
+                          fix=f"use any of {', '.join(NETWORK_KINDS)} or 'none'")
+    if cfg.points_per_job <= 0 or cfg.iters <= 0 or cfg.warmup < 0 or cfg.time_min <= 0:
+        raise SailorError("points per job, iterations and the time limit must be positive", field="--iters")
+    archive = cfg.archive.expanduser().absolute()
+    if archive == EMBEDDED_ARCHIVE.absolute():
+        raise SailorError("refusing to write into the embedded Sailor profiles", file=archive, field="--archive",
+                          fix="pass the site's shared archive or a file of your own")
+    if cfg.cpu:
+        shared = cfg.site.archive and Path(cfg.site.archive).expanduser().absolute() == archive
+        if shared:
+            raise SailorError("a CPU sweep may not write into the site's shared archive", file=archive,
+                              field="--archive", fix="pass --archive with a test archive of its own")
+    del spec
+    _settings(cfg).additional()  # site account/QOS/extra options and --begin, before anything is submitted
+
+
+def grid(cfg: SweepConfig) -> list[Unit]:
+    """Every unit of the sweep; TP degrees that cannot run on a partition are 'skipped' with the reason."""
+    spec = get_model(cfg.model)
+    units: list[Unit] = []
+    parts = [cfg.site.partition(n) for n in cfg.part_names]
+    for part in parts if cfg.compute else []:
+        key = device_key(part.gpu_type, cfg.cpu)
+        for tp in sorted(set(cfg.tp)):
+            why = ""
+            if tp > part.gpus_per_node:
+                why = f"TP {tp} does not fit a {part.gpus_per_node}-GPU node of {part.name}"
+            elif spec.num_heads % tp or spec.ffn_hidden_size % tp:
+                why = f"TP {tp} does not divide {spec.name}'s {spec.num_heads} heads"
+            for mbs in sorted(set(cfg.mbs)):
+                pt = ComputePoint(part.name, key, mbs, tp)
+                units.append(Unit(pt.key, point=pt, status="skipped" if why else "pending", reason=why))
+    links: list[NetworkLink] = []
+    for part in parts:
+        if "intra" in cfg.network:
+            links += [NetworkLink("intra", part.name, part.name, k) for k in sorted(set(cfg.senders))
+                      if 2 <= k <= part.gpus_per_node]
+        if "inter" in cfg.network and min(part.nodes, part.max_nodes_per_job) >= 2:
+            links += [NetworkLink("inter", part.name, part.name, k) for k in sorted(set(cfg.senders))
+                      if k <= part.gpus_per_node]
+    if "between" in cfg.network:
+        for i, a in enumerate(parts):
+            for b in parts[i + 1:]:
+                links += [NetworkLink("inter", a.name, b.name, k) for k in sorted(set(cfg.senders))
+                          if k <= min(a.gpus_per_node, b.gpus_per_node)]
+    units += [Unit(link.key, link=link) for link in links]
+    return units
+
+
+# ------------------------------------------------------------------------------------------- resume
+
+def _archive_or_empty(path: Path) -> ProfileArchive:
+    return read_archive(path) if path.exists() else ProfileArchive()
+
+
+def _network_path(cfg: SweepConfig, link: NetworkLink) -> str:
+    return f"network/{network_site_key(cfg.site.name, cfg.cpu)}/{link.kind}:{link.a}:{link.b}:{link.senders}"
+
+
+def mark_done(cfg: SweepConfig, units: Sequence[Unit], archive: ProfileArchive) -> None:
+    """Resume: units the archive already holds (ok compute points in this dtype, network links) are done."""
+    spec = get_model(cfg.model)
+    have_net = {e.path for links in archive.network.values() for e in links}
+    for u in units:
+        if u.status != "pending":
+            continue
+        if u.point is not None:
+            e = archive.compute.get((spec.name, u.point.gpu_key), {}).get((u.point.mbs, u.point.tp))
+            if e is not None and e.dtype == cfg.dtype:
+                u.status, u.reason = "ok", "in the archive already"
+        elif u.link is not None and _network_path(cfg, u.link) in have_net:
+            u.status, u.reason = "ok", "in the archive already"
+
+
+def load_state(folder: Path) -> dict[str, Any]:
+    try:
+        return json.loads((folder / STATE_FILE).read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def save_state(cfg: SweepConfig, units: Sequence[Unit]) -> None:
+    doc = {"model": cfg.model, "site": cfg.site.name, "archive": str(cfg.archive), "cpu": cfg.cpu,
+           "units": {u.key: u.to_dict() for u in units}}
+    atomic_write_text(cfg.folder / STATE_FILE, json.dumps(doc, indent=1) + "\n")
+
+
+def reattach(units: Sequence[Unit], state: dict[str, Any]) -> None:
+    """Resume: pending units whose job from the previous run is still queued or running are watched again."""
+    old = {k: v for k, v in state.get("units", {}).items() if v.get("job_id") and v.get("status") in
+           ("queued", "running")}
+    ids = sorted({v["job_id"] for v in old.values()})
+    alive = {j for j, st in poll_jobs(ids).items() if st.known and not st.final} if ids else set()
+    for u in units:
+        v = old.get(u.key)
+        if u.status == "pending" and v is not None and v["job_id"] in alive:
+            u.status, u.job_id, u.reason = "queued", v["job_id"], "re-attached"
+
+
+# ------------------------------------------------------------------------------------------- submitting
+
+def _settings(cfg: SweepConfig) -> JobSettings:
+    return JobSettings(folder=cfg.folder, python=cfg.python, time_min=cfg.time_min, site=cfg.site, begin=cfg.begin,
+                       setup=tuple(cfg.site.prelude))
+
+
+def _fail(units: Sequence[Unit], reason: str) -> None:
+    for u in units:
+        u.status, u.reason = "failed", reason
+
+
+def submit_compute(cfg: SweepConfig, units: Sequence[Unit]) -> None:
+    groups: dict[tuple[str, int], list[Unit]] = defaultdict(list)
+    for u in units:
+        if u.point is not None and u.status == "pending":
+            groups[(u.point.partition, u.point.tp)].append(u)
+    settings = _settings(cfg)
+    spec = get_model(cfg.model)
+    for (part_name, tp), members in groups.items():
+        members.sort(key=lambda u: u.point.mbs)  # type: ignore[union-attr]
+        chunks = [members[i:i + cfg.points_per_job] for i in range(0, len(members), cfg.points_per_job)]
+        tasks = [ComputeTask(model=spec.name, partition=part_name, gpu_key=c[0].point.gpu_key, tp=tp,  # type: ignore
+                             mbs=tuple(u.point.mbs for u in c), archive=str(cfg.archive), cpu=cfg.cpu,  # type: ignore
+                             sweep=str(cfg.folder), dtype=cfg.dtype, blocks=cfg.blocks, warmup=cfg.warmup,
+                             iters=cfg.iters) for c in chunks]
+        alloc = Allocation(cfg.site.partition(part_name), nodes=1, tasks_per_node=tp)
+        try:
+            ex = make_executor(settings, alloc, job_name=f"sailor-prof-{spec.name}-{part_name}-tp{tp}")
+            jobs = ex.map_array(compute_job, tasks) if len(tasks) > 1 else [ex.submit(compute_job, tasks[0])]
+        except SailorError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - sbatch refused: every point of the group failed
+            _fail(members, f"submission failed: {str(exc).strip().splitlines()[-1][:300]}")
+            continue
+        for chunk, job in zip(chunks, jobs):
+            for u in chunk:
+                u.status, u.job_id, u.reason = "queued", str(job.job_id), ""
+
+
+def submit_network(cfg: SweepConfig, units: Sequence[Unit]) -> None:
+    settings = _settings(cfg)
+    for u in units:
+        if u.link is None or u.status != "pending":
+            continue
+        link = u.link
+        a = cfg.site.partition(link.a)
+        nodes = 1 if link.kind == "intra" or link.het else 2
+        task = NetworkTask(site_key=network_site_key(cfg.site.name, cfg.cpu), kind=link.kind, a=link.a, b=link.b,
+                           senders=link.senders, nodes=nodes, sizes=cfg.message_sizes, archive=str(cfg.archive),
+                           cpu=cfg.cpu, sweep=str(cfg.folder), folder=str(cfg.folder.absolute()), python=cfg.python,
+                           iters=cfg.net_iters)
+        het = Allocation(cfg.site.partition(link.b), 1, link.senders) if link.het else None
+        try:
+            ex = make_executor(settings, Allocation(a, nodes, link.senders), one_task=True, het=het,
+                               job_name=f"sailor-net-{link.kind}-{link.a}-{link.b}-k{link.senders}")
+            job = ex.submit(network_job, task)
+        except SailorError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            _fail([u], f"submission failed: {str(exc).strip().splitlines()[-1][:300]}")
+            continue
+        u.status, u.job_id, u.reason = "queued", str(job.job_id), ""
+
+
+# ------------------------------------------------------------------------------------------- results
+
+def _error_summary(exc: BaseException) -> str:
+    """The last line of a job's traceback (submitit puts the whole trace into the exception)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip() and not set(line.strip()) <= {"-"}]
+    tail = [line for line in lines if not line.startswith(("You can check", "or at paths", "- /"))]
+    return (tail[-1] if tail else type(exc).__name__)[:400]
+
+
+def job_result(folder: Path, job_id: str, status: JobStatus, wait_s: float = 10.0) -> tuple[Any, str]:
+    """(result, "") from task 0's result file, or (None, reason) when the job ended without one."""
+    job: submitit.SlurmJob[Any] = submitit.SlurmJob(folder=folder, job_id=job_id, tasks=[0])
+    pickle = job.paths.result_pickle
+    deadline = time.monotonic() + (wait_s if status.ok else 1.0)
+    while not pickle.exists() and time.monotonic() < deadline:  # shared filesystems can lag
+        time.sleep(0.2)
+    if pickle.exists():
+        try:
+            return job.result(), ""
+        except Exception as exc:  # noqa: BLE001 - the function raised in the job
+            return None, f"job {job_id} raised: {_error_summary(exc)}"
+    where = f" on {', '.join(status.nodes)}" if status.nodes else ""
+    detail = "; ".join(sorted({c.reason or c.exit_code for c in status.components if c.reason or c.exit_code}))
+    if status.state == "COMPLETED":
+        return None, f"job {job_id} completed{where} without a result file ({pickle})"
+    return None, f"job {job_id} {status.state}{where}" + (f" ({detail})" if detail and detail != "0:0" else "")
+
+
+def apply_result(units: Sequence[Unit], value: Any, reason: str) -> None:
+    """Update the units of one job from its outcome."""
+    if value is None:
+        _fail(units, reason)
+        return
+    if "points" in value:
+        by_mbs = {p["mbs"]: p for p in value["points"]}
+        for u in units:
+            p = by_mbs.get(u.point.mbs) if u.point else None  # type: ignore[union-attr]
+            if p is None:
+                u.status, u.reason = "failed", "the job returned no result for this point"
+            else:
+                u.status, u.reason = ("ok", "") if p["ok"] else ("failed", p["reason"])
+            u.result = value
+    else:
+        for u in units:
+            u.status, u.reason, u.result = "ok", "", value
+
+
+def record_failures(cfg: SweepConfig, units: Sequence[Unit]) -> None:
+    """Failed compute points the jobs could not record themselves go into the archive as failed entries."""
+    spec = get_model(cfg.model)
+    L = spec.num_pipeline_layers
+    entries = []
+    for u in units:
+        if u.point is None or u.status != "failed" or (u.result and "points" in u.result):
+            continue  # the job recorded its own failure (e.g. out of memory)
+        prov = make_provenance(f"sailor-hpc profile ({cfg.folder})", device="cpu" if cfg.cpu else "cuda",
+                               partition=u.point.partition, slurm_job=u.job_id, recorded_by="sweep driver")
+        entries.append(ComputeEntry(spec.name, u.point.gpu_key, u.point.mbs, u.point.tp, np.full((L, 3), np.nan),
+                                    prov, status="failed", reason=u.reason, dtype=cfg.dtype))
+    if entries:
+        write_entries(cfg.archive, entries)
+
+
+def record_overhead(cfg: SweepConfig, units: Sequence[Unit]) -> dict[str, dict[int, float]]:
+    """Merge the per-TP fixed memory the compute jobs measured into the archive's overhead entries."""
+    found: dict[str, dict[int, float]] = defaultdict(dict)
+    for u in units:
+        if u.point is not None and u.result and u.result.get("overhead_bytes") is not None and u.status == "ok":
+            found[u.point.gpu_key][u.result["tp"]] = float(u.result["overhead_bytes"])
+    if not found:
+        return {}
+    current = _archive_or_empty(cfg.archive).overhead
+    entries = []
+    for gpu, by_tp in found.items():
+        merged = dict(current[gpu].by_tp) if gpu in current else {}
+        merged.update(by_tp)
+        entries.append(OverheadEntry(gpu, merged, make_provenance(f"sailor-hpc profile ({cfg.folder})",
+                                                                  device="cpu" if cfg.cpu else "cuda")))
+    write_entries(cfg.archive, entries)
+    return {k: dict(v) for k, v in found.items()}
+
+
+# ------------------------------------------------------------------------------------------- the sweep
+
+def _counts(units: Sequence[Unit]) -> Counter[str]:
+    return Counter(u.status for u in units)
+
+
+def run_sweep(cfg: SweepConfig, progress: Progress | None = None) -> SweepReport:
+    """Run (or, with ``cfg.resume``, complete) a sweep; returns every unit's outcome."""
+    check_config(cfg)
+    cfg = replace(cfg, archive=cfg.archive.expanduser().absolute(), folder=cfg.folder.expanduser().absolute())
+    cfg.folder.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    units = grid(cfg)
+    if cfg.resume:
+        mark_done(cfg, units, _archive_or_empty(cfg.archive))
+        reattach(units, load_state(cfg.folder))
+    submit_compute(cfg, units)
+    submit_network(cfg, units)
+    save_state(cfg, units)
+    progress = progress or Progress(len(units))
+    for u in units:
+        if u.status == "failed":
+            progress.message(f"failed: {u.key}: {u.reason}")
+    by_job: dict[str, list[Unit]] = defaultdict(list)
+    for u in units:
+        if u.status == "queued" and u.job_id:
+            by_job[u.job_id].append(u)
+    watcher = JobWatcher(poll_s=cfg.poll_s, lost_after_s=cfg.lost_after_s)
+    watcher.add(by_job)
+    deadline = None if cfg.timeout_s is None else time.monotonic() + cfg.timeout_s
+    progress.update(_counts(units))
+    try:
+        while watcher.open:
+            for jid, st in watcher.poll().items():
+                members = by_job[jid]
+                if not st.final:
+                    for u in members:
+                        u.status = "running" if st.state == "RUNNING" else "queued"
+                    continue
+                value, reason = job_result(cfg.folder, jid, st)
+                apply_result(members, value, reason)
+                for u in members:
+                    if u.status == "failed":
+                        progress.message(f"failed: {u.key}: {u.reason}")
+            save_state(cfg, units)
+            progress.update(_counts(units))
+            if not watcher.open:
+                break
+            if deadline is not None and time.monotonic() >= deadline:
+                for jid in watcher.open:
+                    cancel_job(jid)
+                    _fail(by_job[jid], f"job {jid} still {watcher.status(jid).state if watcher.status(jid) else 'queued'}"
+                                       f" after the sweep's timeout of {cfg.timeout_s:.0f} s: cancelled")
+                    for u in by_job[jid]:
+                        progress.message(f"failed: {u.key}: {u.reason}")
+                break
+            time.sleep(cfg.poll_s)
+    finally:
+        save_state(cfg, units)
+        progress.update(_counts(units))
+        progress.close()
+    record_failures(cfg, units)
+    overhead = record_overhead(cfg, units)
+    return SweepReport(units=units, archive=cfg.archive, folder=cfg.folder, seconds=time.monotonic() - t0,
+                       overhead=overhead)

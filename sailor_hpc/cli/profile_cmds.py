@@ -1,0 +1,111 @@
+"""``sailor-hpc profile``: measure a model and the network of a site with profiling jobs (submitit)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from sailor_hpc.cli import main
+from sailor_hpc.cli.output import echo_json, json_option, table
+from sailor_hpc.errors import SailorError
+
+
+def _ints(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise SailorError(f"{text!r} is not a comma-separated list of integers", field=flag, fix="e.g. 1,2,4") from None
+    if not values or any(v <= 0 for v in values):
+        raise SailorError(f"{text!r} must list positive integers", field=flag, fix="e.g. 1,2,4")
+    return values
+
+
+def _names(text: str | None) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip()) if text else ()
+
+
+@main.command("profile")
+@click.option("--site", "site_file", type=click.Path(dir_okay=False, path_type=Path), required=True)
+@click.option("--model", required=True, help="Model to profile (catalog name).")
+@click.option("--partitions", default=None, help="Comma-separated partitions (default: all of the site).")
+@click.option("--mbs", default="1,2,4,8", show_default=True, help="Micro-batch sizes.")
+@click.option("--tp", default="1,2,4", show_default=True, help="TP degrees (those that fit a node).")
+@click.option("--archive", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Archive to merge into (default: the site's shared archive; required with --cpu).")
+@click.option("--cpu", is_flag=True, help="Measure on CPU (test clusters): recorded under cpu-<GPU type>.")
+@click.option("--network", default="intra,inter,between", show_default=True,
+              help="Network measurements: any of intra,inter,between, or none.")
+@click.option("--no-compute", is_flag=True, help="Only the network jobs.")
+@click.option("--net-senders", default="1,2,4", show_default=True, help="GPUs sending at once (k).")
+@click.option("--net-sizes", default=None, help="Message sizes as log2 bytes, e.g. 16,20,24 (default by device).")
+@click.option("--dtype", default="fp32", show_default=True)
+@click.option("--blocks", type=int, default=None, help="Transformer blocks measured (default 2; the rest copy the last).")
+@click.option("--iters", type=int, default=10, show_default=True, help="Timed iterations per point.")
+@click.option("--warmup", type=int, default=3, show_default=True)
+@click.option("--points-per-job", type=int, default=1, show_default=True,
+              help="Micro-batch sizes measured by one array element (more: fewer start-ups, coarser failures).")
+@click.option("--time", "time_min", type=int, default=30, show_default=True, help="Time limit per job (minutes).")
+@click.option("--begin", default=None, help="Start the jobs later (sbatch --begin, e.g. now+1hour).")
+@click.option("--folder", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Job files and sweep state, on a filesystem the nodes see (default ./sailor-profile/<site>-<model>).")
+@click.option("--python", default=sys.executable, show_default=True, help="Interpreter on the compute nodes.")
+@click.option("--timeout", "timeout_s", type=float, default=None, help="Give up (cancel open jobs) after this many s.")
+@click.option("--lost-after", type=float, default=120.0, show_default=True,
+              help="Seconds a job may be unknown to squeue and sacct before it counts as lost.")
+@click.option("--resume", is_flag=True, help="Complete a partial sweep: skip what the archive has, re-attach to jobs.")
+@click.option("--write-site", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Also write the site with the measured network fits (and cpu- GPU types with --cpu).")
+@json_option
+def profile_cmd(site_file: Path, model: str, partitions: str | None, mbs: str, tp: str, archive: Path | None,
+                cpu: bool, network: str, no_compute: bool, net_senders: str, net_sizes: str | None, dtype: str,
+                blocks: int | None, iters: int, warmup: int, points_per_job: int, time_min: int, begin: str | None,
+                folder: Path | None, python: str, timeout_s: float | None, lost_after: float, resume: bool,
+                write_site: Path | None, as_json: bool) -> None:
+    """Profile MODEL on the site's partitions with Slurm jobs and merge the results into the archive.
+
+    Exit code 0 when every point and link was measured, 1 when some failed (each is reported and
+    recorded; run again with --resume to complete the sweep), 2 for bad input.
+    """
+    from profiler.sweep import SweepConfig, run_sweep
+    from sailor_hpc.models import get_model
+    from sailor_hpc.site import load_site
+
+    site = load_site(site_file)
+    name = get_model(model).name
+    if archive is None:
+        if cpu:
+            raise SailorError("a CPU sweep needs an archive of its own", field="--archive",
+                              fix="pass --archive PATH (not the site's shared archive)")
+        if not site.archive:
+            raise SailorError("the site has no shared archive to write into", file=site.source,
+                              field="profiles.archive", fix="set [profiles].archive in the site or pass --archive")
+        archive = Path(site.archive)
+    kinds = () if network.strip().lower() == "none" else _names(network)
+    sizes = tuple(2 ** e for e in _ints(net_sizes, "--net-sizes")) if net_sizes else ()
+    cfg = SweepConfig(site=site, model=name, archive=archive, partitions=_names(partitions), mbs=_ints(mbs, "--mbs"),
+                      tp=_ints(tp, "--tp"), cpu=cpu, compute=not no_compute, network=kinds,
+                      senders=_ints(net_senders, "--net-senders"), sizes=sizes, dtype=dtype, blocks=blocks,
+                      warmup=warmup, iters=iters, time_min=time_min, begin=begin,
+                      folder=folder or Path("sailor-profile") / f"{site.name}-{name}", python=python,
+                      points_per_job=points_per_job, timeout_s=timeout_s, lost_after_s=lost_after, resume=resume)
+    report = run_sweep(cfg)
+    if write_site is not None:
+        from profiler.sites import measured_site
+        from sailor_hpc.archive import read_archive
+        from sailor_hpc.atomic import atomic_write_text
+        from sailor_hpc.toml_writer import dump_toml
+
+        measured = measured_site(site, read_archive(report.archive), cpu=cpu)
+        atomic_write_text(write_site, dump_toml(measured.to_dict(), header_comments=[
+            f"site {site.name} with the network fits measured by `sailor-hpc profile` into {report.archive}"]))
+    if as_json:
+        echo_json(report.to_dict())
+    else:
+        rows = [(u.key, u.status, u.job_id or "-", u.reason or "-") for u in report.units]
+        click.echo(table(("unit", "status", "job", "note"), rows))
+        counts = report.to_dict()["counts"]
+        click.echo(f"{report.archive}: {', '.join(f'{v} {k}' for k, v in sorted(counts.items()))} "
+                   f"in {report.seconds:.0f} s" + ("" if report.complete else "; run again with --resume to complete"))
+    if not report.complete:
+        raise SystemExit(1)

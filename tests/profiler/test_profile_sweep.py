@@ -1,0 +1,155 @@
+"""Profiling sweeps through submitit on the real local cluster (CPU): the archive they fill, the
+simulator reading it, and failures (cancelled jobs, het job included) reported, recorded and resumed."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from sailor_hpc.archive import read_archive
+from sailor_hpc.models import get_model
+from sailor_hpc.plan import plan_from_dict
+from sailor_hpc.site import load_site
+
+pytestmark = pytest.mark.slurm
+
+REPO = Path(__file__).resolve().parents[2]
+LOCAL_LAB = REPO / "site_configs" / "local-lab.toml"
+QUICK = ["--iters", "3", "--warmup", "1", "--net-sizes", "16,18,20,22", "--time", "10", "--lost-after", "60"]
+
+
+@pytest.fixture()
+def prof_env(slurm_cluster) -> dict[str, str]:
+    env = dict(slurm_cluster.env)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    return env
+
+
+def _node_partitions(cluster) -> dict[str, str]:
+    out = cluster.run(["sinfo", "-h", "-N", "-o", "%N %R"], check=True).stdout
+    return {line.split()[0]: line.split()[1] for line in out.splitlines()}
+
+
+def _profile(cluster, env, tmp: Path, *args: str, **kw) -> subprocess.CompletedProcess:
+    cmd = ["sailor-hpc", "profile", "--site", str(LOCAL_LAB), "--model", "tiny-gpt", "--cpu",
+           "--archive", str(tmp / "cpu.h5"), "--folder", str(tmp / "jobs"), *QUICK, *args]
+    return cluster.run(cmd, env=env, timeout=300, **kw)
+
+
+def test_cpu_sweep_fills_the_archive_and_the_simulator_reads_it(slurm_cluster, prof_env, tmp_path):
+    t0 = time.monotonic()
+    proc = _profile(slurm_cluster, prof_env, tmp_path, "--partitions", "a100,v100", "--mbs", "1,2", "--tp", "1,2",
+                    "--network", "intra", "--net-senders", "2", "--write-site", str(tmp_path / "measured.toml"))
+    took = time.monotonic() - t0
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    print(f"\nCPU sweep (8 points in 4 job arrays, 2 network jobs): {took:.1f} s")
+    assert "[" + "#" * 28 + "] 10/10 (10 ok)" in proc.stderr  # the progress bar reached the end
+    spec = get_model("tiny-gpt")
+    L, s, h = spec.num_pipeline_layers, spec.seq_len, spec.hidden_size
+    a = read_archive(tmp_path / "cpu.h5")
+    parts = _node_partitions(slurm_cluster)
+    # compute: every point, under the cpu- keys only (never the GPU type names of the published profiles)
+    assert sorted(a.compute) == [("tiny-gpt", "cpu-A100-40"), ("tiny-gpt", "cpu-V100-16")] and not a.failed
+    for (model, gpu), points in a.compute.items():
+        assert sorted(points) == [(1, 1), (1, 2), (2, 1), (2, 2)]
+        for (mbs, tp), e in points.items():
+            assert e.times.shape == (L, 3) and np.isfinite(e.times).all() and (e.times > 0).all()
+            prov = e.provenance
+            assert prov["device"] == "cpu" and prov["method"] == "wall-clock" and prov["profiled_blocks"] == 2
+            assert parts[prov["node"]] == {"cpu-A100-40": "a100", "cpu-V100-16": "v100"}[gpu]  # ran where it says
+            assert prov["array_job"] is not None  # one job array per partition and TP degree
+    # memory: parameters per TP rank by hand (see test_profiler_units), activations of the right shapes
+    for tp in (1, 2):
+        m = a.memory_table("tiny-gpt", tp).table
+        assert m[1, 0] == (3 * h * h + 3 * h + h * h + 2 * 4 * h * h + 4 * h) / tp + 6 * h
+        assert list(m[:, 1]) == [s * h] * 5 + [s] and (m[:, 3] > 0).all()
+    assert set(a.overhead) == {"cpu-A100-40", "cpu-V100-16"}
+    assert all(set(e.by_tp) == {1, 2} and min(e.by_tp.values()) > 0 for e in a.overhead.values())
+    # network: inside one node of each partition, k = 2 ranks; the fit is the measured series' fit
+    links = {e.path: e for e in a.network["cpu-local-lab"]}
+    assert sorted(links) == ["network/cpu-local-lab/intra:a100:a100:2", "network/cpu-local-lab/intra:v100:v100:2"]
+    for e in links.values():
+        hosts = e.provenance["hosts"]
+        assert len(set(hosts)) == 1 and parts[hosts[0]] == e.a
+        sizes, gbps = e.provenance["sizes"], e.provenance["p2p_gbps"]
+        assert e.fit.max_gbps == pytest.approx(max(gbps)) and (e.fit.min_bytes, e.fit.max_bytes) == (min(sizes), max(sizes))
+        assert np.allclose(e.fit.coeffs, np.polyfit(np.log2(np.asarray(sizes) / 1e6), gbps, 2))
+
+    # the simulator prices a het plan from these measurements alone (cpu- GPU types, measured intra fits)
+    from simulator import simulate
+    site = load_site(tmp_path / "measured.toml")
+    assert [p.gpu_type for p in site.partitions] == ["cpu-A100-40", "cpu-V100-16"]
+    assert site.intra_node_fit("a100", 2) == links["network/cpu-local-lab/intra:a100:a100:2"].fit
+    plan = plan_from_dict({"model": "tiny-gpt", "global_batch_size": 8, "pipelines": [
+        {"micro_batch_size": 2, "num_micro_batches": 2, "stages": [
+            {"layers": [0, 2], "tp": 2, "gpu_type": "cpu-V100-16"}, {"layers": [3, 5], "tp": 1, "gpu_type": "cpu-A100-40"}]},
+        {"micro_batch_size": 1, "num_micro_batches": 4, "stages": [{"layers": [0, 5], "tp": 1, "gpu_type": "cpu-A100-40"}]}]})
+    result = simulate(plan, site, a)
+    assert result.iteration_time_s > 0 and result.fits
+    v = a.compute[("tiny-gpt", "cpu-V100-16")][(2, 2)].times
+    first = result.stages[0]
+    assert first.gpu_type == "cpu-V100-16" and first.fwd_s == pytest.approx(v[0:3, 0].sum())
+    assert first.bwd_s == pytest.approx(v[0:3, 1].sum())
+
+
+def _sweep_jobs(cluster) -> list[str]:
+    out = cluster.run(["squeue", "-h", "-o", "%i %j"], check=True).stdout
+    return sorted({line.split()[0].split("+")[0].split("_")[0] for line in out.splitlines()
+                   if line.split()[1].startswith(("sailor-prof-", "sailor-net-"))})
+
+
+def test_cancelled_profiling_jobs_are_reported_failed_and_resume_completes(slurm_cluster, prof_env, tmp_path):
+    args = ["--partitions", "a100,v100", "--mbs", "4", "--tp", "1", "--network", "inter,between", "--net-senders", "1"]
+    sweep = subprocess.Popen(["sailor-hpc", "profile", "--site", str(LOCAL_LAB), "--model", "tiny-gpt", "--cpu",
+                              "--archive", str(tmp_path / "cpu.h5"), "--folder", str(tmp_path / "jobs"), *QUICK, *args,
+                              "--begin", "now+1hour"], env=prof_env, cwd=tmp_path, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        jobs: list[str] = []
+        while time.monotonic() < deadline and len(jobs) < 5:  # 2 compute jobs, 2 inter-node, 1 het job
+            jobs = _sweep_jobs(slurm_cluster)
+            time.sleep(0.3)
+        assert len(jobs) == 5, jobs
+        slurm_cluster.run(["scancel", *jobs], check=True)
+        t0 = time.monotonic()
+        out, err = sweep.communicate(timeout=90)
+        reported_after = time.monotonic() - t0
+    finally:
+        if sweep.poll() is None:
+            sweep.kill()
+    assert sweep.returncode == 1, out + err
+    assert reported_after < 30, reported_after  # never waited on: the het job included
+    for unit in ("compute:a100:mbs4:tp1", "compute:v100:mbs4:tp1", "network:inter:a100:a100:k1",
+                 "network:inter:v100:v100:k1", "network:inter:a100:v100:k1"):
+        assert f"failed: {unit}: job " in err and "CANCELLED" in err, (unit, err)
+    assert "--resume" in out
+    a = read_archive(tmp_path / "cpu.h5")
+    failed = {(gpu, pt): e.reason for (_, gpu), pts in a.failed.items() for pt, e in pts.items()}
+    assert set(failed) == {("cpu-A100-40", (4, 1)), ("cpu-V100-16", (4, 1))} and not a.compute
+    assert all("CANCELLED" in r for r in failed.values())
+    state = json.loads((tmp_path / "jobs" / "sweep-state.json").read_text())
+    assert {u["status"] for u in state["units"].values()} == {"failed"}
+
+    # the same command with --resume (and no deferred start) completes the sweep
+    proc = _profile(slurm_cluster, prof_env, tmp_path, *args, "--resume", "--json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["complete"] and report["counts"] == {"ok": 5}
+    a = read_archive(tmp_path / "cpu.h5")
+    assert not a.failed and sorted(a.compute) == [("tiny-gpt", "cpu-A100-40"), ("tiny-gpt", "cpu-V100-16")]
+    parts = _node_partitions(slurm_cluster)
+    links = {e.path: e for e in a.network["cpu-local-lab"]}
+    het = links["network/cpu-local-lab/inter:a100:v100:1"].provenance["hosts"]
+    assert [parts[h] for h in het] == ["a100", "v100"]  # the het job really spans both partitions
+    for p in ("a100", "v100"):
+        hosts = links[f"network/cpu-local-lab/inter:{p}:{p}:1"].provenance["hosts"]
+        assert len(set(hosts)) == 2 and {parts[h] for h in hosts} == {p}  # two different nodes of p
+    # a second --resume finds nothing left to do and submits nothing
+    proc = _profile(slurm_cluster, prof_env, tmp_path, *args, "--resume", "--json")
+    assert proc.returncode == 0 and all(u["job_id"] is None for u in json.loads(proc.stdout)["units"])
