@@ -3,15 +3,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from sailor_hpc.archive import (EMBEDDED_ARCHIVE, ComputeEntry, MemoryEntry, make_provenance, read_archive,
-                                write_entries)
+from sailor_hpc.archive import EMBEDDED_ARCHIVE, read_archive
 from sailor_hpc.site import Site, load_site_dict
-
-# tiny-gpt's 6 pipeline layers borrow OPT-350M's embedding, first four blocks and head
-OPT_ROWS = [0, 1, 2, 3, 4, 25]
+from tests.tiny_archive import write_tiny_archive
 
 
 def small_site(a100_nodes: int = 1, v100_nodes: int = 1, gpus_per_node: int = 2) -> Site:
@@ -29,15 +25,5 @@ def small_site(a100_nodes: int = 1, v100_nodes: int = 1, gpus_per_node: int = 2)
 
 @pytest.fixture(scope="session")
 def tiny_archive(tmp_path_factory: pytest.TempPathFactory):
-    path = tmp_path_factory.mktemp("tiny") / "tiny.h5"
-    opt = read_archive(EMBEDDED_ARCHIVE)
-    prov = make_provenance("test: OPT-350M layers 0-4 and 25 of the Sailor profiles")
-    entries = []
-    for gpu in ("A100-40", "V100-16"):
-        for (mbs, tp), e in opt.compute_points("OPT-350M", gpu).items():
-            if mbs <= 4 and tp <= 2:
-                entries.append(ComputeEntry("tiny-gpt", gpu, mbs, tp, np.asarray(e.times)[OPT_ROWS], prov))
-    for tp in (1, 2):
-        entries.append(MemoryEntry("tiny-gpt", tp, np.asarray(opt.memory_table("OPT-350M", tp).table)[OPT_ROWS], prov))
-    write_entries(path, entries)
+    path = write_tiny_archive(tmp_path_factory.mktemp("tiny") / "tiny.h5")
     return read_archive(path, EMBEDDED_ARCHIVE)
