@@ -133,6 +133,20 @@ def start_tmp(root: str | Path, step: int) -> Path:
     return tmp
 
 
+def write_file(path: Path, data: bytes) -> dict[str, Any]:
+    """Write one checkpoint file (fsynced) and return its manifest entry (size, checksum)."""
+    with open(path, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    return {"bytes": len(data), "sha256": sha256_bytes(data)}
+
+
+def _commit(tmp: Path, final: Path) -> None:
+    """The commit point: the directory appears under its final name, complete."""
+    os.replace(tmp, final)
+
+
 def _fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -157,10 +171,10 @@ def publish(tmp: Path, manifest: dict[str, Any]) -> Path:
         if trash.exists():
             shutil.rmtree(trash)
         os.replace(final, trash)
-        os.replace(tmp, final)
+        _commit(tmp, final)
         shutil.rmtree(trash)
     else:
-        os.replace(tmp, final)
+        _commit(tmp, final)
     _fsync_dir(tmp.parent)
     return final
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import base64
 import io
-import os
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -87,12 +86,7 @@ def save(trainer: "Trainer", root: str, keep: int = 3) -> str:
         if role.tp_rank == 0:
             buf = io.BytesIO()
             torch.save(entries, buf)
-            data = buf.getvalue()
-            with open(tmp / layer_file(layer), "wb") as fh:
-                fh.write(data)
-                fh.flush()
-                os.fsync(fh.fileno())
-            files[layer_file(layer)] = {"bytes": len(data), "sha256": ck.sha256_bytes(data), "layer": layer}
+            files[layer_file(layer)] = {**ck.write_file(tmp / layer_file(layer), buf.getvalue()), "layer": layer}
     gathered: list[Any] = [None] * t.world if rank == 0 else []
     dist.gather_object((files, params if role.tp_rank == 0 else {}), gathered if rank == 0 else None, dst=0)
     final = ""

@@ -42,15 +42,21 @@ class RankResult:
     stderr: str
 
 
-def start(argv: list[str], world: int, extra_env: dict[str, str] | None = None) -> list[subprocess.Popen]:
+def start(argv: list[str], world: int, extra_env: dict[str, str] | None = None,
+          logs: Path | None = None) -> list[subprocess.Popen]:
     """Start ``python argv...`` as ranks 0..world-1 (returns the processes, not waiting).
 
-    Output goes to temporary files (a full pipe would block a rank inside a collective).
+    Output goes to files (a full pipe would block a rank inside a collective): ``logs/rank{r}.out``
+    and ``.err`` when ``logs`` is given (readable while the ranks run), else temporary files.
     """
     port = free_port()
     procs = []
     for r in range(world):
-        out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        if logs is not None:
+            logs.mkdir(parents=True, exist_ok=True)
+            out, err = open(logs / f"rank{r}.out", "w+"), open(logs / f"rank{r}.err", "w+")
+        else:
+            out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
         p = subprocess.Popen([sys.executable, *argv], env=rank_env(r, world, port, extra_env), cwd=REPO,
                              stdin=subprocess.DEVNULL, stdout=out, stderr=err, text=True)
         p.outputs = (out, err)  # type: ignore[attr-defined]
@@ -103,5 +109,5 @@ def wait(procs: list[subprocess.Popen], timeout: float = 600, grace: float = 20)
 
 
 def run(argv: list[str], world: int, extra_env: dict[str, str] | None = None,
-        timeout: float = 600) -> list[RankResult]:
-    return wait(start(argv, world, extra_env), timeout)
+        timeout: float = 600, grace: float = 20) -> list[RankResult]:
+    return wait(start(argv, world, extra_env), timeout, grace)

@@ -315,6 +315,8 @@ def build_stage_module(spec: ModelSpec, first_layer: int, last_layer: int, *, tp
     ctx = StageContext(spec=spec, arch=arch_of(spec), config=config, tp_group=tp_group,
                        pg_collection=pg_collection, tp=tp, tp_rank=tp_rank, padded_vocab=padded, device=dev)
     module = StageModule(ctx, first_layer, last_layer, te=use_te, recompute=recompute).to(dev)
+    if dt != torch.float32:
+        module.to(dtype=dt)  # as megatron's Float16Module: every float parameter and buffer (norms too)
     layout = {p.name: p for p in params_of_layers(param_layout(spec, padded), first_layer, last_layer)}
     params = module.canonical_params()
     if set(params) != set(layout):

@@ -52,7 +52,10 @@ CPU_MODULES = (
     "megatron.core.tensor_parallel.random",
     "megatron.core.pipeline_parallel.schedules",
     "megatron.core.pipeline_parallel.p2p_communication",
+    "megatron.core.tensor_parallel.utils",
     "megatron.core.transformer.dot_product_attention",
+    "megatron.core.transformer.utils",
+    "megatron.core.models.common.embeddings.rotary_pos_embedding",
 )
 
 

@@ -1,0 +1,115 @@
+"""Shared pieces of the runtime tests: the dataset, the three heterogeneous plans, the reference run.
+
+Everything heavy runs in subprocesses (``megatron_patch.local`` starts gloo ranks with torchrun's
+variables), so the pytest process never initialises torch.distributed or megatron's globals.
+All runs use Adam with eps = 1e-5 (see test_exactness.py for why) and OMP_NUM_THREADS=1.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from megatron_patch import local
+from sailor_hpc.plan import Pipeline, Plan, Stage, load_plan
+
+MODEL = "tiny-gpt"  # 4 blocks: pipeline layers 0 (embedding), 1..4, 5 (final norm + head + loss)
+GLOBAL_BATCH = 8
+ADAM = ["--adam-eps", "1e-5", "--lr", "1e-3", "--clip-grad", "1.0", "--weight-decay", "0.01"]
+REF_STEPS = 20
+
+
+def _stage(first: int, last: int, tp: int) -> Stage:
+    return Stage(first, last, tp, "A100-40")
+
+
+# A: different stage counts (2 | 1), uneven split (2|4 layers), TP 2 in pipeline 1, micro-batches 3 vs 1
+PLAN_A = Plan(MODEL, GLOBAL_BATCH, (Pipeline(2, 3, (_stage(0, 1, 1), _stage(2, 5, 1))),
+                                    Pipeline(2, 1, (_stage(0, 5, 2),))))
+# B: a TP mismatch inside a pipeline (TP2 -> TP1, tied embedding split over both), micro-batches 2x2 vs 4x1
+PLAN_B = Plan(MODEL, GLOBAL_BATCH, (Pipeline(2, 2, (_stage(0, 3, 2), _stage(4, 5, 1))),
+                                    Pipeline(1, 4, (_stage(0, 5, 1),))))
+# C: three stages (embedding alone) vs one, micro-batches 1x2 vs 3x2
+PLAN_C = Plan(MODEL, GLOBAL_BATCH, (Pipeline(2, 1, (_stage(0, 0, 1), _stage(1, 3, 1), _stage(4, 5, 1))),
+                                    Pipeline(2, 3, (_stage(0, 5, 1),))))
+PLANS = {"A": PLAN_A, "B": PLAN_B, "C": PLAN_C}
+
+
+@dataclass
+class Env:
+    root: Path
+    data: str
+    plans: dict[str, Path]
+    ref: Path  # ref_step_N.pt for N in 1..REF_STEPS, losses.json
+
+
+def python(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=local.REPO, env=local.rank_env(0, 1, local.free_port()),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def runtime_env(tmp_path_factory: pytest.TempPathFactory) -> Env:
+    pytest.importorskip("torch")
+    pytest.importorskip("megatron.core")
+    root = tmp_path_factory.mktemp("runtime")
+    data = str(root / "data" / "shipped")
+    res = python("-m", "megatron_patch.data", data)
+    assert res.returncode == 0, res.stderr[-3000:]
+    ref = root / "ref"
+    res = python("-m", "megatron_patch.reference", "--model", MODEL, "--data", data, "--global-batch",
+                 str(GLOBAL_BATCH), "--steps", str(REF_STEPS), "--snapshots", ",".join(map(str, range(1, REF_STEPS + 1))),
+                 "--out", str(ref), *ADAM)
+    assert res.returncode == 0, res.stderr[-3000:]
+    env = Env(root, data, {}, ref)
+    for name, plan in PLANS.items():
+        add_plan(env, name, plan)
+    return env
+
+
+def add_plan(env: Env, name: str, plan: Plan) -> None:
+    env.plans[name] = env.root / f"plan_{name}.json"
+    plan.save(env.plans[name])
+
+
+def launch_args(env: Env, plan: str, steps: int, save: Path, *extra: str) -> list[str]:
+    return ["-m", "megatron_patch.launch", "--plan", str(env.plans[plan]), "--model", MODEL, "--data", env.data,
+            "--save", str(save), "--steps", str(steps), *ADAM, *extra]
+
+
+def launch(env: Env, plan: str, steps: int, save: Path, *extra: str, expect: int | None = 0,
+           program: list[str] | None = None, extra_env: dict[str, str] | None = None,
+           grace: float = 20) -> list[local.RankResult]:
+    """Train ``plan`` with local gloo ranks (one per GPU of the plan); each must exit with ``expect``."""
+    argv = launch_args(env, plan, steps, save, *extra)
+    if program is not None:
+        argv = [*program, *argv[2:]]
+    results = local.run(argv, load_plan(env.plans[plan]).num_gpus, extra_env, timeout=300, grace=grace)
+    for r in results if expect is not None else ():
+        assert r.returncode == expect, f"rank {r.rank} exited {r.returncode}:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
+    return results
+
+
+def events(result: local.RankResult, kind: str) -> list[dict]:
+    return [e for e in map(json.loads, filter(None, result.stdout.splitlines())) if e.get("event") == kind]
+
+
+def max_diff(ckpt: Path, ref_file: Path) -> dict[str, float]:
+    """max |checkpoint - reference| over all parameters, per field (param, exp_avg, exp_avg_sq)."""
+    import torch
+
+    from megatron_patch.checkpoint_io import FIELDS, CheckpointReader
+    got = CheckpointReader(str(ckpt)).full_state()
+    ref = torch.load(ref_file, weights_only=True)
+    assert set(got) == set(ref), sorted(set(got) ^ set(ref))
+    return {k: max(float((got[n][k] - ref[n][k]).abs().max()) for n in ref) for k in FIELDS}
+
+
+@pytest.fixture(scope="session")
+def ref_file(runtime_env: Env) -> Callable[[int], Path]:
+    return lambda step: runtime_env.ref / f"ref_step_{step}.pt"

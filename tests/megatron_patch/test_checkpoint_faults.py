@@ -1,0 +1,88 @@
+"""Checkpoints survive the failures a Slurm job meets: killed mid-write, and the time-limit signal.
+
+- A rank SIGKILLed while writing (half a layer file; or everything written but not yet renamed) leaves
+  no checkpoint that ``latest_complete`` or ``--load`` would take: the previous one is loaded, and
+  training from it under another plan still matches the single-process reference.
+- SIGUSR1 to one rank only: all ranks agree at the next step boundary, write one complete checkpoint,
+  and exit 75; its manifest (step, data position) is readable without torch; a different plan resumes
+  from it exactly.
+"""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from megatron_patch import local
+from megatron_patch.checkpoint import latest_complete, read_manifest, step_dir, tmp_dir
+from megatron_patch.env import EXIT_SAVED_ON_SIGNAL
+from tests.megatron_patch.conftest import GLOBAL_BATCH, Env, events, launch, launch_args, max_diff
+
+KILLER = ["tests/megatron_patch/kill_worker.py"]
+
+
+def test_checkpoint_killed_mid_write_is_never_loaded(runtime_env: Env, ref_file: Callable[[int], Path]) -> None:
+    root = runtime_env.root / "killed"
+    # plan A saves step 2, then rank 0 dies halfway through a layer file of step 4
+    launch(runtime_env, "A", 4, root, "--save-interval", "2", program=KILLER, expect=None,
+           extra_env={"FAULT": "mid_file", "FAULT_STEP": "4"}, grace=1)
+    assert tmp_dir(root, 4).is_dir() and not step_dir(root, 4).exists()
+    assert latest_complete(root) == step_dir(root, 2)
+
+    # plan C resumes from step 2 (not the torn one), trains to 4, dies after writing everything but the rename
+    logs = launch(runtime_env, "C", 4, root, "--load", str(root), program=KILLER, expect=None,
+                  extra_env={"FAULT": "before_commit", "FAULT_STEP": "4"}, grace=1)
+    assert events(logs[0], "loaded")[0]["step"] == 2
+    assert (tmp_dir(root, 4) / "manifest.json").is_file() and not step_dir(root, 4).exists()
+    assert latest_complete(root) == step_dir(root, 2)
+
+    # plan B resumes from step 2 again and trains to 4 unharmed: the torn attempts left no trace
+    logs = launch(runtime_env, "B", 4, root, "--load", str(root))
+    assert events(logs[0], "loaded")[0]["step"] == 2
+    assert latest_complete(root) == step_dir(root, 4) and not tmp_dir(root, 4).exists()
+    assert max_diff(step_dir(root, 4), ref_file(4))["param"] <= 1e-6
+
+
+def _wait_for_step(log: Path, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if log.exists() and '"event": "step"' in log.read_text():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"no training step logged in {log} after {timeout} s")
+
+
+def test_signal_saves_complete_checkpoint_and_resumes_under_another_plan(
+        runtime_env: Env, ref_file: Callable[[int], Path]) -> None:
+    root = runtime_env.root / "signal"
+    logs = runtime_env.root / "signal-logs"
+    procs = local.start(launch_args(runtime_env, "A", 18, root), 4, logs=logs)
+    _wait_for_step(logs / "rank0.out")
+    procs[2].send_signal(signal.SIGUSR1)  # one rank only: the others learn it from the step's all-reduce
+    results = local.wait(procs, timeout=180)
+    assert [r.returncode for r in results] == [EXIT_SAVED_ON_SIGNAL] * 4, [r.stderr[-2000:] for r in results]
+    stopped = {events(r, "signal")[0]["step"] for r in results}
+    assert len(stopped) == 1
+    step = stopped.pop()
+    assert step < 18
+    assert all(events(r, "saved")[0]["path"] == str(step_dir(root, step)) for r in results)
+    assert latest_complete(root) == step_dir(root, step)
+
+    # the controller's view: step and data position from the manifest, without torch
+    code = ("import sys, json; sys.modules['torch'] = None\n"
+            "from megatron_patch.checkpoint import latest_complete, read_manifest\n"
+            f"m = read_manifest(latest_complete({str(root)!r}))\n"
+            "print(json.dumps([m['step'], m['consumed_samples'], m['plan']['pipelines'][0]['num_micro_batches']]))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=local.REPO, capture_output=True, text=True,
+                         env=local.rank_env(0, 1, 0))
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == [step, step * GLOBAL_BATCH, 3]
+    assert read_manifest(step_dir(root, step))["consumed_samples"] == step * GLOBAL_BATCH
+
+    logs = launch(runtime_env, "C", step + 2, root, "--load", str(root))
+    assert events(logs[0], "loaded")[0]["step"] == step
+    assert max_diff(step_dir(root, step + 2), ref_file(step + 2))["param"] <= 1e-6
