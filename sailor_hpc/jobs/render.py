@@ -32,6 +32,11 @@ from sailor_hpc.slurm.discover import normalize_walltime
 
 DEFAULT_TIME = "01:00:00"
 MAX_SIGNAL_GRACE_S = 300  # SIGUSR1 this long before the time limit (capped at a tenth of the limit)
+#: once one rank exits, the others get this long (at least the checkpoint grace) before srun kills them: a
+#: rank that finished saving its layers must not kill one still saving (no --kill-on-bad-exit, which
+#: would turn a clean exit 75 of one rank into SIGTERM for the rest), and a crashed rank must not leave
+#: the others blocked in a collective until the runtime's collective timeout
+MIN_RANK_EXIT_WAIT_S = 60
 PORT_BASE, PORT_SPAN = 20000, 20000  # MASTER_PORT = base + job id % span (two jobs on a node rarely clash)
 
 
@@ -146,7 +151,8 @@ def render_job_script(plan: Plan, site: Site, *, plan_path: str | os.PathLike[st
         "version": __version__, "model": name, "model_q": safety.q(name), "num_ranks": layout.world_size,
         "plan_path_comment": str(plan_file), "task_ranks_comment": " ".join(map(str, layout.task_ranks)),
         "job_name": jname, "output": f"{logs}/%x-%j.out", "workdir": work, "time": time_text,
-        "signal_grace_s": grace, "dry_run": dry_run, "extra_sbatch": extra,
+        "signal_grace_s": grace, "rank_exit_wait_s": max(MIN_RANK_EXIT_WAIT_S, grace), "dry_run": dry_run,
+        "extra_sbatch": extra,
         "components": components_for(layout, site), "heterogeneous": layout.heterogeneous,
         "account": safety.slurm_word(site.slurm.account, "slurm.account") if site.slurm.account else "",
         "qos": safety.slurm_word(site.slurm.qos, "slurm.qos") if site.slurm.qos else "",

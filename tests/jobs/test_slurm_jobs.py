@@ -148,3 +148,40 @@ def test_cli_refuses_bad_job_ids(slurm_cluster, job_env):
     for cmd in (["status", "1;ls"], ["cancel", "$(id)"], ["logs", "12 13"]):
         proc = _cli(slurm_cluster, job_env, *cmd, check=False)
         assert proc.returncode == 2 and "is not a Slurm job id" in proc.stderr, proc.stderr
+
+
+def test_training_job_checkpoints_on_the_limit_signal_requeues_and_resumes(slurm_cluster, job_env, job_dir):
+    """The time-limit path of the template, end to end on CPU ranks of both partitions: USR1 (what
+    ``--signal=USR1@grace`` delivers before the limit) -> every rank saves and exits 75 -> the script
+    requeues the job -> the requeued run resumes from the checkpoint (--auto-resume) and completes."""
+    data = job_dir / "tok"
+    built = slurm_cluster.run(["python", "-m", "megatron_patch.data", str(data)], env=job_env)
+    assert built.returncode == 0, built.stderr
+    plan = write_plan(job_dir, "two-stage", {
+        "format": "sailor-hpc-plan", "version": 1, "model": "tiny-gpt", "global_batch_size": 4,
+        "pipelines": [{"micro_batch_size": 1, "num_micro_batches": 4, "stages": [
+            {"layers": [0, 2], "tp": 1, "gpu_type": "A100-40", "partition": "a100", "placement": {"node": 0, "gpus": [0]}},
+            {"layers": [3, 5], "tp": 1, "gpu_type": "V100-16", "partition": "v100", "placement": {"node": 0, "gpus": [0]}}]}]})
+    steps = 120
+    job = _cli(slurm_cluster, job_env, "submit", str(plan), "--site", str(LOCAL_LAB), "--data", str(data),
+               "--save", str(job_dir / "ckpt"), "--steps", str(steps), "--time", "00:10:00").stdout.strip()
+    log = Path(_cli(slurm_cluster, job_env, "logs", job, "--path").stdout.strip())
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and not (log.exists() and '"event": "step"' in log.read_text()):
+        time.sleep(0.2)
+    slurm_cluster.run(["scancel", "--signal=USR1", job], check=True)
+    watcher = JobWatcher(job_env, poll_s=0.5)
+    watcher.add([job])
+    result = watcher.wait(timeout_s=150)
+    text = log.read_text()
+    assert result.statuses[job].state == "COMPLETED", text[-3000:]
+    events = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+    saved_on_signal = [e for e in events if e["event"] == "saved" and e["step"] < steps]
+    assert len(saved_on_signal) == 2 and len({e["step"] for e in saved_on_signal}) == 1
+    resumed = saved_on_signal[0]["step"]
+    assert "Exited with exit code 75" in text and f"requeueing job {job}" in text and "restart 1:" in text
+    loaded = [e for e in events if e["event"] == "loaded"]
+    assert sorted(e["rank"] for e in loaded) == [0, 1] and {e["step"] for e in loaded} == {resumed}
+    assert sorted((e["rank"], e["step"]) for e in events if e["event"] == "done") == [(0, steps), (1, steps)]
+    show = slurm_cluster.run(["scontrol", "show", "job", job], check=True).stdout
+    assert "Restarts=1" in show
