@@ -66,8 +66,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _slowest(seconds: float) -> float:
-    t = torch.tensor([seconds], dtype=torch.float64)
+def _slowest(seconds: float, device: torch.device) -> float:
+    t = torch.tensor([seconds], dtype=torch.float64, device=device)  # NCCL reduces device tensors only
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())
 
@@ -81,7 +81,7 @@ def _median_seconds(op: Callable[[], None], iters: int, warmup: int, device: tor
         t0 = time.perf_counter()
         op()
         _sync(device)
-        dt = _slowest(time.perf_counter() - t0)
+        dt = _slowest(time.perf_counter() - t0, device)
         if it >= warmup:
             times.append(dt)
     return statistics.median(times)
