@@ -112,13 +112,16 @@ def render_job_script(plan: Plan, site: Site, *, plan_path: str | os.PathLike[st
                       time: str | None = None, extra_sbatch: Sequence[str] = (), train_args: Sequence[str] = (),
                       python: str = "python", signal_grace_s: int | None = None,
                       workdir: str | os.PathLike[str] | None = None, log_dir: str | os.PathLike[str] | None = None,
-                      dry_run: bool = False) -> str:
+                      dry_run: bool = False, requeue: bool = True) -> str:
     """The sbatch script that trains ``plan`` (read by the job from ``plan_path``) on ``site``.
 
     ``data`` and ``save`` are required unless ``dry_run`` (every rank then only prints its role);
     ``load`` is used until the job has a checkpoint of its own in ``save`` (requeued runs resume from
     ``save``). ``extra_sbatch`` are ``--option=value`` header lines, ``train_args`` extra arguments of
-    ``megatron_patch.launch``. Raises :class:`SailorError` for anything unsafe or inconsistent.
+    ``megatron_patch.launch``. ``requeue=False`` (a controller that resubmits by itself): no
+    ``scontrol requeue`` after a checkpoint on the limit signal, and ``--no-requeue`` (a node failure
+    ends the job instead of Slurm requeueing it). Raises :class:`SailorError` for anything unsafe or
+    inconsistent.
     """
     validate_plan(plan, site, source=plan_path, check_placement=True)
     plan_file = Path(safety.shell_path(plan_path, "plan_path"))
@@ -152,7 +155,7 @@ def render_job_script(plan: Plan, site: Site, *, plan_path: str | os.PathLike[st
         "plan_path_comment": str(plan_file), "task_ranks_comment": " ".join(map(str, layout.task_ranks)),
         "job_name": jname, "output": f"{logs}/%x-%j.out", "workdir": work, "time": time_text,
         "signal_grace_s": grace, "rank_exit_wait_s": max(MIN_RANK_EXIT_WAIT_S, grace), "dry_run": dry_run,
-        "extra_sbatch": extra,
+        "requeue": requeue, "extra_sbatch": extra,
         "components": components_for(layout, site), "heterogeneous": layout.heterogeneous,
         "account": safety.slurm_word(site.slurm.account, "slurm.account") if site.slurm.account else "",
         "qos": safety.slurm_word(site.slurm.qos, "slurm.qos") if site.slurm.qos else "",

@@ -95,6 +95,9 @@ def test_training_job_checkpoints_and_requeues(tmp_path):
     assert launch[launch.index("--save-interval") + 1] == "10" and launch[launch.index("--steps") + 1] == "50"
     # --load only while --save has no complete checkpoint of its own
     assert 'compgen -G "$SAVE/step_*/manifest.json"' in script and f"LAUNCH+=(--load {tmp_path / 'old'})" in script
+    # a controller that resubmits by itself: no requeue after the checkpoint, none after a node failure
+    no_requeue = _render(tmp_path, "het-mixed", dry_run=False, data="d", save="s", requeue=False)
+    assert "--no-requeue" in _header(no_requeue)[0] and "scontrol requeue" not in no_requeue
     # five-minute job: the signal comes at a tenth of the limit
     assert "--signal=USR1@30" in _header(_render(tmp_path, "het-mixed", dry_run=False, data="d", save="s",
                                                  time="5"))[0]
