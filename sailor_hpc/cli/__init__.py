@@ -33,7 +33,7 @@ def main() -> None:
 
 
 def _register() -> None:
-    from sailor_hpc.cli import job_cmds, plan_cmds, profile_cmds, profiles_cmds, simulate_cmds, site_cmds  # noqa: F401  (registration side effect)
+    from sailor_hpc.cli import job_cmds, plan_cmds, profile_cmds, profiles_cmds, run_cmds, simulate_cmds, site_cmds  # noqa: F401  (registration side effect)
 
 
 _register()

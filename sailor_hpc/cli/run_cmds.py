@@ -1,0 +1,189 @@
+"""``sailor-hpc run``: train under a controller that re-plans and resumes when the allocation changes.
+
+    sailor-hpc run --site SITE --model M --objective throughput|cost [constraints] --data PATH --save DIR [--steps N]
+    sailor-hpc run --resume RUN_DIR          (after the controller itself stopped or was killed)
+    sailor-hpc run status RUN_DIR            (the run's history: jobs, events, decisions)
+
+The run directory (``--run-dir``, default ``SAVE/controller``) holds the spec, the journal, the plans,
+the job scripts and the jobs' logs. Exit codes: 0 finished, 1 gave up, 2 bad input, 130 interrupted
+(the job keeps running; ``--resume`` picks it up).
+"""
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from sailor_hpc.cli import main
+from sailor_hpc.cli.output import echo_json, json_option, table
+from sailor_hpc.errors import SailorError
+
+_FILE = click.Path(dir_okay=False, path_type=Path)
+_DIR = click.Path(file_okay=False, path_type=Path)
+#: options that describe a new run; --resume reads them from run.json instead
+_RUN_OPTIONS = ("site_file", "model", "data", "save", "run_dir", "profiles", "gbs", "seq_len", "steps", "objective",
+                "max_cost_per_hour", "max_cost_per_iteration", "min_throughput", "max_gpus", "max_stages", "min_gain",
+                "restart_cost", "max_restarts", "backoff", "poll", "replan_interval", "save_interval", "time_limit",
+                "signal_grace", "python", "train_arg", "extra_sbatch")
+
+
+def parse_gain(text: str) -> float:
+    """``10%`` or ``0.1`` -> 0.1."""
+    t = text.strip()
+    try:
+        return float(t[:-1]) / 100.0 if t.endswith("%") else float(t)
+    except ValueError:
+        raise SailorError(f"{text!r} is not a fraction or a percentage", field="--min-gain",
+                          fix="e.g. --min-gain 10% or --min-gain 0.1") from None
+
+
+def _data_files_exist(prefix: str) -> None:
+    for suffix in (".bin", ".idx"):
+        if not Path(prefix + suffix).is_file():
+            raise SailorError("indexed dataset file not found", file=prefix + suffix, field="--data",
+                              fix="build one: python -m megatron_patch.data PREFIX")
+
+
+def new_run(opts: dict[str, Any]) -> Path:
+    """Check a new run's options, write its run directory and return it."""
+    from sailor_hpc.archive import open_archive
+    from sailor_hpc.controller import RunDir, RunSpec, new_run_id
+    from sailor_hpc.models import get_model
+    from sailor_hpc.site import load_site
+
+    for name, flag in (("site_file", "--site"), ("model", "--model"), ("data", "--data"), ("save", "--save")):
+        if opts.get(name) is None:
+            raise click.UsageError(f"a new run needs {flag} (or --resume RUN_DIR)")
+    site_path = opts["site_file"].absolute()
+    site = load_site(site_path)
+    profiles = str(Path(opts["profiles"]).absolute()) if opts.get("profiles") else None
+    open_archive(profiles, site)  # a missing archive is an error now, not in the loop
+    data = str(Path(opts["data"]).absolute())
+    _data_files_exist(data)
+    save = Path(opts["save"]).absolute()
+    spec = RunSpec(run_id=new_run_id(), site=str(site_path), model=get_model(opts["model"]).name,
+                   objective=opts["objective"], data=data, save=str(save), steps=opts["steps"], gbs=opts["gbs"],
+                   profiles=profiles, seq_len=opts.get("seq_len"), max_cost_per_hour=opts.get("max_cost_per_hour"),
+                   max_cost_per_iteration=opts.get("max_cost_per_iteration"),
+                   min_throughput=opts.get("min_throughput"), max_gpus=opts.get("max_gpus"),
+                   max_stages=opts.get("max_stages"), min_gain=parse_gain(opts["min_gain"]),
+                   restart_cost_s=opts.get("restart_cost"), max_restarts=opts["max_restarts"],
+                   backoff_s=opts["backoff"], poll_s=opts["poll"], replan_interval_s=opts["replan_interval"],
+                   save_interval=opts["save_interval"], time_limit=opts.get("time_limit"),
+                   signal_grace_s=opts.get("signal_grace"), python=opts["python"],
+                   train_args=tuple(opts.get("train_arg") or ()), extra_sbatch=tuple(opts.get("extra_sbatch") or ()))
+    save.mkdir(parents=True, exist_ok=True)
+    run_dir = Path(opts["run_dir"]).absolute() if opts.get("run_dir") else save / "controller"
+    return RunDir.create(run_dir, spec).path
+
+
+def drive(run_dir: Path) -> int:
+    """Run the controller in the foreground, echoing the journal; SIGTERM stops it like Ctrl-C."""
+    from sailor_hpc.controller import Controller, RunDir
+
+    t0 = time.time()
+
+    def echo(line: str) -> None:
+        click.echo(f"[{time.time() - t0:7.1f}s] {line}")
+
+    def on_term(_signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        return Controller(RunDir.existing(run_dir), echo=echo).run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@main.group(name="run", invoke_without_command=True)
+@click.option("--site", "site_file", type=_FILE, help="Site config TOML.")
+@click.option("--model", help="Model (catalog name or Sailor alias).")
+@click.option("--objective", type=click.Choice(["throughput", "cost"]), default="throughput", show_default=True)
+@click.option("--data", help="Dataset prefix (PREFIX.bin/.idx) the ranks train on.")
+@click.option("--save", help="Checkpoint directory of the run (every job resumes from its newest complete one).")
+@click.option("--steps", type=click.IntRange(min=1), default=1000, show_default=True, help="Optimizer step to reach.")
+@click.option("--gbs", type=click.IntRange(min=1), default=1024, show_default=True, help="Global batch size.")
+@click.option("--profiles", type=_FILE, default=None,
+              help="Profile archive (default: $SAILOR_PROFILES, the site's, then the embedded one).")
+@click.option("--seq-len", type=int, default=None, help="Sequence length (default: the model's).")
+@click.option("--max-cost-per-hour", type=float, default=None)
+@click.option("--max-cost-per-iteration", type=float, default=None)
+@click.option("--min-throughput", type=float, default=None, help="Samples per second.")
+@click.option("--max-gpus", type=int, default=None)
+@click.option("--max-stages", type=int, default=None, help="Most pipeline stages per pipeline.")
+@click.option("--min-gain", default="10%", show_default=True,
+              help="Resize a running job only if the new plan gains this much after the restart cost.")
+@click.option("--restart-cost", type=float, default=None,
+              help="Seconds one restart costs (default: measured from the run's restarts, 60 s before the first).")
+@click.option("--max-restarts", type=click.IntRange(min=0), default=10, show_default=True,
+              help="Jobs after the first one, then the run gives up.")
+@click.option("--backoff", type=float, default=30.0, show_default=True,
+              help="Seconds to wait after a job that failed without a step (doubles each time).")
+@click.option("--poll", type=float, default=2.0, show_default=True, help="Seconds between looks at Slurm.")
+@click.option("--replan-interval", type=float, default=30.0, show_default=True,
+              help="At most one re-plan for more idle GPUs per this many seconds.")
+@click.option("--save-interval", type=click.IntRange(min=1), default=50, show_default=True,
+              help="The job checkpoints every K steps (a lost node costs at most K steps).")
+@click.option("--time", "time_limit", default=None, help="Time limit of each job (it checkpoints before it).")
+@click.option("--signal-grace", type=int, default=None, help="Seconds before the limit at which ranks checkpoint.")
+@click.option("--python", default=sys.executable, show_default=True, help="Interpreter on the compute nodes.")
+@click.option("--train-arg", multiple=True, help="Extra argument of megatron_patch.launch (repeatable).")
+@click.option("--extra-sbatch", multiple=True, help="Extra #SBATCH option, e.g. --qos=low (repeatable).")
+@click.option("--run-dir", type=_DIR, default=None, help="Where the run's journal lives (default: SAVE/controller).")
+@click.option("--resume", "resume_dir", type=_DIR, default=None,
+              help="Continue the run in this run directory (after the controller stopped or was killed).")
+@click.pass_context
+def run_group(ctx: click.Context, resume_dir: Path | None, **opts: Any) -> None:
+    """Plan from live availability, submit, watch; re-plan and resume from checkpoints when the allocation changes."""
+    if ctx.invoked_subcommand is not None:
+        return
+    if resume_dir is not None:
+        given = [n for n in _RUN_OPTIONS if ctx.get_parameter_source(n) == click.core.ParameterSource.COMMANDLINE]
+        if given:
+            raise click.UsageError(f"--resume takes no run options ({', '.join(given)}): they are in RUN_DIR/run.json")
+        run_dir = resume_dir
+    else:
+        if opts.get("site_file") is None and opts.get("model") is None:
+            click.echo(ctx.get_help())
+            return
+        run_dir = new_run(opts)
+        click.echo(f"run directory {run_dir} (resume with: sailor-hpc run --resume {run_dir})")
+    ctx.exit(drive(run_dir))
+
+
+@run_group.command("status")
+@click.argument("run_dir", metavar="RUN_DIR", type=_DIR)
+@click.option("--events/--no-events", default=True, show_default=True, help="Also list every journal record.")
+@json_option
+def status_cmd(run_dir: Path, events: bool, as_json: bool) -> None:
+    """The run's history: its jobs (plans, why, recovery times) and every event and decision."""
+    from sailor_hpc.controller import RunDir, fold
+    from sailor_hpc.controller.story import ATTEMPT_HEADER, attempt_rows, describe
+
+    rd = RunDir.existing(run_dir)
+    spec = rd.spec()
+    records = rd.records()
+    state = fold(records)
+    alive = rd.controller_alive()
+    phase = ("finished" if state.finished else f"gave up: {state.gave_up}" if state.gave_up
+             else "running" if alive else "stopped (resume with --resume)")
+    if as_json:
+        echo_json({"run_dir": str(rd.path), "spec": spec.to_dict(), "phase": phase, "controller_alive": alive,
+                   "checkpoint": state.checkpoint, "restarts": state.restarts,
+                   "attempts": [dict(zip(ATTEMPT_HEADER, row)) for row in attempt_rows(state)],
+                   "records": records})
+        return
+    ck = state.checkpoint
+    click.echo(f"run {spec.run_id}: {spec.model} to step {spec.steps} ({spec.objective}, gbs {spec.gbs}) - {phase}; "
+               f"checkpoint {ck['step'] if ck else '-'}; {state.restarts} restart(s)")
+    click.echo(table(ATTEMPT_HEADER, attempt_rows(state)))
+    if events and records:
+        t0 = records[0]["t"]
+        click.echo("")
+        for rec in records:
+            click.echo(f"[{rec['t'] - t0:7.1f}s] {describe(rec)}")

@@ -1,0 +1,25 @@
+"""Checkpoint-based resizing: a controller that re-plans and resumes a run when its allocation changes.
+
+``sailor-hpc run`` plans from live availability, submits the (het) job and watches the job and the
+partitions; when a node of the job is lost, the job is preempted, requeued or hits its time limit, or
+more GPUs become idle (and a new plan gains at least ``--min-gain`` after the cost of restarting),
+it re-plans on what is free, submits the new plan and the training resumes from the newest
+complete checkpoint, which every plan can load. Modules, one job each:
+
+- :mod:`.spec`: what the run was asked (``run.json``);
+- :mod:`.journal`: the JSON-lines journal of events and decisions (the controller's only memory);
+- :mod:`.state`: the run directory, the lock, and the state folded from the journal;
+- :mod:`.events`: observations of the job and partitions, and the changes in them;
+- :mod:`.progress`: the training's own account, from the job's log;
+- :mod:`.planning`: re-planning on the GPUs free now, checked per node;
+- :mod:`.policy`: resize only when it pays for the restart;
+- :mod:`.slurm_ops`: submit, find own jobs, signal, cancel;
+- :mod:`.loop`: the controller itself; :mod:`.story`: the run's history for people.
+"""
+from __future__ import annotations
+
+from sailor_hpc.controller.loop import Controller
+from sailor_hpc.controller.spec import RunSpec, new_run_id
+from sailor_hpc.controller.state import RunDir, RunState, fold
+
+__all__ = ["Controller", "RunDir", "RunSpec", "RunState", "fold", "new_run_id"]

@@ -1,0 +1,105 @@
+"""Seeing allocation changes: one snapshot of the job and the partitions per poll, and what changed.
+
+An :class:`Observation` is what the controller knows after one round of Slurm queries: the job's
+state and nodes (``squeue``/``sacct`` through :class:`~sailor_hpc.jobs.watch.JobWatcher`), every
+node's state and the idle GPUs per node (``sinfo``), and from those the GPUs *free for the run*
+(idle, plus the run's own job's GPUs while it runs: a new plan may reuse them).
+
+The changes the controller reacts to are pure functions of observations:
+
+- :func:`lost_nodes`: nodes of the job that are down, drained or draining, failing, not responding
+  (:func:`is_lost`; a node merely *planned* for another job, or busy, is not lost);
+- :func:`idle_increase`: partitions where more GPUs are free for the run than when it last judged;
+- the job leaving RUNNING (requeued after a node failure or a preemption, saved on its time-limit
+  signal, failed, completed) is read from the job state by the loop.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from sailor_hpc.jobs.layout import job_layout
+from sailor_hpc.jobs.status import RUNNING_STATES, JobStatus
+from sailor_hpc.plan import Plan
+from sailor_hpc.slurm.commands import SinfoNode
+
+
+@dataclass
+class Observation:
+    t: float
+    job: JobStatus | None = None
+    job_nodes: list[str] = field(default_factory=list)
+    node_states: dict[str, str] = field(default_factory=dict)  # node -> sinfo long state
+    unusable: dict[str, str] = field(default_factory=dict)  # node -> state, for nodes no new job can use now
+    lost: dict[str, str] = field(default_factory=dict)  # node -> state, for nodes that lost (or drain) their jobs
+    free: dict[str, dict[str, int]] = field(default_factory=dict)  # partition -> node -> GPUs free for the run
+
+    @property
+    def job_running(self) -> bool:
+        return self.job is not None and self.job.state in RUNNING_STATES
+
+    @property
+    def available(self) -> dict[str, int]:
+        return {p: sum(nodes.values()) for p, nodes in self.free.items()}
+
+
+#: node states (``sinfo`` long names and their short forms) in which a node no longer runs its jobs,
+#: or will stop to (draining); "planned" (``-``), "reserved" or "completing" nodes are not lost
+_LOST_WORDS = ("down", "drain", "drng", "fail", "maint", "reboot", "power", "unknown", "inval", "not_responding")
+
+
+def is_lost(state: str) -> bool:
+    """Whether a node in this ``sinfo`` state is lost for the job on it (``*``: not responding)."""
+    s = state.lower()
+    return "*" in s or any(w in s for w in _LOST_WORDS)
+
+
+def node_states(rows: list[SinfoNode]) -> tuple[dict[str, str], dict[str, str], dict[str, str]]:
+    """(every node's state, the states of nodes no new job can use, the states of lost nodes) from ``sinfo -N``."""
+    states: dict[str, str] = {}
+    unusable: dict[str, str] = {}
+    lost: dict[str, str] = {}
+    for r in rows:
+        states[r.name] = r.state
+        if not r.usable:
+            unusable[r.name] = r.state
+        if is_lost(r.state):
+            lost[r.name] = r.state
+    return states, unusable, lost
+
+
+def own_gpus(plan: Plan, job: JobStatus, hosts_of: Mapping[str, list[str]]) -> dict[str, dict[str, int]]:
+    """GPUs the running job holds, partition -> node -> count (het component i runs layout component i)."""
+    out: dict[str, dict[str, int]] = {}
+    comps = job_layout(plan).components
+    for comp, status in zip(comps, job.components):
+        for host in hosts_of.get(status.nodes, []):
+            part = out.setdefault(comp.partition, {})
+            part[host] = part.get(host, 0) + comp.tasks_per_node
+    return out
+
+
+def free_for_run(idle: Mapping[str, Mapping[str, int]], own: Mapping[str, Mapping[str, int]],
+                 unusable: Mapping[str, str], lost: Mapping[str, str]) -> dict[str, dict[str, int]]:
+    """Idle GPUs per usable node plus the run's own GPUs (except on lost nodes)."""
+    out = {p: {n: int(g) for n, g in nodes.items() if n not in unusable} for p, nodes in idle.items()}
+    for p, nodes in own.items():
+        for n, g in nodes.items():
+            if n not in lost:
+                out.setdefault(p, {})[n] = out.get(p, {}).get(n, 0) + g
+    return out
+
+
+def lost_nodes(job_nodes: list[str], lost: Mapping[str, str], known: Mapping[str, str]) -> dict[str, str]:
+    """Nodes of the job that are lost and were not reported yet (node -> state)."""
+    return {n: lost[n] for n in job_nodes if n in lost and n not in known}
+
+
+def draining_only(states: Mapping[str, str]) -> bool:
+    """All these nodes still run their jobs (draining: the job may checkpoint before it leaves)."""
+    return bool(states) and all(s.lower().startswith(("draining", "drng")) for s in states.values())
+
+
+def idle_increase(baseline: Mapping[str, int], available: Mapping[str, int]) -> dict[str, tuple[int, int]]:
+    """Partitions with more GPUs free for the run than ``baseline``: partition -> (before, now)."""
+    return {p: (int(baseline.get(p, 0)), int(n)) for p, n in available.items() if n > baseline.get(p, 0)}

@@ -1,0 +1,97 @@
+"""The run's journal: one JSON object per line, appended, never rewritten; the controller's only memory.
+
+Every observation (a node of the job lost, the job requeued, more idle GPUs, the first step of a job,
+a new checkpoint), every decision (the plan chosen and why, resize or keep and the gain) and every
+action (the intent to submit, the job id Slurm gave, a signal, a cancel) is a record
+``{"seq": n, "t": unix seconds, "kind": ..., ...}``. The controller's state is a fold over these
+records (:mod:`sailor_hpc.controller.state`), so a restarted controller knows what the killed one
+knew, and ``sailor-hpc run status`` tells the run's story from the same file.
+
+Appends are atomic for readers: a record is one ``write`` of a whole line on an ``O_APPEND``
+descriptor, then ``fsync``. A controller killed in the middle of a write can leave a torn last line
+(no newline); readers ignore it and the next writer (one at a time: the run's lock) cuts it off.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from sailor_hpc.errors import SailorError
+
+Record = dict[str, Any]
+
+
+def _parse(text: str, path: Path) -> tuple[list[Record], int]:
+    """Records of a journal's text and the byte length of its complete lines (a torn tail is left out)."""
+    records: list[Record] = []
+    complete = text.rfind("\n") + 1
+    for number, line in enumerate(text[:complete].splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise SailorError(f"line {number} is not JSON ({exc})", file=path,
+                              fix="the journal was edited or corrupted; restore it or start a new run") from None
+        if not isinstance(rec, dict) or "kind" not in rec or "seq" not in rec:
+            raise SailorError(f"line {number} is not a journal record", file=path)
+        records.append(rec)
+    return records, len(text[:complete].encode())
+
+
+def read_journal(path: str | os.PathLike[str]) -> list[Record]:
+    """Every complete record of the journal at ``path`` (none if it does not exist yet)."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return []
+    return _parse(text, path)[0]
+
+
+class Journal:
+    """The writer. Only one per run at a time (the controller holds the run's lock while it writes)."""
+
+    def __init__(self, path: str | os.PathLike[str], clock: Callable[[], float] = time.time) -> None:
+        self.path = Path(path)
+        self.clock = clock
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        records, good = self._load()
+        self.records: list[Record] = records
+        self._next = (records[-1]["seq"] + 1) if records else 0
+        self.repaired = self._cut_torn_tail(good)
+
+    def _load(self) -> tuple[list[Record], int]:
+        try:
+            text = self.path.read_text()
+        except FileNotFoundError:
+            return [], 0
+        return _parse(text, self.path)
+
+    def _cut_torn_tail(self, good: int) -> bool:
+        if self.path.exists() and self.path.stat().st_size > good:
+            with open(self.path, "r+b") as fh:
+                fh.truncate(good)
+                os.fsync(fh.fileno())
+            return True
+        return False
+
+    def append(self, kind: str, **data: Any) -> Record:
+        """Write one record (durably) and return it."""
+        rec: Record = {"seq": self._next, "t": round(self.clock(), 3), "kind": kind, **data}
+        line = (json.dumps(rec, sort_keys=True, default=str) + "\n").encode()
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            written = os.write(fd, line)
+            if written != len(line):
+                raise OSError(f"short write to the journal ({written} of {len(line)} bytes)")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        self._next += 1
+        self.records.append(rec)
+        return rec

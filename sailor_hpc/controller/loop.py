@@ -1,0 +1,411 @@
+"""The controller: watch the job and the partitions, re-plan, resubmit, resume from the newest checkpoint.
+
+One loop, one job at a time (an *attempt*), every step journaled before it is acted on:
+
+1. No job: plan on the GPUs free now (``sinfo``), write the plan and the job script, journal the
+   intent, ``sbatch`` it, journal the job id. The job trains with ``--auto-resume`` on the run's one
+   checkpoint directory, so it starts from the newest complete checkpoint, whatever plan wrote it.
+2. The job runs: each poll reads the job's state and nodes, the nodes' states, the idle GPUs and the
+   job's log (first step, checkpoints).
+   - a node of the job is lost (down, drained, failing): Slurm kills or requeues the job; the
+     controller cancels what is left of it and re-plans on what is free (the newest complete
+     checkpoint is what the next job loads). A *draining* node still runs the job: the controller
+     asks it to checkpoint first (SIGUSR1).
+   - the job stops by itself (requeued after a preemption, saved on its time-limit signal, failed):
+     the same, re-plan and resubmit; a job that failed without training a step counts as a failure
+     (exponential back-off, and the run gives up after ``max_restarts`` jobs or on bad input).
+   - more GPUs free for the run than when it last judged: re-plan; if the new plan gains at least
+     ``min_gain`` after the restart cost (:mod:`~sailor_hpc.controller.policy`), ask the job to
+     checkpoint and stop (SIGUSR1), then resubmit. Else keep it.
+3. The job completes at the requested step: the run is finished.
+
+Never two jobs: a new one is only submitted once the previous one is gone (every het component
+final), and any other job carrying the run's name prefix is cancelled first. The controller can be
+killed at any point; ``sailor-hpc run --resume`` folds the journal back into the same state and finds
+a job submitted just before the kill by its name.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from megatron_patch.checkpoint import latest_complete, read_manifest
+from sailor_hpc.archive import open_archive
+from sailor_hpc.controller import slurm_ops
+from sailor_hpc.controller.events import (Observation, draining_only, free_for_run, idle_increase, lost_nodes,
+                                          node_states, own_gpus)
+from sailor_hpc.controller.journal import Record
+from sailor_hpc.controller.planning import Planned, plan_on
+from sailor_hpc.controller.policy import Score, Verdict, judge, plan_shape, restart_cost
+from sailor_hpc.controller.progress import LogTail
+from sailor_hpc.controller.state import Attempt, RunDir, RunState, apply, fold, job_name
+from sailor_hpc.controller.story import describe
+from sailor_hpc.errors import SailorError
+from sailor_hpc.jobs.status import FINAL_STATES, RUNNING_STATES, JobStatus
+from sailor_hpc.jobs.submit import log_path
+from sailor_hpc.jobs.watch import JobWatcher
+from sailor_hpc.plan import Plan, load_plan
+from sailor_hpc.site import Site, load_site
+from sailor_hpc.slurm.commands import sinfo_nodes
+from sailor_hpc.slurm.discover import live_availability
+
+STOP_TIMEOUT_S = 300.0  # a job asked to checkpoint that has not stopped by then is cancelled
+JOB_LOST_AFTER_S = 120.0  # a job neither squeue nor sacct knows for this long is gone
+
+EXIT_FINISHED, EXIT_GAVE_UP, EXIT_INTERRUPTED = 0, 1, 130
+
+
+class Controller:
+    """Drives one run (a run directory) until it is finished or gives up."""
+
+    def __init__(self, rundir: RunDir, env: Mapping[str, str] | None = None, *,
+                 echo: Callable[[str], None] | None = None, clock: Callable[[], float] = time.time,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        self.rundir = rundir
+        self.spec = rundir.spec()
+        self.env = env
+        self.echo = echo or (lambda _line: None)
+        self.clock = clock
+        self.sleep = sleep
+        self.state = RunState()
+        self.journal: Any = None
+        self.site: Site = load_site(self.spec.site)
+        self.archive = open_archive(self.spec.profiles, self.site)
+        self._tails: dict[int, LogTail] = {}
+        self._watchers: dict[int, JobWatcher] = {}
+        self._plans: dict[int, Plan] = {}
+        self._hosts: dict[str, list[str]] = {}
+        self._last_error: str | None = None
+
+    # ------------------------------------------------------------------------------------------ journal
+
+    def note(self, kind: str, **data: Any) -> Record:
+        """Journal a record, then let it change the state (the same :func:`apply` a resume uses)."""
+        rec = self.journal.append(kind, **data)
+        apply(self.state, rec)
+        self.echo(describe(rec))
+        return rec
+
+    # --------------------------------------------------------------------------------------------- main
+
+    def run(self) -> int:
+        """Hold the run's lock and drive it; returns 0 (finished), 1 (gave up) or 130 (interrupted)."""
+        with self.rundir.lock():
+            self.begin()
+            try:
+                if not (self.state.finished or self.state.gave_up):
+                    self.reconcile()
+                return self.loop()
+            except KeyboardInterrupt:
+                self.note("controller_stopped", reason="interrupted; the job keeps running (sailor-hpc run --resume)")
+                return EXIT_INTERRUPTED
+
+    def begin(self) -> None:
+        """Open the journal (the caller holds the lock) and fold it into the state."""
+        self.journal = self.rundir.journal()
+        self.state = fold(self.journal.records)
+        resumed = bool(self.journal.records)
+        if not resumed:
+            self.note("run_started", run_id=self.spec.run_id, spec=self.spec.to_dict())
+        self.note("controller_started", pid=os.getpid(), host=socket.gethostname(), resumed=resumed,
+                  repaired_torn_line=self.journal.repaired)
+
+    def loop(self) -> int:
+        while True:
+            if self.state.finished:
+                return EXIT_FINISHED
+            if self.state.gave_up:
+                return EXIT_GAVE_UP
+            try:
+                cur = self.state.current
+                if cur is None:
+                    self.start_next()
+                else:
+                    self.watch(cur)
+                self._last_error = None
+            except SailorError as exc:  # Slurm briefly unreachable, a job script refused: journal, retry
+                if str(exc) != self._last_error:
+                    self.note("error", where="controller loop", message=str(exc))
+                    self._last_error = str(exc)
+            if not (self.state.finished or self.state.gave_up):
+                self.sleep(self.spec.poll_s)
+
+    # ----------------------------------------------------------------------------------------- reconcile
+
+    def reconcile(self) -> None:
+        """After a (re)start: adopt a job submitted just before a kill, cancel jobs of the run that are not
+        the current one (never two jobs writing the same checkpoints)."""
+        cur = self.state.current
+        if cur is not None and cur.job_id is None:
+            jid = slurm_ops.find_job_by_name(self.spec.run_id, cur.job_name, self.env, cur.intent_t)
+            if jid is not None:
+                self.note("adopted", attempt=cur.number, job_id=jid, log=str(self._log_of(jid)))
+            else:
+                self.note("job_gone", attempt=cur.number, job_id=None, state="NOT_SUBMITTED")
+        self._cancel_strays()
+
+    def _cancel_strays(self) -> None:
+        cur = self.state.current
+        for base, info in slurm_ops.owned_jobs(self.spec.run_id, self.env).items():
+            if info["state"] in FINAL_STATES or (cur is not None and base == cur.job_id):
+                continue
+            self.note("cancel", job_id=base, reason=f"{info['name']} is not the run's current job")
+            self.note("job_gone", job_id=base, state=slurm_ops.cancel_and_wait(base, self.env))
+
+    def _log_of(self, job_id: str) -> Path:
+        return log_path(job_id, self.env)
+
+    # -------------------------------------------------------------------------------------- observation
+
+    def observe(self, cur: Attempt | None) -> Observation:
+        obs = Observation(t=self.clock())
+        obs.node_states, obs.unusable, obs.lost = node_states(sinfo_nodes(self.env))
+        names = {p.name for p in self.site.partitions}
+        idle = {p: dict(v["idle_gpus_by_node"]) for p, v in live_availability(self.env).items() if p in names}
+        own: dict[str, dict[str, int]] = {}
+        if cur is not None and cur.job_id is not None:
+            watcher = self._watcher(cur)
+            watcher.poll()
+            obs.job = watcher.status(cur.job_id)
+            if obs.job is not None and _all_running(obs.job):
+                hosts = {c.nodes: self._hosts_of(c.nodes) for c in obs.job.components}
+                obs.job_nodes = sorted({h for hs in hosts.values() for h in hs})
+                own = own_gpus(self._plan(cur), obs.job, hosts)
+        obs.free = free_for_run(idle, own, obs.unusable, obs.lost)
+        for name in names:
+            obs.free.setdefault(name, {})
+        return obs
+
+    def _watcher(self, cur: Attempt) -> JobWatcher:
+        if cur.number not in self._watchers:
+            w = JobWatcher(self.env, poll_s=self.spec.poll_s, lost_after_s=JOB_LOST_AFTER_S)
+            w.add([cur.job_id])  # type: ignore[list-item]
+            self._watchers[cur.number] = w
+        return self._watchers[cur.number]
+
+    def _hosts_of(self, nodelist: str) -> list[str]:
+        if nodelist not in self._hosts:
+            self._hosts[nodelist] = slurm_ops.expand_nodes([nodelist], self.env)
+        return self._hosts[nodelist]
+
+    def _plan(self, cur: Attempt) -> Plan:
+        if cur.number not in self._plans:
+            self._plans[cur.number] = load_plan(cur.plan_file, validate=False)
+        return self._plans[cur.number]
+
+    def _tail(self, cur: Attempt) -> LogTail | None:
+        if cur.log is None:
+            return None
+        if cur.number not in self._tails:
+            self._tails[cur.number] = LogTail(cur.log)
+        return self._tails[cur.number]
+
+    def _checkpoint(self, cur: Attempt | None) -> None:
+        """Journal a newer complete checkpoint (the one a next job would load)."""
+        path = latest_complete(self.spec.save, deep=False)
+        if path is None:
+            return
+        manifest = read_manifest(path)
+        if self.state.checkpoint is None or manifest["step"] > self.state.checkpoint["step"]:
+            self.note("checkpoint", attempt=cur.number if cur else None, step=manifest["step"],
+                      consumed_samples=manifest.get("consumed_samples"), path=str(path))
+
+    def _checkpoint_step(self) -> int:
+        return int(self.state.checkpoint["step"]) if self.state.checkpoint else 0
+
+    # ------------------------------------------------------------------------------------- a new job
+
+    def start_next(self) -> None:
+        st, spec = self.state, self.spec
+        self._checkpoint(None)
+        if self._checkpoint_step() >= spec.steps:
+            self.note("finished", step=self._checkpoint_step(), checkpoint=st.checkpoint["path"])  # type: ignore[index]
+            return
+        if len(st.attempts) > spec.max_restarts:
+            self.note("gave_up", reason=f"all {spec.max_restarts} restarts used")
+            return
+        if st.backoff_until is not None and self.clock() < st.backoff_until:
+            return
+        obs = self.observe(None)
+        try:
+            planned = plan_on(spec, self.site, self.archive, obs.free)
+        except SailorError as exc:
+            if str(exc) != self._last_error:
+                self.note("no_plan", error=str(exc), available=obs.available)
+                self._last_error = str(exc)
+            return
+        self._cancel_strays()
+        self.submit(planned, obs)
+
+    def submit(self, planned: Planned, obs: Observation) -> None:
+        st, spec = self.state, self.spec
+        trigger = st.trigger
+        reason = trigger[0] if trigger else ("start" if not st.attempts else "restart")
+        number = len(st.attempts) + 1
+        name = job_name(spec.run_id, number)
+        plan_path, script = slurm_ops.prepare_attempt(self.rundir, spec, self.site, planned.plan, number, name)
+        self.note("plan", reason=reason, available=obs.available, planner_available=planned.available,
+                  plan_file=str(plan_path), **planned.summary())
+        self.note("submit_intent", attempt=number, job_name=name, plan_file=str(plan_path), script=str(script),
+                  reason=reason, trigger=trigger[0] if trigger else None, trigger_t=trigger[1] if trigger else None,
+                  gpus=planned.summary()["gpus"], throughput=planned.score.throughput,
+                  cost_per_hour=planned.score.cost_per_hour)
+        rec = slurm_ops.submit(script, plan_path, spec, self.env)
+        self.note("submitted", attempt=number, job_id=rec.job_id, log=rec.log)
+
+    # ------------------------------------------------------------------------------- watching the job
+
+    def watch(self, cur: Attempt) -> None:
+        if cur.job_id is None:
+            self.note("job_gone", attempt=cur.number, job_id=None, state="NOT_SUBMITTED")
+            return
+        obs = self.observe(cur)
+        tail = self._tail(cur)
+        if tail is not None:
+            tail.poll()
+        job = obs.job
+        running = job is not None and _all_running(job)
+        if running and cur.running_t is None:
+            self.note("job_running", attempt=cur.number, job_id=cur.job_id, nodes=obs.job_nodes)
+        self._first_step(cur, tail)
+        self._checkpoint(cur)
+        if job is None or not job.known and job.state != "LOST":
+            return  # not visible yet (just submitted)
+        lost = lost_nodes(sorted(set(cur.nodes) | set(obs.job_nodes)), obs.lost, cur.lost_nodes)
+        if lost:
+            rec = self.note("node_lost", attempt=cur.number, job_id=cur.job_id, nodes=lost)
+            if running and draining_only(lost) and cur.stop is None:
+                self.note("decision", attempt=cur.number, action="checkpoint", trigger="node_lost",
+                          trigger_t=rec["t"], reason="a node of the job drains: checkpoint and move")
+                self._stop(cur, "node draining")
+                return
+        if running:
+            if cur.stop is not None and self._saved_on_signal(tail):
+                self._end(cur, job, tail)  # its checkpoint is committed: no need to wait for the ranks to exit
+            elif cur.stop is not None and self.clock() - float(cur.stop["t"]) > STOP_TIMEOUT_S:
+                self._end(cur, job, tail, why="did not stop after its checkpoint signal")
+            elif cur.stop is None and cur.first_step_t is not None and not cur.lost_nodes:
+                self._consider_resize(cur, obs, tail)
+            return
+        if cur.running_t is None and not job.final and job.state != "LOST" and not cur.lost_nodes:
+            return  # queued: waiting is the queue's business (excluded from recovery time)
+        self._end(cur, job, tail)
+
+    def _saved_on_signal(self, tail: LogTail | None) -> bool:
+        """The job stopped on the signal and the checkpoint of that step is complete (published)."""
+        if tail is None or tail.progress.signal_step is None:
+            return False
+        return self._checkpoint_step() >= tail.progress.signal_step
+
+    def _first_step(self, cur: Attempt, tail: LogTail | None) -> None:
+        if tail is None or cur.first_step_t is not None or tail.progress.first_step is None:
+            return
+        p = tail.progress
+        rec = self.note("first_step", attempt=cur.number, job_id=cur.job_id, step=p.first_step,
+                        loaded_step=p.loaded_step or 0, consumed_samples=p.loaded_consumed or 0)
+        if cur.trigger_t is not None:
+            queue = (cur.running_t - cur.submitted_t) if cur.running_t and cur.submitted_t else None
+            down = rec["t"] - cur.trigger_t
+            self.note("recovery", attempt=cur.number, trigger=cur.trigger, trigger_t=cur.trigger_t,
+                      submitted_t=cur.submitted_t, running_t=cur.running_t, first_step_t=rec["t"],
+                      queue_wait_s=queue, downtime_s=down, recovery_s=down - (queue or 0.0))
+
+    def _stop(self, cur: Attempt, reason: str) -> None:
+        try:
+            slurm_ops.request_checkpoint(cur.job_id, self.env)  # type: ignore[arg-type]
+        except SailorError as exc:  # gone meanwhile: the next poll sees it stopped
+            self.note("error", where="checkpoint signal", message=str(exc))
+            return
+        self.note("signal_sent", attempt=cur.number, job_id=cur.job_id, signal="USR1", reason=reason)
+
+    def _consider_resize(self, cur: Attempt, obs: Observation, tail: LogTail | None) -> None:
+        st, spec = self.state, self.spec
+        more = idle_increase(st.baseline, obs.available)
+        if not more:
+            if any(obs.available.get(p, 0) < n for p, n in st.baseline.items()):
+                self.note("baseline", available=obs.available)  # fewer free now: a later return counts
+            return
+        if st.last_replan_t is not None and obs.t - st.last_replan_t < spec.replan_interval_s:
+            return
+        rec = self.note("idle_gpus", attempt=cur.number, change={p: list(v) for p, v in more.items()},
+                        available=obs.available)
+        try:
+            planned = plan_on(spec, self.site, self.archive, obs.free)
+        except SailorError as exc:
+            self.note("baseline", available=obs.available, note=str(exc))
+            return
+        step = (tail.progress.last_step if tail is not None else None) or self._checkpoint_step()
+        remaining = max(0, spec.steps - step) * spec.gbs
+        restart_s = restart_cost(spec.restart_cost_s, [r["downtime_s"] for r in st.recoveries if "downtime_s" in r])
+        if plan_shape(planned.plan) == plan_shape(self._plan(cur)):
+            verdict = Verdict(False, 0.0, 0.0, 0.0, "the best plan on the new availability is the current one")
+        else:
+            verdict = judge(spec.objective, Score(cur.throughput, cur.cost_per_hour), planned.score, remaining,
+                            restart_s, spec.min_gain)
+        self.note("decision", attempt=cur.number, action="resize" if verdict.resize else "keep",
+                  trigger="idle_gpus", trigger_t=rec["t"], candidate=planned.summary(),
+                  current={"gpus": cur.gpus, "throughput": cur.throughput, "cost_per_hour": cur.cost_per_hour},
+                  restart_cost_s=restart_s, remaining_samples=remaining, step=step, **verdict.to_dict())
+        if verdict.resize:
+            self._stop(cur, "resize")
+        else:
+            self.note("baseline", available=obs.available)
+
+    # --------------------------------------------------------------------------------- the job ended
+
+    def _end(self, cur: Attempt, job: JobStatus, tail: LogTail | None, why: str | None = None) -> None:
+        """The job stopped training (or must): make sure it is gone, then decide what comes next."""
+        prog = tail.progress if tail is not None else None
+        if cur.stopped is None:
+            self.note("job_stopped", attempt=cur.number, job_id=cur.job_id, state=job.state,
+                      reason=why or _classify(cur, job, prog),
+                      step=prog.last_step if prog else None,
+                      exit_codes=[c.exit_code for c in job.components if c.exit_code])
+        final = job.state if job.final else None
+        if final is None:
+            self.note("cancel", job_id=cur.job_id, reason="what is left of the stopped job")
+            final = slurm_ops.cancel_and_wait(cur.job_id, self.env)  # type: ignore[arg-type]
+        if tail is not None:
+            tail.poll()  # its last words: saved, done, error
+        self._checkpoint(cur)
+        self.note("job_gone", attempt=cur.number, job_id=cur.job_id, state=final)
+        if self._checkpoint_step() >= self.spec.steps:
+            self.note("finished", step=self._checkpoint_step(), checkpoint=self.state.checkpoint["path"])  # type: ignore[index]
+            return
+        bad_input = any(c.exit_code.startswith("2:") for c in job.components if c.exit_code)
+        if bad_input and prog is not None and prog.errors:
+            self.note("gave_up", reason="the training refused its input: " + " | ".join(prog.errors[-3:]))
+            return
+        if cur.first_step_t is None and cur.stop is None and not cur.lost_nodes:
+            self.note("failure", attempt=cur.number, reason=(cur.stopped or {}).get("reason", final))
+            k = self.state.failures_in_a_row
+            wait = min(self.spec.backoff_max_s, self.spec.backoff_s * 2 ** (k - 1)) if k > 0 else 0.0
+            if wait > 0:
+                self.note("backoff", seconds=wait, until=self.clock() + wait)
+
+
+def _all_running(job: JobStatus) -> bool:
+    return bool(job.components) and all(c.state in RUNNING_STATES for c in job.components)
+
+
+def _classify(cur: Attempt, job: JobStatus, prog: Any) -> str:
+    """Why a job stopped running, in the issue's terms."""
+    if cur.stop is not None:
+        return str(cur.stop.get("reason", "asked to stop"))
+    if cur.lost_nodes:
+        return "node_lost"
+    if job.state == "COMPLETED":
+        return "completed"
+    if prog is not None and prog.signal_step is not None:
+        return "signal_saved"  # time limit or preemption: the job checkpointed on its signal
+    if job.state in ("PENDING", "REQUEUED", "REQUEUE_HOLD"):
+        return "requeued"
+    if job.state == "NODE_FAIL":
+        return "node_lost"
+    if job.state in ("TIMEOUT", "PREEMPTED"):
+        return job.state.lower()
+    return f"failed ({job.state})"

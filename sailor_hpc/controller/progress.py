@@ -1,0 +1,90 @@
+"""What the training says: the runtime's JSON lines in the job's log, read as they are written.
+
+``megatron_patch.launch`` prints one JSON object per line and rank (``start``, ``loaded``, ``step``,
+``saved``, ``signal``, ``done``); ``srun`` merges the ranks' lines into the job's log, among Slurm's own
+messages and Python warnings, which are skipped. :class:`LogTail` reads only what was appended since
+the last call and keeps a partial last line for the next one, so polling a long log stays cheap.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class Progress:
+    """The training's own account of one job (all ranks merged)."""
+
+    started: bool = False
+    loaded_step: int | None = None
+    loaded_consumed: int | None = None
+    first_step: int | None = None
+    last_step: int | None = None
+    consumed_samples: int | None = None
+    saved_steps: list[int] = field(default_factory=list)
+    signal_step: int | None = None  # the job stopped on SIGUSR1/SIGTERM (and saved)
+    done_step: int | None = None
+    losses: dict[int, float] = field(default_factory=dict)  # step -> loss (rank-independent in this runtime)
+    errors: list[str] = field(default_factory=list)
+
+    def add(self, rec: dict[str, Any]) -> None:
+        kind = rec.get("event")
+        step = rec.get("step")
+        if kind == "start":
+            self.started = True
+        elif kind == "loaded":
+            self.loaded_step, self.loaded_consumed = step, rec.get("consumed_samples")
+        elif kind == "step" and isinstance(step, int):
+            self.first_step = step if self.first_step is None else self.first_step
+            self.last_step = max(step, self.last_step or 0)
+            self.consumed_samples = rec.get("consumed_samples", self.consumed_samples)
+            if isinstance(rec.get("loss"), (int, float)):
+                self.losses[step] = float(rec["loss"])
+        elif kind == "saved" and isinstance(step, int):
+            if step not in self.saved_steps:
+                self.saved_steps.append(step)
+        elif kind == "signal":
+            self.signal_step = step
+        elif kind == "done":
+            self.done_step = step
+
+
+class LogTail:
+    """Incremental reader of a log file's JSON lines (the file may not exist yet)."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self.offset = 0
+        self._partial = b""
+        self.progress = Progress()
+
+    def poll(self) -> list[dict[str, Any]]:
+        """New records since the last call; they are also added to :attr:`progress`."""
+        try:
+            with open(self.path, "rb") as fh:
+                fh.seek(self.offset)
+                data = fh.read()
+        except FileNotFoundError:
+            return []
+        self.offset += len(data)
+        data = self._partial + data
+        lines = data.split(b"\n")
+        self._partial = lines.pop()
+        out = []
+        for raw in lines:
+            line = raw.decode("utf-8", errors="replace").strip()
+            if line.startswith("error:"):
+                self.progress.errors.append(line)
+            if not line.startswith("{"):
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(rec, dict) and "event" in rec:
+                self.progress.add(rec)
+                out.append(rec)
+        return out

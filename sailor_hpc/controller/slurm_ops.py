@@ -1,0 +1,123 @@
+"""The controller's hands on Slurm: render and submit an attempt, find its own jobs, signal, cancel.
+
+Everything goes through sailor_hpc's job side (``render_job_script``, ``submit_script``,
+``cancel_job``, ``poll_jobs``/``JobWatcher``) and Slurm command wrappers; this module only adds what
+the controller needs on top: jobs found by the run's name prefix (``squeue -t all``, then
+``sacct --name``), a checkpoint request (``scancel --signal=USR1``: the runtime finishes its step,
+saves a complete checkpoint and exits 75), and a cancel that returns only once every het component
+is gone, so two jobs of a run never write the same checkpoint directory.
+"""
+from __future__ import annotations
+
+import getpass
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+from sailor_hpc.controller.spec import RunSpec
+from sailor_hpc.controller.state import RunDir, job_name_prefix
+from sailor_hpc.errors import SailorError
+from sailor_hpc.jobs.render import render_job_script, write_job_script
+from sailor_hpc.jobs.status import FINAL_STATES, JobRef
+from sailor_hpc.jobs.submit import JobRecord, cancel_job, submit_script
+from sailor_hpc.jobs.watch import JobWatcher
+from sailor_hpc.plan import Plan
+from sailor_hpc.site import Site
+from sailor_hpc.slurm.commands import QueueJob, run_slurm, squeue
+
+Env = Mapping[str, str] | None
+
+
+def owned_queue_rows(run_id: str, env: Env) -> list[QueueJob]:
+    """Rows of ``squeue -t all`` (this user) of jobs named after this run, any state."""
+    prefix = job_name_prefix(run_id)
+    return [r for r in squeue(env, all_states=True, user=getpass.getuser()) if r.name.startswith(prefix)]
+
+
+def owned_jobs(run_id: str, env: Env) -> dict[str, dict[str, str]]:
+    """Jobs of this run that Slurm still shows: base job id -> {"name", "state"} (het components merged;
+    a job is active while any component is not final)."""
+    out: dict[str, dict[str, str]] = {}
+    for row in owned_queue_rows(run_id, env):
+        ref = JobRef.parse(row.job_id)
+        base = ref.base if ref is not None else row.job_id
+        state = row.state.split()[0] if row.state else ""
+        entry = out.setdefault(base, {"name": row.name, "state": state})
+        if state not in FINAL_STATES:
+            entry["state"] = state
+    return out
+
+
+def find_job_by_name(run_id: str, name: str, env: Env, since: float) -> str | None:
+    """The id of the job called ``name`` (squeue first; sacct for one already forgotten by slurmctld)."""
+    for base, info in owned_jobs(run_id, env).items():
+        if info["name"] == name:
+            return base
+    start = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(since - 60))
+    proc = run_slurm(["sacct", "-n", "-P", "-X", "-o", "JobID,JobName", f"--name={name}", "-S", start], env,
+                     check=False)
+    if proc.returncode != 0:
+        return None  # no accounting here: squeue was the only source
+    for line in proc.stdout.splitlines():
+        jid, _, jname = line.partition("|")
+        ref = JobRef.parse(jid)
+        if jname == name and ref is not None:
+            return ref.base
+    return None
+
+
+def expand_nodes(nodelists: list[str], env: Env) -> list[str]:
+    """Host names of Slurm node lists (``v100-[1-2]`` -> v100-1, v100-2), as ``scontrol show hostnames``."""
+    lists = [n for n in nodelists if n and n not in ("(null)", "None assigned")]
+    if not lists:
+        return []
+    out = run_slurm(["scontrol", "show", "hostnames", ",".join(lists)], env).stdout.split()
+    return list(dict.fromkeys(out))
+
+
+def prepare_attempt(rundir: RunDir, spec: RunSpec, site: Site, plan: Plan, attempt: int,
+                    name: str) -> tuple[Path, Path]:
+    """Write the attempt's placed plan and its job script; returns both paths."""
+    plan_path = rundir.plan_file(attempt)
+    plan_path.parent.mkdir(parents=True, exist_ok=True)
+    plan.save(plan_path)
+    text = render_job_script(plan, site, plan_path=plan_path, model=spec.model, data=spec.data, save=spec.save,
+                             steps=spec.steps, job_name=name, time=spec.time_limit,
+                             extra_sbatch=spec.extra_sbatch,
+                             train_args=("--save-interval", str(spec.save_interval), *spec.train_args),
+                             python=spec.python, signal_grace_s=spec.signal_grace_s, workdir=rundir.path,
+                             log_dir=rundir.logs)
+    script = rundir.script_file(attempt)
+    script.parent.mkdir(parents=True, exist_ok=True)
+    write_job_script(script, text)
+    return plan_path, script
+
+
+def submit(script: Path, plan_path: Path, spec: RunSpec, env: Env) -> JobRecord:
+    return submit_script(script, env, plan=str(plan_path), site=spec.site)
+
+
+def request_checkpoint(job_id: str, env: Env, signal: str = "USR1") -> None:
+    """Ask every rank of the job to finish its step, save a complete checkpoint and exit."""
+    run_slurm(["scancel", f"--signal={signal}", job_id], env)
+
+
+def cancel_and_wait(job_id: str, env: Env, timeout_s: float = 120.0, poll_s: float = 0.5) -> str:
+    """Cancel the job and return its final state once every component is final (or forgotten)."""
+    watcher = JobWatcher(env, poll_s=poll_s, lost_after_s=10.0)
+    watcher.add([job_id])
+    deadline = time.monotonic() + timeout_s
+    while True:
+        st = watcher.status(job_id)
+        if st is None or not st.final:
+            try:
+                cancel_job(job_id, env)
+            except SailorError:
+                pass  # already gone: the watcher will say so
+        result = watcher.wait(timeout_s=min(30.0, max(1.0, deadline - time.monotonic())))
+        if not result.timed_out:
+            return result.statuses[job_id].state
+        if time.monotonic() > deadline:
+            raise SailorError(f"job {job_id} is still not gone {timeout_s:.0f} s after scancel", field="scancel",
+                              fix="check slurmctld and the job's nodes; the controller will not submit "
+                                  "another job while this one may still write checkpoints")

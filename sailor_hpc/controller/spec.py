@@ -1,0 +1,143 @@
+"""What a controlled run was asked to do (``run.json`` in the run directory), fixed at ``sailor-hpc run``.
+
+The spec is written once, when the run starts, so that ``sailor-hpc run --resume DIR`` needs nothing
+but the directory: the resumed controller plans, submits and judges resizes exactly as the first one.
+Everything the planner needs (site, model, objective, constraints, batch size), everything the job
+needs (data, checkpoint directory, steps, runtime arguments, interpreter, time limit) and the
+controller's own knobs (minimum gain, restart cost, restarts, back-off, polling) are in it.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+import uuid
+from dataclasses import MISSING, asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from sailor_hpc.atomic import atomic_write_text
+from sailor_hpc.errors import SailorError
+
+SPEC_FORMAT = "sailor-hpc-run"
+SPEC_VERSION = 1
+#: runtime arguments the controller sets itself (a --train-arg must not fight them)
+RESERVED_TRAIN_ARGS = ("--plan", "--model", "--data", "--save", "--load", "--auto-resume", "--steps",
+                       "--save-interval", "--dry-run")
+
+
+def new_run_id() -> str:
+    """A short random id; it names the run's Slurm jobs (``sailor-<id>-<attempt>``) so they can be found again."""
+    return uuid.uuid4().hex[:8]
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    run_id: str
+    site: str  # absolute path of the site TOML
+    model: str
+    objective: str  # "throughput" or "cost"
+    data: str  # dataset prefix (absolute)
+    save: str  # checkpoint root (absolute), shared by every job of the run
+    steps: int  # optimizer step to reach
+    gbs: int  # global batch size
+    profiles: str | None = None  # archive; None: $SAILOR_PROFILES, the site's, then the embedded one
+    seq_len: int | None = None
+    max_cost_per_hour: float | None = None
+    max_cost_per_iteration: float | None = None
+    min_throughput: float | None = None
+    max_gpus: int | None = None
+    max_stages: int | None = None
+    min_gain: float = 0.10  # resize only if the new plan is this much better after the restart cost
+    restart_cost_s: float | None = None  # None: measured from this run's own restarts
+    max_restarts: int = 10  # jobs after the first one
+    backoff_s: float = 30.0  # wait before re-submitting after a job that failed without a step
+    backoff_max_s: float = 600.0
+    poll_s: float = 2.0
+    replan_interval_s: float = 30.0  # at most one re-plan for more idle GPUs per interval
+    save_interval: int = 50  # the job checkpoints every K steps (a lost node costs at most K steps)
+    time_limit: str | None = None
+    signal_grace_s: int | None = None
+    python: str = sys.executable
+    train_args: tuple[str, ...] = ()
+    extra_sbatch: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self, source: str | None = None) -> None:
+        def bad(field: str, message: str, fix: str | None = None) -> SailorError:
+            return SailorError(message, file=source, field=field, fix=fix)
+
+        if self.objective not in ("throughput", "cost"):
+            raise bad("--objective", f"unknown objective {self.objective!r}", "use throughput or cost")
+        for name in ("steps", "gbs", "max_restarts", "save_interval"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name == "max_restarts" else 1):
+                raise bad(f"--{name.replace('_', '-')}", f"must be a positive integer, got {value!r}")
+        for name in ("min_gain", "backoff_s", "backoff_max_s", "poll_s", "replan_interval_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise bad(f"--{name.replace('_', '-')}", f"must be a non-negative number, got {value!r}")
+        if self.poll_s <= 0:
+            raise bad("--poll", "must be positive")
+        if self.restart_cost_s is not None and (not math.isfinite(self.restart_cost_s) or self.restart_cost_s < 0):
+            raise bad("--restart-cost", f"must be a non-negative number of seconds, got {self.restart_cost_s!r}")
+        for arg in self.train_args:
+            if arg.split("=", 1)[0] in RESERVED_TRAIN_ARGS:
+                raise bad("--train-arg", f"{arg!r} is set by the controller",
+                          "use --steps / --save-interval / --data / --save of sailor-hpc run instead")
+        if not self.run_id or not self.run_id.isalnum():
+            raise bad("run_id", f"{self.run_id!r} is not alphanumeric")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["train_args"] = list(self.train_args)
+        d["extra_sbatch"] = list(self.extra_sbatch)
+        return {"format": SPEC_FORMAT, "version": SPEC_VERSION, **d}
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str | None = None) -> "RunSpec":
+        if not isinstance(data, dict) or data.get("format") != SPEC_FORMAT or data.get("version") != SPEC_VERSION:
+            raise SailorError(f"not a {SPEC_FORMAT} v{SPEC_VERSION} file", file=source,
+                              fix="point --resume at the directory `sailor-hpc run` created")
+        body = {k: v for k, v in data.items() if k not in ("format", "version")}
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(body) - known)
+        if unknown:
+            raise SailorError(f"unknown keys {unknown}", file=source, field=unknown[0],
+                              fix="this run directory was written by another sailor-hpc version")
+        required = {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}
+        missing = sorted(n for n in required if n not in body)
+        if missing:
+            raise SailorError(f"missing keys {missing}", file=source, field=missing[0])
+        body["train_args"] = tuple(body.get("train_args", ()))
+        body["extra_sbatch"] = tuple(body.get("extra_sbatch", ()))
+        try:
+            return cls(**body)
+        except SailorError as exc:
+            raise SailorError(exc.message, file=source, field=exc.field, fix=exc.fix) from None
+
+    def write(self, path: str | Path) -> None:
+        atomic_write_text(path, json.dumps(self.to_dict(), indent=1) + "\n")
+
+    @classmethod
+    def read(cls, path: str | Path) -> "RunSpec":
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise SailorError("run spec not found", file=path,
+                              fix="--resume needs the run directory of an earlier `sailor-hpc run`") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise SailorError(f"not valid JSON: {exc}", file=path) from None
+        return cls.from_dict(data, source=str(path))
+
+    def plan_request(self, available: dict[str, int]) -> Any:
+        """The planner's request for this run on ``available`` GPUs per partition."""
+        from planner import Constraints, PlanRequest
+
+        return PlanRequest(model=self.model, global_batch_size=self.gbs, objective=self.objective,
+                           constraints=Constraints(self.max_cost_per_hour, self.max_cost_per_iteration,
+                                                   self.min_throughput, self.max_gpus),
+                           available=dict(available), seq_len=self.seq_len, max_stages=self.max_stages, top_k=1)

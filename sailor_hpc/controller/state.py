@@ -1,0 +1,248 @@
+"""The run directory and the controller's state, folded from the journal.
+
+A run directory holds ``run.json`` (the spec), ``journal.jsonl`` (every event and decision),
+``plans/attempt-NNN.json`` and ``scripts/attempt-NNN.sbatch`` (what each job ran), ``logs/`` (the
+jobs' output) and ``controller.lock`` (one controller at a time). The state is never stored
+separately: :func:`fold` replays the journal, and the running controller applies each record it
+writes with the same :func:`apply`, so a resumed controller and the one that was killed agree by
+construction.
+
+Each Slurm job is an *attempt*. Its record of intent (``submit_intent``, with the job name
+``sailor-<run id>-<attempt>``) is journaled before ``sbatch`` runs, so a controller killed between
+``sbatch`` and journaling the job id finds the job again by name instead of submitting a duplicate.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sailor_hpc.controller.journal import Journal, Record, read_journal
+from sailor_hpc.controller.spec import RunSpec
+from sailor_hpc.errors import SailorError
+from sailor_hpc.locking import file_lock
+
+
+def job_name(run_id: str, attempt: int) -> str:
+    return f"sailor-{run_id}-{attempt:03d}"
+
+
+def job_name_prefix(run_id: str) -> str:
+    return f"sailor-{run_id}-"
+
+
+class RunDir:
+    """Paths of one controlled run."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path).absolute()
+
+    @property
+    def spec_file(self) -> Path:
+        return self.path / "run.json"
+
+    @property
+    def journal_file(self) -> Path:
+        return self.path / "journal.jsonl"
+
+    @property
+    def logs(self) -> Path:
+        return self.path / "logs"
+
+    def plan_file(self, attempt: int) -> Path:
+        return self.path / "plans" / f"attempt-{attempt:03d}.json"
+
+    def script_file(self, attempt: int) -> Path:
+        return self.path / "scripts" / f"attempt-{attempt:03d}.sbatch"
+
+    def spec(self) -> RunSpec:
+        return RunSpec.read(self.spec_file)
+
+    def journal(self) -> Journal:
+        return Journal(self.journal_file)
+
+    def records(self) -> list[Record]:
+        return read_journal(self.journal_file)
+
+    @classmethod
+    def create(cls, path: str | Path, spec: RunSpec) -> "RunDir":
+        rd = cls(path)
+        if rd.journal_file.exists() or rd.spec_file.exists():
+            raise SailorError("this directory already holds a controlled run", file=rd.path, field="--run-dir",
+                              fix=f"continue it with `sailor-hpc run --resume {rd.path}` or pick another --run-dir")
+        for sub in (rd.path, rd.logs, rd.path / "plans", rd.path / "scripts"):
+            sub.mkdir(parents=True, exist_ok=True)
+        spec.write(rd.spec_file)
+        return rd
+
+    @classmethod
+    def existing(cls, path: str | Path) -> "RunDir":
+        rd = cls(path)
+        if not rd.spec_file.is_file():
+            raise SailorError("not a run directory (no run.json)", file=rd.path, field="--resume",
+                              fix="pass the --run-dir of an earlier `sailor-hpc run`")
+        return rd
+
+    def controller_alive(self) -> bool:
+        """Whether a controller holds the run's lock right now."""
+        if not (self.path / "controller.lock").exists():
+            return False
+        try:
+            with file_lock(self.path / "controller", timeout_s=0.0):
+                return False
+        except SailorError:
+            return True
+
+    @contextlib.contextmanager
+    def lock(self) -> Iterator[None]:
+        """Held for the controller's whole life; the kernel drops it when the controller dies."""
+        try:
+            with file_lock(self.path / "controller", timeout_s=1.0):
+                yield
+        except SailorError as exc:
+            if "waiting for the lock" not in exc.message:
+                raise
+            raise SailorError("another controller is running this run", file=self.path / "controller.lock",
+                              fix="stop it first (or wait for it to end); two controllers would submit twice") from None
+
+
+@dataclass
+class Attempt:
+    """One Slurm job of the run, from the intent to submit until it is gone."""
+
+    number: int
+    job_name: str
+    plan_file: str
+    script: str
+    reason: str  # why it was submitted: start, node_lost, resize, requeued, failed, ...
+    trigger: str | None  # the allocation change it answers (None for the first job)
+    trigger_t: float | None
+    gpus: dict[str, int]
+    throughput: float
+    cost_per_hour: float
+    intent_t: float
+    job_id: str | None = None
+    log: str | None = None
+    submitted_t: float | None = None
+    running_t: float | None = None
+    first_step_t: float | None = None
+    start_step: int | None = None
+    nodes: list[str] = field(default_factory=list)  # the job's nodes when it was seen running
+    stop: dict[str, Any] | None = None  # the controller asked it to checkpoint and stop (signal_sent)
+    lost_nodes: dict[str, str] = field(default_factory=dict)
+    stopped: dict[str, Any] | None = None  # job_stopped: it stopped running, and why
+    end_state: str | None = None
+    gone: bool = False
+    recovery: dict[str, Any] | None = None
+
+
+@dataclass
+class RunState:
+    run_id: str | None = None
+    attempts: list[Attempt] = field(default_factory=list)
+    finished: dict[str, Any] | None = None
+    gave_up: str | None = None
+    failures_in_a_row: int = 0  # jobs that ended without training a step, since the last step
+    backoff_until: float | None = None
+    checkpoint: dict[str, Any] | None = None  # newest complete checkpoint seen: step, consumed_samples
+    baseline: dict[str, int] = field(default_factory=dict)  # GPUs available to the run when last judged
+    last_replan_t: float | None = None
+    trigger: tuple[str, float] | None = None  # the change the next submission answers
+    recoveries: list[dict[str, Any]] = field(default_factory=list)
+    controller_starts: int = 0
+
+    @property
+    def current(self) -> Attempt | None:
+        """The attempt whose job may still exist (at most one: a new one is only submitted after it is gone)."""
+        if self.attempts and not self.attempts[-1].gone:
+            return self.attempts[-1]
+        return None
+
+    @property
+    def restarts(self) -> int:
+        return max(0, len(self.attempts) - 1)
+
+    def attempt(self, number: int) -> Attempt:
+        for a in self.attempts:
+            if a.number == number:
+                return a
+        raise KeyError(f"journal refers to attempt {number}, which has no submit_intent record")
+
+
+def apply(state: RunState, rec: Record) -> None:
+    """Advance ``state`` by one journal record (the one place that gives records their meaning)."""
+    kind, t = rec["kind"], float(rec["t"])
+    att = state.attempt(rec["attempt"]) if rec.get("attempt") is not None and kind != "submit_intent" else None
+    if kind == "run_started":
+        state.run_id = rec.get("run_id")
+    elif kind == "controller_started":
+        state.controller_starts += 1
+    elif kind == "plan":
+        state.baseline = {k: int(v) for k, v in rec.get("available", {}).items()}
+    elif kind == "baseline":
+        state.baseline = {k: int(v) for k, v in rec["available"].items()}
+    elif kind == "submit_intent":
+        state.attempts.append(Attempt(
+            number=rec["attempt"], job_name=rec["job_name"], plan_file=rec["plan_file"], script=rec["script"],
+            reason=rec["reason"], trigger=rec.get("trigger"), trigger_t=rec.get("trigger_t"),
+            gpus=dict(rec.get("gpus", {})), throughput=float(rec.get("throughput", 0.0)),
+            cost_per_hour=float(rec.get("cost_per_hour", 0.0)), intent_t=t))
+        state.trigger = None
+        state.backoff_until = None
+    elif kind in ("submitted", "adopted"):
+        assert att is not None
+        att.job_id = str(rec["job_id"])
+        att.log = rec.get("log") or att.log
+        att.submitted_t = att.submitted_t or (t if kind == "submitted" else att.intent_t)
+    elif kind == "job_running":
+        assert att is not None
+        att.running_t = att.running_t or t
+        att.nodes = sorted(set(att.nodes) | set(rec.get("nodes", [])))
+    elif kind == "first_step":
+        assert att is not None
+        att.first_step_t = att.first_step_t or t
+        att.start_step = rec.get("loaded_step", 0)
+        state.failures_in_a_row = 0
+    elif kind == "recovery":
+        assert att is not None
+        att.recovery = {k: v for k, v in rec.items() if k not in ("seq", "kind")}
+        state.recoveries.append(att.recovery)
+    elif kind == "checkpoint":
+        state.checkpoint = {"step": rec["step"], "consumed_samples": rec.get("consumed_samples"), "path": rec.get("path")}
+    elif kind == "node_lost":
+        assert att is not None
+        att.lost_nodes.update(rec["nodes"])
+        state.trigger = state.trigger or ("node_lost", t)
+    elif kind == "idle_gpus":
+        state.last_replan_t = t
+    elif kind == "decision":
+        if rec["action"] in ("resize", "checkpoint"):
+            state.trigger = (rec.get("trigger", rec["action"]), float(rec.get("trigger_t", t)))
+    elif kind == "signal_sent":
+        assert att is not None
+        att.stop = {k: v for k, v in rec.items() if k not in ("seq", "kind", "attempt")}
+    elif kind == "job_stopped":
+        assert att is not None
+        att.stopped = {k: v for k, v in rec.items() if k not in ("seq", "kind", "attempt")}
+        state.trigger = state.trigger or (rec.get("reason", "stopped"), t)
+    elif kind == "job_gone" and att is not None:  # without an attempt: a stray job of the run, cancelled
+        att.gone = True
+        att.end_state = rec.get("state")
+    elif kind == "failure":
+        state.failures_in_a_row += 1
+    elif kind == "backoff":
+        state.backoff_until = float(rec["until"])
+    elif kind == "finished":
+        state.finished = {k: v for k, v in rec.items() if k not in ("seq", "kind")}
+    elif kind == "gave_up":
+        state.gave_up = rec.get("reason", "gave up")
+
+
+def fold(records: Iterable[Record]) -> RunState:
+    """The state after every record, in order."""
+    state = RunState()
+    for rec in records:
+        apply(state, rec)
+    return state

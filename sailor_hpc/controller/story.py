@@ -1,0 +1,90 @@
+"""The run's history for people: one line per journal record, and one row per attempt (job).
+
+Used by the controller as it goes (each record it writes is echoed) and by ``sailor-hpc run status``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from sailor_hpc.controller.journal import Record
+from sailor_hpc.controller.state import RunState
+
+
+def _gpus(g: dict[str, int] | None) -> str:
+    return "+".join(f"{n} {p}" for p, n in sorted((g or {}).items()) if n) or "-"
+
+
+def describe(rec: Record) -> str:
+    """One line saying what the record means."""
+    k = rec["kind"]
+    a = f"attempt {rec['attempt']}: " if "attempt" in rec else ""
+    if k == "run_started":
+        return f"run {rec.get('run_id')} started"
+    if k == "controller_started":
+        return f"controller pid {rec.get('pid')} on {rec.get('host')}" + (" resumed the run" if rec.get("resumed") else "")
+    if k == "controller_stopped":
+        return f"controller stopped: {rec.get('reason')}"
+    if k == "plan":
+        return (f"planned ({rec.get('reason')}) on free {_gpus(rec.get('available'))}: {_gpus(rec.get('gpus'))}, "
+                f"{rec.get('throughput', 0):.2f} samples/s, {rec.get('cost_per_hour', 0):.2f}/h")
+    if k == "no_plan":
+        return f"no plan possible now: {rec.get('error')}"
+    if k == "submit_intent":
+        return f"{a}submitting {rec.get('job_name')} ({rec.get('reason')})"
+    if k == "submitted":
+        return f"{a}job {rec.get('job_id')} submitted, log {rec.get('log')}"
+    if k == "adopted":
+        return f"{a}found its job {rec.get('job_id')} in Slurm (submitted before the controller restarted)"
+    if k == "job_running":
+        return f"{a}job running on {', '.join(rec.get('nodes', []))}"
+    if k == "first_step":
+        return f"{a}first step {rec.get('step')} (resumed from step {rec.get('loaded_step')})"
+    if k == "recovery":
+        return (f"{a}recovered from {rec.get('trigger')} in {rec.get('recovery_s', 0):.1f} s "
+                f"(+ {rec.get('queue_wait_s') or 0:.1f} s queue wait)")
+    if k == "checkpoint":
+        return f"checkpoint of step {rec.get('step')} complete ({rec.get('consumed_samples')} samples consumed)"
+    if k == "node_lost":
+        return f"{a}node(s) of the job lost: " + ", ".join(f"{n} {s}" for n, s in rec.get("nodes", {}).items())
+    if k == "idle_gpus":
+        ch = ", ".join(f"{p} {b}->{n}" for p, (b, n) in rec.get("change", {}).items())
+        return f"{a}more GPUs free for the run: {ch}"
+    if k == "decision":
+        return f"{a}{rec.get('action')}: {rec.get('reason')}"
+    if k == "baseline":
+        return f"free GPUs for the run now {_gpus(rec.get('available'))}"
+    if k == "signal_sent":
+        return f"{a}asked job {rec.get('job_id')} to checkpoint and stop (SIG{rec.get('signal')}, {rec.get('reason')})"
+    if k == "job_stopped":
+        return f"{a}job {rec.get('job_id')} stopped running ({rec.get('state')}, {rec.get('reason')}) at step {rec.get('step')}"
+    if k == "cancel":
+        return f"cancelling job {rec.get('job_id')}: {rec.get('reason')}"
+    if k == "job_gone":
+        return f"{a}job {rec.get('job_id')} gone ({rec.get('state')})"
+    if k == "failure":
+        return f"{a}failed without training a step ({rec.get('reason')})"
+    if k == "backoff":
+        return f"backing off {rec.get('seconds', 0):.0f} s before the next job"
+    if k == "finished":
+        return f"finished: step {rec.get('step')} checkpointed at {rec.get('checkpoint')}"
+    if k == "gave_up":
+        return f"gave up: {rec.get('reason')}"
+    if k == "error":
+        return f"error ({rec.get('where')}): {rec.get('message')}"
+    return k
+
+
+def attempt_rows(state: RunState) -> list[tuple[Any, ...]]:
+    """One row per job: attempt, job id, GPUs, predicted samples/s, why, start step, recovery, end."""
+    rows = []
+    for att in state.attempts:
+        rec = att.recovery or {}
+        rows.append((att.number, att.job_id or "-", _gpus(att.gpus), f"{att.throughput:.2f}", att.reason,
+                     "-" if att.start_step is None else att.start_step,
+                     "-" if not rec else f"{rec.get('recovery_s', 0):.1f}",
+                     "-" if not rec or rec.get("queue_wait_s") is None else f"{rec['queue_wait_s']:.1f}",
+                     att.end_state or ("running" if att.running_t else "queued")))
+    return rows
+
+
+ATTEMPT_HEADER = ("attempt", "job", "GPUs", "samples/s (sim)", "why", "from step", "recovery s", "queue s", "end")

@@ -1,0 +1,92 @@
+"""``sailor-hpc run`` refuses bad input with exit 2 and names the field; ``run status`` tells a run's story."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sailor_hpc.controller.journal import Journal
+from sailor_hpc.controller.spec import RunSpec
+from sailor_hpc.controller.state import RunDir, job_name
+from tests.resize.scenario import LOCAL_LAB, REPO
+from tests.tiny_archive import write_tiny_archive
+
+
+def cli(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    exe = Path(sys.executable).parent / "sailor-hpc"
+    return subprocess.run([str(exe), *args], cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def archive(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_archive(tmp_path_factory.mktemp("tiny") / "tiny.h5")
+
+
+def base_args(tmp_path: Path, archive: Path) -> list[str]:
+    return ["run", "--site", str(LOCAL_LAB), "--profiles", str(archive), "--model", "tiny-gpt", "--gbs", "64",
+            "--data", str(tmp_path / "nodata"), "--save", str(tmp_path / "ckpt")]
+
+
+@pytest.mark.parametrize("extra,field", [
+    ([], "--data"),  # the dataset files do not exist
+    (["--train-arg=--steps=3"], "--train-arg"),
+    (["--min-gain", "lots"], "--min-gain"),
+])
+def test_bad_input_exits_2_naming_the_field(tmp_path: Path, archive: Path, extra: list[str], field: str):
+    for suffix in ((".bin", ".idx") if field != "--data" else ()):
+        (tmp_path / f"nodata{suffix}").write_bytes(b"")
+    proc = cli(*base_args(tmp_path, archive), *extra)
+    assert proc.returncode == 2 and field in proc.stderr, proc.stderr
+    assert not (tmp_path / "ckpt" / "controller" / "journal.jsonl").exists()
+
+
+def test_resume_refuses_run_options_and_non_run_dirs(tmp_path: Path):
+    proc = cli("run", "--resume", str(tmp_path), "--steps", "5")
+    assert proc.returncode == 2 and "--resume takes no run options" in proc.stderr
+    proc = cli("run", "--resume", str(tmp_path))
+    assert proc.returncode == 2 and "not a run directory" in proc.stderr
+
+
+def _fake_run(tmp_path: Path, archive: Path) -> RunDir:
+    spec = RunSpec(run_id="feed01", site=str(LOCAL_LAB), model="tiny-gpt", objective="throughput",
+                   data=str(tmp_path / "d"), save=str(tmp_path / "ckpt"), steps=60, gbs=64, profiles=str(archive))
+    rd = RunDir.create(tmp_path / "run", spec)
+    t = iter(range(100, 200))
+    j = Journal(rd.journal_file, clock=lambda: float(next(t)))
+    j.append("run_started", run_id="feed01")
+    j.append("plan", reason="start", available={"a100": 1, "v100": 8}, gpus={"a100": 1, "v100": 1},
+             throughput=26.39, cost_per_hour=1.5)
+    j.append("submit_intent", attempt=1, job_name=job_name("feed01", 1), plan_file="p", script="s", reason="start",
+             gpus={"a100": 1, "v100": 1}, throughput=26.39, cost_per_hour=1.5)
+    j.append("submitted", attempt=1, job_id="13", log="/l")
+    j.append("node_lost", attempt=1, job_id="13", nodes={"a100-1": "down"})
+    return rd
+
+
+def test_status_shows_the_history(tmp_path: Path, archive: Path):
+    rd = _fake_run(tmp_path, archive)
+    proc = cli("run", "status", str(rd.path))
+    assert proc.returncode == 0, proc.stderr
+    assert "run feed01" in proc.stdout and "stopped (resume with --resume)" in proc.stdout
+    assert "node(s) of the job lost: a100-1 down" in proc.stdout and "1 a100+1 v100" in proc.stdout
+    data = json.loads(cli("run", "status", str(rd.path), "--json").stdout)
+    assert data["attempts"][0]["job"] == "13" and [r["kind"] for r in data["records"]][-1] == "node_lost"
+
+
+def test_a_second_controller_is_refused(tmp_path: Path, archive: Path):
+    rd = _fake_run(tmp_path, archive)
+    code = ("import sys, time; from sailor_hpc.controller.state import RunDir\n"
+            "with RunDir(sys.argv[1]).lock():\n    print('locked', flush=True); time.sleep(60)\n")
+    holder = subprocess.Popen([sys.executable, "-c", code, str(rd.path)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        before = rd.journal_file.read_text()
+        proc = cli("run", "--resume", str(rd.path))
+        assert proc.returncode == 2 and "another controller is running this run" in proc.stderr, proc.stderr
+        assert rd.journal_file.read_text() == before  # it wrote nothing
+    finally:
+        holder.kill()
+        holder.wait()
