@@ -162,7 +162,7 @@ def test_training_job_checkpoints_on_the_limit_signal_requeues_and_resumes(slurm
         "pipelines": [{"micro_batch_size": 1, "num_micro_batches": 4, "stages": [
             {"layers": [0, 2], "tp": 1, "gpu_type": "A100-40", "partition": "a100", "placement": {"node": 0, "gpus": [0]}},
             {"layers": [3, 5], "tp": 1, "gpu_type": "V100-16", "partition": "v100", "placement": {"node": 0, "gpus": [0]}}]}]})
-    steps = 120
+    steps = 40
     job = _cli(slurm_cluster, job_env, "submit", str(plan), "--site", str(LOCAL_LAB), "--data", str(data),
                "--save", str(job_dir / "ckpt"), "--steps", str(steps), "--time", "00:10:00").stdout.strip()
     log = Path(_cli(slurm_cluster, job_env, "logs", job, "--path").stdout.strip())

@@ -44,10 +44,11 @@ def _profile(cluster, env, tmp: Path, *args: str, **kw) -> subprocess.CompletedP
 def test_cpu_sweep_fills_the_archive_and_the_simulator_reads_it(slurm_cluster, prof_env, tmp_path):
     t0 = time.monotonic()
     proc = _profile(slurm_cluster, prof_env, tmp_path, "--partitions", "a100,v100", "--mbs", "1,2", "--tp", "1,2",
-                    "--network", "intra", "--net-senders", "2", "--write-site", str(tmp_path / "measured.toml"))
+                    "--points-per-job", "2", "--network", "intra", "--net-senders", "2",
+                    "--write-site", str(tmp_path / "measured.toml"))
     took = time.monotonic() - t0
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    print(f"\nCPU sweep (8 points in 4 job arrays, 2 network jobs): {took:.1f} s")
+    print(f"\nCPU sweep (8 points in 4 jobs, 2 network jobs): {took:.1f} s")
     assert "[" + "#" * 28 + "] 10/10 (10 ok)" in proc.stderr  # the progress bar reached the end
     spec = get_model("tiny-gpt")
     L, s, h = spec.num_pipeline_layers, spec.seq_len, spec.hidden_size
@@ -62,7 +63,6 @@ def test_cpu_sweep_fills_the_archive_and_the_simulator_reads_it(slurm_cluster, p
             prov = e.provenance
             assert prov["device"] == "cpu" and prov["method"] == "wall-clock" and prov["profiled_blocks"] == 2
             assert parts[prov["node"]] == {"cpu-A100-40": "a100", "cpu-V100-16": "v100"}[gpu]  # ran where it says
-            assert prov["array_job"] is not None  # one job array per partition and TP degree
     # memory: parameters per TP rank by hand (see test_profiler_units), activations of the right shapes
     for tp in (1, 2):
         m = a.memory_table("tiny-gpt", tp).table
@@ -104,7 +104,7 @@ def _sweep_jobs(cluster) -> list[str]:
 
 
 def test_cancelled_profiling_jobs_are_reported_failed_and_resume_completes(slurm_cluster, prof_env, tmp_path):
-    args = ["--partitions", "a100,v100", "--mbs", "4", "--tp", "1", "--network", "inter,between", "--net-senders", "1"]
+    args = ["--partitions", "a100,v100", "--mbs", "4,8", "--tp", "1", "--network", "inter,between", "--net-senders", "1"]
     sweep = subprocess.Popen(["sailor-hpc", "profile", "--site", str(LOCAL_LAB), "--model", "tiny-gpt", "--cpu",
                               "--archive", str(tmp_path / "cpu.h5"), "--folder", str(tmp_path / "jobs"), *QUICK, *args,
                               "--begin", "now+1hour"], env=prof_env, cwd=tmp_path, stdout=subprocess.PIPE,
@@ -112,7 +112,7 @@ def test_cancelled_profiling_jobs_are_reported_failed_and_resume_completes(slurm
     try:
         deadline = time.monotonic() + 60
         jobs: list[str] = []
-        while time.monotonic() < deadline and len(jobs) < 5:  # 2 compute jobs, 2 inter-node, 1 het job
+        while time.monotonic() < deadline and len(jobs) < 5:  # 2 compute job arrays, 2 inter-node, 1 het job
             jobs = _sweep_jobs(slurm_cluster)
             time.sleep(0.3)
         assert len(jobs) == 5, jobs
@@ -125,13 +125,13 @@ def test_cancelled_profiling_jobs_are_reported_failed_and_resume_completes(slurm
             sweep.kill()
     assert sweep.returncode == 1, out + err
     assert reported_after < 30, reported_after  # never waited on: the het job included
-    for unit in ("compute:a100:mbs4:tp1", "compute:v100:mbs4:tp1", "network:inter:a100:a100:k1",
+    for unit in ("compute:a100:mbs4:tp1", "compute:v100:mbs8:tp1", "network:inter:a100:a100:k1",
                  "network:inter:v100:v100:k1", "network:inter:a100:v100:k1"):
         assert f"failed: {unit}: job " in err and "CANCELLED" in err, (unit, err)
     assert "--resume" in out
     a = read_archive(tmp_path / "cpu.h5")
     failed = {(gpu, pt): e.reason for (_, gpu), pts in a.failed.items() for pt, e in pts.items()}
-    assert set(failed) == {("cpu-A100-40", (4, 1)), ("cpu-V100-16", (4, 1))} and not a.compute
+    assert set(failed) == {(g, (b, 1)) for g in ("cpu-A100-40", "cpu-V100-16") for b in (4, 8)} and not a.compute
     assert all("CANCELLED" in r for r in failed.values())
     state = json.loads((tmp_path / "jobs" / "sweep-state.json").read_text())
     assert {u["status"] for u in state["units"].values()} == {"failed"}
@@ -140,9 +140,12 @@ def test_cancelled_profiling_jobs_are_reported_failed_and_resume_completes(slurm
     proc = _profile(slurm_cluster, prof_env, tmp_path, *args, "--resume", "--json")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(proc.stdout)
-    assert report["complete"] and report["counts"] == {"ok": 5}
+    assert report["complete"] and report["counts"] == {"ok": 7}
     a = read_archive(tmp_path / "cpu.h5")
     assert not a.failed and sorted(a.compute) == [("tiny-gpt", "cpu-A100-40"), ("tiny-gpt", "cpu-V100-16")]
+    for points in a.compute.values():  # one job array per partition and TP degree, an element per point
+        assert sorted(points) == [(4, 1), (8, 1)]
+        assert len({(e.provenance["array_job"], e.provenance["array_task"]) for e in points.values()}) == 2
     parts = _node_partitions(slurm_cluster)
     links = {e.path: e for e in a.network["cpu-local-lab"]}
     het = links["network/cpu-local-lab/inter:a100:v100:1"].provenance["hosts"]
