@@ -27,8 +27,9 @@ install-test: $(VENV)/.installed-test
 demo: $(VENV)/.installed
 	$(VENV)/bin/sailor-hpc site show site_configs/a100-v100.toml
 	$(VENV)/bin/sailor-hpc plan --site site_configs/a100-v100.toml --model OPT-350M --gbs 1024 \
-		-o $(DEMO_OUT)/plan.json
-	$(VENV)/bin/sailor-hpc simulate $(DEMO_OUT)/plan.json --site site_configs/a100-v100.toml
+		-o $(DEMO_OUT)/plan.json --sbatch $(DEMO_OUT)/train.sbatch \
+		--data $(CURDIR)/$(DEMO_OUT)/data/tokens --save $(CURDIR)/$(DEMO_OUT)/checkpoints
+	@echo "--- $(DEMO_OUT)/train.sbatch (head)"; head -n 30 $(DEMO_OUT)/train.sbatch
 
 # Installs Debian's Slurm (root) so the tests can start a real local cluster; then the whole suite.
 test: $(VENV)/.installed-test

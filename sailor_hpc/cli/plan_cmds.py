@@ -45,6 +45,12 @@ def describe_plan(plan: Plan) -> str:
               help="Write the best plan here.")
 @click.option("--pareto", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Plot the cost-throughput front of the simulated plans (PNG).")
+@click.option("--sbatch", "sbatch_out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Also write the sbatch script that trains the best plan (the plan goes to -o, "
+                   "default <script>.plan.json next to it).")
+@click.option("--data", default=None, help="Dataset prefix for the --sbatch job.")
+@click.option("--save", default=None, help="Checkpoint directory for the --sbatch job.")
+@click.option("--steps", type=int, default=100, show_default=True, help="Training steps of the --sbatch job.")
 @json_option
 @click.pass_context
 def plan_group(ctx: click.Context, site_file: Path | None, model_name: str | None, **opts: object) -> None:

@@ -38,7 +38,7 @@ def run_planner(site_file: Path, model_name: str, *, archive_path: Path | None, 
                 seq_len: int | None, objective: str, max_cost_per_hour: float | None,
                 max_cost_per_iteration: float | None, min_throughput: float | None, max_gpus: int | None,
                 available: str, space: str, top_k: int, output: Path | None, pareto: Path | None,
-                as_json: bool) -> None:
+                sbatch_out: Path | None, data: str | None, save: str | None, steps: int, as_json: bool) -> None:
     from planner import Constraints, PlanRequest, search
     from sailor_hpc.archive import open_archive
 
@@ -54,8 +54,16 @@ def run_planner(site_file: Path, model_name: str, *, archive_path: Path | None, 
         if bar is not None:
             bar.close()
     best = result.candidates[0]
+    if sbatch_out is not None and output is None:
+        output = sbatch_out.with_name(f"{sbatch_out.stem}.plan.json")
     if output is not None:
         best.plan.save(output)
+    if sbatch_out is not None:
+        from sailor_hpc.jobs.render import render_job_script, write_job_script
+
+        assert output is not None
+        write_job_script(sbatch_out, render_job_script(best.plan, site, plan_path=output.absolute(), data=data,
+                                                       save=save, steps=steps))
     if pareto is not None:
         from planner.pareto import plot_pareto
 
@@ -64,7 +72,7 @@ def run_planner(site_file: Path, model_name: str, *, archive_path: Path | None, 
     if as_json:
         echo_json({"plans": [_plan_json(c) for c in shown], "search_time_s": result.search_time_s,
                    "allocations_scored": result.allocations_scored, "plans_simulated": result.plans_simulated,
-                   "output": str(output) if output else None})
+                   "output": str(output) if output else None, "sbatch": str(sbatch_out) if sbatch_out else None})
         return
     click.echo(f"{request.model} on {site.name}: global batch {request.global_batch_size}, objective "
                f"{objective}, space {space}; searched in {result.search_time_s:.2f} s "
@@ -74,6 +82,8 @@ def run_planner(site_file: Path, model_name: str, *, archive_path: Path | None, 
                      [_plan_row(i, c) for i, c in enumerate(shown)]))
     if output is not None:
         click.echo(f"best plan written to {output}")
+    if sbatch_out is not None:
+        click.echo(f"its sbatch script written to {sbatch_out}")
 
 
 def _plan_json(c: Any) -> dict[str, Any]:

@@ -100,7 +100,8 @@ def test_sailor_space_is_within_the_full_space(lab, archive) -> None:
 def test_cli_plan_json_and_output(tmp_path: Path) -> None:
     exe = shutil.which("sailor-hpc", path=str(Path(sys.executable).parent)) or "sailor-hpc"
     out = subprocess.run([exe, "plan", "--site", str(LAB), "--model", "OPT-350", "--gbs", "32", "--json",
-                          "-o", str(tmp_path / "best.json"), "--pareto", str(tmp_path / "front.png")],
+                          "-o", str(tmp_path / "best.json"), "--pareto", str(tmp_path / "front.png"),
+                          "--sbatch", str(tmp_path / "train.sbatch"), "--data", "/data/tokens", "--save", "/ck"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
@@ -110,6 +111,10 @@ def test_cli_plan_json_and_output(tmp_path: Path) -> None:
     plan = load_plan(tmp_path / "best.json", site=load_site(LAB))
     assert plan.to_dict()["pipelines"] == first["plan"]["pipelines"]
     assert (tmp_path / "front.png").read_bytes()[:4] == b"\x89PNG"
+    script = (tmp_path / "train.sbatch").read_text()
+    assert script.startswith("#!/bin/bash") and str(tmp_path / "best.json") in script
+    for part in plan.gpus_by_partition():
+        assert f"--partition={part}" in script
     bad = subprocess.run([exe, "plan", "--site", str(LAB), "--model", "OPT-350", "--available", "a100=x"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--available" in bad.stderr
