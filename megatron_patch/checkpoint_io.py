@@ -75,12 +75,12 @@ def save(trainer: "Trainer", root: str, keep: int = 3) -> str:
             state = t.optimizer.state_of(info.name)
             full: dict[str, torch.Tensor] = {}
             for key in FIELDS:
-                local = state[key].detach().float().cpu().contiguous()
+                local = state[key].detach().float().contiguous()  # gathered on the device (NCCL needs it)
                 if info.shard_dim is not None and role.tp > 1:
                     shards = [torch.empty_like(local) for _ in range(role.tp)]
                     dist.all_gather(shards, local, group=tp_group)
                     local = full_of(shards, info)
-                full[key] = _trim(local, info, vocab).clone()
+                full[key] = _trim(local, info, vocab).cpu().clone()
             entries[info.name] = full
             params[info.name] = {"file": layer_file(layer), "shape": list(full["param"].shape)}
         if role.tp_rank == 0:

@@ -30,6 +30,7 @@ from megatron_patch.options import TrainOptions
 from megatron_patch.p2p import HeteroP2PCommunicator, StageGroup
 from megatron_patch.roles import Role, role_of, stage_rank_table
 from sailor_hpc.errors import SailorError
+from sailor_hpc.models import ModelSpec
 from sailor_hpc.plan import Plan
 
 
@@ -47,21 +48,28 @@ class Trainer:
     """Everything one rank needs to train under ``plan``; every rank of the plan builds one."""
 
     def __init__(self, plan: Plan, samples: GlobalSamples, opts: TrainOptions = TrainOptions(),
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, spec: ModelSpec | None = None) -> None:
+        """``spec`` overrides the plan's catalog model (benchmarks and tests with other shapes)."""
         self.plan = plan
-        self.spec = plan.model_spec
+        self.spec = spec or plan.model_spec
         self.samples = samples
         self.opts = opts
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.role: Role = role_of(plan, self.rank, self.world)
         self.device = device or torch.device("cpu")
-        self.seq_len = plan.sequence_length
+        self.seq_len = plan.seq_len or self.spec.seq_len
+        if any(p.stages[-1].last_layer != self.spec.num_pipeline_layers - 1 for p in plan.pipelines):
+            raise SailorError(f"the plan's stages do not cover {self.spec.name}'s {self.spec.num_pipeline_layers} "
+                              "pipeline layers", field="pipelines")
         if self.seq_len > self.spec.seq_len:
             raise SailorError(f"seq_len {self.seq_len} exceeds {self.spec.name}'s {self.spec.seq_len} positions",
                               field="seq_len")
         if samples.seq_len != self.seq_len:
             raise SailorError(f"data samples have {samples.seq_len} tokens, the plan trains {self.seq_len}",
                               field="seq_len")
+        if plan.dtype == "fp16":
+            raise SailorError("fp16 training needs loss scaling, which megatron_patch does not implement",
+                              field="dtype", fix="use bf16 (or fp32)")
         patch.apply(cpu=self.device.type == "cpu")
         patch.seed_model_parallel_rng(opts.seed, self.role.tp_rank)
 
@@ -74,7 +82,8 @@ class Trainer:
         self.infos = {p.name: p for p in self.layout}
         self.module = build_stage_module(self.spec, self.role.first_layer, self.role.last_layer,
                                          pg_collection=self.pgc, dtype=plan.dtype, padded_vocab=self.padded_vocab,
-                                         device=self.device, seed=opts.seed, recompute=plan.recompute)
+                                         device=self.device, seed=opts.seed, recompute=plan.recompute,
+                                         te={"auto": None, "local": False, "te": True}[opts.layer_spec])
         self.p2p = HeteroP2PCommunicator(table[self.role.pipeline], self.role.stage, self.role.tp_rank,
                                          self.module.config, self.device)
         self.params = self.module.canonical_params()

@@ -54,6 +54,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=1234)
     add_adam_args(ap)
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    ap.add_argument("--layer-spec", choices=("auto", "local", "te"), default="auto",
+                    help="megatron layer spec: local modules, TransformerEngine, or TE when installed on GPU")
     ap.add_argument("--grad-weighting", choices=("samples", "uniform"), default="samples",
                     help=argparse.SUPPRESS)  # "uniform" is wrong on purpose: the tests' negative control
     ap.add_argument("--timeout-min", type=float, default=30.0, help="collective timeout (minutes)")
@@ -111,7 +113,8 @@ def train(args: argparse.Namespace, plan: Plan, env: DistEnv, role: Role) -> int
                             timeout=datetime.timedelta(minutes=args.timeout_min))
     base = {"rank": role.rank, "pipeline": role.pipeline, "stage": role.stage, "tp_rank": role.tp_rank}
     emit({"event": "start", **role_record(role, env), "device": str(device), "plan_gpus": plan.num_gpus})
-    opts = TrainOptions(adam=adam_from_args(args), seed=args.seed, weighting=args.grad_weighting)
+    opts = TrainOptions(adam=adam_from_args(args), seed=args.seed, weighting=args.grad_weighting,
+                        layer_spec=args.layer_spec)
     trainer = Trainer(plan, GlobalSamples(args.data, plan.sequence_length, args.seed), opts, device)
     load = args.load
     if load is None and args.auto_resume and args.save and ck.latest_complete(args.save) is not None:

@@ -21,6 +21,7 @@ class TrainOptions:
     adam: AdamConfig = field(default_factory=AdamConfig)
     seed: int = 1234
     weighting: str = "samples"  # "uniform" only for the tests' negative control
+    layer_spec: str = "auto"  # "local", "te" (TransformerEngine) or "auto" (te when installed and on GPU)
 
 
 def add_adam_args(ap: argparse.ArgumentParser) -> None:

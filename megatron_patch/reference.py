@@ -55,6 +55,20 @@ class ReferenceTrainer:
         self.step = 0
         self.consumed_samples = 0
 
+    def load(self, path: str) -> None:
+        """Continue from a checkpoint written under any plan (full tensors, Adam moments, step, data position)."""
+        from megatron_patch.checkpoint_io import CheckpointReader
+        reader = CheckpointReader(path)
+        steps = int(reader.manifest["adam_steps"])
+        with torch.no_grad():
+            for name, p in self.params.items():
+                t = reader.tensors(name)
+                p.copy_(t["param"])
+                self.optimizer.state[p] = {"step": torch.tensor(float(steps)), "exp_avg": t["exp_avg"].clone(),
+                                           "exp_avg_sq": t["exp_avg_sq"].clone()}
+        self.step = int(reader.manifest["step"])
+        self.consumed_samples = int(reader.manifest["consumed_samples"])
+
     def loss(self, batch: torch.Tensor) -> torch.Tensor:
         tokens, labels = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
         s = tokens.shape[1]
@@ -101,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, required=True)
     ap.add_argument("--snapshots", default="", help="comma-separated steps to save (default: the last)")
     ap.add_argument("--out", required=True, help="directory for ref_step_N.pt files and losses.json")
+    ap.add_argument("--load", help="continue from this checkpoint (any plan's)")
     ap.add_argument("--seed", type=int, default=1234)
     add_adam_args(ap)
     args = ap.parse_args(argv)
@@ -114,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     opts = TrainOptions(adam=adam_from_args(args), seed=args.seed)
     ref = ReferenceTrainer(spec, GlobalSamples(args.data, args.seq_len or spec.seq_len, args.seed),
                            args.global_batch, opts)
+    if args.load:
+        ref.load(args.load)
     snaps = {int(s) for s in args.snapshots.split(",") if s} or {args.steps}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

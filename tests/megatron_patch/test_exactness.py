@@ -83,3 +83,20 @@ def test_bf16_trains_close_to_fp32_reference(runtime_env: Env, ref_file: Callabl
     diff = max_diff(step_dir(root, 3), ref_file(3))
     print(f"bf16 plan B after 3 steps: max |delta| {diff}")
     assert diff["param"] <= 3 * 1e-3 * 1.01  # at most the reference's 3 Adam steps of lr 1e-3 apart
+
+
+def test_single_process_continues_from_a_heterogeneous_checkpoint(chain: dict, runtime_env: Env,
+                                                                  ref_file: Callable[[int], Path]) -> None:
+    """The checkpoint plan B wrote (TP2|TP1 + TP1) is loaded by one process, which trains on identically."""
+    import torch
+
+    from tests.megatron_patch.conftest import ADAM, GLOBAL_BATCH, MODEL, python
+    out = runtime_env.root / "ref-from-6"
+    res = python("-m", "megatron_patch.reference", "--model", MODEL, "--data", runtime_env.data, "--global-batch",
+                 str(GLOBAL_BATCH), "--steps", "8", "--out", str(out), "--load", str(step_dir(chain["root"], 6)), *ADAM)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = torch.load(out / "ref_step_8.pt", weights_only=True)
+    ref = torch.load(ref_file(8), weights_only=True)
+    worst = max(float((got[n][k] - ref[n][k]).abs().max()) for n in ref for k in ref[n])
+    print(f"single process from plan B's step-6 checkpoint, after step 8: max |delta| {worst}")
+    assert worst <= PARAM_TOL
