@@ -70,7 +70,7 @@ class Trainer:
         if plan.dtype == "fp16":
             raise SailorError("fp16 training needs loss scaling, which megatron_patch does not implement",
                               field="dtype", fix="use bf16 (or fp32)")
-        patch.apply(cpu=self.device.type == "cpu")
+        self.patches = patch.apply(cpu=self.device.type == "cpu")
         patch.seed_model_parallel_rng(opts.seed, self.role.tp_rank)
 
         table = stage_rank_table(plan)

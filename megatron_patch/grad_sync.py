@@ -20,7 +20,6 @@ the global gradient norm counts each chunk once, on its *owner* (first member).
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
@@ -146,11 +145,3 @@ class GradSync:
             for v in self._views(grads, p):
                 total += v.double().pow(2).sum()
         return 0.0 if total is None else float(total)
-
-
-def bucket_summary(buckets: list[Bucket]) -> dict[str, int]:
-    """Counts for logs: groups, pieces and elements are what the sync costs."""
-    sizes = defaultdict(int)
-    for b in buckets:
-        sizes[len(b.ranks)] += 1
-    return {f"groups_of_{k}": v for k, v in sorted(sizes.items())}

@@ -94,7 +94,7 @@ def train(args: argparse.Namespace, plan: Plan, env: DistEnv, role: Role) -> int
     import torch.distributed as dist
 
     from megatron_patch import checkpoint as ck
-    from megatron_patch import checkpoint_io
+    from megatron_patch import checkpoint_io, patch
     from megatron_patch.data import GlobalSamples
     from megatron_patch.engine import Trainer
 
@@ -116,6 +116,8 @@ def train(args: argparse.Namespace, plan: Plan, env: DistEnv, role: Role) -> int
     opts = TrainOptions(adam=adam_from_args(args), seed=args.seed, weighting=args.grad_weighting,
                         layer_spec=args.layer_spec)
     trainer = Trainer(plan, GlobalSamples(args.data, plan.sequence_length, args.seed), opts, device)
+    emit({"event": "ready", **base, "megatron_core": patch.megatron_version(), "patches": trainer.patches,
+          "params": sum(p.numel() for p in trainer.params.values()), "sync_groups": trainer.sync.num_groups})
     load = args.load
     if load is None and args.auto_resume and args.save and ck.latest_complete(args.save) is not None:
         load = args.save
@@ -138,7 +140,7 @@ def train(args: argparse.Namespace, plan: Plan, env: DistEnv, role: Role) -> int
         emit({"event": "step", **base, "step": res.step, "loss": res.loss, "grad_norm": res.grad_norm,
               "iter_s": res.seconds, "sync_s": res.sync_seconds, "mem_bytes": _peak_memory(device),
               "consumed_samples": trainer.consumed_samples})
-        if res.stop:
+        if res.stop and trainer.step < args.steps:
             emit({"event": "signal", **base, "signals": _STOP, "step": trainer.step})
             save()
             dist.destroy_process_group()

@@ -22,11 +22,28 @@ from megatron_patch.model import layer_spec, canonical_init, transformer_config
 from sailor_hpc.models import ModelSpec
 
 
+def gpt_model(spec: ModelSpec, seed: int) -> torch.nn.Module:
+    """megatron-core's GPTModel at TP 1 (local layer spec, unpadded vocabulary), canonically initialised."""
+    from megatron.core.models.gpt import GPTModel
+    a = arch_of(spec)
+    model = GPTModel(transformer_config(spec, tp=1, dtype=torch.float32, cuda=False), layer_spec(spec, te=False),
+                     vocab_size=spec.vocab_size, max_sequence_length=spec.seq_len,
+                     share_embeddings_and_output_weights=spec.tied_embeddings, position_embedding_type=a.position,
+                     rotary_base=a.rotary_base)
+    infos = {p.name: p for p in param_layout(spec, spec.vocab_size)}
+    names = {n for n, _ in model.named_parameters()}
+    if names != set(infos):
+        raise RuntimeError(f"GPTModel names differ from the layout: {sorted(names ^ set(infos))}")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(canonical_init(infos[name], seed, spec.vocab_size))
+    return model
+
+
 class ReferenceTrainer:
     def __init__(self, spec: ModelSpec, samples: GlobalSamples, global_batch: int,
                  opts: TrainOptions = TrainOptions()) -> None:
         from megatron.core import parallel_state
-        from megatron.core.models.gpt import GPTModel
         if dist.get_world_size() != 1:
             raise RuntimeError("the reference runs in a single process")
         if not parallel_state.model_parallel_is_initialized():
@@ -34,18 +51,9 @@ class ReferenceTrainer:
         patch.apply(cpu=True)
         patch.seed_model_parallel_rng(opts.seed, 0)
         self.spec, self.samples, self.global_batch, self.opts = spec, samples, global_batch, opts
-        a = arch_of(spec)
-        config = transformer_config(spec, tp=1, dtype=torch.float32, cuda=False)
-        self.model = GPTModel(config, layer_spec(spec, te=False), vocab_size=spec.vocab_size,
-                              max_sequence_length=spec.seq_len, share_embeddings_and_output_weights=spec.tied_embeddings,
-                              position_embedding_type=a.position, rotary_base=a.rotary_base)
+        self.model = gpt_model(spec, opts.seed)
         self.infos = {p.name: p for p in param_layout(spec, spec.vocab_size)}
         self.params: OrderedDict[str, torch.nn.Parameter] = OrderedDict(self.model.named_parameters())
-        if set(self.params) != set(self.infos):
-            raise RuntimeError(f"GPTModel names differ from the layout: {sorted(set(self.params) ^ set(self.infos))}")
-        with torch.no_grad():
-            for name, p in self.params.items():
-                p.copy_(canonical_init(self.infos[name], opts.seed, spec.vocab_size))
         c = opts.adam
         decay = [p for n, p in self.params.items() if self.infos[n].decay]
         no_decay = [p for n, p in self.params.items() if not self.infos[n].decay]

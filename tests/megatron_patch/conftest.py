@@ -62,9 +62,9 @@ def runtime_env(tmp_path_factory: pytest.TempPathFactory) -> Env:
     res = python("-m", "megatron_patch.data", data)
     assert res.returncode == 0, res.stderr[-3000:]
     ref = root / "ref"
+    snapshots = ",".join(map(str, range(1, REF_STEPS + 1)))
     res = python("-m", "megatron_patch.reference", "--model", MODEL, "--data", data, "--global-batch",
-                 str(GLOBAL_BATCH), "--steps", str(REF_STEPS), "--snapshots", ",".join(map(str, range(1, REF_STEPS + 1))),
-                 "--out", str(ref), *ADAM)
+                 str(GLOBAL_BATCH), "--steps", str(REF_STEPS), "--snapshots", snapshots, "--out", str(ref), *ADAM)
     assert res.returncode == 0, res.stderr[-3000:]
     env = Env(root, data, {}, ref)
     for name, plan in PLANS.items():

@@ -19,7 +19,8 @@ warnings.filterwarnings("ignore")
 from megatron_patch import patch  # noqa: E402
 from megatron_patch.groups import create_groups, group, singleton_collection  # noqa: E402
 from megatron_patch.layout import arch_of, param_layout, shard_of  # noqa: E402
-from megatron_patch.model import build_stage_module, canonical_init, layer_spec, transformer_config  # noqa: E402
+from megatron_patch.model import build_stage_module, canonical_init  # noqa: E402
+from megatron_patch.reference import gpt_model  # noqa: E402
 from sailor_hpc.models import ModelSpec, get_model  # noqa: E402
 
 # a miniature Llama: RMSNorm, SwiGLU, RoPE, GQA, no biases, untied head, final norm as its own layer
@@ -27,20 +28,6 @@ TINY_LLAMA = ModelSpec("tiny-llama-test", num_layers=2, hidden_size=64, num_head
                        vocab_size=200, seq_len=16, family="llama", num_kv_heads=2, tail_layers=2,
                        tied_embeddings=False)
 SEED = 7
-
-
-def gpt_reference(spec: ModelSpec) -> torch.nn.Module:
-    from megatron.core.models.gpt import GPTModel
-    a = arch_of(spec)
-    model = GPTModel(transformer_config(spec, tp=1, dtype=torch.float32, cuda=False), layer_spec(spec, te=False),
-                     vocab_size=spec.vocab_size, max_sequence_length=spec.seq_len,
-                     share_embeddings_and_output_weights=spec.tied_embeddings, position_embedding_type=a.position,
-                     rotary_base=a.rotary_base)
-    infos = {p.name: p for p in param_layout(spec, spec.vocab_size)}
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(canonical_init(infos[name], SEED, spec.vocab_size))
-    return model
 
 
 def batch(spec: ModelSpec, b: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,7 +57,7 @@ def main() -> None:
     patch.seed_model_parallel_rng(SEED, dist.get_rank())
     world, out = dist.get_world_size(), {}
     for spec in (get_model("tiny-gpt"), TINY_LLAMA):
-        ref = ref_loss(gpt_reference(spec), *batch(spec))
+        ref = ref_loss(gpt_model(spec, SEED), *batch(spec))
         if world == 1:
             loss, m = stage_loss(spec)
             out[f"{spec.name}/tp1_vs_gptmodel"] = abs(float(loss) - float(ref))

@@ -40,8 +40,8 @@ def test_checkpoint_killed_mid_write_is_never_loaded(runtime_env: Env, ref_file:
     assert (tmp_dir(root, 4) / "manifest.json").is_file() and not step_dir(root, 4).exists()
     assert latest_complete(root) == step_dir(root, 2)
 
-    # plan B resumes from step 2 again and trains to 4 unharmed: the torn attempts left no trace
-    logs = launch(runtime_env, "B", 4, root, "--load", str(root))
+    # plan B resumes (as a requeued job would: --auto-resume) from step 2 again and trains to 4 unharmed
+    logs = launch(runtime_env, "B", 4, root, "--auto-resume")
     assert events(logs[0], "loaded")[0]["step"] == 2
     assert latest_complete(root) == step_dir(root, 4) and not tmp_dir(root, 4).exists()
     assert max_diff(step_dir(root, 4), ref_file(4))["param"] <= 1e-6
