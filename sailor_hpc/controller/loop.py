@@ -283,9 +283,11 @@ class Controller:
                           trigger_t=rec["t"], reason="a node of the job drains: checkpoint and move")
                 self._stop(cur, "node draining")
                 return
+        if not job.final and any(c.state == "COMPLETING" for c in job.components):
+            return  # ending (its GPUs may already show as idle): its final state will say how
         if running:
-            if cur.stop is not None and self._saved_on_signal(tail):
-                self._end(cur, job, tail)  # its checkpoint is committed: no need to wait for the ranks to exit
+            if self._saved_on_signal(tail):  # ours, a preemption's or the time limit's: the checkpoint is
+                self._end(cur, job, tail)  # committed, no need to wait for the ranks to exit and the requeue
             elif cur.stop is not None and self.clock() - float(cur.stop["t"]) > STOP_TIMEOUT_S:
                 self._end(cur, job, tail, why="did not stop after its checkpoint signal")
             elif cur.stop is None and cur.first_step_t is not None and not cur.lost_nodes:
@@ -389,7 +391,9 @@ class Controller:
 
 
 def _all_running(job: JobStatus) -> bool:
-    return bool(job.components) and all(c.state in RUNNING_STATES for c in job.components)
+    """Every component runs (a completing one is ending, and its GPUs are no longer the run's)."""
+    return bool(job.components) and all(c.state in RUNNING_STATES and c.state != "COMPLETING"
+                                        for c in job.components)
 
 
 def _classify(cur: Attempt, job: JobStatus, prog: Any) -> str:

@@ -34,6 +34,8 @@ class Progress:
         kind = rec.get("event")
         step = rec.get("step")
         if kind == "start":
+            if self.first_step is not None or self.signal_step is not None:
+                self.__dict__.update(Progress().__dict__)  # the job runs again (requeued): a new account
             self.started = True
         elif kind == "loaded":
             self.loaded_step, self.loaded_consumed = step, rec.get("consumed_samples")

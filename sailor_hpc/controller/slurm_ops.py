@@ -103,13 +103,21 @@ def request_checkpoint(job_id: str, env: Env, signal: str = "USR1") -> None:
 
 
 def cancel_and_wait(job_id: str, env: Env, timeout_s: float = 120.0, poll_s: float = 0.5) -> str:
-    """Cancel the job and return its final state once every component is final (or forgotten)."""
+    """Kill the job and return its final state once every component is final (or forgotten).
+
+    The ranks take SIGTERM as "checkpoint and stop", so a plain ``scancel`` would leave them running
+    for Slurm's KillWait (30 s by default) before SIGKILL; the job's steps (the ranks, not the batch
+    script whose ``srun`` still forwards their last lines to the log) are therefore killed outright
+    first. That is safe at any moment: a checkpoint becomes visible only by an atomic rename, so a
+    save cut short leaves a temporary directory that is never loaded.
+    """
     watcher = JobWatcher(env, poll_s=poll_s, lost_after_s=10.0)
     watcher.add([job_id])
     deadline = time.monotonic() + timeout_s
     while True:
         st = watcher.status(job_id)
         if st is None or not st.final:
+            run_slurm(["scancel", "--signal=KILL", job_id], env, check=False)  # pending: nothing to kill
             try:
                 cancel_job(job_id, env)
             except SailorError:

@@ -37,11 +37,13 @@ def build_inputs(root: Path) -> tuple[str, Path]:
 
 
 def start_reference(root: Path, data: str, steps: int) -> subprocess.Popen:
-    """The single-process reference run of the same global steps (megatron_patch.reference), in the background."""
+    """The single-process reference run of the same global steps (megatron_patch.reference), in the background;
+    it also keeps the step before the last (a negative control: one step apart is far above the tolerance)."""
     from megatron_patch import local
     out = open(root / "reference.log", "w")
     return subprocess.Popen([sys.executable, "-m", "megatron_patch.reference", "--model", MODEL, "--data", data,
-                             "--global-batch", str(GBS), "--steps", str(steps), "--out", str(root / "ref"), *ADAM],
+                             "--global-batch", str(GBS), "--steps", str(steps), "--snapshots", f"{steps - 1},{steps}",
+                             "--out", str(root / "ref"), *ADAM],
                             cwd=REPO, env=local.rank_env(0, 1, local.free_port()), stdout=out, stderr=subprocess.STDOUT)
 
 

@@ -62,3 +62,16 @@ def test_log_tail_reads_json_lines_as_they_come(tmp_path: Path):
     assert [r["event"] for r in got] == ["step", "signal", "saved"]
     assert (p.loaded_step, p.loaded_consumed, p.first_step, p.last_step) == (10, 640, 11, 11)
     assert p.signal_step == 12 and p.saved_steps == [12] and p.losses == {11: 5.5} and p.errors == ["error: bad plan"]
+
+
+def test_a_requeued_job_starts_a_new_account(tmp_path: Path):
+    """Slurm restarted the job in the same log (a requeue while no controller watched): old signal forgotten."""
+    log = tmp_path / "job.out"
+    first = [{"event": "start"}, {"event": "step", "step": 1, "loss": 1.0}, {"event": "signal", "step": 1},
+             {"event": "saved", "step": 1}, {"event": "start"}, {"event": "start"}, {"event": "loaded", "step": 1},
+             {"event": "step", "step": 2, "loss": 0.9}]
+    log.write_text("".join(json.dumps(r) + "\n" for r in first))
+    tail = LogTail(log)
+    tail.poll()
+    p = tail.progress
+    assert (p.signal_step, p.loaded_step, p.first_step, p.last_step, p.saved_steps) == (None, 1, 2, 2, [])
