@@ -9,10 +9,12 @@ Same model, same data, same optimizer (AdamW + global-norm clip), 2 ranks, time 
 
 Both sides run the same megatron-core layers (``megatron_patch.model.build_stage_module``), so the
 ratio measures the runtime around them. The model is a GPT of 4 blocks, hidden 128, 4 heads, ffn 512,
-vocab 256, sequence 64 (``--model tiny-gpt`` for the catalog's smaller one). Runs alternate ours/torch
-``--repeats`` times (this machine is shared; medians of medians). NCCL/GPU is not measured: no GPU here.
+vocab 256, sequence 64 (``--model tiny-gpt`` for the catalog's smaller one). Both sides live in the
+same two processes and alternate (one step each by default), and the ratio is the median of the
+ratios of neighbouring blocks, so a busy host slows both alike. NCCL/GPU is not
+measured: no GPU in this environment.
 
-    .venv/bin/python benchmarks/runtime_overhead.py [--steps 20] [--repeats 3] [--model tiny-gpt]
+    .venv/bin/python benchmarks/runtime_overhead.py [--steps 1] [--rounds 40] [--model tiny-gpt]
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,10 +55,10 @@ def plan_for(kind: str, spec: ModelSpec) -> Plan:
 
 # ---------------------------------------------------------------- rank side
 
-def _ours(kind: str, spec: ModelSpec, samples: object, steps: int) -> list[float]:
+def _ours(kind: str, spec: ModelSpec, samples: object) -> Callable[[], float]:
     from megatron_patch.engine import Trainer
     trainer = Trainer(plan_for(kind, spec), samples, spec=spec)
-    return [trainer.train_step().seconds for _ in range(steps)]
+    return lambda: trainer.train_step().seconds
 
 
 def _adam(params: list) -> tuple:
@@ -67,7 +70,7 @@ def _adam(params: list) -> tuple:
                              foreach=False), c.clip_grad
 
 
-def _ddp(spec: ModelSpec, samples: object, steps: int) -> list[float]:
+def _ddp(spec: ModelSpec, samples: object) -> Callable[[], float]:
     import torch
     import torch.distributed as dist
 
@@ -79,8 +82,10 @@ def _ddp(spec: ModelSpec, samples: object, steps: int) -> list[float]:
     ddp = torch.nn.parallel.DistributedDataParallel(module)
     opt, clip = _adam(list(ddp.parameters()))
     rank, g = dist.get_rank(), 2 * MBS * MICRO
-    times, consumed = [], 0
-    for _ in range(steps):
+    consumed = 0
+
+    def step() -> float:
+        nonlocal consumed
         t0 = time.perf_counter()
         data = samples.batch(consumed + rank * MBS * MICRO, MBS * MICRO)
         for m in range(MICRO):
@@ -93,11 +98,11 @@ def _ddp(spec: ModelSpec, samples: object, steps: int) -> list[float]:
         opt.step()
         opt.zero_grad(set_to_none=True)
         consumed += g
-        times.append(time.perf_counter() - t0)
-    return times
+        return time.perf_counter() - t0
+    return step
 
 
-def _torch_1f1b(spec: ModelSpec, samples: object, steps: int) -> list[float]:
+def _torch_1f1b(spec: ModelSpec, samples: object) -> Callable[[], float]:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -136,8 +141,10 @@ def _torch_1f1b(spec: ModelSpec, samples: object, steps: int) -> list[float]:
     stage = PipelineStage(Stage(), rank, 2, torch.device("cpu"))
     schedule = Schedule1F1B(stage, n_microbatches=MICRO, loss_fn=loss_fn)
     opt, clip = _adam(list(inner.parameters()))
-    times, consumed = [], 0
-    for _ in range(steps):
+    consumed = 0
+
+    def step() -> float:
+        nonlocal consumed
         t0 = time.perf_counter()
         data = samples.batch(consumed, MBS * MICRO)
         if rank == 0:
@@ -153,50 +160,58 @@ def _torch_1f1b(spec: ModelSpec, samples: object, steps: int) -> list[float]:
         opt.step()
         opt.zero_grad(set_to_none=True)
         consumed += MBS * MICRO
-        times.append(time.perf_counter() - t0)
-    return times
+        return time.perf_counter() - t0
+    return step
 
 
 def rank_main() -> None:
+    """Both sides in the same two processes, alternating blocks of steps: equal conditions on a busy host."""
     warnings.filterwarnings("ignore")
     import torch.distributed as dist
 
     from megatron_patch.data import GlobalSamples
-    variant, model, steps, data = (os.environ["BENCH_VARIANT"], os.environ["BENCH_MODEL"],
-                                   int(os.environ["BENCH_STEPS"]), os.environ["BENCH_DATA"])
+    kind, model, steps, rounds, data = (os.environ["BENCH_KIND"], os.environ["BENCH_MODEL"],
+                                        int(os.environ["BENCH_STEPS"]), int(os.environ["BENCH_ROUNDS"]),
+                                        os.environ["BENCH_DATA"])
     dist.init_process_group("gloo")
     spec = spec_of(model)
     samples = GlobalSamples(data, spec.seq_len)
-    if variant.startswith("ours-"):
-        times = _ours(variant[5:], spec, samples, steps)
-    elif variant == "torch-ddp":
-        times = _ddp(spec, samples, steps)
-    else:
-        times = _torch_1f1b(spec, samples, steps)
+    sides = {"ours": _ours(kind, spec, samples),
+             "torch": _ddp(spec, samples) if kind == "dp" else _torch_1f1b(spec, samples)}
+    for fn in sides.values():  # warm-up: first steps pay for connections and allocations
+        for _ in range(2):
+            fn()
+    times: dict[str, list[float]] = {k: [] for k in sides}
+    for _ in range(rounds):
+        for name, fn in sides.items():
+            times[name] += [fn() for _ in range(steps)]
     print(json.dumps({"rank": dist.get_rank(), "times": times}), flush=True)
     dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------- driver
 
-def measure(variant: str, model: str, steps: int, warmup: int, data: str) -> float:
-    """Median step time (the slower rank's) over the measured steps."""
-    env = {"BENCH_VARIANT": variant, "BENCH_MODEL": model, "BENCH_STEPS": str(steps + warmup), "BENCH_DATA": data,
-           "BENCH_RANK_MAIN": "1"}
-    results = local.run([str(Path(__file__).resolve())], 2, env, timeout=900)
+def measure(kind: str, model: str, steps: int, rounds: int, data: str) -> tuple[float, float, float]:
+    """Median step time (the slower rank's) of ours and torch's, and the median ratio of neighbouring blocks."""
+    env = {"BENCH_KIND": kind, "BENCH_MODEL": model, "BENCH_STEPS": str(steps), "BENCH_ROUNDS": str(rounds),
+           "BENCH_DATA": data, "BENCH_RANK_MAIN": "1"}
+    results = local.run([str(Path(__file__).resolve())], 2, env, timeout=1800)
     per_rank = []
     for r in results:
         if r.returncode != 0:
-            raise RuntimeError(f"{variant} rank {r.rank} failed:\n{r.stderr[-3000:]}")
-        per_rank.append(json.loads(r.stdout.strip().splitlines()[-1])["times"][warmup:])
-    return statistics.median(max(ts) for ts in zip(*per_rank))
+            raise RuntimeError(f"{kind} rank {r.rank} failed:\n{r.stderr[-3000:]}")
+        per_rank.append(json.loads(r.stdout.strip().splitlines()[-1])["times"])
+    slower = {side: [max(ts) for ts in zip(*(t[side] for t in per_rank))] for side in ("ours", "torch")}
+    blocks = [(sum(slower["ours"][i:i + steps]), sum(slower["torch"][i:i + steps]))
+              for i in range(0, len(slower["ours"]), steps)]
+    return (statistics.median(slower["ours"]), statistics.median(slower["torch"]),
+            statistics.median(o / t for o, t in blocks))
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=1, help="steps per block")
+    ap.add_argument("--rounds", type=int, default=40, help="alternating blocks per side")
     ap.add_argument("--model", default=BENCH.name, help=f"{BENCH.name} (default) or a catalog model")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -206,18 +221,14 @@ def main() -> int:
             raise RuntimeError(res[0].stderr[-3000:])
         rows = []
         for kind, baseline in (("dp", "torch-ddp"), ("pp", "torch-1f1b")):
-            ours, theirs = [], []
-            for _ in range(args.repeats):
-                ours.append(measure(f"ours-{kind}", args.model, args.steps, args.warmup, data))
-                theirs.append(measure(baseline, args.model, args.steps, args.warmup, data))
-            o, t = statistics.median(ours), statistics.median(theirs)
-            rows.append((kind, baseline, o, t, o / t))
-    print(f"model {args.model}, 2 gloo ranks, OMP_NUM_THREADS=1, {args.steps} steps x {args.repeats} repeats, "
-          f"{MICRO} micro-batches of {MBS} per pipeline")
-    print(f"{'plan':<22}{'baseline':<14}{'ours s/step':>12}{'torch s/step':>14}{'ratio':>8}")
+            rows.append((kind, baseline, *measure(kind, args.model, args.steps, args.rounds, data)))
+    print(f"model {args.model}, 2 gloo ranks, OMP_NUM_THREADS=1, {args.rounds} alternating blocks of {args.steps} "
+          f"steps per side, {MICRO} micro-batches of {MBS} per pipeline; median s/step of the slower rank")
+    print(f"{'plan':<22}{'baseline':<12}{'ours s/step':>12}{'torch s/step':>13}{'ratio':>7}")
     for kind, baseline, o, t, ratio in rows:
         plan = "2 pipelines x 1 stage" if kind == "dp" else "1 pipeline x 2 stages"
-        print(f"{plan:<22}{baseline:<14}{o:>12.4f}{t:>14.4f}{ratio:>8.3f}")
+        print(f"{plan:<22}{baseline:<12}{o:>12.4f}{t:>13.4f}{ratio:>7.3f}")
+    print("ratio = median over neighbouring blocks of ours/torch (each pair ran back to back)")
     print("goal: ratio <= 1.10 (NCCL/GPU not measured: no GPU in this environment)")
     return 0
 

@@ -127,7 +127,8 @@ class GradSync:
             scales = [p.scale for p in pieces for _ in self._views(grads, p)]
             if len(ranks) == 1:
                 for v, s in zip(views, scales):
-                    v.mul_(s)
+                    if s != 1.0:
+                        v.mul_(s)
                 continue
             flat = torch.cat([v.reshape(-1) * s for v, s in zip(views, scales)])
             pending.append((dist.all_reduce(flat, group=group(ranks), async_op=True), flat, views))
@@ -140,8 +141,8 @@ class GradSync:
 
     def owned_sq_norm(self, grads: dict[str, torch.Tensor]) -> float:
         """Sum of squares of the gradient chunks this rank owns (after :meth:`run`)."""
-        total = torch.zeros((), dtype=torch.float64, device=next(iter(grads.values())).device) if grads else None
-        for p in self.owned:
-            for v in self._views(grads, p):
-                total += v.double().pow(2).sum()
-        return 0.0 if total is None else float(total)
+        views = [v for p in self.owned for v in self._views(grads, p)]
+        if not views:
+            return 0.0
+        norms = torch.stack(torch._foreach_norm(views)).double()  # fp32 per piece, as clip_grad_norm_
+        return float(norms.pow(2).sum())

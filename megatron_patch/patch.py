@@ -118,15 +118,17 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, tp_group: Any) -> torch.Tensor:
         from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy as V
         from megatron.core.tensor_parallel.utils import VocabUtility
+        tp = dist.get_world_size(tp_group)
         logits, logits_max = V.calculate_logits_max(logits)
-        dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=tp_group)
+        if tp > 1:  # at TP 1 the reductions are identities
+            dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=tp_group)
         part = logits.size(-1)
-        start, end = VocabUtility.vocab_range_from_per_partition_vocab_size(
-            part, dist.get_rank(tp_group), dist.get_world_size(tp_group))
+        start, end = VocabUtility.vocab_range_from_per_partition_vocab_size(part, dist.get_rank(tp_group), tp)
         target_mask, masked_target_1d, predicted, sum_exp, exp_logits = V.calculate_predicted_logits(
             logits, target, logits_max, start, end)
-        dist.all_reduce(predicted, op=dist.ReduceOp.SUM, group=tp_group)
-        dist.all_reduce(sum_exp, op=dist.ReduceOp.SUM, group=tp_group)
+        if tp > 1:
+            dist.all_reduce(predicted, op=dist.ReduceOp.SUM, group=tp_group)
+            dist.all_reduce(sum_exp, op=dist.ReduceOp.SUM, group=tp_group)
         exp_logits, loss = V.calculate_cross_entropy_loss(exp_logits, predicted, sum_exp)
         ctx.save_for_backward(exp_logits, target_mask, masked_target_1d)
         return loss
