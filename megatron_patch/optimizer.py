@@ -14,6 +14,8 @@ import torch
 from megatron_patch.layout import ParamInfo
 from megatron_patch.options import AdamConfig
 
+__all__ = ["AdamConfig", "StageOptimizer", "clip_coefficient"]  # AdamConfig re-exported (profiler uses it)
+
 
 class StageOptimizer:
     """Owns the fp32 master copy of this rank's parameters and their Adam state, by canonical name."""

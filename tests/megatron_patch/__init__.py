@@ -1,0 +1,1 @@
+"""Tests of the heterogeneous training runtime (megatron_patch)."""
