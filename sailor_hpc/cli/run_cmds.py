@@ -121,7 +121,8 @@ def drive(run_dir: Path) -> int:
 @click.option("--restart-cost", type=float, default=None,
               help="Seconds one restart costs (default: measured from the run's restarts, 60 s before the first).")
 @click.option("--max-restarts", type=click.IntRange(min=0), default=10, show_default=True,
-              help="Jobs after the first one, then the run gives up.")
+              help="Jobs after the first one that the run had to start (node lost, preempted, failed; "
+                   "resizes for more GPUs do not count), then it gives up.")
 @click.option("--backoff", type=float, default=30.0, show_default=True,
               help="Seconds to wait after a job that failed without a step (doubles each time).")
 @click.option("--poll", type=float, default=2.0, show_default=True, help="Seconds between looks at Slurm.")

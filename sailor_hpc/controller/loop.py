@@ -42,7 +42,7 @@ from sailor_hpc.controller.journal import Record
 from sailor_hpc.controller.planning import Planned, plan_on
 from sailor_hpc.controller.policy import Score, Verdict, judge, plan_shape, restart_cost
 from sailor_hpc.controller.progress import LogTail
-from sailor_hpc.controller.state import Attempt, RunDir, RunState, apply, fold, job_name
+from sailor_hpc.controller.state import RESIZE_REASON, Attempt, RunDir, RunState, apply, fold, job_name
 from sailor_hpc.controller.story import describe
 from sailor_hpc.errors import SailorError
 from sailor_hpc.jobs.status import FINAL_STATES, RUNNING_STATES, JobStatus
@@ -225,7 +225,7 @@ class Controller:
         if self._checkpoint_step() >= spec.steps:
             self.note("finished", step=self._checkpoint_step(), checkpoint=st.checkpoint["path"])  # type: ignore[index]
             return
-        if len(st.attempts) > spec.max_restarts:
+        if st.next_reason != RESIZE_REASON and st.restarts >= spec.max_restarts and st.attempts:
             self.note("gave_up", reason=f"all {spec.max_restarts} restarts used")
             return
         if st.backoff_until is not None and self.clock() < st.backoff_until:
@@ -244,7 +244,7 @@ class Controller:
     def submit(self, planned: Planned, obs: Observation) -> None:
         st, spec = self.state, self.spec
         trigger = st.trigger
-        reason = trigger[0] if trigger else ("start" if not st.attempts else "restart")
+        reason = st.next_reason
         number = len(st.attempts) + 1
         name = job_name(spec.run_id, number)
         plan_path, script = slurm_ops.prepare_attempt(self.rundir, spec, self.site, planned.plan, number, name)

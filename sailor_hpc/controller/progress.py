@@ -78,7 +78,7 @@ class LogTail:
         out = []
         for raw in lines:
             line = raw.decode("utf-8", errors="replace").strip()
-            if line.startswith("error:"):
+            if line.startswith("error:") or ": error:" in line:  # SailorError / argparse refusals
                 self.progress.errors.append(line)
             if not line.startswith("{"):
                 continue

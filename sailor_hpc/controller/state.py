@@ -25,6 +25,10 @@ from sailor_hpc.errors import SailorError
 from sailor_hpc.locking import file_lock
 
 
+#: the reason of a job submitted because more GPUs made a better plan worth its restart
+RESIZE_REASON = "idle_gpus"
+
+
 def job_name(run_id: str, attempt: int) -> str:
     return f"sailor-{run_id}-{attempt:03d}"
 
@@ -162,7 +166,15 @@ class RunState:
 
     @property
     def restarts(self) -> int:
-        return max(0, len(self.attempts) - 1)
+        """Jobs after the first that the run had to start (a resize for more GPUs is a choice, not counted)."""
+        return sum(1 for a in self.attempts[1:] if a.reason != RESIZE_REASON)
+
+    @property
+    def next_reason(self) -> str:
+        """Why the next job would be submitted: the change it answers, else start / restart."""
+        if self.trigger is not None:
+            return self.trigger[0]
+        return "start" if not self.attempts else "restart"
 
     def attempt(self, number: int) -> Attempt:
         for a in self.attempts:

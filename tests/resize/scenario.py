@@ -97,11 +97,11 @@ class Scenario:
         return job
 
     def set_node(self, node: str, state: str) -> float:
-        """``scontrol update nodename=NODE state=down|resume``; returns the wall time it took effect."""
-        args = ["scontrol", "update", f"nodename={node}", f"state={state}"] + (["reason=resize-test"] if state == "down" else [])
-        self.slurm(*args)
+        """``scontrol update nodename=NODE state=down|drain|resume``; returns the wall time it took effect."""
+        taken = state in ("down", "drain")
+        self.slurm("scontrol", "update", f"nodename={node}", f"state={state}", *(["reason=resize-test"] if taken else []))
         t = time.time()
-        (self.downed.add if state == "down" else self.downed.discard)(node)
+        (self.downed.add if taken else self.downed.discard)(node)
         return t
 
     def cleanup(self) -> None:
@@ -111,12 +111,12 @@ class Scenario:
             self.proc.wait()
         names = self.cluster.run(["squeue", "-h", "-o", "%i %j"]).stdout.split("\n")
         prefix = self._job_prefix()
-        for line in names:
-            parts = line.split()
-            if len(parts) == 2 and prefix and parts[1].startswith(prefix):
-                self.cluster.run(["scancel", parts[0].split("+")[0]])
-        for job in self.blockers:
+        ours = {parts[0].split("+")[0] for parts in map(str.split, names)
+                if len(parts) == 2 and prefix and parts[1].startswith(prefix)}
+        for job in [*ours, *self.blockers]:
             self.cluster.run(["scancel", job])
+        for job in ours:  # gone before the caller removes the directories its ranks write to
+            self.cluster.wait_job(job, timeout=120)
         for node in list(self.downed):
             self.set_node(node, "resume")
 

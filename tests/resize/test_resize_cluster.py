@@ -11,8 +11,10 @@ One run (module fixture), told by its journal and checked against independent fa
    with ``--resume``: it adopts the job, submits nothing twice.
 3. ``state=resume``: 4 A100 idle again; 2 A100 gain far more than 10 % after the restart cost ->
    the job checkpoints on SIGUSR1 and the run continues under 2 A100.
-4. SIGTERM to the job's ranks, as preemption (or the time-limit warning) sends it: the job saves a
-   checkpoint on its signal and requeues itself; the controller re-plans (2 A100 again) and the run
+4. ``state=drain`` of the job's node: the job still runs, so the controller asks it to checkpoint
+   (SIGUSR1) and re-plans without the draining node (2 V100).
+5. SIGTERM to the job's ranks, as preemption (or the time-limit warning) sends it: the job saves a
+   checkpoint on its signal and requeues itself; the controller re-plans (2 V100 again) and the run
    continues from that checkpoint to the last step.
 
 Then: the final parameters equal a single-process reference run of the same 60 global steps
@@ -60,9 +62,11 @@ def story(slurm_cluster, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
         sc.start_controller(resume=True)
         sc.wait_for("the first step after the node loss", kind("first_step", attempt=2))
         times["resume"] = sc.set_node("a100-1", "resume")
-        job3 = sc.wait_for("the first step after growing back", kind("first_step", attempt=3))["job_id"]
+        sc.wait_for("the first step after growing back", kind("first_step", attempt=3))
+        times["drain"] = sc.set_node("a100-1", "drain")
+        job4 = sc.wait_for("the first step after the drain", kind("first_step", attempt=4))["job_id"]
         times["term"] = time.time()
-        sc.slurm("scancel", "--signal=TERM", job3)  # what preemption (or the time-limit warning) sends
+        sc.slurm("scancel", "--signal=TERM", job4)  # what preemption (or the time-limit warning) sends
         rc = sc.wait_exit(timeout=300)
         assert rc == 0, sc.controller_output()
         assert reference.wait(timeout=300) == 0, (root / "reference.log").read_text()[-3000:]
@@ -122,17 +126,30 @@ def test_grows_back_when_the_gain_threshold_is_met(story):
     # the job saved on the signal at its last step: nothing is recomputed after a planned resize
     assert first3["loaded_step"] == stopped["step"], (first3, stopped)
     assert _records(story, "finished")[0]["step"] == STEPS
-    # the controller's own signal is sent once; the job that finishes the run is the 4th (see below)
-    assert len(_records(story, "signal_sent")) == 1
+    # the controller's own signals: this resize and the drain (below), not the preemption
+    assert [r["reason"] for r in _records(story, "signal_sent")] == ["resize", "node draining"]
+
+
+def test_draining_node_checkpoints_first_then_moves(story):
+    lost = next(r for r in _records(story, "node_lost") if r["attempt"] == 3)
+    assert lost["nodes"]["a100-1"].startswith(("drain", "drng")), lost
+    decision = next(r for r in _records(story, "decision") if r["attempt"] == 3)
+    assert decision["action"] == "checkpoint"
+    stopped = next(r for r in _records(story, "job_stopped") if r["attempt"] == 3)
+    assert stopped["reason"] == "node draining"
+    att4 = next(r for r in _records(story, "submit_intent") if r["attempt"] == 4)
+    assert att4["reason"] == "node_lost" and att4["gpus"] == {"v100": 2}
+    first4 = next(r for r in _records(story, "first_step") if r["attempt"] == 4)
+    assert first4["loaded_step"] == stopped["step"]  # it saved before leaving: nothing recomputed
 
 
 def test_preempted_job_checkpoints_on_its_signal_and_resumes(story):
-    stopped = next(r for r in _records(story, "job_stopped") if r["attempt"] == 3)
+    stopped = next(r for r in _records(story, "job_stopped") if r["attempt"] == 4)
     assert stopped["reason"] == "signal_saved", stopped
-    att4 = next(r for r in _records(story, "submit_intent") if r["attempt"] == 4)
-    assert att4["reason"] == "signal_saved" and att4["gpus"] == {"a100": 2}
-    first4 = next(r for r in _records(story, "first_step") if r["attempt"] == 4)
-    assert first4["loaded_step"] == stopped["step"]  # saved at the step it stopped: nothing recomputed
+    att5 = next(r for r in _records(story, "submit_intent") if r["attempt"] == 5)
+    assert att5["reason"] == "signal_saved" and att5["gpus"] == {"v100": 2}
+    first5 = next(r for r in _records(story, "first_step") if r["attempt"] == 5)
+    assert first5["loaded_step"] == stopped["step"]  # saved at the step it stopped: nothing recomputed
     assert not _records(story, "failure")
 
 
@@ -142,7 +159,7 @@ def test_final_parameters_equal_the_uninterrupted_reference(story):
     final = latest_complete(sc.save)
     assert final is not None and read_manifest(final)["step"] == STEPS
     diff = max_diff(final, story["root"] / "ref" / f"ref_step_{STEPS}.pt")
-    print(f"\nafter {STEPS} steps, 4 jobs under 3 plans: max |delta| vs reference {diff}")
+    print(f"\nafter {STEPS} steps, 5 jobs under 3 plans: max |delta| vs reference {diff}")
     assert diff["param"] <= PARAM_TOL
     assert diff["exp_avg"] <= MOMENT_TOL and diff["exp_avg_sq"] <= MOMENT_TOL
     # negative control: one global step (64 samples) fewer is far outside the tolerance
@@ -191,12 +208,12 @@ def test_controller_killed_and_resumed_without_duplicate_jobs(story):
     assert [s["resumed"] for s in starts] == [False, True]
     assert starts[1]["t"] >= story["times"]["killed"]
     intents = _records(story, "submit_intent")
-    assert [r["attempt"] for r in intents] == [1, 2, 3, 4]
+    assert [r["attempt"] for r in intents] == [1, 2, 3, 4, 5]
     prefix = f"sailor-{json.loads((sc.run_dir / 'run.json').read_text())['run_id']}-"
     slurm_jobs = {line.split("|")[0].split("+")[0] for line in story["jobs"].splitlines()
                   if line.split("|")[1:2] and line.split("|")[1].startswith(prefix)}
     journal_jobs = {r["job_id"] for r in records if r["kind"] in ("submitted", "adopted")}
-    assert slurm_jobs == journal_jobs and len(journal_jobs) == 4, (slurm_jobs, journal_jobs)
+    assert slurm_jobs == journal_jobs and len(journal_jobs) == 5, (slurm_jobs, journal_jobs)
     # one job at a time: each submission comes after the previous job is gone
     for prev, nxt in zip(intents, intents[1:]):
         gone = next(r for r in records if r["kind"] == "job_gone" and r.get("attempt") == prev["attempt"])
@@ -206,7 +223,7 @@ def test_controller_killed_and_resumed_without_duplicate_jobs(story):
 
 def test_recovery_times_are_journaled(story):
     rec = {r["attempt"]: r for r in _records(story, "recovery")}
-    assert set(rec) == {2, 3, 4}
+    assert set(rec) == {2, 3, 4, 5}
     for r in rec.values():
         assert 0 < r["recovery_s"] <= r["downtime_s"]
         print(f"\nattempt {r['attempt']} ({r['trigger']}): recovery {r['recovery_s']:.1f} s, "
