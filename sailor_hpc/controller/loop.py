@@ -79,7 +79,7 @@ class Controller:
         self._watchers: dict[int, JobWatcher] = {}
         self._plans: dict[int, Plan] = {}
         self._hosts: dict[str, list[str]] = {}
-        self._last_error: str | None = None
+        self._said: dict[str, str] = {}  # what was last journaled about a repeating condition, per kind
 
     # ------------------------------------------------------------------------------------------ journal
 
@@ -89,6 +89,12 @@ class Controller:
         apply(self.state, rec)
         self.echo(describe(rec))
         return rec
+
+    def note_once(self, kind: str, message: str, **data: Any) -> None:
+        """Journal a condition that repeats every poll (no plan fits, Slurm unreachable) only when it changes."""
+        if self._said.get(kind) != message:
+            self.note(kind, message=message, **data)
+            self._said[kind] = message
 
     # --------------------------------------------------------------------------------------------- main
 
@@ -126,11 +132,9 @@ class Controller:
                     self.start_next()
                 else:
                     self.watch(cur)
-                self._last_error = None
-            except SailorError as exc:  # Slurm briefly unreachable, a job script refused: journal, retry
-                if str(exc) != self._last_error:
-                    self.note("error", where="controller loop", message=str(exc))
-                    self._last_error = str(exc)
+                self._said.pop("error", None)
+            except SailorError as exc:  # Slurm briefly unreachable, sbatch refusing: journal once, retry
+                self.note_once("error", str(exc), where="controller loop")
             if not (self.state.finished or self.state.gave_up):
                 self.sleep(self.spec.poll_s)
 
@@ -233,11 +237,10 @@ class Controller:
         obs = self.observe(None)
         try:
             planned = plan_on(spec, self.site, self.archive, obs.free)
-        except SailorError as exc:
-            if str(exc) != self._last_error:
-                self.note("no_plan", error=str(exc), available=obs.available)
-                self._last_error = str(exc)
+        except SailorError as exc:  # nothing free that fits (or the constraints exclude all): wait
+            self.note_once("no_plan", str(exc), available=obs.available)
             return
+        self._said.pop("no_plan", None)
         self._cancel_strays()
         self.submit(planned, obs)
 
@@ -247,7 +250,11 @@ class Controller:
         reason = st.next_reason
         number = len(st.attempts) + 1
         name = job_name(spec.run_id, number)
-        plan_path, script = slurm_ops.prepare_attempt(self.rundir, spec, self.site, planned.plan, number, name)
+        try:
+            plan_path, script = slurm_ops.prepare_attempt(self.rundir, spec, self.site, planned.plan, number, name)
+        except SailorError as exc:  # rendering is deterministic: the spec (time limit, options) must change
+            self.note("gave_up", reason=f"the job script cannot be rendered: {exc}")
+            return
         self.note("plan", reason=reason, available=obs.available, planner_available=planned.available,
                   plan_file=str(plan_path), **planned.summary())
         self.note("submit_intent", attempt=number, job_name=name, plan_file=str(plan_path), script=str(script),
@@ -320,7 +327,7 @@ class Controller:
         try:
             slurm_ops.request_checkpoint(cur.job_id, self.env)  # type: ignore[arg-type]
         except SailorError as exc:  # gone meanwhile: the next poll sees it stopped
-            self.note("error", where="checkpoint signal", message=str(exc))
+            self.note_once("error", str(exc), where="checkpoint signal")
             return
         self.note("signal_sent", attempt=cur.number, job_id=cur.job_id, signal="USR1", reason=reason)
 

@@ -28,7 +28,7 @@ def describe(rec: Record) -> str:
         return (f"planned ({rec.get('reason')}) on free {_gpus(rec.get('available'))}: {_gpus(rec.get('gpus'))}, "
                 f"{rec.get('throughput', 0):.2f} samples/s, {rec.get('cost_per_hour', 0):.2f}/h")
     if k == "no_plan":
-        return f"no plan possible now: {rec.get('error')}"
+        return f"no plan possible now: {rec.get('message')}"
     if k == "submit_intent":
         return f"{a}submitting {rec.get('job_name')} ({rec.get('reason')})"
     if k == "submitted":

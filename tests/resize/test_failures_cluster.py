@@ -1,6 +1,8 @@
-"""Jobs that fail: bad input stops the run at once; a crash loop backs off and gives up after --max-restarts."""
+"""Jobs that fail, and nothing free: bad input stops the run at once; a crash loop backs off and gives up after
+--max-restarts; with every GPU taken the controller waits (saying so once) and submits when GPUs free up."""
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -43,3 +45,19 @@ def test_crash_loop_backs_off_and_gives_up_after_max_restarts(slurm_cluster, inp
     first_backoff = next(r for r in recs if r["kind"] == "backoff")
     assert second["t"] >= first_backoff["until"]  # it waited
     assert recs[-1]["kind"] == "gave_up" and "restarts used" in recs[-1]["reason"]
+
+
+def test_waits_for_free_gpus_and_says_so_once(slurm_cluster, inputs, tmp_path: Path):
+    sc = Scenario(slurm_cluster, tmp_path, *inputs, steps=5)
+    try:
+        blockers = {node: sc.blocker(node, gpus) for node, gpus in
+                    (("a100-1", 4), ("a100-2", 4), ("v100-1", 8), ("v100-2", 8))}
+        sc.start_controller()
+        sc.wait_for("no plan", lambda r: r["kind"] == "no_plan")
+        time.sleep(6 * sc.poll_s)
+        assert [r["kind"] for r in sc.records()].count("no_plan") == 1  # journaled once, not every poll
+        sc.slurm("scancel", blockers["v100-2"])
+        sub = sc.wait_for("a job once GPUs are free", lambda r: r["kind"] == "submit_intent")
+        assert sub["gpus"] == {"v100": 2}
+    finally:
+        sc.cleanup()
