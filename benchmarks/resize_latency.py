@@ -52,11 +52,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cycles", type=int, default=2)
     ap.add_argument("--poll", type=float, default=0.5, help="controller poll interval (s)")
+    ap.add_argument("--workdir", type=Path, default=None,
+                    help="keep the run here (journal: WORKDIR/run; `sailor-hpc run status WORKDIR/run`)")
     args = ap.parse_args(argv)
     cluster = get_cluster()
     rows: list[tuple[str, int, dict[str, float]]] = []
     with tempfile.TemporaryDirectory(prefix="resize-latency-") as tmp:
-        root = Path(tmp)
+        root = args.workdir.absolute() if args.workdir else Path(tmp)
+        root.mkdir(parents=True, exist_ok=True)
         data, archive = build_inputs(root)
         sc = Scenario(cluster, root, data, archive, steps=1_000_000, poll_s=args.poll)
         try:

@@ -126,8 +126,8 @@ class Controller:
                 return EXIT_FINISHED
             if self.state.gave_up:
                 return EXIT_GAVE_UP
+            cur = self.state.current
             try:
-                cur = self.state.current
                 if cur is None:
                     self.start_next()
                 else:
@@ -135,6 +135,8 @@ class Controller:
                 self._said.pop("error", None)
             except SailorError as exc:  # Slurm briefly unreachable, sbatch refusing: journal once, retry
                 self.note_once("error", str(exc), where="controller loop")
+            if cur is not None and self.state.current is None and self.state.backoff_until is None:
+                continue  # the job is gone: plan and submit the next one now, not a poll later
             if not (self.state.finished or self.state.gave_up):
                 self.sleep(self.spec.poll_s)
 

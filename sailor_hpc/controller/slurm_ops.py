@@ -18,7 +18,7 @@ from sailor_hpc.controller.spec import RunSpec
 from sailor_hpc.controller.state import RunDir, job_name_prefix
 from sailor_hpc.errors import SailorError
 from sailor_hpc.jobs.render import render_job_script, write_job_script
-from sailor_hpc.jobs.status import FINAL_STATES, JobRef
+from sailor_hpc.jobs.status import FINAL_STATES, RUNNING_STATES, JobRef
 from sailor_hpc.jobs.submit import JobRecord, cancel_job, submit_script
 from sailor_hpc.jobs.watch import JobWatcher
 from sailor_hpc.plan import Plan
@@ -26,6 +26,7 @@ from sailor_hpc.site import Site
 from sailor_hpc.slurm.commands import QueueJob, run_slurm, squeue
 
 Env = Mapping[str, str] | None
+SIGNAL_TIMEOUT_S = 10.0  # scancel --signal waits on a job in transition (requeue): do not hang the controller
 
 
 def owned_queue_rows(run_id: str, env: Env) -> list[QueueJob]:
@@ -98,34 +99,48 @@ def submit(script: Path, plan_path: Path, spec: RunSpec, env: Env) -> JobRecord:
 
 
 def request_checkpoint(job_id: str, env: Env, signal: str = "USR1") -> None:
-    """Ask every rank of the job to finish its step, save a complete checkpoint and exit."""
-    run_slurm(["scancel", f"--signal={signal}", job_id], env)
+    """Ask every rank of the (running) job to finish its step, save a complete checkpoint and exit."""
+    run_slurm(["scancel", f"--signal={signal}", job_id], env, timeout=SIGNAL_TIMEOUT_S)
 
 
-def cancel_and_wait(job_id: str, env: Env, timeout_s: float = 120.0, poll_s: float = 0.5) -> str:
-    """Kill the job and return its final state once every component is final (or forgotten).
+def cancel_and_wait(job_id: str, env: Env, timeout_s: float = 120.0, poll_s: float = 0.5,
+                    grace_s: float = 10.0) -> str:
+    """End the job and return its final state once every component is final (or forgotten).
 
-    The ranks take SIGTERM as "checkpoint and stop", so a plain ``scancel`` would leave them running
-    for Slurm's KillWait (30 s by default) before SIGKILL; the job's steps (the ranks, not the batch
-    script whose ``srun`` still forwards their last lines to the log) are therefore killed outright
-    first. That is safe at any moment: a checkpoint becomes visible only by an atomic rename, so a
-    save cut short leaves a temporary directory that is never loaded.
+    How, measured on the local cluster: the ranks take SIGTERM as "checkpoint and stop", so a plain
+    ``scancel`` leaves them running until Slurm's KillWait (30 s by default) runs out; ``scancel``
+    with SIGKILL is a cancellation that kills ``srun`` before its tasks, and the steps then spend
+    7-10 s failing to report to it. SIGHUP, which the runtime does not handle, ends every rank at
+    once; ``srun`` and the job script then finish by themselves (3 s). So: SIGHUP to the job's steps,
+    then ``scancel`` what is left as soon as nothing of the job runs any more (a requeued, pending
+    component), or after ``grace_s``. Ending ranks at any moment is safe: a checkpoint becomes
+    visible only by an atomic rename, so a save cut short leaves a temporary directory never loaded.
     """
     watcher = JobWatcher(env, poll_s=poll_s, lost_after_s=10.0)
     watcher.add([job_id])
-    deadline = time.monotonic() + timeout_s
+    t0 = time.monotonic()
+    cancelled = hung_up = False
     while True:
+        watcher.poll()
         st = watcher.status(job_id)
-        if st is None or not st.final:
-            run_slurm(["scancel", "--signal=KILL", job_id], env, check=False)  # pending: nothing to kill
+        if st is not None and st.final:
+            return st.state
+        running = st is not None and any(c.state in RUNNING_STATES for c in st.components)
+        if running and not hung_up:
+            # only to running steps: scancel --signal on a requeued (pending) job blocks until it times out
+            hung_up = True
+            try:
+                run_slurm(["scancel", "--signal=HUP", job_id], env, check=False, timeout=SIGNAL_TIMEOUT_S)
+            except SailorError:
+                pass  # scancel below ends it anyway
+        if not cancelled and (not running or time.monotonic() - t0 > grace_s):
             try:
                 cancel_job(job_id, env)
             except SailorError:
                 pass  # already gone: the watcher will say so
-        result = watcher.wait(timeout_s=min(30.0, max(1.0, deadline - time.monotonic())))
-        if not result.timed_out:
-            return result.statuses[job_id].state
-        if time.monotonic() > deadline:
-            raise SailorError(f"job {job_id} is still not gone {timeout_s:.0f} s after scancel", field="scancel",
-                              fix="check slurmctld and the job's nodes; the controller will not submit "
-                                  "another job while this one may still write checkpoints")
+            cancelled = True
+        if time.monotonic() - t0 > timeout_s:
+            raise SailorError(f"job {job_id} is still not gone {timeout_s:.0f} s after it was cancelled",
+                              field="scancel", fix="check slurmctld and the job's nodes; the controller will not "
+                                                   "submit another job while this one may still write checkpoints")
+        time.sleep(poll_s)
