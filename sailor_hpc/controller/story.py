@@ -83,8 +83,16 @@ def attempt_rows(state: RunState) -> list[tuple[Any, ...]]:
                      "-" if att.start_step is None else att.start_step,
                      "-" if not rec else f"{rec.get('recovery_s', 0):.1f}",
                      "-" if not rec or rec.get("queue_wait_s") is None else f"{rec['queue_wait_s']:.1f}",
-                     att.end_state or ("running" if att.running_t else "queued")))
+                     _end(att)))
     return rows
+
+
+def _end(att: Any) -> str:
+    """How the job ended: why it stopped (the controller's words) and Slurm's final state."""
+    if not att.gone:
+        return "running" if att.running_t else "queued"
+    why = (att.stopped or {}).get("reason")
+    return f"{why} ({att.end_state})" if why and why != "completed" else str(att.end_state)
 
 
 ATTEMPT_HEADER = ("attempt", "job", "GPUs", "samples/s (sim)", "why", "from step", "recovery s", "queue s", "end")
