@@ -101,12 +101,19 @@ def submit_cmd(script_out: Path | None, test_only: bool, as_json: bool, **kw: An
 
 
 @main.command("status")
-@click.argument("job_id", metavar="[JOBID]", required=False)
+@click.argument("job_id", metavar="[JOBID|RUN_DIR]", required=False)
 @json_option
-def status_cmd(job_id: str | None, as_json: bool) -> None:
-    """State of a job (het components, nodes; squeue + sacct) or of your queued jobs."""
+@click.pass_context
+def status_cmd(ctx: click.Context, job_id: str | None, as_json: bool) -> None:
+    """State of a job (het components, nodes; squeue + sacct), of your queued jobs, or the history of a
+    `sailor-hpc run` given its run directory."""
     from sailor_hpc.jobs.status import job_status, list_jobs
 
+    if job_id is not None and Path(job_id).is_dir():
+        from sailor_hpc.cli.run_cmds import status_cmd as run_status
+
+        ctx.invoke(run_status, run_dir=Path(job_id), events=True, as_json=as_json)
+        return
     if job_id is not None:
         jobs = [job_status(job_id)]
     else:

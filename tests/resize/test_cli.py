@@ -74,6 +74,9 @@ def test_status_shows_the_history(tmp_path: Path, archive: Path):
     assert "node(s) of the job lost: a100-1 down" in proc.stdout and "1 a100+1 v100" in proc.stdout
     data = json.loads(cli("run", "status", str(rd.path), "--json").stdout)
     assert data["attempts"][0]["job"] == "13" and [r["kind"] for r in data["records"]][-1] == "node_lost"
+    # `sailor-hpc status RUN_DIR` is the same history
+    plain = cli("status", str(rd.path))
+    assert plain.returncode == 0 and plain.stdout == proc.stdout
 
 
 def test_a_second_controller_is_refused(tmp_path: Path, archive: Path):
