@@ -62,7 +62,16 @@ def balance(groups: Sequence[tuple[PipelineSpeed, int]], global_batch: int) -> t
         return None
     lo = max(s.time(1) for s, _ in groups)  # every pipeline runs at least one micro-batch
     if _capacity(groups, lo) < global_batch:
-        hi = lo + max(s.slope if s.slope > 0 else s.time(1) for s, _ in groups) * global_batch
+        step = max(s.slope if s.slope > 0 else s.time(1) for s, _ in groups)
+        hi = lo + step * global_batch
+        # bracket around the deadline the pipelines' steady rates give, to bisect a narrow interval
+        rate = sum(n * s.mbs / s.slope for s, n in groups if s.slope > 0)
+        if rate > 0:
+            guess = (global_batch + sum(n * s.mbs * s.time(1) / s.slope for s, n in groups if s.slope > 0)) / rate
+            if guess + 2 * step < hi and _capacity(groups, guess + 2 * step) >= global_batch:
+                hi = guess + 2 * step
+            if lo < guess - 2 * step and _capacity(groups, guess - 2 * step) < global_batch:
+                lo = guess - 2 * step
         for _ in range(200):
             mid = 0.5 * (lo + hi)
             if _capacity(groups, mid) >= global_batch:

@@ -111,11 +111,12 @@ def search(site: Site, archive: ProfileArchive, request: PlanRequest, *, setting
     tails = Tails(site, archive, request)
     quick_tails = Tails(site, archive, request, copies=4)
 
-    def alone(t: Template, gpus: int) -> float:
+    def alone(t: Template, gpus: int, with_tail: bool = True) -> float:
         """Seconds per sample of this template on ``gpus`` GPUs of its partition alone."""
         n = max(1, min(gpus // t.gpus, gbs // t.mbs))
         m = math.ceil(gbs / (t.mbs * n))
-        return (t.speed().time(m) + quick_tails(((t, n),))) / (n * m * t.mbs)
+        tail = quick_tails(((t, n),)) if with_tail else 0.0
+        return (t.speed().time(m) + tail) / (n * m * t.mbs)
 
     for part in site.partitions:
         gpus = available.get(part.name, 0)
@@ -139,6 +140,11 @@ def search(site: Site, archive: ProfileArchive, request: PlanRequest, *, setting
         # that the partition's GPUs leave them, plus their sync tail): the bubble and the sync matter
         # as much as the steady-state period
         templates = [t for t in templates if t.gpus <= gpus]
+        # first cut on flush alone (cheap), then the sync tail decides among the survivors
+        templates.sort(key=lambda t: (alone(t, gpus, with_tail=False), t.gpus, t.key))
+        templates = templates[:6 * settings.templates_per_partition] + [
+            t for t in templates[6 * settings.templates_per_partition:]
+            if t is next(x for x in templates if x.mbs == t.mbs and x.num_stages == t.num_stages)]
         templates.sort(key=lambda t: (alone(t, gpus), t.gpus, t.key))
         options = [(t, n) for t in templates for n in copy_counts(gpus // t.gpus, gbs // t.mbs)]
         if len(options) > settings.exhaustive_options:

@@ -91,19 +91,31 @@ class TemplateBuilder:
         self.max_stages = max(1, min(max_stages, self.L))
         self.max_m = max_micro_batches
         self.capacity = ev.capacity(part.gpu_type)
-        self._fits: dict[tuple, bool] = {}
+        self._fits: dict[tuple, int] = {}
 
     # -------------------------------------------------------------- per-stage numbers
     def _cost(self, mbs: int, tp: int, i: int, j: int):
         return self.ev.stage(self.part.gpu_type, tp, mbs, i, j)
 
     def _fits_mem(self, mbs: int, tp: int, i: int, j: int, k: int) -> bool:
-        key = (mbs, tp, i, j, k)
+        """Whether layers i..j fit on one GPU of a TP-``tp`` stage holding ``k`` micro-batches in flight."""
+        return j <= self._max_last(mbs, tp, i, k)
+
+    def _max_last(self, mbs: int, tp: int, i: int, k: int) -> int:
+        """The last layer j such that layers i..j still fit (i - 1 if not even layer i does). A stage's
+        memory only grows as it takes more layers, so a bisection over j needs log2(L) evaluations."""
+        key = (mbs, tp, i, k)
         hit = self._fits.get(key)
         if hit is None:
-            cost = self._cost(mbs, tp, i, j)
-            mem = self.ev.stage_memory(cost, stage=0, num_stages=k, micro_batches=k)
-            hit = self._fits[key] = mem.total <= self.capacity
+            lo, hi = i - 1, self.L - 1  # invariant: lo fits (i - 1: the empty stage), everything > hi does not
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                cost = self._cost(mbs, tp, i, mid)
+                if self.ev.stage_memory(cost, stage=0, num_stages=k, micro_batches=k).total <= self.capacity:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            hit = self._fits[key] = lo
         return hit
 
     def _boundary(self, mbs: int, j: int) -> float:
