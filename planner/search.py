@@ -28,6 +28,7 @@ from sailor_hpc.models import get_model
 from sailor_hpc.plan import Pipeline, Plan, Stage, place_plan
 from sailor_hpc.site import Site
 from simulator import SimResult, StageEvaluator, simulate
+from simulator.network import Endpoint
 
 Option = tuple[Template, int]  # a template and how many copies
 Progress = Callable[[int, int], None]
@@ -108,8 +109,8 @@ def search(site: Site, archive: ProfileArchive, request: PlanRequest, *, setting
     for name in available:
         site.partition(name)  # unknown partition names are errors
     per_part: list[list[Option]] = []
-    tails = Tails(site, archive, request)
-    quick_tails = Tails(site, archive, request, copies=4)
+    tails = Tails(ev, request)
+    quick_tails = Tails(ev, request, copies=4)
 
     def alone(t: Template, gpus: int, with_tail: bool = True) -> float:
         """Seconds per sample of this template on ``gpus`` GPUs of its partition alone."""
@@ -172,12 +173,12 @@ def _gpu_cost(site: Site, options: tuple[Option, ...]) -> tuple[int, float]:
 
 class Tails:
     """Seconds from the pipelines' flush to the end of the iteration (gradient syncs, optimizer step) of a
-    set of templates, from :func:`simulator.simulate` on a plan with the allocation's copies of each
+    set of templates, from the simulator's iteration model on a plan with the allocation's copies of each
     template, capped at ``copies``: exact for small allocations; larger ones reuse the capped ring (a ring
     all-reduce grows slowly with its size). The plans finally returned are simulated whole."""
 
-    def __init__(self, site: Site, archive: ProfileArchive, request: PlanRequest, copies: int = 8) -> None:
-        self.site, self.archive, self.request, self.copies = site, archive, request, copies
+    def __init__(self, ev: StageEvaluator, request: PlanRequest, copies: int = 8) -> None:
+        self.ev, self.request, self.copies = ev, request, copies
         self._cache: dict[tuple, float] = {}
 
     def __call__(self, options: tuple[Option, ...]) -> float:
@@ -192,8 +193,14 @@ class Tails:
                 pipes += [Pipeline(t.mbs, 1, stages)] * copies[t.key]
             plan = Plan(get_model(self.request.model).name, sum(p.samples for p in pipes), tuple(pipes),
                         seq_len=self.request.seq_len, dtype=self.request.dtype)
-            res = simulate(place_plan(plan, self.site), self.site, self.archive)
-            hit = self._cache[key] = res.iteration_time_s - res.breakdown["flush_s"]
+            placed = place_plan(plan, self.ev.site)
+            costs = [[self.ev.stage(s.gpu_type, s.tp, p.micro_batch_size, s.first_layer, s.last_layer)
+                      for s in p.stages] for p in placed.pipelines]
+            ends = [[Endpoint(s.partition or s.gpu_type, s.placement.node if s.placement else None, s.tp)
+                     for s in p.stages] for p in placed.pipelines]
+            timing = self.ev.iteration(costs, ends, [1] * len(costs))  # what simulate() computes, minus reports
+            flush = max(float(sched.makespan.max()) for sched in timing.schedules)
+            hit = self._cache[key] = timing.time_s - flush
         return hit
 
 
