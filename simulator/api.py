@@ -184,10 +184,15 @@ class StageEvaluator:
         What :func:`simulate` computes for a plan, for callers that hold per-stage numbers instead.
         """
         scheds, transfers = [], []
+        same: dict[tuple, ScheduleResult] = {}  # plans repeat pipelines: schedule each distinct one once
         for c, e, m in zip(costs, ends, micro_batches):
             act, grad = self.transfer_times(c, e)
             transfers.append((act, grad))
-            scheds.append(pipeline_schedule([x.fwd_s for x in c], [x.bwd_s for x in c], act, grad, m))
+            F, B = [x.fwd_s for x in c], [x.bwd_s for x in c]
+            key = (tuple(F), tuple(B), tuple(act), tuple(grad), m)
+            if key not in same:
+                same[key] = pipeline_schedule(F, B, act, grad, m)
+            scheds.append(same[key])
         colls = self.collectives(costs, ends)
         flush = {(i, s): float(sch.finish[0, s]) for i, sch in enumerate(scheds) for s in range(sch.finish.shape[1])}
         update = {(i, s): x.update_s for i, c in enumerate(costs) for s, x in enumerate(c)}
