@@ -6,14 +6,13 @@
    among all pipelines so they flush together (:mod:`planner.balance`). Copy counts are the values where
    a pipeline's micro-batch count changes (n = ceil(M / m)), the only ones worth paying for. Partitions
    are combined by a beam search (exhaustive while the product of options is small) ranked by the
-   objective on the flush time.
+   objective on the balanced flush plus the template set's sync tail.
 3. *Exact scoring*: the best allocations become placed plans and are simulated whole
    (:func:`simulator.simulate`: flush, gradient syncs, optimizer, memory); constraints are checked on
    those numbers and the plans are ranked by them.
 """
 from __future__ import annotations
 
-import itertools
 import math
 import time
 from collections.abc import Callable
@@ -105,7 +104,8 @@ def search(site: Site, archive: ProfileArchive, request: PlanRequest, *, setting
     model = get_model(request.model)
     gbs = request.global_batch_size
     ev = StageEvaluator(archive, site, model, dtype=request.dtype)
-    available = request.available or default_available(site)
+    capacity = default_available(site)
+    available = request.available or capacity
     for name in available:
         site.partition(name)  # unknown partition names are errors
     per_part: list[list[Option]] = []
@@ -123,7 +123,7 @@ def search(site: Site, archive: ProfileArchive, request: PlanRequest, *, setting
         gpus = available.get(part.name, 0)
         if request.constraints.max_gpus is not None:
             gpus = min(gpus, request.constraints.max_gpus)
-        gpus = min(gpus, min(part.nodes, part.max_nodes_per_job) * part.gpus_per_node)
+        gpus = min(gpus, capacity[part.name])
         if gpus <= 0 or (model.name, part.gpu_type) not in archive.compute:
             continue
         points = archive.compute_points(model.name, part.gpu_type)

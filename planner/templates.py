@@ -36,10 +36,6 @@ class Template:
     mbs: int
     stages: tuple[tuple[int, int, int], ...]  # (first layer, last layer, tp)
     period: float  # steady-state seconds per micro-batch (the DP's objective)
-    F: np.ndarray = field(repr=False, default_factory=lambda: np.zeros(0))
-    B: np.ndarray = field(repr=False, default_factory=lambda: np.zeros(0))
-    act: np.ndarray = field(repr=False, default_factory=lambda: np.zeros(0))
-    grad: np.ndarray = field(repr=False, default_factory=lambda: np.zeros(0))
     flush: np.ndarray = field(repr=False, default_factory=lambda: np.zeros(0))  # flush[m-1]: m micro-batches
     slope: float = 0.0  # seconds each micro-batch beyond len(flush) adds
     _speed: PipelineSpeed | None = field(default=None, repr=False, compare=False)
@@ -126,6 +122,11 @@ class TemplateBuilder:
         a = Endpoint(self.part.name, None, 1)
         return self.ev.p2p(a, a, cost.out_bytes) * 2
 
+    def _stage_time(self, mbs: int, tp: int, i: int, j: int, bnd: list[float]) -> float:
+        """The DP's per-stage objective: forward + backward plus the exchanges at both of its boundaries."""
+        c = self._cost(mbs, tp, i, j)
+        return c.fwd_s + c.bwd_s + (bnd[i - 1] if i > 0 else 0.0) + bnd[j]
+
     # -------------------------------------------------------------- the DP
     def build(self, mbs: int, policy: int | None) -> list[tuple[tuple[tuple[int, int, int], ...], float]]:
         """Best split for every stage count P (policy: a uniform TP, or None for min-fit), with the DP's
@@ -141,8 +142,7 @@ class TemplateBuilder:
             return None
 
         def stage_time(i: int, j: int, tp: int) -> float:
-            c = self._cost(mbs, tp, i, j)
-            return c.fwd_s + c.bwd_s + (bnd[i - 1] if i > 0 else 0.0) + bnd[j]
+            return self._stage_time(mbs, tp, i, j, bnd)
 
         # best[k][i]: min period of layers i..L-1 in k stages; choice[k][i] = (j, tp)
         best = [[INF] * (L + 1) for _ in range(K + 1)]
@@ -218,8 +218,7 @@ class TemplateBuilder:
     def period_estimate(self, mbs: int, stages: tuple[tuple[int, int, int], ...]) -> float:
         """The DP's objective for a given split: the busiest stage with its exchanges."""
         bnd = [self._boundary(mbs, j) for j in range(self.L)]
-        return max(self._cost(mbs, tp, i, j).fwd_s + self._cost(mbs, tp, i, j).bwd_s
-                   + (bnd[i - 1] if i > 0 else 0.0) + bnd[j] for i, j, tp in stages)
+        return max(self._stage_time(mbs, tp, i, j, bnd) for i, j, tp in stages)
 
     def finish(self, mbs: int, stages: tuple[tuple[int, int, int], ...]) -> Template:
         """Exact per-stage numbers (placement-aware transfers) and flush times for m = 1..max_m."""
@@ -237,12 +236,7 @@ class TemplateBuilder:
         flush = sched.makespan
         slope = float(flush[-1] - flush[-2]) if M >= 2 else float(sched.steady_period[0])
         return Template(self.part.name, self.part.gpu_type, mbs, stages, float(sched.steady_period[0]),
-                        F, B, A, G, flush, slope)
-
-    def fits_at(self, t: Template, m: int) -> bool:
-        """Whether every stage fits with ``m`` micro-batches (in flight: min(P - s, m))."""
-        P = t.num_stages
-        return all(self._fits_mem(t.mbs, tp, i, j, min(P - s, m)) for s, (i, j, tp) in enumerate(t.stages))
+                        flush, slope)
 
 
 def uniform_split(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
