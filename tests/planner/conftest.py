@@ -1,8 +1,6 @@
 """A small heterogeneous site and a tiny-gpt archive made from measured OPT-350M layers."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from sailor_hpc.archive import EMBEDDED_ARCHIVE, read_archive
