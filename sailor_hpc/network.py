@@ -4,11 +4,19 @@ Sailor fits measured bandwidth (GB/s) as a quadratic in u = log2(message bytes /
 trustworthy inside the measured range of message sizes, and a quadratic can turn negative outside it,
 so sizes are clamped to the fitted range before evaluating (a quirk of Sailor we do not inherit), and
 the result is clamped to ``[1 MB/s, max observed]``.
+
+Inside the range a least-squares quadratic still bends down at the small end (Clariden's GH-96 fit is
+negative below ~100 kB), which would make a 20 kB message take longer than a 1 MB one. A link cannot do
+that (the small message could be padded), so a transfer takes at most as long as any larger message:
+:meth:`NetworkFit.transfer_time` is the fit's time made non-decreasing in size, which turns the bent-down
+end into the latency floor the measurements imply (tens of microseconds on Clariden).
 """
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 from sailor_hpc.errors import SailorError
 from sailor_hpc.fields import Fields
@@ -16,6 +24,7 @@ from sailor_hpc.fields import Fields
 DEFAULT_MIN_BYTES = 2**16
 DEFAULT_MAX_BYTES = 2**30
 _MIN_BANDWIDTH = 1e6  # bytes/s floor so a bad fit can never yield zero or negative bandwidth
+_GRID_PER_OCTAVE = 8  # message sizes per doubling on which the monotone envelope is tabulated
 
 
 @dataclass(frozen=True)
@@ -28,8 +37,8 @@ class NetworkFit:
     min_bytes: float = DEFAULT_MIN_BYTES
     max_bytes: float = DEFAULT_MAX_BYTES
 
-    def bandwidth(self, nbytes: float) -> float:
-        """Bytes per second for a message of ``nbytes``."""
+    def fitted_bandwidth(self, nbytes: float) -> float:
+        """Bytes per second the quadratic gives at ``nbytes`` (clamped to the range and the peak)."""
         if self.constant_gbps is not None:
             return self.constant_gbps * 1e9
         assert self.coeffs is not None
@@ -41,15 +50,46 @@ class NetworkFit:
             bw = min(bw, self.max_gbps * 1e9)
         return max(bw, _MIN_BANDWIDTH)
 
+    def _fitted_time(self, nbytes: float) -> float:
+        return min(max(nbytes, self.min_bytes), self.max_bytes) / self.fitted_bandwidth(nbytes)
+
+    @cached_property
+    def _envelope(self) -> tuple[list[float], list[float]]:
+        """Sizes on a log grid over the range and, per size, the least time of any size at or above it."""
+        octaves = math.log2(self.max_bytes / self.min_bytes)
+        n = max(2, int(math.ceil(octaves * _GRID_PER_OCTAVE)) + 1)
+        sizes = [self.min_bytes * 2 ** (octaves * i / (n - 1)) for i in range(n)]
+        times = [self._fitted_time(x) for x in sizes]
+        for i in range(n - 2, -1, -1):
+            times[i] = min(times[i], times[i + 1])
+        return sizes, times
+
     def transfer_time(self, nbytes: float) -> float:
-        """Seconds to move ``nbytes`` over the link (0 for an empty message)."""
-        return 0.0 if nbytes <= 0 else nbytes / self.bandwidth(nbytes)
+        """Seconds to move ``nbytes`` over the link (0 for an empty message).
+
+        Below the range: the smallest message's time (latency-bound); above it: the edge bandwidth;
+        inside it: the fit's time, but never more than that of a larger message.
+        """
+        if nbytes <= 0:
+            return 0.0
+        if self.constant_gbps is not None:
+            return nbytes / (self.constant_gbps * 1e9)
+        if nbytes >= self.max_bytes:
+            return nbytes / self.fitted_bandwidth(self.max_bytes)
+        sizes, times = self._envelope
+        i = bisect.bisect_left(sizes, nbytes)
+        return min(self._fitted_time(nbytes), times[i])
+
+    def bandwidth(self, nbytes: float) -> float:
+        """Effective bytes per second for a message of ``nbytes`` (size / :meth:`transfer_time`)."""
+        nbytes = max(nbytes, 1.0)
+        return nbytes / self.transfer_time(nbytes)
 
     @property
     def peak_bytes_per_s(self) -> float:
         if self.max_gbps is not None:
             return self.max_gbps * 1e9
-        return self.bandwidth(self.max_bytes)
+        return self.fitted_bandwidth(self.max_bytes)
 
     def to_dict(self) -> dict[str, object]:
         if self.constant_gbps is not None:

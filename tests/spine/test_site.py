@@ -50,7 +50,9 @@ def test_site_fits_evaluate_like_sailors_published_quadratics() -> None:
         for nbytes in (2**17, 8_388_608, 96_083_456, 2**29):
             u = math.log2(nbytes / 1e6)
             expected = min((a * u * u + b * u + c) * 1e9, max_bps)
-            assert fit.bandwidth(nbytes) == pytest.approx(expected, rel=1e-4)
+            assert fit.fitted_bandwidth(nbytes) == pytest.approx(expected, rel=1e-4)
+            if nbytes >= 8_388_608:  # where the quadratic rises with size, the effective rate is the fit's
+                assert fit.bandwidth(nbytes) == pytest.approx(expected, rel=1e-4)
     # sailor_model.md §3.6: GH-96 k=1 carries a 96 MB gradient bucket at about 22.96 GB/s
     assert site.inter_node_fit("normal", "normal", 1).bandwidth(96_083_456) / 1e9 == pytest.approx(22.96, rel=2e-3)
 
@@ -59,9 +61,22 @@ def test_fits_are_clamped_to_their_measured_range() -> None:
     site = load_site(SITE_CONFIGS / "a100-v100.toml")
     fit = site.inter_node_fit("a100", "a100", 1)
     assert fit.bandwidth(1e15) == fit.bandwidth(2**30)  # outside the range: the edge value, never a negative quadratic
-    assert fit.bandwidth(1.0) == fit.bandwidth(2**16)
+    assert fit.transfer_time(1.0) == fit.transfer_time(2**16)  # below it: the smallest message's time
     assert all(fit.bandwidth(10.0**e) > 0 for e in range(0, 16))
     assert fit.transfer_time(0) == 0.0
+
+
+def test_a_smaller_message_never_takes_longer() -> None:
+    """Clariden's GH-96 quadratic is negative below ~100 kB; taken literally (floored at 1 MB/s) a 20 kB
+    tied-embedding gradient took 20 ms, longer than a 64 MB one. Times must not decrease with size."""
+    site = load_site(SITE_CONFIGS / "clariden.toml")
+    for k in (1, 2, 4):
+        fit = site.inter_node_fit("normal", "normal", k)
+        sizes = [2.0 ** (e / 4) for e in range(0, 4 * 32)]
+        times = [fit.transfer_time(x) for x in sizes]
+        assert all(a <= b * (1 + 1e-12) for a, b in zip(times, times[1:]))
+        assert fit.transfer_time(20_480) < 1e-4  # tens of microseconds: latency-bound, not 20 ms
+        assert fit.transfer_time(20_480) <= fit.transfer_time(64e6) / 10
 
 
 def test_cross_partition_link_defaults_to_the_slower_network() -> None:
