@@ -54,6 +54,10 @@ class Partition:
     max_walltime: str | None = None
     intra_node: LinkTable | None = None
     inter_node: LinkTable | None = None
+    # Coefficient of variation of one replica's compute time from node to node. Replicas that meet in
+    # a gradient all-reduce wait for the slowest, so the wait grows with their number (the simulator's
+    # straggler term). 0 = not measured: no wait modelled.
+    replica_jitter: float = 0.0
 
     @property
     def total_gpus(self) -> int:
@@ -138,6 +142,8 @@ class Site:
                 "max_nodes_per_job", "cost_per_gpu_hour")}
             if p.max_walltime:
                 d["max_walltime"] = p.max_walltime
+            if p.replica_jitter:
+                d["replica_jitter"] = p.replica_jitter
             net = {k: getattr(p, k).to_dict() for k in ("intra_node", "inter_node") if getattr(p, k)}
             if net:
                 d["network"] = net
@@ -189,6 +195,10 @@ def _parse_partition(f: Fields, gpu_types: dict[str, GpuType]) -> Partition:
     cost = f.opt("cost_per_gpu_hour", float, 1.0)
     if cost < 0:
         raise f.error("cost_per_gpu_hour", f"must be >= 0, got {cost}")
+    jitter = f.opt("replica_jitter", float, 0.0)
+    if not 0.0 <= jitter < 0.5:
+        raise f.error("replica_jitter", f"must be a fraction in [0, 0.5), got {jitter}",
+                      fix="give the coefficient of variation of a replica's step time, e.g. 0.013 for 1.3 %")
     net = f.opt("network", dict, {})
     nf = f.sub("network", net)
     intra = nf.opt("intra_node", dict)
@@ -198,7 +208,7 @@ def _parse_partition(f: Fields, gpu_types: dict[str, GpuType]) -> Partition:
         name=name, gpu_type=matches[0], nodes=nodes, gpus_per_node=f.positive("gpus_per_node"), gres=gres,
         cpus_per_node=f.positive("cpus_per_node", 1), memory_per_node_mb=f.positive("memory_per_node_mb", 1),
         max_nodes_per_job=f.positive("max_nodes_per_job", nodes), cost_per_gpu_hour=cost, max_walltime=walltime,
-        intra_node=LinkTable.parse(nf.sub("intra_node", intra)) if intra is not None else None,
+        replica_jitter=jitter, intra_node=LinkTable.parse(nf.sub("intra_node", intra)) if intra is not None else None,
         inter_node=LinkTable.parse(nf.sub("inter_node", inter)) if inter is not None else None,
     )
     f.done()

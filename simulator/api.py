@@ -18,7 +18,7 @@ from sailor_hpc.models import ModelSpec, get_model
 from sailor_hpc.plan import Plan, Stage, place_plan, validate_plan
 from sailor_hpc.site import Site
 from simulator.cost import plan_cost_per_hour
-from simulator.iteration import Collective, IterationEnd, finish_iteration, gradient_segments
+from simulator.iteration import Collective, IterationEnd, expected_max_normal, finish_iteration, gradient_segments
 from simulator.memory import (ALLOCATOR_SLACK, DEFAULT_BUCKET_ELEMS, GRAD_BYTES, StageMemory, in_flight,
                               stage_memory)
 from simulator.network import Endpoint, p2p_seconds, ring_allreduce_seconds
@@ -133,6 +133,12 @@ class StageEvaluator:
             hit = self._p2p[key] = p2p_seconds(self.site, a, b, nbytes)
         return hit
 
+    def replica_jitter(self, holders: Sequence[Endpoint]) -> float:
+        """The largest step-time variation among the partitions the holders run on."""
+        names = {p.name for p in self.site.partitions}
+        return max((self.site.partition(h.partition).replica_jitter for h in holders if h.partition in names),
+                   default=0.0)
+
     def allreduce(self, holders: Sequence[Endpoint], per_gpu_bytes: Sequence[float], elem_bytes: float) -> float:
         buckets = [self.options.bucket_elems * elem_bytes] * len(holders)
         return ring_allreduce_seconds(self.site, holders, per_gpu_bytes, buckets)
@@ -174,7 +180,8 @@ class StageEvaluator:
             for lo, hi, holders in gradient_segments([[(x.first, x.last) for x in c] for c in costs]):
                 eps = [ends[i][s] for i, s in holders]
                 per_gpu = [self.memory_table(costs[i][s].tp).params(lo, hi) * elem for i, s in holders]
-                out.append(Collective("grads", holders, self.allreduce(eps, per_gpu, elem), lo, hi))
+                out.append(Collective("grads", holders, self.allreduce(eps, per_gpu, elem), lo, hi,
+                                      skew=self.replica_jitter(eps) * expected_max_normal(len(holders))))
         return out
 
     def iteration(self, costs: Sequence[Sequence[StageCost]], ends: Sequence[Sequence[Endpoint]],

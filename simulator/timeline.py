@@ -5,7 +5,8 @@ Every stage of every pipeline gets the instruction list DeepSpeed's ``TrainSched
 forward, backward, send/receive of activations and gradients, then the tied-embedding and gradient
 all-reduces and the optimizer step). An engine then runs the lists: compute advances a rank's clock;
 a send and its matching receive (same boundary, same micro-batch) start together once both ranks have
-reached them and end together; a collective starts once its last participant arrives. Nothing here
+reached them and end together; a collective starts once its last participant arrives, plus the
+straggler wait of :mod:`simulator.iteration` (drawn as a "wait" event). Nothing here
 uses the step recurrence or the closed forms of the analytic model, so agreement between the two is a
 real check.
 """
@@ -19,17 +20,17 @@ from typing import Any
 
 from sailor_hpc.atomic import atomic_write_text
 from sailor_hpc.errors import SailorError
-from simulator.iteration import Collective, StageKey
+from simulator.iteration import Collective, StageKey, last_met
 
 COLORS = {"fwd": "#4c72b0", "bwd": "#55a868", "send_act": "#c4a000", "recv_act": "#c4a000", "send_grad": "#dd8452",
-          "recv_grad": "#dd8452", "tied": "#8172b3", "grads": "#c44e52", "optimizer": "#333333"}
+          "recv_grad": "#dd8452", "tied": "#8172b3", "grads": "#c44e52", "optimizer": "#333333", "wait": "#bbbbbb"}
 
 
 @dataclass(frozen=True)
 class Event:
     pipeline: int
     stage: int
-    kind: str  # fwd, bwd, send_act, recv_act, send_grad, recv_grad, tied, grads, optimizer
+    kind: str  # fwd, bwd, send_act, recv_act, send_grad, recv_grad, tied, grads, wait, optimizer
     micro_batch: int | None
     start: float
     end: float
@@ -44,6 +45,7 @@ class _Op:
     key: tuple | None = None  # rendezvous key (p2p pair or collective)
     parties: int = 1
     peer: str = ""
+    skew: float = 0.0  # collectives: straggler wait per second since the parties last met
 
 
 def deepspeed_instructions(num_stages: int, stage: int, micro_batches: int) -> list[tuple[str, int]]:
@@ -111,7 +113,8 @@ def build_programs(F: Sequence[Sequence[float]], B: Sequence[Sequence[float]], a
             progs[(i, s)] = ops
     for n, c in enumerate(collectives):
         for h in c.holders:
-            progs[h].append(_Op(c.kind, None, c.seconds, ("coll", n), len(c.holders), f"layers {c.first_layer}-{c.last_layer}"))
+            progs[h].append(_Op(c.kind, None, c.seconds, ("coll", n), len(c.holders), f"layers {c.first_layer}-{c.last_layer}",
+                                c.skew))
     for k, ops in progs.items():
         ops.append(_Op("optimizer", None, update[k]))
     return progs
@@ -121,6 +124,7 @@ def run_programs(progs: dict[StageKey, list[_Op]]) -> list[Event]:
     """Execute the instruction lists; rendezvous ops start when every party has reached them."""
     pc = {k: 0 for k in progs}
     clock = {k: 0.0 for k in progs}
+    met: list[tuple[frozenset, float]] = []  # (ranks, end) of every collective so far
     waiting: dict[tuple, list[tuple[StageKey, float]]] = {}
     events: list[Event] = []
     active = [k for k in progs if progs[k]]
@@ -142,6 +146,13 @@ def run_programs(progs: dict[StageKey, list[_Op]]) -> list[Event]:
                 if len(arrived) < op.parties:
                     break
                 start = max(t for _, t in arrived)
+                if op.skew:
+                    wait = op.skew * (start - last_met(met, [r for r, _ in arrived]))
+                    events.extend(Event(r[0], r[1], "wait", None, start, start + wait, "slowest replica")
+                                  for r, _ in arrived)
+                    start += wait
+                if op.key[0] == "coll":
+                    met.append((frozenset(r for r, _ in arrived), start + op.seconds))
                 for r, _ in arrived:
                     rop = progs[r][pc[r]]
                     events.append(Event(r[0], r[1], rop.kind, rop.mb, start, start + rop.seconds, rop.peer))

@@ -8,7 +8,7 @@ import pytest
 from sailor_hpc.errors import SailorError
 from sailor_hpc.plan import Pipeline, Plan, Stage, load_run
 from simulator import plan_timeline, simulate
-from simulator.iteration import Collective, finish_iteration, gradient_segments
+from simulator.iteration import Collective, expected_max_normal, finish_iteration, gradient_segments
 from simulator.network import Endpoint, ring_allreduce_seconds
 from tests.simulator.conftest import TINY_BWD, TINY_FWD, validation_dir
 
@@ -33,6 +33,47 @@ def test_finish_iteration_by_hand():
     assert end.stage_end == {(0, 0): pytest.approx(8.1), (1, 0): pytest.approx(8.1), (0, 1): pytest.approx(6.6),
                              (1, 1): pytest.approx(6.6)}
     assert end.time_s == pytest.approx(8.1)
+
+
+def test_straggler_wait_by_hand():
+    """A collective waits skew * (compute since its ranks last met); the tied all-reduce inside pipeline 0
+    does not synchronise the replicas, the first gradient all-reduce does."""
+    flush = {(0, 0): 5.0, (0, 1): 3.0, (1, 0): 4.0, (1, 1): 6.0}
+    colls = [Collective("tied", ((0, 0), (0, 1)), 1.0, 0, 5),
+             Collective("grads", ((0, 0), (1, 0)), 2.0, 0, 2, skew=0.1),
+             Collective("grads", ((0, 0), (1, 0)), 1.0, 0, 2, skew=0.1)]
+    end = finish_iteration(flush, colls, {k: 0.0 for k in flush})
+    # tied: 5 -> 6; first grads: arrive 6, wait 0.1 * 6 (never met before); second: met at 8.6, arrives 8.6
+    assert end.collective_start == pytest.approx((5.0, 6.6, 8.6))
+    assert end.time_s == pytest.approx(9.6)
+
+
+def test_expected_max_of_normals_matches_sampling():
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    for n in (2, 4, 16, 64):
+        sampled = rng.standard_normal((200_000, n)).max(axis=1).mean()
+        assert expected_max_normal(n) == pytest.approx(sampled, rel=0.015)
+    assert expected_max_normal(1) == 0.0
+
+
+def test_replica_jitter_delays_gradient_syncs_in_both_engines(tiny, tiny_site):
+    from sailor_hpc.site import load_site_dict
+    from tests.simulator.conftest import TINY_SITE
+
+    doc = {**TINY_SITE, "partitions": [{**p, "replica_jitter": 0.05} for p in TINY_SITE["partitions"]]}
+    jittery = load_site_dict(doc, source="<tiny jitter>")
+    calm, res = simulate(HETERO, tiny_site, tiny), simulate(HETERO, jittery, tiny)
+    tl = plan_timeline(HETERO, jittery, tiny)
+    assert res.iteration_time_s > calm.iteration_time_s
+    assert res.iteration_time_s == pytest.approx(tl.iteration_time_s, rel=1e-12)
+    waits = [e for e in tl.events if e.kind == "wait"]
+    assert {(e.pipeline, e.stage) for e in waits} == {(i, s) for i, p in enumerate(HETERO.pipelines)
+                                                     for s in range(len(p.stages))}
+    grads = [c for c in res.collectives if c.kind == "grads"]
+    assert all(c.skew == pytest.approx(0.05 * expected_max_normal(len(c.holders))) for c in grads)
+    assert all(c.skew == 0.0 for c in res.collectives if c.kind == "tied")
 
 
 def test_gradient_segments_follow_every_pipeline_split():

@@ -116,6 +116,8 @@ def _broken(path: Path, old: str, new: str) -> Path:
      '"x" = { constant_gbps = 2.0 }', "partitions[0].network.inter_node.x", "number of GPUs"),
     ("memory_gib = 16", "memory_gib = -1", "gpu_types.V100-16.memory_gib", "positive"),
     ("cost_per_gpu_hour = 0.5", "cost_per_gpu_hour = -0.5", "partitions[1].cost_per_gpu_hour", ">= 0"),
+    ("cost_per_gpu_hour = 0.5", "cost_per_gpu_hour = 0.5\nreplica_jitter = 1.3", "partitions[1].replica_jitter",
+     "fraction"),
 ])
 def test_every_validation_error_names_file_field_and_problem(lab_site: Path, old: str, new: str, field: str,
                                                              words: str) -> None:
