@@ -17,6 +17,11 @@ Conventions kept from Sailor's profiles (the archive's format):
   grads and 2 states, write 3), so a stage's step is that time scaled by the stage's share of
   parameters (Sailor used the 2-block time unscaled for any stage). A profile that measured another
   number of blocks records it as ``profiled_blocks`` in its provenance.
+* a layer never takes longer on fewer samples: a point slower than a larger micro-batch's point of
+  the same layer, direction, GPU and TP is measurement noise (Sailor's GH-96 OPT profile has mbs 1
+  slower than mbs 2 on the embedding, the head and some blocks; single-stage GH200 runs at mbs 1 are
+  13 % faster than its per-layer sum). Forward and backward times are therefore the running minimum
+  over the profiled micro-batch sizes at or above the asked one. Nothing is scaled or fitted.
 * memory profiles are taken at micro-batch 1 in the dtype recorded on the entry; activations scale
   linearly with the micro-batch size and with the element size of the plan's dtype.
 """
@@ -128,8 +133,15 @@ class ProfileTables:
         if not np.isfinite(times).all() or (times < 0).any():
             raise SailorError(f"{where} holds negative or non-finite times", file=self.archive.where, field=where,
                               fix="re-profile this point")
-        cum_fwd = np.concatenate(([0.0], np.cumsum(times[:, 0])))
-        cum_bwd = np.concatenate(([0.0], np.cumsum(times[:, 1])))
+        fwd, bwd = times[:, 0].copy(), times[:, 1].copy()
+        for (b, t), other in points.items():
+            if t == tp and b > mbs and other.dtype == entry.dtype:
+                larger = np.asarray(other.times, dtype=np.float64)
+                if larger.shape == times.shape and np.isfinite(larger).all():
+                    np.minimum(fwd, larger[:, 0], out=fwd)
+                    np.minimum(bwd, larger[:, 1], out=bwd)
+        cum_fwd = np.concatenate(([0.0], np.cumsum(fwd)))
+        cum_bwd = np.concatenate(([0.0], np.cumsum(bwd)))
         blocks = int(entry.provenance.get("profiled_blocks", DEFAULT_PROFILED_BLOCKS))
         mem = self.memory(tp)
         T = self.model.num_layers

@@ -63,3 +63,28 @@ def test_malformed_entry_is_rejected():
     a.add(ComputeEntry("tiny-gpt", "G1", 4, 1, np.ones((5, 3)), {}))
     with pytest.raises(SailorError, match="shape"):
         ProfileTables(a, get_model("tiny-gpt")).compute("G1", 4, 1)
+
+
+def test_a_layer_never_takes_longer_on_fewer_samples():
+    """A point slower than a larger micro-batch's point of the same layer is noise: the table keeps the
+    running minimum over the larger profiled sizes (per layer, forward and backward apart)."""
+    archive = tiny_archive()
+    noisy = archive.compute[("tiny-gpt", "G1")][(1, 1)].times.copy()
+    noisy[5, 0] = 0.050  # head forward at mbs 1 slower than at mbs 2 (0.008)
+    noisy[2, 1] = 0.030  # a block's backward too (mbs 2: 0.040 -> kept, it is larger)
+    archive.add(ComputeEntry("tiny-gpt", "G1", 1, 1, noisy, {"source": "test"}))
+    c = ProfileTables(archive, get_model("tiny-gpt")).compute("G1", 1, 1)
+    assert c.fwd(5, 5) == pytest.approx(2 * TINY_FWD[5])
+    assert c.bwd(2, 2) == pytest.approx(0.030)
+    assert c.fwd(0, 4) == pytest.approx(TINY_FWD[:5].sum())
+
+
+def test_sailor_profile_is_monotone_in_micro_batch_size(sailor_archive):
+    t = ProfileTables(sailor_archive, get_model("OPT-350M"))
+    sizes = sorted(b for b, tp in sailor_archive.compute[("OPT-350M", "GH-96")] if tp == 4)
+    for small, large in zip(sizes, sizes[1:]):
+        a, b = t.compute("GH-96", small, 4), t.compute("GH-96", large, 4)
+        for x, y in ((a.cum_fwd, b.cum_fwd), (a.cum_bwd, b.cum_bwd)):
+            assert (np.diff(x) <= np.diff(y) + 1e-12).all()  # cumsum round-off
+    raw = sailor_archive.compute[("OPT-350M", "GH-96")][(1, 4)].times
+    assert t.compute("GH-96", 1, 4).fwd(0, 25) < raw[:, 0].sum()  # the published mbs-1 point is not monotone
