@@ -224,9 +224,9 @@ def write_gantt(timeline: Timeline, path: str | Path, title: str = "") -> None:
     ax.invert_yaxis()
     ax.set_xlabel("seconds")
     ax.set_title(title or f"one iteration: {timeline.iteration_time_s:.4g} s")
-    kinds = ["fwd", "bwd", "send_act", "send_grad", "tied", "grads", "optimizer"]
+    kinds = ["fwd", "bwd", "send_act", "send_grad", "tied", "wait", "grads", "optimizer"]
     labels = ["forward", "backward", "activation transfer", "gradient transfer", "tied-embedding all-reduce",
-              "gradient all-reduce", "optimizer"]
+              "wait for the slowest replica", "gradient all-reduce", "optimizer"]
     ax.legend(handles=[Patch(color=COLORS[k], label=lab) for k, lab in zip(kinds, labels)], loc="upper left",
               bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     fig.tight_layout()
