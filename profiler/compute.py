@@ -14,6 +14,13 @@ GPU, the wall clock on CPU; ``warmup`` untimed iterations, then the median of ``
 column is the optimizer step (megatron_patch's AdamW, :class:`megatron_patch.optimizer.StageOptimizer`)
 of the whole profiled model, repeated on every row, as the simulator reads it.
 
+Besides each layer alone, the measured layers also run as one chain (one forward through all of them,
+one backward), the way a pipeline stage runs them: on a GPU the host launches the next layer's kernels
+while the previous ones run, which per-layer timing cannot see (small micro-batches are launch-bound).
+The chain's forward and backward seconds go into the point's provenance (``stack_fwd_s``,
+``stack_bwd_s``, ``stack_layers``); the simulator turns the difference to the per-layer sum into a
+saving per layer boundary inside a stage.
+
 Memory at micro-batch 1: parameters per TP rank per layer from megatron_patch's layout (checked against
 the built modules by ``build_stage_module``); each layer's output and input elements; retained
 activation bytes = what the layer's forward keeps until its backward (CUDA: allocator delta around the
@@ -52,6 +59,7 @@ class PointResult:
     mbs: int
     times: np.ndarray | None
     reason: str = ""
+    stack: tuple[float, float] | None = None  # forward, backward seconds of the measured layers as one chain
 
     @property
     def ok(self) -> bool:
@@ -234,6 +242,29 @@ class LayerProfiler:
             times[l] = (statistics.median(fwd[src]), statistics.median(bwd[src]), update)
         return times
 
+    def measure_stack(self, mbs: int) -> tuple[float, float]:
+        """Forward and backward seconds of all measured layers run as one chain (medians)."""
+        tokens, labels = _inputs(self.spec, mbs, self.device, self.seed + mbs)
+        fwd: list[float] = []
+        bwd: list[float] = []
+        for it in range(self.warmup + self.iters):
+            def chain() -> torch.Tensor:
+                h: torch.Tensor | None = None
+                for layer in self.measured:
+                    h = self._stage_of(layer).run(layer, h, tokens, labels)
+                assert h is not None
+                return h
+
+            tf, out = self.clock.measure(chain)
+            grad = _grad_like(out, self.seed + self.measured[-1])
+            tb, _ = self.clock.measure(lambda: out.backward(grad))
+            for opt in self.optimizers:
+                opt.zero_grad()
+            if it >= self.warmup:
+                fwd.append(tf)
+                bwd.append(tb)
+        return statistics.median(fwd), statistics.median(bwd)
+
     def memory_table(self) -> np.ndarray:
         """(L, 4) at micro-batch 1: params, act_output, act_input (elements per TP rank), act_mem_bytes."""
         tokens, labels = _inputs(self.spec, 1, self.device, self.seed)
@@ -297,7 +328,7 @@ def profile_compute(spec: ModelSpec, mbs_list: Sequence[int], *, tp_group: Any, 
     points = []
     for mbs in sorted(mbs_list):
         try:
-            points.append(PointResult(mbs=mbs, times=prof.measure(mbs)))
+            points.append(PointResult(mbs=mbs, times=prof.measure(mbs), stack=prof.measure_stack(mbs)))
         except RuntimeError as exc:
             if not is_oom(exc):
                 raise
@@ -309,4 +340,5 @@ def profile_compute(spec: ModelSpec, mbs_list: Sequence[int], *, tp_group: Any, 
                 torch.cuda.empty_cache()
     return ComputeResult(points=points, memory=memory, overhead_bytes=prof.overhead_bytes(baseline_rss),
                          profiled_blocks=prof.k, device=device.type,
-                         extra={"padded_vocab": prof.padded, "warmup": warmup, "iters": iters})
+                         extra={"padded_vocab": prof.padded, "warmup": warmup, "iters": iters,
+                                "stack_layers": len(prof.measured)})

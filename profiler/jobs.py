@@ -163,7 +163,8 @@ def compute_job(task: ComputeTask) -> dict[str, Any] | None:
     points = []
     for p in res.points:
         times = p.times if p.ok else np.full((L, 3), np.nan)
-        entries.append(ComputeEntry(spec.name, task.gpu_key, p.mbs, task.tp, times, prov,
+        point_prov = prov if p.stack is None else {**prov, "stack_fwd_s": p.stack[0], "stack_bwd_s": p.stack[1]}
+        entries.append(ComputeEntry(spec.name, task.gpu_key, p.mbs, task.tp, times, point_prov,
                                     status="ok" if p.ok else "failed", reason=p.reason, dtype=task.dtype))
         points.append({"mbs": p.mbs, "tp": task.tp, "ok": p.ok, "reason": p.reason,
                        "fwd_s": float(np.sum(p.times[:, 0])) if p.ok else None,

@@ -22,6 +22,11 @@ Conventions kept from Sailor's profiles (the archive's format):
   slower than mbs 2 on the embedding, the head and some blocks; single-stage GH200 runs at mbs 1 are
   13 % faster than its per-layer sum). Forward and backward times are therefore the running minimum
   over the profiled micro-batch sizes at or above the asked one. Nothing is scaled or fitted.
+* per-layer timing isolates every layer; a stage runs its layers as one chain, where the host launches a
+  layer's kernels while the previous layer still runs. A profile that also timed the measured layers as
+  one chain (``stack_fwd_s``, ``stack_bwd_s`` over ``stack_layers`` layers in its provenance, written by
+  ``sailor-hpc profile``) gives the difference per layer boundary, which every boundary inside a stage
+  then saves (or costs, if the chain was slower). Sailor's profiles have no such timing: no change.
 * memory profiles are taken at micro-batch 1 in the dtype recorded on the entry; activations scale
   linearly with the micro-batch size and with the element size of the plan's dtype.
 """
@@ -50,13 +55,22 @@ class ComputeTable:
     update_s: float  # optimizer step of the profiled model
     update_params: float  # parameters (per TP rank) that step covered
     dtype: str
+    boundary_fwd: float = 0.0  # seconds a layer boundary inside a stage saves, forward (see the module doc)
+    boundary_bwd: float = 0.0  # ... and backward
 
     # layer ranges may be ints or integer arrays (vectorised scoring): the result has their shape
     def fwd(self, first, last):
-        return self.cum_fwd[last + 1] - self.cum_fwd[first]
+        return _chained(self.cum_fwd[last + 1] - self.cum_fwd[first], last - first, self.boundary_fwd)
 
     def bwd(self, first, last):
-        return self.cum_bwd[last + 1] - self.cum_bwd[first]
+        return _chained(self.cum_bwd[last + 1] - self.cum_bwd[first], last - first, self.boundary_bwd)
+
+
+def _chained(isolated, boundaries, saving: float):
+    """Time of a chain of layers from the sum of their isolated times (never below a third of it)."""
+    if not saving:
+        return isolated
+    return np.maximum(isolated - boundaries * saving, isolated / 3)
 
 
 @dataclass(frozen=True)
@@ -143,13 +157,30 @@ class ProfileTables:
         cum_fwd = np.concatenate(([0.0], np.cumsum(fwd)))
         cum_bwd = np.concatenate(([0.0], np.cumsum(bwd)))
         blocks = int(entry.provenance.get("profiled_blocks", DEFAULT_PROFILED_BLOCKS))
+        saving = self._boundary_saving(entry, times, blocks)
         mem = self.memory(tp)
         T = self.model.num_layers
         profiled = mem.params(0, min(blocks, T))
         if self.model.tail_layers:
             profiled += mem.params(T + 1, self.num_layers - 1)
         return ComputeTable(gpu=gpu, mbs=mbs, tp=tp, cum_fwd=cum_fwd, cum_bwd=cum_bwd,
-                            update_s=float(times[:, 2].max()), update_params=profiled, dtype=entry.dtype)
+                            update_s=float(times[:, 2].max()), update_params=profiled, dtype=entry.dtype,
+                            boundary_fwd=saving[0], boundary_bwd=saving[1])
+
+    def _boundary_saving(self, entry, times: np.ndarray, blocks: int) -> tuple[float, float]:
+        """(forward, backward) seconds per layer boundary: (sum of the measured layers alone - their
+        chain) / (layers - 1), from the point's own chain timing; (0, 0) without one."""
+        prov = entry.provenance
+        if "stack_fwd_s" not in prov or "stack_bwd_s" not in prov:
+            return 0.0, 0.0
+        T = self.model.num_layers
+        measured = list(range(0, min(blocks, T) + 1)) + list(range(T + 1, self.num_layers))
+        n = int(prov.get("stack_layers", len(measured)))
+        if n < 2 or n != len(measured):
+            return 0.0, 0.0
+        alone = times[measured, :2].sum(axis=0)
+        chain = np.array([float(prov["stack_fwd_s"]), float(prov["stack_bwd_s"])])
+        return tuple(float(x) for x in (alone - chain) / (n - 1))
 
     def update_seconds(self, table: ComputeTable, first, last):
         """Optimizer step of a stage: the profiled step scaled by the stage's share of parameters."""

@@ -181,3 +181,13 @@ def test_layer_profiler_on_tiny_gpt(one_rank):
         torch.set_num_threads(threads)
     reference, per_layer = statistics.median(ref[2:]), statistics.median(sums[2:])
     assert reference / 3 < per_layer < reference * 3, (per_layer, reference, sums, ref)
+    # the chain timing runs the measured layers (embedding, 2 blocks, head) as one stage would: on CPU
+    # there is no launch overlap to win, so it stays near the sum of those layers timed alone
+    prof.warmup, prof.iters = 1, 5
+    assert prof.measured == [0, 1, 2, L - 1]
+    alone, chained = [], []
+    for _ in range(5):
+        one = prof.measure(2)
+        alone.append(float(one[prof.measured, :2].sum()))
+        chained.append(sum(prof.measure_stack(2)))
+    assert statistics.median(alone) / 3 < statistics.median(chained) < statistics.median(alone) * 3, (alone, chained)
