@@ -25,7 +25,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from statistics import NormalDist
 
 import numpy as np
 
@@ -46,15 +45,16 @@ class Collective:
 
 @lru_cache(maxsize=None)
 def expected_max_normal(n: int) -> float:
-    """E[max of n standard normal draws] = integral of x * n * pdf(x) * cdf(x)^(n-1); 0 for n <= 1."""
+    """E[max of n standard normal draws] = integral of x * n * pdf(x) * cdf(x)^(n-1); 0 for n <= 1.
+    Trapezoid rule on [-9, 9], the cdf integrated on the same grid (error below 1e-6)."""
     if n <= 1:
         return 0.0
     x = np.linspace(-9.0, 9.0, 7201)
-    nd = NormalDist()
+    dx = x[1] - x[0]
     pdf = np.exp(-0.5 * x * x) / np.sqrt(2 * np.pi)
-    cdf = np.array([nd.cdf(v) for v in x])
+    cdf = np.concatenate(([0.0], np.cumsum((pdf[1:] + pdf[:-1]) * dx / 2)))
     y = x * n * pdf * cdf ** (n - 1)
-    return float(((y[1:] + y[:-1]) * np.diff(x)).sum() / 2)  # trapezoid rule
+    return float(((y[1:] + y[:-1]) * dx).sum() / 2)
 
 
 @dataclass(frozen=True)
