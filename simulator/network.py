@@ -57,21 +57,19 @@ def p2p_seconds(site: Site, a: Endpoint, b: Endpoint, nbytes: float) -> float:
     return nbytes / link_fit(site, a, b, 1).bandwidth(nbytes)
 
 
-def _slowest(site: Site, holders: Sequence[Endpoint], senders: int, chunk: float) -> NetworkFit:
-    """The slowest link a ring through ``holders`` must use (at message size ``chunk``)."""
-    fits: dict[tuple, NetworkFit] = {}
+def _ring_links(site: Site, holders: Sequence[Endpoint], senders: int) -> list[NetworkFit]:
+    """The fits of every link kind a ring through ``holders`` uses (the slowest one sets its pace)."""
     nodes = {(h.partition, h.node if h.node is not None else ("?", i)) for i, h in enumerate(holders)}
     parts = sorted({p for p, _ in nodes})
     if len(nodes) == 1:
-        p = parts[0]
-        fits[("intra", p)] = site.intra_node_fit(p, senders)
-    else:
-        for i, a in enumerate(parts):
-            for b in parts[i:]:
-                if a == b and sum(1 for p, _ in nodes if p == a) < 2:
-                    continue
-                fits[(a, b)] = site.inter_node_fit(a, b, senders)
-    return min(fits.values(), key=lambda f: f.bandwidth(chunk))
+        return [site.intra_node_fit(parts[0], senders)]
+    fits = []
+    for i, a in enumerate(parts):
+        for b in parts[i:]:
+            if a == b and sum(1 for p, _ in nodes if p == a) < 2:
+                continue
+            fits.append(site.inter_node_fit(a, b, senders))
+    return fits
 
 
 def ring_allreduce_seconds(site: Site, holders: Sequence[Endpoint], per_gpu_bytes: Sequence[float],
@@ -84,17 +82,23 @@ def ring_allreduce_seconds(site: Site, holders: Sequence[Endpoint], per_gpu_byte
     H = len(holders)
     if H <= 1:
         return 0.0
+    links: dict[int, list[NetworkFit]] = {}
+    step: dict[tuple[int, float], float] = {}  # (streams, chunk bytes) -> seconds on the slowest link
+
+    def chunk_seconds(tp: int, chunk: float) -> float:
+        key = (tp, chunk)
+        if key not in step:
+            if tp not in links:
+                links[tp] = _ring_links(site, holders, tp)
+            step[key] = max(f.transfer_time(chunk) for f in links[tp])
+        return step[key]
+
     worst = 0.0
     for i, (h, nbytes) in enumerate(zip(holders, per_gpu_bytes)):
         if nbytes <= 0:
             continue
         cap = nbytes if bucket_bytes is None else max(1.0, min(bucket_bytes[i], nbytes))
         full, rest = divmod(nbytes, cap)
-        pieces = [cap] * int(full) + ([rest] if rest > 0 else [])
-        total = 0.0
-        for piece in pieces:
-            chunk = piece / H
-            fit = _slowest(site, holders, h.tp, chunk)
-            total += 2 * (H - 1) * h.tp * chunk / fit.bandwidth(chunk)
-        worst = max(worst, total)
+        total = int(full) * chunk_seconds(h.tp, cap / H) + (chunk_seconds(h.tp, rest / H) if rest > 0 else 0.0)
+        worst = max(worst, 2 * (H - 1) * h.tp * total)
     return worst
