@@ -26,7 +26,9 @@ Conventions kept from Sailor's profiles (the archive's format):
   layer's kernels while the previous layer still runs. A profile that also timed the measured layers as
   one chain (``stack_fwd_s``, ``stack_bwd_s`` over ``stack_layers`` layers in its provenance, written by
   ``sailor-hpc profile``) gives the difference per layer boundary, which every boundary inside a stage
-  then saves (or costs, if the chain was slower). Sailor's profiles have no such timing: no change.
+  then saves (or costs, if the chain was slower). The table carries it; :class:`simulator.api.StageEvaluator`
+  applies it only with ``SimOptions(chain_timing=True)`` (not validated on a GPU yet). Sailor's
+  profiles have no such timing.
 * memory profiles are taken at micro-batch 1 in the dtype recorded on the entry; activations scale
   linearly with the micro-batch size and with the element size of the plan's dtype.
 """

@@ -95,8 +95,12 @@ def test_cpu_sweep_fills_the_archive_and_the_simulator_reads_it(slurm_cluster, p
     point = a.compute[("tiny-gpt", "cpu-V100-16")][(2, 2)]
     v, prov = point.times, point.provenance
     first = result.stages[0]
-    # layers 0-2 alone, less 2 boundaries of what the measured chain (layers 0, 1, 2, head) saved per boundary
-    for col, (key, got) in enumerate((("stack_fwd_s", first.fwd_s), ("stack_bwd_s", first.bwd_s))):
+    assert first.fwd_s == pytest.approx(v[0:3, 0].sum()) and first.bwd_s == pytest.approx(v[0:3, 1].sum())
+    # with the chain timing: layers 0-2 alone, less 2 boundaries of what the measured chain (layers 0, 1,
+    # 2, head) saved per boundary
+    from simulator import SimOptions
+    chained = simulate(plan, site, a, options=SimOptions(chain_timing=True)).stages[0]
+    for col, (key, got) in enumerate((("stack_fwd_s", chained.fwd_s), ("stack_bwd_s", chained.bwd_s))):
         per_boundary = (v[[0, 1, 2, L - 1], col].sum() - prov[key]) / 3
         assert got == pytest.approx(max(v[0:3, col].sum() - 2 * per_boundary, v[0:3, col].sum() / 3))
     assert first.gpu_type == "cpu-V100-16"
