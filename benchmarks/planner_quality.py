@@ -11,7 +11,6 @@ restricted to Sailor's space), and the plan Sailor's own planner chose
 """
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 

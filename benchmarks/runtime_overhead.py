@@ -216,9 +216,7 @@ def main() -> int:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         data = str(Path(tmp) / "data")
-        res = local.run(["-m", "megatron_patch.data", data], 1, timeout=300)
-        if res[0].returncode != 0:
-            raise RuntimeError(res[0].stderr[-3000:])
+        local.build_dataset(data)
         rows = []
         for kind, baseline in (("dp", "torch-ddp"), ("pp", "torch-1f1b")):
             rows.append((kind, baseline, *measure(kind, args.model, args.steps, args.rounds, data)))
@@ -234,7 +232,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    if os.environ.get("BENCH_RANK_MAIN") == "1":
-        rank_main()
-    else:
-        raise SystemExit(main())
+    local.self_launching(main, rank_main)

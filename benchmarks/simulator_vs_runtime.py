@@ -100,9 +100,7 @@ def main() -> int:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         data = str(Path(tmp) / "data")
-        res = local.run(["-m", "megatron_patch.data", data], 1, timeout=300)
-        if res[0].returncode != 0:
-            raise RuntimeError(res[0].stderr[-3000:])
+        local.build_dataset(data)
         env = {"BENCH_ROUNDS": str(args.rounds), "BENCH_DATA": data, "BENCH_RANK_MAIN": "1"}
         out = local.run([str(Path(__file__).resolve())], 1, env, timeout=1800)[0]
         if out.returncode != 0:
@@ -120,7 +118,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    if os.environ.get("BENCH_RANK_MAIN") == "1":
-        rank_main()
-    else:
-        raise SystemExit(main())
+    local.self_launching(main, rank_main)

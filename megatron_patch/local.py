@@ -13,6 +13,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Callable
 from typing import IO
 
 REPO = Path(__file__).resolve().parent.parent
@@ -111,3 +112,18 @@ def wait(procs: list[subprocess.Popen], timeout: float = 600, grace: float = 20)
 def run(argv: list[str], world: int, extra_env: dict[str, str] | None = None,
         timeout: float = 600, grace: float = 20) -> list[RankResult]:
     return wait(start(argv, world, extra_env), timeout, grace)
+
+
+def build_dataset(prefix: str) -> None:
+    """The demo indexed dataset at ``prefix`` (``python -m megatron_patch.data``), in a child process."""
+    res = run(["-m", "megatron_patch.data", prefix], 1, timeout=300)[0]
+    if res.returncode != 0:
+        raise RuntimeError(f"building the dataset failed:\n{res.stderr[-3000:]}")
+
+
+def self_launching(main: Callable[[], int], rank_main: Callable[[], None], flag: str = "BENCH_RANK_MAIN") -> None:
+    """Entry point of a script that starts itself as ranks with :func:`run`: the ranks get ``flag=1``."""
+    if os.environ.get(flag) == "1":
+        rank_main()
+    else:
+        raise SystemExit(main())
