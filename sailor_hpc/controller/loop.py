@@ -45,7 +45,7 @@ from sailor_hpc.controller.progress import LogTail
 from sailor_hpc.controller.state import RESIZE_REASON, Attempt, RunDir, RunState, apply, fold, job_name
 from sailor_hpc.controller.story import describe
 from sailor_hpc.errors import SailorError
-from sailor_hpc.jobs.status import FINAL_STATES, RUNNING_STATES, JobStatus
+from sailor_hpc.jobs.status import FINAL_STATES, RUNNING_STATES, JobStatus, job_status
 from sailor_hpc.jobs.submit import log_path
 from sailor_hpc.jobs.watch import JobWatcher
 from sailor_hpc.plan import Plan, load_plan
@@ -371,6 +371,8 @@ class Controller:
     def _end(self, cur: Attempt, job: JobStatus, tail: LogTail | None, why: str | None = None) -> None:
         """The job stopped training (or must): make sure it is gone, then decide what comes next."""
         prog = tail.progress if tail is not None else None
+        if job.state == "FAILED" and not any(c.exit_code for c in job.components):
+            job = self._with_exit_codes(cur, job)
         if cur.stopped is None:
             self.note("job_stopped", attempt=cur.number, job_id=cur.job_id, state=job.state,
                       reason=why or _classify(cur, job, prog),
@@ -397,6 +399,19 @@ class Controller:
             wait = min(self.spec.backoff_max_s, self.spec.backoff_s * 2 ** (k - 1)) if k > 0 else 0.0
             if wait > 0:
                 self.note("backoff", seconds=wait, until=self.clock() + wait)
+
+    def _with_exit_codes(self, cur: Attempt, job: JobStatus, tries: int = 10, poll_s: float = 0.5) -> JobStatus:
+        """Slurm can show a job FAILED before its accounting holds the exit codes, which tell a training
+        that refused its input (exit 2: give up) from one that crashed (retry): ask again, briefly."""
+        for _ in range(tries):
+            self.sleep(poll_s)
+            try:
+                later = job_status(cur.job_id, self.env)  # type: ignore[arg-type]
+            except SailorError:
+                break
+            if any(c.exit_code for c in later.components):
+                return later
+        return job
 
 
 def _all_running(job: JobStatus) -> bool:
