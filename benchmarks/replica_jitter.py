@@ -25,7 +25,7 @@ from pathlib import Path
 from sailor_hpc.archive import open_archive
 from sailor_hpc.plan import load_run
 from sailor_hpc.site import load_site
-from simulator import plan_timeline, simulate
+from simulator import plan_timeline
 from simulator.iteration import expected_max_normal
 from simulator.validation import find_runs
 
@@ -35,13 +35,14 @@ SETS = [("clariden.toml", "OPT-350M", "clariden/OPT-350"), ("clariden.toml", "GP
         ("mit-mixed.toml", "OPT-350M", "mit")]
 
 
-def stage0_reduction(plan, site, archive) -> float:
-    """Seconds rank (0, 0) spends from being ready for its gradient all-reduces to their end (what
-    ``red_grads`` times), from the event-driven timeline."""
-    events = [e for e in plan_timeline(plan, site, archive).events if (e.pipeline, e.stage) == (0, 0)]
+def stage0_reduction(plan, site, archive) -> tuple[float, float]:
+    """From the event-driven timeline: the seconds rank (0, 0) spends from being ready for its gradient
+    all-reduces to their end (what ``red_grads`` times), and when it ended its pipeline work (flush)."""
+    timeline = plan_timeline(plan, site, archive)
+    events = [e for e in timeline.events if (e.pipeline, e.stage) == (0, 0)]
     grads = [e for e in events if e.kind == "grads"]
     ready = max(e.end for e in events if e.kind not in ("grads", "wait", "optimizer") and e.end <= grads[0].start)
-    return grads[-1].end - ready
+    return grads[-1].end - ready, timeline.flush_times()[(0, 0)]
 
 
 def main() -> None:
@@ -62,12 +63,11 @@ def main() -> None:
             D = len(run.plan.pipelines)
             if red is None or D < 2 or red > 0.5 * real:
                 continue
-            comm = stage0_reduction(run.plan, calm, archive)
-            flush = simulate(run.plan, calm, archive).stages[0].flush_s
+            comm, flush = stage0_reduction(run.plan, calm, archive)
             est = (red - comm) / (flush * expected_max_normal(D))
             estimates.append(est)
             configured = site.partition(run.plan.pipelines[0].stages[0].partition).replica_jitter
-            predicted = stage0_reduction(run.plan, site, archive)
+            predicted, _ = stage0_reduction(run.plan, site, archive)
             name = str(path).split("validation/")[-1]
             print(f"{name:48s} {D:3d} {red:9.4f} {comm:9.4f} {flush:6.2f} {est * 100:9.2f}% {configured * 100:9.2f}%"
                   f" {predicted:9.4f}")

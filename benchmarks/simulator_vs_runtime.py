@@ -71,25 +71,22 @@ def rank_main() -> None:
         for b in SIZES:
             profiles[b].append((prof.measure(b), prof.measure_stack(b)))
             measured[b] += [trainers[b].train_step().seconds for _ in range(3)]
+    times = {b: np.median(np.stack([p[0] for p in profiles[b]]), axis=0) for b in SIZES}
+    stacks = {b: tuple(statistics.median(p[1][i] for p in profiles[b]) for i in range(2)) for b in SIZES}
+    archive = ProfileArchive()  # what the profiler writes: every size, each with its own chain timing
+    base = {"source": "benchmark", "profiled_blocks": prof.k, "stack_layers": len(prof.measured)}
+    for b in SIZES:
+        prov = {**base, "stack_fwd_s": stacks[b][0], "stack_bwd_s": stacks[b][1]}
+        archive.add(ComputeEntry(MODEL, "CPU", b, 1, times[b], prov))
+    archive.add(MemoryEntry(MODEL, 1, memory, base))
+    archive.add(OverheadEntry("CPU", {1: resident_bytes()}, base))
     rows = []
     for b in SIZES:
-        times = np.median(np.stack([p[0] for p in profiles[b]]), axis=0)
-        stack = tuple(statistics.median(p[1][i] for p in profiles[b]) for i in range(2))
-        predicted = {}
-        for label, extra in (("layers", {}), ("chain", {"stack_fwd_s": stack[0], "stack_bwd_s": stack[1],
-                                                          "stack_layers": len(prof.measured)})):
-            archive = ProfileArchive()
-            prov = {"source": "benchmark", "profiled_blocks": prof.k, **extra}
-            for size in SIZES:  # every size, so the simulator's running minimum sees what the profiler saw
-                t_size = times if size == b else np.median(np.stack([p[0] for p in profiles[size]]), axis=0)
-                archive.add(ComputeEntry(MODEL, "CPU", size, 1, t_size, prov if size == b else {"source": "benchmark"}))
-            archive.add(MemoryEntry(MODEL, 1, memory, prov))
-            archive.add(OverheadEntry("CPU", {1: resident_bytes()}, prov))
-            options = SimOptions(chain_timing=bool(extra))
-            predicted[label] = simulate(plans[b], site, archive, options=options).iteration_time_s
+        predicted = {label: simulate(plans[b], site, archive, options=SimOptions(chain_timing=chain)).iteration_time_s
+                     for label, chain in (("layers", False), ("chain", True))}
         rows.append({"mbs": b, "measured_s": statistics.median(measured[b]), **{f"{k}_s": v for k, v in predicted.items()},
-                     "layer_sum_s": float(times[:, :2].sum()), "stack_s": sum(stack),
-                     "measured_layers_alone_s": float(times[prof.measured, :2].sum())})
+                     "layer_sum_s": float(times[b][:, :2].sum()), "stack_s": sum(stacks[b]),
+                     "measured_layers_alone_s": float(times[b][prof.measured, :2].sum())})
     print(json.dumps(rows), flush=True)
     dist.destroy_process_group()
 

@@ -34,8 +34,8 @@ Fast path (no Plan objects)
 
 The model, module by module: :mod:`simulator.tables` (profiles as prefix sums), :mod:`simulator.network`
 (single-stream activations, ring all-reduces), :mod:`simulator.schedule` (1F1B with blocking exchanges,
-exact), :mod:`simulator.iteration` (gradient syncs with the straggler wait, optimizer after the flush), :mod:`simulator.memory`,
-:mod:`simulator.cost`, :mod:`simulator.timeline` (independent event-driven replay),
+exact), :mod:`simulator.iteration` (gradient syncs with the straggler wait, optimizer after the flush),
+:mod:`simulator.memory`, :mod:`simulator.cost`, :mod:`simulator.timeline` (independent event-driven replay),
 :mod:`simulator.validation` (measured runs). The CLI is ``sailor-hpc simulate`` / ``sailor-hpc validate-sim``.
 """
 from simulator.api import (BatchScores, CandidateBatch, IterationTiming, SimOptions, SimResult, StageCost,

@@ -15,10 +15,12 @@ partitions: the coefficient of variation of a replica's step time); a profile gi
 gradient all-reduce waits for the slowest of its H replicas, on average ``jitter * E[max of H standard
 normals] * span`` after the mean arrival, where span is the compute since those ranks last met. On
 Clariden the measured gradient-reduction times of Sailor's runs (``red_grads``) show this wait: 1-2 %
-of the iteration, growing with H, in both models' runs. Nothing overlaps with compute except what the schedule allows naturally: a late stage of a pipeline finishes
-its cool-down earlier than stage 0 and starts reducing while stage 0 still computes. The iteration
-ends when the last GPU ends its optimizer step (the grad-norm all-reduce and the next iteration's
-first exchange make every GPU wait for it).
+of the iteration, growing with H, in both models' runs.
+
+Nothing overlaps with compute except what the schedule allows naturally: a late stage of a pipeline
+finishes its cool-down earlier than stage 0 and starts reducing while stage 0 still computes. The
+iteration ends when the last GPU ends its optimizer step (the grad-norm all-reduce and the next
+iteration's first exchange make every GPU wait for it).
 """
 from __future__ import annotations
 

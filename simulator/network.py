@@ -52,9 +52,7 @@ def link_fit(site: Site, a: Endpoint, b: Endpoint, senders: int) -> NetworkFit:
 
 def p2p_seconds(site: Site, a: Endpoint, b: Endpoint, nbytes: float) -> float:
     """One activation (or its gradient) from a to b: a single stream."""
-    if nbytes <= 0:
-        return 0.0
-    return nbytes / link_fit(site, a, b, 1).bandwidth(nbytes)
+    return link_fit(site, a, b, 1).transfer_time(nbytes)
 
 
 def _ring_links(site: Site, holders: Sequence[Endpoint], senders: int) -> list[NetworkFit]:
