@@ -184,13 +184,17 @@ class NodeInfo:
 _UNLIMITED = {"UNLIMITED", "INFINITE", "NONE", "N/A", ""}
 
 
+def _scontrol_records(entity: str, key: str, env: Mapping[str, str] | None,
+                      names: Sequence[str] = ()) -> list[dict[str, str]]:
+    """``scontrol -o show ENTITY [names]``: one key=value dict per line that names its ``key``."""
+    args = ["scontrol", "-o", "show", entity] + ([",".join(names)] if names else [])
+    records = (parse_kv_line(line.strip()) for line in run_slurm(args, env).stdout.splitlines())
+    return [kv for kv in records if key in kv]
+
+
 def show_partitions(env: Mapping[str, str] | None = None) -> list[PartitionInfo]:
-    out = run_slurm(["scontrol", "-o", "show", "partition"], env).stdout
     parts = []
-    for line in out.splitlines():
-        kv = parse_kv_line(line.strip())
-        if "PartitionName" not in kv:
-            continue
+    for kv in _scontrol_records("partition", "PartitionName", env):
         max_nodes = kv.get("MaxNodes", "UNLIMITED")
         max_time = kv.get("MaxTime", "UNLIMITED")
         parts.append(PartitionInfo(
@@ -203,15 +207,8 @@ def show_partitions(env: Mapping[str, str] | None = None) -> list[PartitionInfo]
 
 
 def show_nodes(env: Mapping[str, str] | None = None, names: Sequence[str] = ()) -> list[NodeInfo]:
-    args = ["scontrol", "-o", "show", "node"]
-    if names:
-        args.append(",".join(names))
-    out = run_slurm(args, env).stdout
     nodes = []
-    for line in out.splitlines():
-        kv = parse_kv_line(line.strip())
-        if "NodeName" not in kv:
-            continue
+    for kv in _scontrol_records("node", "NodeName", env, names):
         parts = kv.get("Partitions", "")
         nodes.append(NodeInfo(
             name=kv["NodeName"], partitions=tuple(p for p in parts.split(",") if p),
