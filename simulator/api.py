@@ -7,7 +7,7 @@ and :func:`simulator.iteration.finish_iteration`; there is no other copy of the 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -75,17 +75,10 @@ class StageEvaluator:
         self._stages: dict[tuple[str, int, int, int, int], StageCost] = {}
         self._memory: dict[tuple, StageMemory] = {}
         self._p2p: dict[tuple, float] = {}
-        self._isolated: dict[tuple[str, int, int], ComputeTable] = {}
 
     # ------------------------------------------------------------------ stages
     def compute_table(self, gpu: str, mbs: int, tp: int) -> ComputeTable:
-        table = self.tables.compute(self._gpu(gpu), mbs, tp, self.dtype)
-        if not self.options.chain_timing and (table.boundary_fwd or table.boundary_bwd):
-            key = (table.gpu, mbs, tp)
-            if key not in self._isolated:
-                self._isolated[key] = replace(table, boundary_fwd=0.0, boundary_bwd=0.0)
-            return self._isolated[key]
-        return table
+        return self.tables.compute(self._gpu(gpu), mbs, tp, self.dtype, self.options.chain_timing)
 
     def memory_table(self, tp: int) -> MemoryTable:
         return self.tables.memory(tp)

@@ -26,9 +26,8 @@ Conventions kept from Sailor's profiles (the archive's format):
   layer's kernels while the previous layer still runs. A profile that also timed the measured layers as
   one chain (``stack_fwd_s``, ``stack_bwd_s`` over ``stack_layers`` layers in its provenance, written by
   ``sailor-hpc profile``) gives the difference per layer boundary, which every boundary inside a stage
-  then saves (or costs, if the chain was slower). The table carries it; :class:`simulator.api.StageEvaluator`
-  applies it only with ``SimOptions(chain_timing=True)`` (not validated on a GPU yet). Sailor's
-  profiles have no such timing.
+  then saves (or costs, if the chain was slower): only in tables asked for with ``chain_timing=True``
+  (``SimOptions(chain_timing=True)``; not validated on a GPU yet). Sailor's profiles have no such timing.
 * memory profiles are taken at micro-batch 1 in the dtype recorded on the entry; activations scale
   linearly with the micro-batch size and with the element size of the plan's dtype.
 """
@@ -104,7 +103,7 @@ class ProfileTables:
     def __init__(self, archive: ProfileArchive, model: ModelSpec) -> None:
         self.archive = archive
         self.model = model
-        self._compute: dict[tuple[str, int, int], ComputeTable] = {}
+        self._compute: dict[tuple[str, int, int, bool], ComputeTable] = {}
         self._memory: dict[int, MemoryTable] = {}
 
     @property
@@ -112,11 +111,12 @@ class ProfileTables:
         return self.model.num_pipeline_layers
 
     # ------------------------------------------------------------------ compute
-    def compute(self, gpu: str, mbs: int, tp: int, dtype: str = "fp32") -> ComputeTable:
-        key = (gpu, mbs, tp)
+    def compute(self, gpu: str, mbs: int, tp: int, dtype: str = "fp32", chain_timing: bool = False) -> ComputeTable:
+        """``chain_timing``: charge the point's chain timing per layer boundary (else isolated sums)."""
+        key = (gpu, mbs, tp, chain_timing)
         table = self._compute.get(key)
         if table is None:
-            table = self._compute[key] = self._build_compute(gpu, mbs, tp)
+            table = self._compute[key] = self._build_compute(gpu, mbs, tp, chain_timing)
         if table.dtype != dtype:
             raise SailorError(
                 f"the profile of {self.model.name} on {gpu} at micro-batch {mbs}, TP {tp} was measured in "
@@ -126,7 +126,7 @@ class ProfileTables:
                     f"or plan in {table.dtype}")
         return table
 
-    def _build_compute(self, gpu: str, mbs: int, tp: int) -> ComputeTable:
+    def _build_compute(self, gpu: str, mbs: int, tp: int, chain_timing: bool) -> ComputeTable:
         name = self.model.name
         points = self.archive.compute_points(name, gpu)
         entry = points.get((mbs, tp))
@@ -159,7 +159,7 @@ class ProfileTables:
         cum_fwd = np.concatenate(([0.0], np.cumsum(fwd)))
         cum_bwd = np.concatenate(([0.0], np.cumsum(bwd)))
         blocks = int(entry.provenance.get("profiled_blocks", DEFAULT_PROFILED_BLOCKS))
-        saving = self._boundary_saving(entry, times, blocks)
+        saving = self._boundary_saving(entry, times, blocks) if chain_timing else (0.0, 0.0)
         mem = self.memory(tp)
         T = self.model.num_layers
         profiled = mem.params(0, min(blocks, T))

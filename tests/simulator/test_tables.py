@@ -99,7 +99,9 @@ def test_chain_timing_turns_into_a_saving_per_layer_boundary():
     fwd_alone, bwd_alone = TINY_FWD[measured].sum(), 2 * TINY_FWD[measured].sum()
     prov = {"source": "test", "stack_layers": 4, "stack_fwd_s": fwd_alone - 0.003, "stack_bwd_s": bwd_alone + 0.0015}
     archive.add(ComputeEntry("tiny-gpt", "G1", 1, 1, base.times, prov))
-    c = ProfileTables(archive, get_model("tiny-gpt")).compute("G1", 1, 1)
+    assert ProfileTables(archive, get_model("tiny-gpt")).compute("G1", 1, 1).fwd(1, 4) == pytest.approx(
+        TINY_FWD[1:5].sum())  # not asked for: isolated sums
+    c = ProfileTables(archive, get_model("tiny-gpt")).compute("G1", 1, 1, chain_timing=True)
     assert (c.boundary_fwd, c.boundary_bwd) == pytest.approx((0.001, -0.0005))
     assert c.fwd(3, 3) == pytest.approx(TINY_FWD[3])  # one layer: no boundary
     assert c.fwd(1, 4) == pytest.approx(TINY_FWD[1:5].sum() - 3 * 0.001)
@@ -109,5 +111,5 @@ def test_chain_timing_turns_into_a_saving_per_layer_boundary():
     # a saving never takes a stage below a third of its isolated sum (no extrapolation to zero)
     big = {**prov, "stack_fwd_s": 0.0}
     archive.add(ComputeEntry("tiny-gpt", "G1", 1, 1, base.times, big))
-    c = ProfileTables(archive, get_model("tiny-gpt")).compute("G1", 1, 1)
+    c = ProfileTables(archive, get_model("tiny-gpt")).compute("G1", 1, 1, chain_timing=True)
     assert c.fwd(0, 5) == pytest.approx(TINY_FWD.sum() / 3)
