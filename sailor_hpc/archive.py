@@ -27,6 +27,7 @@ from __future__ import annotations
 import getpass
 import json
 import os
+import re
 import socket
 import time
 from collections.abc import Iterable
@@ -262,6 +263,9 @@ def read_archive(*paths: str | os.PathLike[str]) -> ProfileArchive:
             _read_into(archive, path, override=False)
         except OSError as exc:
             raise SailorError(f"cannot read the archive: {exc}", file=path, fix="is it an HDF5 file?") from None
+        except (ValueError, KeyError, TypeError) as exc:  # a group or attribute not as sailor-hpc writes them
+            raise SailorError(f"malformed archive entry: {exc!r}", file=path,
+                              fix="re-create the archive with `sailor-hpc profiles import-sailor` / `profile`") from None
     archive.sources = tuple(str(p) for p in paths)
     return archive
 
@@ -307,18 +311,43 @@ def _write_entry(h5: h5py.File, entry: Entry) -> None:
     ds.attrs["provenance"] = json.dumps(entry.provenance, sort_keys=True)
 
 
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
+
+
+def _check_names(entry: Entry) -> None:
+    """Names become HDF5 group names (and ':'-joined keys): a '/' would nest groups every reader then
+    misparses, so such an entry is refused before anything is written."""
+    names = {ComputeEntry: ("model", "gpu"), MemoryEntry: ("model",), OverheadEntry: ("gpu",),
+             NetworkEntry: ("site", "a", "b")}[type(entry)]
+    for attr in names:
+        value = getattr(entry, attr)
+        if not _SAFE_NAME.match(str(value)):
+            raise SailorError(f"{attr} {value!r} cannot name an archive entry", field=attr,
+                              fix="use letters, digits, '_', '-', '.', '+' (rename the GPU type, model or site)")
+
+
+def _open_existing(path: Path) -> h5py.File:
+    try:
+        return h5py.File(path, "r", locking=False)
+    except OSError as exc:
+        raise SailorError(f"refusing to overwrite a file that is not a sailor-hpc archive ({exc})",
+                          file=path, fix="choose another --archive path") from None
+
+
 def write_entries(path: str | os.PathLike[str], entries: Iterable[Entry], *, lock_timeout_s: float = 300.0) -> int:
     """Merge entries into the archive at ``path`` (created if missing); returns how many were written.
 
     Safe against concurrent writers (lock + copy + atomic rename) and readers (they never see a partial file).
     """
     entries = list(entries)
-    path = Path(path)
+    path = Path(os.path.realpath(path))  # through a symlink: the shared file itself, not the link
+    for entry in entries:
+        _check_names(entry)
     with file_lock(path, timeout_s=lock_timeout_s):
         with atomic_path(path) as tmp:
             with h5py.File(tmp, "w", locking=False) as out:
                 if path.exists():
-                    with h5py.File(path, "r", locking=False) as old:
+                    with _open_existing(path) as old:
                         if old.attrs.get("format") != ARCHIVE_FORMAT:
                             raise SailorError("refusing to overwrite a file that is not a sailor-hpc archive",
                                               file=path, fix="choose another --archive path")

@@ -29,7 +29,7 @@ def _match_permissions(tmp: Path, target: Path) -> None:
 @contextlib.contextmanager
 def atomic_path(target: str | os.PathLike[str]) -> Iterator[Path]:
     """Yield a temporary path next to ``target``; on success it replaces ``target`` atomically."""
-    target = Path(target)
+    target = Path(os.path.realpath(target))  # replace what a symlink points to, and keep the link
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     os.close(fd)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 import os
 from pathlib import Path
 from collections.abc import Mapping
@@ -40,6 +41,8 @@ class Fields:
             return float(value)
         if not ok:
             raise self.error(key, f"must be {_TYPE_NAMES.get(kind, kind.__name__)}, got {value!r}")
+        if kind is float and not math.isfinite(value):
+            raise self.error(key, f"must be a finite number, got {value!r}")
         return value
 
     def req(self, key: str, kind: type) -> Any:
@@ -79,8 +82,20 @@ def read_json(path: "os.PathLike[str] | str", *, missing_fix: str) -> Any:
     """Parse a JSON file; a missing file or bad syntax becomes a SailorError naming the file."""
     path = Path(path)
     try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise SailorError("file not found", file=path, fix=missing_fix) from None
+        return json.loads(read_text(path, missing_fix=missing_fix))
     except json.JSONDecodeError as exc:
         raise SailorError(f"not valid JSON: {exc}", file=path, fix="fix the JSON syntax") from None
+
+
+def read_text(path: Path, *, missing_fix: str) -> str:
+    """A config file's text; missing, unreadable or not UTF-8 becomes a SailorError naming the file."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SailorError("file not found", file=path, fix=missing_fix) from None
+    except UnicodeDecodeError as exc:
+        raise SailorError(f"is not UTF-8 text ({exc.reason} at byte {exc.start})", file=path,
+                          fix="pass the text file itself (saved as UTF-8)") from None
+    except OSError as exc:
+        raise SailorError(f"cannot be read: {exc.strerror or exc}", file=path,
+                          fix="pass a readable file") from None

@@ -20,9 +20,16 @@ from sailor_hpc.errors import SailorError
 
 @contextlib.contextmanager
 def file_lock(target: str | os.PathLike[str], timeout_s: float = 300.0, stale_s: float = 600.0) -> Iterator[None]:
+    target = os.path.realpath(target)  # writers through a symlink lock the file itself
     lock_path = Path(f"{target}.lock")
     lock_path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666 & ~_umask())
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666 & ~_umask())
+    except PermissionError:
+        raise SailorError("cannot open the lock file for writing", file=lock_path,
+                          fix="its owner must make it group-writable (chmod g+w), or remove it while no one writes"
+                          ) from None
+    _share_like(fd, Path(target))
     try:
         try:
             _lockf_with_timeout(fd, timeout_s, lock_path)
@@ -41,6 +48,15 @@ def file_lock(target: str | os.PathLike[str], timeout_s: float = 300.0, stale_s:
     finally:
         if fd >= 0:
             os.close(fd)
+
+
+def _share_like(fd: int, target: Path) -> None:
+    """Give the lock file the shared file's permissions and group, so every user who may write the
+    file may take its lock (the first writer's umask would otherwise lock the others out)."""
+    with contextlib.suppress(OSError):  # not our lock file, or no such file yet: nothing to align
+        st = target.stat()
+        os.fchmod(fd, st.st_mode & 0o666)
+        os.fchown(fd, -1, st.st_gid)
 
 
 def _umask() -> int:

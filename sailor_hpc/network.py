@@ -116,13 +116,15 @@ class NetworkFit:
         f.done()
         if (coeffs is None) == (constant is None):
             raise f.error(None, "needs exactly one of coeffs = [a, b, c] or constant_gbps = <GB/s>")
-        if coeffs is not None and (len(coeffs) != 3 or not all(isinstance(c, (int, float)) for c in coeffs)):
+        if coeffs is not None and (len(coeffs) != 3 or not all(isinstance(c, (int, float)) and not isinstance(c, bool)
+                                                               and math.isfinite(c) for c in coeffs)):
             raise f.error("coeffs", f"must be three numbers [a, b, c] (GB/s = a*u^2 + b*u + c), got {coeffs!r}")
         if constant is not None and constant <= 0:
             raise f.error("constant_gbps", f"must be positive, got {constant}")
         if max_gbps is not None and max_gbps <= 0:
             raise f.error("max_gbps", f"must be positive, got {max_gbps}")
-        if len(rng) != 2 or not 0 < rng[0] < rng[1]:
+        if (len(rng) != 2 or not all(isinstance(r, (int, float)) and not isinstance(r, bool) for r in rng)
+                or not 0 < rng[0] < rng[1] < math.inf):
             raise f.error("range_bytes", f"must be [min, max] message bytes with 0 < min < max, got {rng!r}")
         return cls(coeffs=tuple(float(c) for c in coeffs) if coeffs else None, constant_gbps=constant,
                    max_gbps=max_gbps, min_bytes=float(rng[0]), max_bytes=float(rng[1]))
@@ -155,7 +157,7 @@ class LinkTable:
         fits = {}
         for key, value in f.data.items():
             f.seen.add(key)
-            if not str(key).isdigit() or int(key) <= 0:
+            if not (str(key).isascii() and str(key).isdigit()) or int(key) <= 0:
                 raise f.error(str(key), "keys must be the number of GPUs sending at once (\"1\", \"2\", ...)")
             fits[int(key)] = NetworkFit.parse(f.sub(str(key), value))
         if not fits:

@@ -343,12 +343,14 @@ def plan_from_sailor(data: dict[str, Any], model: str, source: object | None = N
     mbs = f.positive("mbs")
     gbs = f.positive("gbs")
     raw = f.req("pipeline_list", list)
+    if not raw:
+        raise f.error("pipeline_list", "is empty", fix="a plan needs at least one pipeline")
     pipes: list[Pipeline] = []
     warnings: list[str] = []
     for pi, rp in enumerate(raw):
         pf = f.sub(f"pipeline_list[{pi}]", rp)
-        dp = pf.req("dp", list)
-        layers = pf.req("layers_per_stage", list)
+        dp = [_count(pf, f"dp[{s}]", v) for s, v in enumerate(pf.req("dp", list))]
+        layers = [_layer_list(pf, f"layers_per_stage[{s}]", v) for s, v in enumerate(pf.req("layers_per_stage", list))]
         tmp = pf.req("tmp_per_stage", list)
         if not dp or len(set(dp)) != 1:
             raise pf.error("dp", f"stages with different DP degrees {dp} cannot be expressed as pipelines",
@@ -358,27 +360,50 @@ def plan_from_sailor(data: dict[str, Any], model: str, source: object | None = N
         d = dp[0]
         m = math.ceil(gbs / (mbs * d))
         for s, lay in enumerate(layers):
-            if not lay or sorted(lay) != list(range(lay[0], lay[0] + len(lay))):
+            if sorted(lay) != list(range(lay[0], lay[0] + len(lay))):
                 # a published file lists [16, 17, 18, 29, 20, ...]: its run used the contiguous range
                 warnings.append(f"pipeline_list[{pi}].layers_per_stage[{s}] = {lay} is not contiguous; "
-                                f"read as layers {lay[0] if lay else '?'}..{(lay[0] + len(lay) - 1) if lay else '?'}")
+                                f"read as layers {lay[0]}..{lay[0] + len(lay) - 1}")
+        replicas = [_replicas(pf, f"tmp_per_stage[{s}]", reps, d) for s, reps in enumerate(tmp)]
         for j in range(d):
-            stages = []
-            for s, (lay, reps) in enumerate(zip(layers, tmp)):
-                if len(reps) < d:
-                    raise pf.error(f"tmp_per_stage[{s}]", f"has {len(reps)} replicas, dp says {d}")
-                vms, tp = reps[j]
-                stages.append(Stage(first_layer=lay[0], last_layer=lay[0] + len(lay) - 1, tp=int(tp),
-                                    gpu_type=str(vms[0][0])))
-            pipes.append(Pipeline(micro_batch_size=mbs, num_micro_batches=m, stages=tuple(stages)))
+            stages = tuple(Stage(first_layer=lay[0], last_layer=lay[0] + len(lay) - 1, tp=reps[j][1], gpu_type=reps[j][0])
+                           for lay, reps in zip(layers, replicas))
+            pipes.append(Pipeline(micro_batch_size=mbs, num_micro_batches=m, stages=stages))
     total = sum(p.samples for p in pipes)
     notes: dict[str, Any] = {"source": "sailor plan_config", "sailor_gbs": gbs}
     if warnings:
         notes["warnings"] = warnings
     plan = Plan(model=get_model(model).name, global_batch_size=total, pipelines=tuple(pipes), notes=notes)
-    real = data.get("real")
-    mem = data.get("max_mem")
-    return SailorRun(plan=plan, real_s=float(real) if real else None, max_mem_bytes=float(mem) if mem else None)
+    real = f.opt("real", float)
+    mem = f.opt("max_mem", float)
+    return SailorRun(plan=plan, real_s=real or None, max_mem_bytes=mem or None)
+
+
+def _count(f: Fields, key: str, value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise f.error(key, f"must be a positive integer, got {value!r}")
+    return value
+
+
+def _layer_list(f: Fields, key: str, value: Any) -> list[int]:
+    if (not isinstance(value, list) or not value
+            or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in value)):
+        raise f.error(key, f"must be a non-empty list of layer indices, got {value!r}")
+    return value
+
+
+def _replicas(f: Fields, key: str, value: Any, dp: int) -> list[tuple[str, int]]:
+    """One stage's ``[[[gpu, gpus_per_node, zone], ...], tp]`` per replica, as (GPU type, TP)."""
+    if not isinstance(value, list) or len(value) < dp:
+        raise f.error(key, f"must list the stage's {dp} replica(s) as [[[gpu, gpus_per_node, zone]], tp], got {value!r}")
+    out = []
+    for j, rep in enumerate(value[:dp]):
+        ok = (isinstance(rep, list) and len(rep) == 2 and isinstance(rep[0], list) and rep[0]
+              and isinstance(rep[0][0], list) and rep[0][0] and isinstance(rep[0][0][0], str))
+        if not ok:
+            raise f.error(f"{key}[{j}]", f"must be [[[gpu, gpus_per_node, zone]], tp], got {rep!r}")
+        out.append((rep[0][0][0], _count(f, f"{key}[{j}][1]", rep[1])))
+    return out
 
 
 def load_plan(path: str | Path, *, model: str | None = None, site: Any | None = None,
@@ -401,8 +426,14 @@ def load_run(path: str | Path, *, model: str | None = None, site: Any | None = N
             run = SailorRun(place_plan(run.plan, site), run.real_s, run.max_mem_bytes)
     else:
         run = SailorRun(plan_from_dict(data, source=path), None, None)
-        if model is not None and get_model(model).name != get_model(run.plan.model).name:
-            raise SailorError(f"plan is for {run.plan.model}, not {model}", file=path, field="model")
+        if model is not None:
+            wanted = get_model(model).name
+            try:
+                have = get_model(run.plan.model).name
+            except SailorError as exc:
+                raise SailorError(exc.message, file=path, field="model", fix=exc.fix) from None
+            if have != wanted:
+                raise SailorError(f"plan is for {run.plan.model}, not {model}", file=path, field="model")
     if validate:
         validate_plan(run.plan, site, source=path,
                       check_placement=site is not None and all(s.placement for p in run.plan.pipelines for s in p.stages))

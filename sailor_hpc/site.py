@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from sailor_hpc.errors import SailorError
-from sailor_hpc.fields import Fields
+from sailor_hpc.fields import Fields, read_text
 from sailor_hpc.network import LinkTable, NetworkFit, require_table
 
 SITE_SCHEMA_VERSION = 1
@@ -159,6 +159,9 @@ def _parse_gpu_types(f: Fields) -> dict[str, GpuType]:
     out: dict[str, GpuType] = {}
     for name, value in f.data.items():
         f.seen.add(name)
+        if not _NAME.match(name):  # it names HDF5 groups in the shared profile archive and Slurm gres
+            raise f.error(name, f"{name!r} is not a valid GPU type name",
+                          fix="letters, digits, '_', '-', '.' (e.g. \"A100-40\"); put other spellings in aliases")
         g = f.sub(name, value)
         mem = g.req("memory_gib", float)
         if mem <= 0:
@@ -225,6 +228,8 @@ def load_site_dict(data: dict[str, Any], source: object | None = None) -> Site:
         raise f.error("schema_version", f"version {version} is not supported",
                       fix=f"this sailor-hpc reads schema_version = {SITE_SCHEMA_VERSION}")
     name = f.req("name", str)
+    if not _NAME.match(name):
+        raise f.error("name", f"{name!r} is not a valid site name", fix="letters, digits, '_', '-', '.'")
     gpu_types = _parse_gpu_types(f.sub("gpu_types", f.req("gpu_types", dict)))
     raw_parts = f.req("partitions", list)
     if not raw_parts:
@@ -255,7 +260,7 @@ def load_site_dict(data: dict[str, Any], source: object | None = None) -> Site:
     for i, entry in enumerate(net.opt("between", list, [])):
         b = net.sub(f"between[{i}]", entry)
         pair = b.req("partitions", list)
-        if len(pair) != 2 or not all(p in seen for p in pair) or pair[0] == pair[1]:
+        if len(pair) != 2 or not all(isinstance(p, str) and p in seen for p in pair) or pair[0] == pair[1]:
             raise b.error("partitions", f"must name two different declared partitions, got {pair!r}")
         between[frozenset(pair)] = LinkTable.parse(b.sub("links", b.req("links", dict)))
         b.done()
@@ -270,9 +275,7 @@ def load_site(path: str | Path) -> Site:
     """Read and validate a site TOML file."""
     path = Path(path)
     try:
-        data = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise SailorError("file not found", file=path, fix="pass the path of a site TOML (see site_configs/)") from None
+        data = tomllib.loads(read_text(path, missing_fix="pass the path of a site TOML (see site_configs/)"))
     except tomllib.TOMLDecodeError as exc:
         raise SailorError(f"not valid TOML: {exc}", file=path, fix="fix the TOML syntax") from None
     return load_site_dict(data, source=path)

@@ -1,7 +1,8 @@
 """The ``sailor-hpc`` command line: a thin face over functions the tests call directly.
 
 Each command group lives in its own module and registers itself on :data:`main`. Every
-:class:`~sailor_hpc.errors.SailorError` becomes one message naming file, field and fix, and exit code 2.
+:class:`~sailor_hpc.errors.SailorError` (and an ``OSError`` on a path the user gave) becomes one message
+naming file, field and fix, and exit code 2.
 """
 from __future__ import annotations
 
@@ -19,11 +20,18 @@ class _Group(click.Group):
         try:
             return super().invoke(ctx)
         except SailorError as exc:
-            if "--json" in sys.argv:
-                click.echo(json.dumps(exc.to_dict()), err=True)
-            else:
-                click.echo(f"error: {exc}", err=True)
-            ctx.exit(EXIT_BAD_INPUT)
+            _refuse(ctx, exc)
+        except OSError as exc:  # a path given on the command line cannot be read or written
+            _refuse(ctx, SailorError(exc.strerror or str(exc), file=exc.filename,
+                                     fix="check the path (a folder where a file is expected?) and its permissions"))
+
+
+def _refuse(ctx: click.Context, exc: SailorError) -> None:
+    if "--json" in sys.argv:
+        click.echo(json.dumps(exc.to_dict()), err=True)
+    else:
+        click.echo(f"error: {exc}", err=True)
+    ctx.exit(EXIT_BAD_INPUT)
 
 
 @click.group(cls=_Group)

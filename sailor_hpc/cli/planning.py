@@ -43,8 +43,12 @@ def run_planner(site_file: Path, model_name: str, *, archive_path: Path | None, 
     from sailor_hpc.archive import open_archive
 
     site = load_site(site_file)
+    if sbatch_out is not None:
+        from sailor_hpc.jobs.render import check_training_args
+
+        check_training_args(data, save, steps)  # before the search, not after it
     archive = open_archive(archive_path, site)
-    request = PlanRequest(model=model_name, global_batch_size=gbs or DEFAULT_GBS, objective=objective,
+    request = PlanRequest(model=model_name, global_batch_size=DEFAULT_GBS if gbs is None else gbs, objective=objective,
                           constraints=Constraints(max_cost_per_hour, max_cost_per_iteration, min_throughput, max_gpus),
                           available=parse_available(available, site), seq_len=seq_len, space=space, top_k=top_k)
     bar = _ProgressBar() if not as_json and sys.stderr.isatty() else None
@@ -57,13 +61,19 @@ def run_planner(site_file: Path, model_name: str, *, archive_path: Path | None, 
     if sbatch_out is not None and output is None:
         output = sbatch_out.with_name(f"{sbatch_out.stem}.plan.json")
     if output is not None:
+        existed = output.exists()
         best.plan.save(output)
     if sbatch_out is not None:
         from sailor_hpc.jobs.render import render_job_script, write_job_script
 
         assert output is not None
-        write_job_script(sbatch_out, render_job_script(best.plan, site, plan_path=output.absolute(), data=data,
-                                                       save=save, steps=steps))
+        try:
+            script = render_job_script(best.plan, site, plan_path=output.absolute(), data=data, save=save, steps=steps)
+        except SailorError:
+            if not existed:  # the script cannot be rendered: no plan file left behind for it either
+                output.unlink()
+            raise
+        write_job_script(sbatch_out, script)
     if pareto is not None:
         from planner.pareto import plot_pareto
 

@@ -106,6 +106,16 @@ def _plan_file_matches(plan: Plan, plan_path: Path) -> None:
                           field="plan_path", fix="save the placed plan to this path and render again")
 
 
+def check_training_args(data: object | None, save: object | None, steps: int, *, dry_run: bool = False) -> None:
+    """What a training job needs besides the plan (callers check it before a long search)."""
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps <= 0:
+        raise SailorError(f"must be a positive integer, got {steps!r}", field="--steps")
+    if not dry_run and (data is None or save is None):
+        missing = "--data" if data is None else "--save"
+        raise SailorError("training needs a dataset prefix and a checkpoint directory", field=missing,
+                          fix="pass --data PREFIX and --save DIR (or render a --dry-run job)")
+
+
 def render_job_script(plan: Plan, site: Site, *, plan_path: str | os.PathLike[str], model: str | None = None,
                       data: str | os.PathLike[str] | None = None, save: str | os.PathLike[str] | None = None,
                       load: str | os.PathLike[str] | None = None, steps: int = 100, job_name: str | None = None,
@@ -129,12 +139,7 @@ def render_job_script(plan: Plan, site: Site, *, plan_path: str | os.PathLike[st
     name = get_model(model or plan.model).name
     if name != get_model(plan.model).name:
         raise SailorError(f"the plan trains {plan.model}, not {model}", field="--model", fix="drop --model or fix it")
-    if not isinstance(steps, int) or isinstance(steps, bool) or steps <= 0:
-        raise SailorError(f"must be a positive integer, got {steps!r}", field="--steps")
-    if not dry_run and (data is None or save is None):
-        missing = "--data" if data is None else "--save"
-        raise SailorError("training needs a dataset prefix and a checkpoint directory", field=missing,
-                          fix="pass --data PREFIX and --save DIR (or render a --dry-run job)")
+    check_training_args(data, save, steps, dry_run=dry_run)
     layout = job_layout(plan)
     time_text, seconds = job_time(time, site, layout)
     grace = signal_grace_s if signal_grace_s is not None else min(MAX_SIGNAL_GRACE_S, max(1, seconds // 10))

@@ -118,3 +118,21 @@ def test_cli_plan_json_and_output(tmp_path: Path) -> None:
     bad = subprocess.run([exe, "plan", "--site", str(LAB), "--model", "OPT-350", "--available", "a100=x"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--available" in bad.stderr
+
+
+def test_cli_plan_refuses_bad_requests_before_searching_and_writes_nothing(tmp_path: Path) -> None:
+    exe = shutil.which("sailor-hpc", path=str(Path(sys.executable).parent)) or "sailor-hpc"
+
+    def plan(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([exe, "plan", "--site", str(LAB), "--model", "OPT-350", "--available", "a100=8", *args],
+                              capture_output=True, text=True, timeout=300)
+
+    zero = plan("--gbs", "0")
+    assert zero.returncode == 2 and "--gbs: must be positive" in zero.stderr, zero.stderr
+    no_data = plan("--gbs", "32", "--sbatch", str(tmp_path / "train.sbatch"))
+    assert no_data.returncode == 2 and "--data" in no_data.stderr
+    assert list(tmp_path.iterdir()) == []  # neither the script nor its plan file
+    (tmp_path / "taken").write_text("a file")
+    into_a_file = plan("--gbs", "32", "-o", str(tmp_path / "taken" / "best.json"))
+    assert into_a_file.returncode == 2 and "Traceback" not in into_a_file.stderr
+    assert str(tmp_path / "taken") in into_a_file.stderr, into_a_file.stderr

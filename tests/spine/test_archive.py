@@ -193,3 +193,42 @@ def test_archive_errors(tmp_path: Path) -> None:
 def test_import_reports_missing_directory(tmp_path: Path) -> None:
     with pytest.raises(SailorError, match="file not found"):
         sailor_entries(tmp_path)
+
+
+def test_a_name_with_a_slash_is_refused_and_the_archive_stays_readable(tmp_path: Path) -> None:
+    path = tmp_path / "shared.h5"
+    write_entries(path, [OverheadEntry("RTX", {1: 1e9}, make_provenance("test"))])
+    with pytest.raises(SailorError, match="cannot name an archive entry"):
+        write_entries(path, [OverheadEntry("A100/40", {1: 1e9}, make_provenance("test"))])
+    assert set(read_archive(path).overhead) == {"RTX"}
+
+
+def test_writing_through_a_symlink_updates_the_shared_file(tmp_path: Path) -> None:
+    real = tmp_path / "real" / "arch.h5"
+    write_entries(real, [OverheadEntry("A", {1: 1e9}, make_provenance("test"))])
+    link = tmp_path / "link.h5"
+    link.symlink_to(real)
+    write_entries(link, [OverheadEntry("B", {1: 1e9}, make_provenance("test"))])
+    assert link.is_symlink() and set(read_archive(real).overhead) == {"A", "B"}
+    assert not (tmp_path / "link.h5.lock").exists() and (tmp_path / "real" / "arch.h5.lock").exists()
+
+
+def test_the_lock_file_is_shared_like_the_archive(tmp_path: Path) -> None:
+    path = tmp_path / "shared.h5"
+    write_entries(path, [OverheadEntry("A", {1: 1e9}, make_provenance("test"))])
+    os.chmod(path, 0o664)
+    old = os.umask(0o022)  # the writer's umask would give 0644: other group members could not lock
+    try:
+        (tmp_path / "shared.h5.lock").unlink()
+        write_entries(path, [OverheadEntry("B", {1: 1e9}, make_provenance("test"))])
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "shared.h5.lock").stat().st_mode) == 0o664
+
+
+def test_a_file_that_is_not_hdf5_is_not_overwritten(tmp_path: Path) -> None:
+    notes = tmp_path / "notes.h5"
+    notes.write_text("my notes")
+    with pytest.raises(SailorError, match="refusing to overwrite"):
+        write_entries(notes, [OverheadEntry("A", {1: 1e9}, make_provenance("test"))])
+    assert notes.read_text() == "my notes"

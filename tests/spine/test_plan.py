@@ -180,3 +180,36 @@ def test_unequal_dp_is_refused_with_a_reason(tmp_path: Path) -> None:
     path.write_text(json.dumps(raw))
     with pytest.raises(SailorError, match="different DP degrees"):
         load_plan(path, model="OPT-350M")
+
+
+@pytest.mark.parametrize("path,value,field", [
+    (("pipeline_list", 0, "dp"), [0], "pipeline_list[0].dp[0]"),
+    (("pipeline_list", 0, "dp"), ["2"], "pipeline_list[0].dp[0]"),
+    (("pipeline_list", 0, "layers_per_stage"), [6, 7], "pipeline_list[0].layers_per_stage[0]"),
+    (("pipeline_list", 0, "tmp_per_stage"), [[1], [1]], "pipeline_list[0].tmp_per_stage[0][0]"),
+    (("pipeline_list", 0, "tmp_per_stage", 0, 0, 1), 0, "pipeline_list[0].tmp_per_stage[0][0][1]"),
+    (("pipeline_list", 0, "tmp_per_stage", 0, 0, 1), "x", "pipeline_list[0].tmp_per_stage[0][0][1]"),
+    (("real",), "fast", "real"),
+    (("pipeline_list",), [], "pipeline_list"),
+])
+def test_malformed_sailor_plan_names_the_field(tmp_path: Path, path: tuple, value: object, field: str) -> None:
+    raw = json.loads((sailor_data() / "validation" / "mit" / "N2" / "plan_config_N2_D1.json").read_text())
+    node = raw
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    bad = tmp_path / "p.json"
+    bad.write_text(json.dumps(raw))
+    with pytest.raises(SailorError) as info:
+        load_plan(bad, model="OPT-350M")
+    assert info.value.file == str(bad) and info.value.field == field, info.value
+
+
+def test_unknown_model_in_a_plan_names_the_file(tmp_path: Path) -> None:
+    doc = place_plan(hetero_plan(), lab()).to_dict()
+    doc["model"] = "nope"
+    bad = tmp_path / "p.json"
+    bad.write_text(json.dumps(doc))
+    with pytest.raises(SailorError) as info:
+        load_plan(bad, model="OPT-350M")
+    assert info.value.file == str(bad) and info.value.field == "model" and "unknown model 'nope'" in str(info.value)

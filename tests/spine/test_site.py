@@ -118,6 +118,17 @@ def _broken(path: Path, old: str, new: str) -> Path:
     ("cost_per_gpu_hour = 0.5", "cost_per_gpu_hour = -0.5", "partitions[1].cost_per_gpu_hour", ">= 0"),
     ("cost_per_gpu_hour = 0.5", "cost_per_gpu_hour = 0.5\nreplica_jitter = 1.3", "partitions[1].replica_jitter",
      "fraction"),
+    # NaN compares false with every bound: finiteness is checked on its own
+    ("cost_per_gpu_hour = 0.5", "cost_per_gpu_hour = nan", "partitions[1].cost_per_gpu_hour", "finite"),
+    ("memory_gib = 16", "memory_gib = inf", "gpu_types.V100-16.memory_gib", "finite"),
+    ('"1" = { coeffs = [-0.0024414231124647644, 0.1408627339370467, 1.116822757126346], max_gbps = 2.4204 }',
+     '"1" = { constant_gbps = 2.0, range_bytes = ["a", "b"] }', "partitions[0].network.inter_node.1.range_bytes",
+     "[min, max]"),
+    ('"1" = { coeffs = [-0.0024414231124647644, 0.1408627339370467, 1.116822757126346], max_gbps = 2.4204 }',
+     '"²" = { constant_gbps = 2.0 }', "partitions[0].network.inter_node.²", "number of GPUs"),
+    # a GPU type names HDF5 groups of the shared archive: a '/' would nest them
+    ('[gpu_types."V100-16"]', '[gpu_types."V100/16"]', "gpu_types.V100/16", "not a valid GPU type name"),
+    ('name = "local-lab"', 'name = "lab/x"', "name", "not a valid site name"),
 ])
 def test_every_validation_error_names_file_field_and_problem(lab_site: Path, old: str, new: str, field: str,
                                                              words: str) -> None:
@@ -140,6 +151,20 @@ def test_missing_required_field_and_file_and_syntax(lab_site: Path, tmp_path: Pa
     bad.write_text("name = [unclosed")
     with pytest.raises(SailorError, match="not valid TOML"):
         load_site(bad)
+    bad.write_bytes(b"name = \"\xff\"")
+    with pytest.raises(SailorError, match="is not UTF-8"):
+        load_site(bad)
+    with pytest.raises(SailorError, match="cannot be read"):
+        load_site(tmp_path)  # a folder
+
+
+def test_between_partitions_must_be_names(lab_site: Path) -> None:
+    text = lab_site.read_text() + '\n[[network.between]]\npartitions = [["a100"], ["v100"]]\n' \
+        '[network.between.links]\n"1" = { constant_gbps = 1.0 }\n'
+    lab_site.write_text(text)
+    with pytest.raises(SailorError) as info:
+        load_site(lab_site)
+    assert info.value.field == "network.between[0].partitions" and "two different declared partitions" in str(info.value)
 
 
 def test_relative_archive_path_resolves_next_to_the_site(lab_site: Path) -> None:
