@@ -136,15 +136,34 @@ class CheckpointReader:
         return {n: self.tensors(n) for n in self.names()}
 
 
-def load(trainer: "Trainer", path: str) -> str:
-    """Collective: load a checkpoint written under any plan into this trainer's layout."""
+def load(trainer: "Trainer", path: str, *, missing_ok: bool = False) -> str | None:
+    """Collective: load a checkpoint written under any plan into this trainer's layout.
+
+    Rank 0 alone picks it (the newest complete one under ``path``, every checksum verified once, not
+    once per rank) and tells the others, so all ranks load the same one or all stop with the same
+    error. ``missing_ok``: no checkpoint under ``path`` yet returns None (a fresh start)."""
     t = trainer
-    chosen = [str(ck.resolve(path)) if t.rank == 0 else ""]
-    dist.broadcast_object_list(chosen, src=0)  # rank 0 verified every checksum; all load the same one
-    reader = CheckpointReader(chosen[0], deep=False)
+    decision = [None]
+    if t.rank == 0:
+        try:
+            found = ck.latest_complete(path) if missing_ok else ck.resolve(path)
+            decision = [("load", str(found)) if found is not None else ("fresh", "")]
+        except ck.CheckpointError as exc:
+            decision = [("error", exc)]
+    dist.broadcast_object_list(decision, src=0)
+    what, arg = decision[0]
+    if what == "error":
+        raise arg
+    if what == "fresh":
+        return None
+    reader = CheckpointReader(arg, deep=False)
     m = reader.manifest
     if m.get("model") != t.spec.name:
         raise ck.CheckpointError(f"checkpoint is for {m.get('model')}, not {t.spec.name}", file=reader.path)
+    if "seed" in m and int(m["seed"]) != t.opts.seed:  # the data order is a permutation by (seed, epoch)
+        raise ck.CheckpointError(f"checkpoint was trained with --seed {m['seed']}, this run has --seed {t.opts.seed}",
+                                 file=reader.path, fix=f"resume with --seed {m['seed']} (another seed would repeat "
+                                                       "and skip samples of the current epoch)")
     for name in t.params:
         info = t.infos[name]
         full = reader.tensors(name)
@@ -153,4 +172,4 @@ def load(trainer: "Trainer", path: str) -> str:
     t.step = int(m["step"])
     t.consumed_samples = int(m["consumed_samples"])
     rng_from_json(m["rng"]["torch_cpu"])
-    return chosen[0]
+    return arg

@@ -93,7 +93,6 @@ def train(args: argparse.Namespace, plan: Plan, env: DistEnv, role: Role) -> int
     import torch
     import torch.distributed as dist
 
-    from megatron_patch import checkpoint as ck
     from megatron_patch import checkpoint_io, patch
     from megatron_patch.data import GlobalSamples
     from megatron_patch.engine import Trainer
@@ -118,14 +117,13 @@ def train(args: argparse.Namespace, plan: Plan, env: DistEnv, role: Role) -> int
     trainer = Trainer(plan, GlobalSamples(args.data, plan.sequence_length, args.seed), opts, device)
     emit({"event": "ready", **base, "megatron_core": patch.megatron_version(), "patches": trainer.patches,
           "params": sum(p.numel() for p in trainer.params.values()), "sync_groups": trainer.sync.num_groups})
-    load = args.load
-    if load is None and args.auto_resume and args.save and ck.latest_complete(args.save) is not None:
-        load = args.save
-    if load:
+    resume = args.load is None and args.auto_resume and bool(args.save)
+    if args.load or resume:
         t0 = time.perf_counter()
-        path = checkpoint_io.load(trainer, load)
-        emit({"event": "loaded", **base, "path": path, "step": trainer.step,
-              "consumed_samples": trainer.consumed_samples, "seconds": time.perf_counter() - t0})
+        path = checkpoint_io.load(trainer, args.load or args.save, missing_ok=resume)
+        if path is not None:
+            emit({"event": "loaded", **base, "path": path, "step": trainer.step,
+                  "consumed_samples": trainer.consumed_samples, "seconds": time.perf_counter() - t0})
 
     def save() -> None:
         if args.save:

@@ -2,7 +2,8 @@
 
 POSIX record locks (``fcntl.lockf``) are released by the kernel when a writer dies, so a crashed
 profiling job never leaves the archive locked. Some network filesystems refuse them (ENOLCK); there
-we fall back to an ``O_EXCL`` lock file holding host and PID, taken over when older than ``stale_s``.
+we fall back to an ``O_EXCL`` lock file holding host and PID, refreshed while held and taken over when
+it has not been refreshed for ``stale_s`` (its holder died).
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import errno
 import fcntl
 import os
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -98,8 +100,21 @@ def _exclusive_file_lock(path: Path, timeout_s: float, stale_s: float) -> Iterat
             raise SailorError(f"timed out after {timeout_s:.0f} s waiting for the lock", file=path,
                               fix="if no writer is running, remove the stale lock file")
         time.sleep(0.05)
+    stop = threading.Event()
+    beat = threading.Thread(target=_heartbeat, args=(path, stop, max(0.05, stale_s / 4)), daemon=True)
+    beat.start()
     try:
         yield
     finally:
+        stop.set()
+        beat.join()
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
+
+
+def _heartbeat(path: Path, stop: threading.Event, every_s: float) -> None:
+    """Keep a held lock file fresh: only a holder that died (no more beats) ever looks stale, so a
+    long-lived holder (a controller drives a run for days) is never taken over while it runs."""
+    while not stop.wait(every_s):
+        with contextlib.suppress(OSError):
+            os.utime(path)

@@ -52,6 +52,7 @@ def new_run(opts: dict[str, Any]) -> Path:
     """Check a new run's options, write its run directory and return it."""
     from sailor_hpc.archive import open_archive
     from sailor_hpc.controller import RunDir, RunSpec, new_run_id
+    from sailor_hpc.controller.planning import partitions_for_time
     from sailor_hpc.models import get_model
     from sailor_hpc.site import load_site
 
@@ -60,6 +61,7 @@ def new_run(opts: dict[str, Any]) -> Path:
             raise click.UsageError(f"a new run needs {flag} (or --resume RUN_DIR)")
     site_path = opts["site_file"].absolute()
     site = load_site(site_path)
+    partitions_for_time(opts.get("time_limit"), site)  # a --time no partition admits: refused now
     profiles = str(Path(opts["profiles"]).absolute()) if opts.get("profiles") else None
     open_archive(profiles, site)  # a missing archive is an error now, not in the loop
     data = str(Path(opts["data"]).absolute())
@@ -121,7 +123,7 @@ def drive(run_dir: Path) -> int:
 @click.option("--restart-cost", type=float, default=None,
               help="Seconds one restart costs (default: measured from the run's restarts, 60 s before the first).")
 @click.option("--max-restarts", type=click.IntRange(min=0), default=10, show_default=True,
-              help="Jobs after the first one that the run had to start (node lost, preempted, failed; "
+              help="Restarts in a row without a new checkpoint (node lost, preempted, failed, not submitted; "
                    "resizes for more GPUs do not count), then it gives up.")
 @click.option("--backoff", type=float, default=30.0, show_default=True,
               help="Seconds to wait after a job that failed without a step (doubles each time).")

@@ -13,7 +13,8 @@ One loop, one job at a time (an *attempt*), every step journaled before it is ac
      asks it to checkpoint first (SIGUSR1).
    - the job stops by itself (requeued after a preemption, saved on its time-limit signal, failed):
      the same, re-plan and resubmit; a job that failed without training a step counts as a failure
-     (exponential back-off, and the run gives up after ``max_restarts`` jobs or on bad input).
+     (exponential back-off, also when sbatch fails; the run gives up after ``max_restarts`` restarts in a row
+     without a new checkpoint, or at once on bad input).
    - more GPUs free for the run than when it last judged: re-plan; if the new plan gains at least
      ``min_gain`` after the restart cost (:mod:`~sailor_hpc.controller.policy`), ask the job to
      checkpoint and stop (SIGUSR1), then resubmit. Else keep it.
@@ -53,7 +54,8 @@ from sailor_hpc.site import Site, load_site
 from sailor_hpc.slurm.commands import sinfo_nodes
 from sailor_hpc.slurm.discover import live_availability
 
-STOP_TIMEOUT_S = 300.0  # a job asked to checkpoint that has not stopped by then is cancelled
+STOP_TIMEOUT_S = 300.0  # a job asked to checkpoint that has not stopped by then is cancelled ...
+STOP_MARGIN = 3.0  # ... unless its measured step + save times, with this margin, need longer
 JOB_LOST_AFTER_S = 120.0  # a job neither squeue nor sacct knows for this long is gone
 
 EXIT_FINISHED, EXIT_GAVE_UP, EXIT_INTERRUPTED = 0, 1, 130
@@ -231,8 +233,8 @@ class Controller:
         if self._checkpoint_step() >= spec.steps:
             self.note("finished", step=self._checkpoint_step(), checkpoint=st.checkpoint["path"])  # type: ignore[index]
             return
-        if st.next_reason != RESIZE_REASON and st.restarts >= spec.max_restarts and st.attempts:
-            self.note("gave_up", reason=f"all {spec.max_restarts} restarts used")
+        if st.next_reason != RESIZE_REASON and st.restarts_without_progress >= spec.max_restarts and st.attempts:
+            self.note("gave_up", reason=f"all {spec.max_restarts} restarts used without a new checkpoint")
             return
         if st.backoff_until is not None and self.clock() < st.backoff_until:
             return
@@ -269,8 +271,9 @@ class Controller:
     # ------------------------------------------------------------------------------- watching the job
 
     def watch(self, cur: Attempt) -> None:
-        if cur.job_id is None:
+        if cur.job_id is None:  # sbatch failed (Slurm unreachable, or refusing): retry after a back-off
             self.note("job_gone", attempt=cur.number, job_id=None, state="NOT_SUBMITTED")
+            self._failed(cur, "not submitted")
             return
         obs = self.observe(cur)
         tail = self._tail(cur)
@@ -297,7 +300,7 @@ class Controller:
         if running:
             if self._saved_on_signal(tail):  # ours, a preemption's or the time limit's: the checkpoint is
                 self._end(cur, job, tail)  # committed, no need to wait for the ranks to exit and the requeue
-            elif cur.stop is not None and self.clock() - float(cur.stop["t"]) > STOP_TIMEOUT_S:
+            elif cur.stop is not None and self.clock() - float(cur.stop["t"]) > _stop_timeout(tail):
                 self._end(cur, job, tail, why="did not stop after its checkpoint signal")
             elif cur.stop is None and cur.first_step_t is not None and not cur.lost_nodes:
                 self._consider_resize(cur, obs, tail)
@@ -394,11 +397,15 @@ class Controller:
             self.note("gave_up", reason="the training refused its input: " + " | ".join(prog.errors[-3:]))
             return
         if cur.first_step_t is None and cur.stop is None and not cur.lost_nodes:
-            self.note("failure", attempt=cur.number, reason=(cur.stopped or {}).get("reason", final))
-            k = self.state.failures_in_a_row
-            wait = min(self.spec.backoff_max_s, self.spec.backoff_s * 2 ** (k - 1)) if k > 0 else 0.0
-            if wait > 0:
-                self.note("backoff", seconds=wait, until=self.clock() + wait)
+            self._failed(cur, (cur.stopped or {}).get("reason", final))
+
+    def _failed(self, cur: Attempt, reason: str) -> None:
+        """A job that never trained a step: wait longer after each such failure in a row before the next."""
+        self.note("failure", attempt=cur.number, reason=reason)
+        k = self.state.failures_in_a_row
+        wait = min(self.spec.backoff_max_s, self.spec.backoff_s * 2 ** (k - 1)) if k > 0 else 0.0
+        if wait > 0:
+            self.note("backoff", seconds=wait, until=self.clock() + wait)
 
     def _with_exit_codes(self, cur: Attempt, job: JobStatus, tries: int = 10, poll_s: float = 0.5) -> JobStatus:
         """Slurm can show a job FAILED before its accounting holds the exit codes, which tell a training
@@ -412,6 +419,13 @@ class Controller:
             if any(c.exit_code for c in later.components):
                 return later
         return job
+
+
+def _stop_timeout(tail: LogTail | None) -> float:
+    """How long a job asked to checkpoint may take to stop: cancelling it mid-save would lose every step
+    since its last periodic checkpoint, so a model that saves slowly gets the time its own saves took."""
+    needs = tail.progress.stop_needs_s if tail is not None else 0.0
+    return max(STOP_TIMEOUT_S, STOP_MARGIN * needs)
 
 
 def _all_running(job: JobStatus) -> bool:

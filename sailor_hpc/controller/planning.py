@@ -19,7 +19,8 @@ from sailor_hpc.controller.spec import RunSpec
 from sailor_hpc.errors import SailorError
 from sailor_hpc.jobs.layout import job_layout
 from sailor_hpc.plan import Plan
-from sailor_hpc.site import Site
+from sailor_hpc.site import Site, parse_walltime
+from sailor_hpc.slurm.discover import normalize_walltime
 
 FreeByNode = Mapping[str, Mapping[str, int]]  # partition -> node -> free GPUs
 
@@ -67,11 +68,33 @@ def misfit(plan: Plan, free: FreeByNode) -> str | None:
     return None
 
 
+def partitions_for_time(time_limit: str | None, site: Site) -> set[str]:
+    """Partitions whose maximum walltime admits jobs of ``time_limit`` (Slurm refuses a job over it, and a
+    re-plan onto such a partition would end the run). Without a limit, every partition: each job then
+    gets the default time, cut to its partitions' maxima."""
+    if time_limit is None:
+        return {p.name for p in site.partitions}
+    norm = normalize_walltime(time_limit)
+    if norm is None:
+        raise SailorError(f"{time_limit!r} is not a Slurm time limit", field="--time",
+                          fix='use "D-HH:MM:SS", "HH:MM:SS" or minutes')
+    seconds = parse_walltime(norm)
+    allowed = {p.name for p in site.partitions if p.max_walltime_s is None or p.max_walltime_s >= seconds}
+    if not allowed:
+        longest = max(site.partitions, key=lambda p: p.max_walltime_s or 0)
+        raise SailorError(f"time limit {norm} exceeds every partition's maximum (longest: {longest.name!r}, "
+                          f"{longest.max_walltime})", field="--time",
+                          fix="ask for less time: each job checkpoints on its limit and the next one resumes")
+    return allowed
+
+
 def plan_on(spec: RunSpec, site: Site, archive: Any, free: FreeByNode) -> Planned:
-    """The planner's best plan for the run on the free GPUs ``free``, placeable now."""
+    """The planner's best plan for the run on the free GPUs ``free``, placeable now, on partitions that
+    admit the run's time limit."""
     from planner import search
 
-    available = {p.name: int(sum(free.get(p.name, {}).values())) for p in site.partitions}
+    allowed = partitions_for_time(spec.time_limit, site)
+    available = {p.name: int(sum(free.get(p.name, {}).values())) if p.name in allowed else 0 for p in site.partitions}
     for _ in range(1 + sum(available.values())):
         if sum(available.values()) <= 0:
             break

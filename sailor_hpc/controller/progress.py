@@ -29,6 +29,13 @@ class Progress:
     done_step: int | None = None
     losses: dict[int, float] = field(default_factory=dict)  # step -> loss (rank-independent in this runtime)
     errors: list[str] = field(default_factory=list)
+    slowest_step_s: float = 0.0  # of any rank: what finishing the current step may take
+    slowest_save_s: float = 0.0  # ... and writing a checkpoint
+
+    @property
+    def stop_needs_s(self) -> float:
+        """Measured time to finish a step and save it: what a job asked to checkpoint and stop needs."""
+        return self.slowest_step_s + self.slowest_save_s
 
     def add(self, rec: dict[str, Any]) -> None:
         kind = rec.get("event")
@@ -45,13 +52,19 @@ class Progress:
             self.consumed_samples = rec.get("consumed_samples", self.consumed_samples)
             if isinstance(rec.get("loss"), (int, float)):
                 self.losses[step] = float(rec["loss"])
+            self.slowest_step_s = max(self.slowest_step_s, _seconds(rec.get("iter_s")))
         elif kind == "saved" and isinstance(step, int):
             if step not in self.saved_steps:
                 self.saved_steps.append(step)
+            self.slowest_save_s = max(self.slowest_save_s, _seconds(rec.get("seconds")))
         elif kind == "signal":
             self.signal_step = step
         elif kind == "done":
             self.done_step = step
+
+
+def _seconds(value: Any) -> float:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0 else 0.0
 
 
 class LogTail:

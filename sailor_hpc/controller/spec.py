@@ -50,7 +50,7 @@ class RunSpec:
     max_stages: int | None = None
     min_gain: float = 0.10  # resize only if the new plan is this much better after the restart cost
     restart_cost_s: float | None = None  # None: measured from this run's own restarts
-    max_restarts: int = 10  # jobs after the first one the run had to start (resizes for more GPUs are free)
+    max_restarts: int = 10  # restarts in a row without a new checkpoint (resizes for more GPUs are free)
     backoff_s: float = 30.0  # wait before re-submitting after a job that failed without a step
     backoff_max_s: float = 600.0
     poll_s: float = 2.0

@@ -140,6 +140,7 @@ class Attempt:
     end_state: str | None = None
     gone: bool = False
     recovery: dict[str, Any] | None = None
+    advanced: bool = False  # a newer complete checkpoint appeared while it ran (or right after it)
 
 
 @dataclass
@@ -168,6 +169,19 @@ class RunState:
     def restarts(self) -> int:
         """Jobs after the first that the run had to start (a resize for more GPUs is a choice, not counted)."""
         return sum(1 for a in self.attempts[1:] if a.reason != RESIZE_REASON)
+
+    @property
+    def restarts_without_progress(self) -> int:
+        """Restarts since the last job that advanced the checkpoint: what ``max_restarts`` limits, so a
+        long run that checkpoints on every time limit or preemption never runs out of restarts, and one
+        that fails (or cannot be submitted) again and again without progress gives up."""
+        n = 0
+        for i, a in enumerate(self.attempts):
+            if i > 0 and a.reason != RESIZE_REASON:
+                n += 1
+            if a.advanced:
+                n = 0
+        return n
 
     @property
     def next_reason(self) -> str:
@@ -223,6 +237,8 @@ def apply(state: RunState, rec: Record) -> None:
         state.recoveries.append(att.recovery)
     elif kind == "checkpoint":
         state.checkpoint = {"step": rec["step"], "consumed_samples": rec.get("consumed_samples"), "path": rec.get("path")}
+        if state.attempts:  # one job at a time: a new checkpoint is the latest job's (also if seen after it ended)
+            state.attempts[-1].advanced = True
     elif kind == "node_lost":
         assert att is not None
         att.lost_nodes.update(rec["nodes"])

@@ -34,6 +34,8 @@ def base_args(tmp_path: Path, archive: Path) -> list[str]:
     ([], "--data"),  # the dataset files do not exist
     (["--train-arg=--steps=3"], "--train-arg"),
     (["--min-gain", "lots"], "--min-gain"),
+    (["--time", "2-00:00:00"], "--time"),  # every partition of the lab allows at most a day
+    (["--time", "soon"], "--time"),
 ])
 def test_bad_input_exits_2_naming_the_field(tmp_path: Path, archive: Path, extra: list[str], field: str):
     for suffix in ((".bin", ".idx") if field != "--data" else ()):
@@ -93,3 +95,25 @@ def test_a_second_controller_is_refused(tmp_path: Path, archive: Path):
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_replans_only_on_partitions_that_admit_the_time_limit(archive: Path):
+    """A re-plan onto a partition whose maximum is below the run's --time would be refused by Slurm."""
+    from dataclasses import replace
+
+    from sailor_hpc.archive import open_archive
+    from sailor_hpc.controller.planning import partitions_for_time, plan_on
+    from sailor_hpc.site import load_site
+
+    lab = load_site(LOCAL_LAB)
+    short_a100 = replace(lab, partitions=tuple(replace(p, max_walltime="12:00:00") if p.name == "a100" else p
+                                               for p in lab.partitions))
+    assert partitions_for_time("1-00:00:00", short_a100) == {"v100"}
+    assert partitions_for_time("12:00:00", short_a100) == {"a100", "v100"}
+    assert partitions_for_time(None, short_a100) == {"a100", "v100"}
+    spec = RunSpec(run_id="r1", site=str(LOCAL_LAB), model="tiny-gpt", objective="throughput", data="/d", save="/s",
+                   steps=10, gbs=64, profiles=str(archive), time_limit="1-00:00:00")
+    free = {"a100": {"a100-1": 4, "a100-2": 4}, "v100": {"v100-1": 8, "v100-2": 8}}
+    arch = open_archive(str(archive), short_a100)
+    assert set(plan_on(spec, short_a100, arch, free).summary()["gpus"]) == {"v100"}
+    assert "a100" in plan_on(replace(spec, time_limit="12:00:00"), short_a100, arch, free).summary()["gpus"]

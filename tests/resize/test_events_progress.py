@@ -75,3 +75,21 @@ def test_a_requeued_job_starts_a_new_account(tmp_path: Path):
     tail.poll()
     p = tail.progress
     assert (p.signal_step, p.loaded_step, p.first_step, p.last_step, p.saved_steps) == (None, 1, 2, 2, [])
+
+
+def test_a_slow_saver_gets_the_time_its_saves_take_before_it_is_cancelled(tmp_path: Path):
+    from sailor_hpc.controller.loop import STOP_MARGIN, STOP_TIMEOUT_S, _stop_timeout
+
+    log = tmp_path / "job.out"
+    recs = [{"event": "step", "step": 1, "iter_s": 2.0, "rank": 0}, {"event": "step", "step": 1, "iter_s": 3.0, "rank": 1},
+            {"event": "saved", "step": 1, "seconds": 40.0}]
+    log.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    tail = LogTail(log)
+    tail.poll()
+    assert tail.progress.stop_needs_s == 43.0
+    assert _stop_timeout(tail) == STOP_TIMEOUT_S  # small model: the floor
+    with open(log, "a") as fh:
+        fh.write(json.dumps({"event": "saved", "step": 2, "seconds": 400.0}) + "\n")  # a large model's save
+    tail.poll()
+    assert _stop_timeout(tail) == STOP_MARGIN * 403.0 > STOP_TIMEOUT_S
+    assert _stop_timeout(None) == STOP_TIMEOUT_S

@@ -61,3 +61,14 @@ def test_waits_for_free_gpus_and_says_so_once(slurm_cluster, inputs, tmp_path: P
         assert sub["gpus"] == {"v100": 2}
     finally:
         sc.cleanup()
+
+
+def test_sbatch_refusing_backs_off_and_gives_up(slurm_cluster, inputs, tmp_path: Path):
+    # more memory than any node has: sbatch itself refuses the job, so no attempt ever gets a job id
+    rc, recs = _run(slurm_cluster, tmp_path, inputs, "--extra-sbatch=--mem=99999999", "--max-restarts", "1")
+    assert rc == 1
+    assert [(r["attempt"], r["state"]) for r in recs if r["kind"] == "job_gone"] == [(1, "NOT_SUBMITTED"),
+                                                                                     (2, "NOT_SUBMITTED")]
+    assert any(r["kind"] == "error" and "sbatch" in r["message"] for r in recs), recs
+    assert [r["seconds"] for r in recs if r["kind"] == "backoff"] == [2.0, 4.0]  # not a resubmission every poll
+    assert recs[-1]["kind"] == "gave_up" and "without a new checkpoint" in recs[-1]["reason"]

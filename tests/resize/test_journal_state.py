@@ -154,3 +154,30 @@ def test_run_dir_is_created_once_and_locked_once(tmp_path: Path):
         holder.wait()
     with rd.lock():  # the kernel released the killed holder's lock
         pass
+
+
+def test_restarts_that_advance_the_checkpoint_do_not_use_up_the_limit(tmp_path: Path):
+    """A long run that saves on every time limit keeps going; jobs that fail without progress count."""
+    j = Journal(tmp_path / "journal.jsonl", clock=lambda: 1.0)
+
+    def attempt(n: int, reason: str, checkpoint: int | None) -> None:
+        j.append("submit_intent", attempt=n, job_name=job_name("r1", n), plan_file=f"p{n}", script=f"s{n}",
+                 reason=reason, gpus={"v100": 2}, throughput=1.0, cost_per_hour=1.0)
+        j.append("submitted", attempt=n, job_id=str(10 + n), log="/l")
+        if checkpoint is not None:
+            j.append("checkpoint", attempt=n, step=checkpoint, consumed_samples=checkpoint * 8, path=f"/ck/{checkpoint}")
+        j.append("job_gone", attempt=n, job_id=str(10 + n), state="COMPLETED")
+
+    attempt(1, "start", 50)
+    for n in range(2, 15):  # 13 time limits, each saved a newer checkpoint
+        attempt(n, "signal_saved", 50 * n)
+    st = fold(read_journal(j.path))
+    assert st.restarts == 13 and st.restarts_without_progress == 0
+    attempt(15, "failed (FAILED)", None)
+    attempt(16, "idle_gpus", None)  # a resize is a choice, not a restart
+    attempt(17, "failed (FAILED)", None)
+    st = fold(read_journal(j.path))
+    assert st.restarts == 15 and st.restarts_without_progress == 2
+    # a checkpoint noticed only after its job ended (saved on Slurm's SIGTERM) is still that job's progress
+    j.append("checkpoint", attempt=None, step=999, consumed_samples=1, path="/ck/999")
+    assert fold(read_journal(j.path)).restarts_without_progress == 0
