@@ -24,12 +24,13 @@ from planner.templates import Template, TemplateBuilder, build_templates
 from sailor_hpc.archive import ProfileArchive
 from sailor_hpc.errors import SailorError
 from sailor_hpc.models import get_model
-from sailor_hpc.plan import Pipeline, Plan, Stage, place_plan
+from sailor_hpc.plan import Pipeline, Plan, Stage, place_plan, validate_plan
 from sailor_hpc.site import Site
 from simulator import SimResult, StageEvaluator, simulate
 from simulator.network import Endpoint
 
 Option = tuple[Template, int]  # a template and how many copies
+ESTIMATE_SLACK = 0.05  # an allocation's estimated time against the simulation of its plan (capped sync tails)
 Progress = Callable[[int, int], None]
 
 
@@ -45,6 +46,16 @@ class Allocation:
         """Smaller is better: seconds per sample, or cost per sample."""
         per_sample = self.time_s / gbs
         return per_sample if objective == "throughput" else per_sample * self.cost_per_hour
+
+    def misses(self, request: PlanRequest) -> bool:
+        """Whether the estimate misses --min-throughput or --max-cost-per-iteration by more than the
+        estimate's own error (the simulation of the whole plan decides at the end)."""
+        c = request.constraints
+        slack = ESTIMATE_SLACK
+        if c.min_throughput is not None and request.global_batch_size / self.time_s < c.min_throughput * (1 - slack):
+            return True
+        return (c.max_cost_per_iteration is not None
+                and self.cost_per_hour * self.time_s / 3600 > c.max_cost_per_iteration * (1 + slack))
 
 
 @dataclass
@@ -193,7 +204,12 @@ class Tails:
                 pipes += [Pipeline(t.mbs, 1, stages)] * copies[t.key]
             plan = Plan(get_model(self.request.model).name, sum(p.samples for p in pipes), tuple(pipes),
                         seq_len=self.request.seq_len, dtype=self.request.dtype)
-            placed = place_plan(plan, self.ev.site)
+            try:
+                placed = place_plan(plan, self.ev.site)
+                validate_plan(placed, self.ev.site, check_placement=True)
+            except SailorError:  # its TP groups do not pack into the nodes a job may take: not a candidate
+                hit = self._cache[key] = math.inf
+                return hit
             costs = [[self.ev.stage(s.gpu_type, s.tp, p.micro_batch_size, s.first_layer, s.last_layer)
                       for s in p.stages] for p in placed.pipelines]
             ends = [[Endpoint(s.partition or s.gpu_type, s.placement.node if s.placement else None, s.tp)
@@ -220,12 +236,15 @@ def _evaluate(options: tuple[Option, ...], request: PlanRequest, site: Site, tai
         m = gbs // (mbs * total)
         shares = [Share(m, n, n) for _, n in options]
         flush = max(t.speed().time(m) for t, _ in options)
-        return Allocation(options, flush + tails(options), shares, gpus, per_hour)
-    balanced = balance([(t.speed(), n) for t, n in options], gbs)
-    if balanced is None:
+    else:
+        balanced = balance([(t.speed(), n) for t, n in options], gbs)
+        if balanced is None:
+            return None
+        flush, shares = balanced
+    tail = tails(options)
+    if math.isinf(tail):
         return None
-    flush, shares = balanced
-    return Allocation(options, flush + tails(options), shares, gpus, per_hour)
+    return Allocation(options, flush + tail, shares, gpus, per_hour)
 
 
 def _combine(per_part: list[list[Option]], request: PlanRequest, site: Site, tails: Tails,
@@ -256,9 +275,12 @@ def _combine(per_part: list[list[Option]], request: PlanRequest, site: Site, tai
         nxt.sort(key=lambda ac: (ac[0].score(obj, gbs), ac[0].gpus, tuple((t.key, n) for t, n in ac[1])))
         width = settings.beam if k < len(per_part) - 1 else len(nxt)
         beam = [combo for _, combo in nxt[:width]]
+        # the best-scoring partial allocations may all miss a throughput or cost-per-iteration bound that
+        # others meet (a cheap partition alone is slow): keep the best of those that meet it too
+        beam += [combo for a, combo in nxt[width:] if not a.misses(request)][:width]
         if k < len(per_part) - 1:
             beam = [()] + beam  # later partitions may also run alone
-    allocations = sorted(scored.values(), key=lambda a: (a.score(obj, gbs), a.gpus,
+    allocations = sorted(scored.values(), key=lambda a: (a.misses(request), a.score(obj, gbs), a.gpus,
                                                         tuple((t.key, n) for t, n in a.options)))
     return allocations, len(scored)
 
@@ -289,7 +311,12 @@ def _simulate_best(site: Site, archive: ProfileArchive, request: PlanRequest, al
         if not exhaustive and per_set.get(family, 0) >= 3 and simulated >= settings.simulate_top:
             continue
         per_set[family] = per_set.get(family, 0) + 1
-        plan = place_plan(to_plan(alloc, request), site)
+        try:
+            plan = place_plan(to_plan(alloc, request), site)
+            validate_plan(plan, site, check_placement=True)
+        except SailorError:  # more copies than the capped plan of its tail estimate: too many nodes
+            rejected["placement"] = rejected.get("placement", 0) + 1
+            continue
         res = simulate(plan, site, archive)
         simulated += 1
         reason = None
@@ -331,5 +358,9 @@ def _infeasible(request: PlanRequest, site: Site, rejected: dict[str, int], fitt
         return SailorError(f"the cheapest plan found costs {cheapest:.4g} {site.cost_unit} per iteration, above "
                            f"--max-cost-per-iteration {c.max_cost_per_iteration}", field="--max-cost-per-iteration",
                            fix="raise it, or lower the global batch")
+    if not fitting and set(rejected) == {"placement"}:
+        return SailorError(f"no plan of {request.model} packs its TP groups into the nodes a job may take",
+                           field="partitions", file=site.source,
+                           fix="raise max_nodes_per_job, or make more nodes available")
     return SailorError(f"no plan of {request.model} fits in GPU memory on the available GPUs",
                        field="--available", fix="make GPUs with more memory available, or a smaller model/batch")

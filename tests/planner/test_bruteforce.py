@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from planner import PlanRequest, search
+from planner import Constraints, PlanRequest, search
 from sailor_hpc.errors import SailorError
 from sailor_hpc.plan import Pipeline, Plan, Stage, place_plan
 from simulator import simulate
@@ -47,8 +47,8 @@ def shares(mbs_list: list[int], total: int) -> Iterator[tuple[int, ...]]:
             yield (m, *tail)
 
 
-def brute_force(site, archive) -> dict[str, float]:
-    """The best iteration time and the best cost per iteration over every plan of the space."""
+def every_plan(site, archive) -> list[tuple[float, float]]:
+    """(iteration time, cost per iteration) of every plan of the space that fits."""
     options = {}
     for p in site.partitions:
         opts = [None]
@@ -57,7 +57,7 @@ def brute_force(site, archive) -> dict[str, float]:
             for n in range(1, p.gpus_per_node * p.nodes // gpus + 1):
                 opts.append((mbs, stages, n))
         options[p.name] = opts
-    best = {"throughput": float("inf"), "cost": float("inf")}
+    found = []
     for combo in itertools.product(*options.values()):
         chosen = [c for c in combo if c is not None]
         if not chosen:
@@ -76,19 +76,39 @@ def brute_force(site, archive) -> dict[str, float]:
                 res = simulate(placed, site, archive)
             except SailorError:
                 continue  # a placement the site cannot hold
-            if not res.fits:
-                continue
-            best["throughput"] = min(best["throughput"], res.iteration_time_s)
-            best["cost"] = min(best["cost"], res.cost_per_iteration)
-    return best
+            if res.fits:
+                found.append((res.iteration_time_s, res.cost_per_iteration))
+    return found
 
 
-def test_planner_matches_brute_force(tiny_archive) -> None:
+@pytest.fixture(scope="module")
+def space(tiny_archive) -> list[tuple[float, float]]:
+    return every_plan(small_site(), tiny_archive)
+
+
+def test_planner_matches_brute_force(tiny_archive, space) -> None:
     site = small_site()
-    expected = brute_force(site, tiny_archive)
-    assert expected["throughput"] < float("inf") and expected["cost"] < float("inf")
+    expected = {"throughput": min(t for t, _ in space), "cost": min(c for _, c in space)}
     for objective in ("throughput", "cost"):
         result = search(site, tiny_archive, PlanRequest("tiny-gpt", GBS, objective=objective, max_stages=2))
         best = result.candidates[0].result
         got = best.iteration_time_s if objective == "throughput" else best.cost_per_iteration
         assert got == pytest.approx(expected[objective], rel=1e-9), objective
+
+
+def test_bounds_on_throughput_and_cost_per_iteration_match_brute_force(tiny_archive, space) -> None:
+    """The cheapest plan at least this fast, and the fastest plan at most this costly, as the brute force
+    finds them: a bound that the objective's best plans miss must not hide the plans that meet it."""
+    site = small_site()
+    fastest = min(t for t, _ in space)
+    floor = 0.9 * GBS / fastest  # samples/s only the fastest plans reach
+    cheapest_fast = min(c for t, c in space if GBS / t >= floor)
+    got = search(site, tiny_archive, PlanRequest("tiny-gpt", GBS, objective="cost", max_stages=2,
+                                                 constraints=Constraints(min_throughput=floor))).candidates[0].result
+    assert got.throughput_samples_per_s >= floor and got.cost_per_iteration == pytest.approx(cheapest_fast, rel=1e-9)
+    cheapest = min(c for _, c in space)
+    ceiling = 1.1 * cheapest  # only the cheapest plans stay under it
+    fastest_cheap = min(t for t, c in space if c <= ceiling)
+    got = search(site, tiny_archive, PlanRequest("tiny-gpt", GBS, max_stages=2,
+                                                 constraints=Constraints(max_cost_per_iteration=ceiling))).candidates[0].result
+    assert got.cost_per_iteration <= ceiling and got.iteration_time_s == pytest.approx(fastest_cheap, rel=1e-9)

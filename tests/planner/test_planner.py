@@ -136,3 +136,38 @@ def test_cli_plan_refuses_bad_requests_before_searching_and_writes_nothing(tmp_p
     into_a_file = plan("--gbs", "32", "-o", str(tmp_path / "taken" / "best.json"))
     assert into_a_file.returncode == 2 and "Traceback" not in into_a_file.stderr
     assert str(tmp_path / "taken") in into_a_file.stderr, into_a_file.stderr
+
+
+def test_a_bound_the_objectives_best_plans_miss_does_not_hide_plans_that_meet_it() -> None:
+    """On the paper's A100+V100 site, the cheapest plans are slow and the fastest costly: a cost search with
+    --min-throughput (and a throughput search with --max-cost-per-iteration) must find plans at least as
+    good as those the other objective's search shows to meet the bound."""
+    site = load_site(REPO / "site_configs" / "a100-v100.toml")
+    arch = open_archive(site=site)
+    fast = search(site, arch, PlanRequest("OPT-350M", 256)).candidates
+    floor = 100.0
+    known = [c.result.cost_per_iteration for c in fast if c.throughput >= floor]
+    assert known
+    got = search(site, arch, PlanRequest("OPT-350M", 256, objective="cost",
+                                         constraints=Constraints(min_throughput=floor))).candidates[0]
+    assert got.throughput >= floor and got.result.cost_per_iteration <= min(known) * (1 + 1e-9)
+    cheap = search(site, arch, PlanRequest("OPT-350M", 256, objective="cost")).candidates
+    ceiling = 0.06
+    known = [c.throughput for c in cheap if c.result.cost_per_iteration <= ceiling]
+    assert known
+    got = search(site, arch, PlanRequest("OPT-350M", 256, constraints=Constraints(max_cost_per_iteration=ceiling))
+                 ).candidates[0]
+    assert got.result.cost_per_iteration <= ceiling and got.throughput >= max(known) * (1 - 1e-9)
+
+
+def test_tp_groups_that_do_not_pack_into_the_allowed_nodes_are_skipped(lab, archive) -> None:
+    """Six GPUs a node, two nodes a job: 3 pipelines of TP 4 are 12 GPUs but need 3 nodes (a TP group stays
+    in one node). The search must skip such allocations, not stop on them."""
+    from dataclasses import replace
+
+    six = replace(lab, partitions=tuple(replace(p, nodes=2, gpus_per_node=6, max_nodes_per_job=2)
+                                        for p in lab.partitions))
+    result = search(six, archive, PlanRequest("OPT-350M", 64))
+    assert result.candidates
+    for c in result.candidates:
+        validate_plan(c.plan, six, check_placement=True)
