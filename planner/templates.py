@@ -250,6 +250,9 @@ def uniform_split(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
     return out
 
 
+SHALLOW_STAGES = 2
+
+
 def build_templates(builder: TemplateBuilder, mbs_values: list[int], *, sailor_shape: bool,
                     keep: int, exhaustive_limit: int = 0) -> list[Template]:
     """Candidate templates of one partition: every feasible split and TP vector when there are at most
@@ -277,7 +280,11 @@ def build_templates(builder: TemplateBuilder, mbs_values: list[int], *, sailor_s
 
     ranked = [k for k, _ in sorted(found.items(), key=estimate)]
     uniform = [(mbs, stages) for mbs in mbs_values for stages in builder.uniform(mbs)]
-    shortlist = ranked[:3 * keep] + uniform
+    # efficiency per GPU favours deep pipelines; with few micro-batches per pipeline (a small global
+    # batch on many GPUs) the bubble dominates and one or two stages at a higher TP are faster: keep
+    # the DP's 1- and 2-stage splits at every TP degree as well
+    shallow = [(mbs, stages) for mbs, stages in found if len(stages) <= SHALLOW_STAGES]
+    shortlist = ranked[:3 * keep] + uniform + shallow
     templates = [builder.finish(mbs, stages) for mbs, stages in dict.fromkeys(shortlist)]
     templates.sort(key=lambda t: (-t.efficiency(), t.gpus, t.key))
     return templates

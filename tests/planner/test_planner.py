@@ -171,3 +171,20 @@ def test_tp_groups_that_do_not_pack_into_the_allowed_nodes_are_skipped(lab, arch
     assert result.candidates
     for c in result.candidates:
         validate_plan(c.plan, six, check_placement=True)
+
+
+def test_a_small_batch_on_many_gpus_gets_shallow_pipelines() -> None:
+    """64 samples on 256 A100: one micro-batch per pipeline, so the bubble decides and single-stage TP 4
+    pipelines beat the deep ones that are most efficient per GPU. The planner must do at least as well
+    as that hand-built plan (simulated by the same simulator)."""
+    from simulator import simulate
+    from sailor_hpc.plan import Pipeline, Plan, Stage, place_plan
+
+    site = load_site(REPO / "site_configs" / "a100-v100.toml")
+    arch = open_archive(site=site)
+    by_hand = place_plan(Plan("OPT-350M", 64, tuple(Pipeline(2, 1, (Stage(0, 25, 4, "A100-40", "a100"),))
+                                                    for _ in range(32))), site)
+    reference = simulate(by_hand, site, arch)
+    assert reference.fits
+    best = search(site, arch, PlanRequest("OPT-350M", 64)).candidates[0]
+    assert best.throughput >= reference.throughput_samples_per_s * (1 - 1e-9), (best.throughput, reference.throughput_samples_per_s)
