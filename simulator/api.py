@@ -107,7 +107,7 @@ class StageEvaluator:
         inp = self.tables.boundary_bytes(first - 1, mbs, tp, self.dtype) if first > 0 else 0.0
         params = mem.params(first, last)
         return StageCost(gpu=table.gpu, tp=tp, mbs=mbs, first=first, last=last, fwd_s=fwd, bwd_s=bwd,
-                         update_s=self.tables.update_seconds(table, first, last), out_bytes=out, in_bytes=inp,
+                         update_s=self.tables.update_seconds(table, first, last, self.optimizer), out_bytes=out, in_bytes=inp,
                          params=params, grad_bytes=params * GRAD_BYTES[self.dtype])
 
     def stage_memory(self, cost: StageCost, *, stage: int, num_stages: int, micro_batches: int) -> StageMemory:
@@ -233,7 +233,7 @@ class StageEvaluator:
             f = table.fwd(a, b)
             F[sel] = f
             Bw[sel] = table.bwd(a, b) + (f if self.recompute else 0.0)
-            U[sel] = self.tables.update_seconds(table, a, b)
+            U[sel] = self.tables.update_seconds(table, a, b, self.optimizer)
             L = self.model.num_pipeline_layers
             out[sel] = np.where(b < L - 1, self.tables.boundary_bytes(np.minimum(b, L - 2), batch.mbs, tp, self.dtype), 0.0)
             inp = np.where(a > 0, self.tables.boundary_bytes(np.maximum(a - 1, 0), batch.mbs, tp, self.dtype), 0.0)

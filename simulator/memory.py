@@ -25,7 +25,9 @@ peak = model state + optimizer temporaries + gradient-reduction buffer
   micro-batch size, times the micro-batches in flight, ``min(P - s, m)`` for stage s of a P-stage
   1F1B pipeline running m micro-batches (Sailor used ``P - s`` even when m is smaller), scaled from
   the profile's dtype to the plan's, plus the received input of each in-flight micro-batch. With
-  recomputation a stage keeps only the inputs and recomputes one layer at a time.
+  recomputation (each transformer block checkpointed on its own, as megatron_patch runs it) a stage
+  keeps, per micro-batch in flight, its received input, every other block's input and the activations
+  of its non-block layers (embedding, head), and recomputes one layer at a time.
 * Backward working set: while a layer runs backward, the gradients of its activations live next to
   the activations they replace: about one more copy of the stage's largest layer activation.
 * Allocator slack: PyTorch's caching allocator keeps freed blocks of one size class that later,
@@ -91,8 +93,8 @@ def stage_memory(mem: MemoryTable, first, last, *, stage, num_stages, mbs: int, 
     scale = DTYPE_BYTES[dtype] / DTYPE_BYTES[mem.dtype]
     layer_max = mem.max_layer_act(first, last) * mbs * scale
     flight = in_flight(stage, num_stages, micro_batches)
-    if recompute:
-        acts = flight * input_bytes + layer_max  # inputs kept, one layer recomputed at a time
+    if recompute:  # every block's input kept per micro-batch in flight; one layer recomputed at a time
+        acts = flight * (mem.recompute_keep(first, last) * mbs * scale + input_bytes) + layer_max
     else:
         acts = flight * (mem.act_bytes(first, last) * mbs * scale + input_bytes)
     return StageMemory(state=STATE_BYTES[(dtype, optimizer)] * params,

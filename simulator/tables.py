@@ -15,7 +15,8 @@ Conventions kept from Sailor's profiles (the archive's format):
 * the update column is the optimizer step of the *profiled* model (embedding + 2 transformer blocks +
   tail), repeated on every layer; an optimizer step streams over the parameters (Adam: read weights,
   grads and 2 states, write 3), so a stage's step is that time scaled by the stage's share of
-  parameters (Sailor used the 2-block time unscaled for any stage). A profile that measured another
+  parameters (Sailor used the 2-block time unscaled for any stage), and for SGD with momentum by the
+  5 words it streams against Adam's 7 (profiles time Adam: Sailor's DeepSpeed runs and our profiler). A profile that measured another
   number of blocks records it as ``profiled_blocks`` in its provenance.
 * a layer never takes longer on fewer samples: a point slower than a larger micro-batch's point of
   the same layer, direction, GPU and TP is measurement noise (Sailor's GH-96 OPT profile has mbs 1
@@ -29,7 +30,9 @@ Conventions kept from Sailor's profiles (the archive's format):
   then saves (or costs, if the chain was slower): only in tables asked for with ``chain_timing=True``
   (``SimOptions(chain_timing=True)``; not validated on a GPU yet). Sailor's profiles have no such timing.
 * memory profiles are taken at micro-batch 1 in the dtype recorded on the entry; activations scale
-  linearly with the micro-batch size and with the element size of the plan's dtype.
+  linearly with the micro-batch size and with the element size of the plan's dtype. Under
+  recomputation a stage keeps each block's input (the full hidden state, on every TP rank) and the
+  other layers' activations.
 """
 from __future__ import annotations
 
@@ -42,6 +45,9 @@ from sailor_hpc.models import ModelSpec
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 DEFAULT_PROFILED_BLOCKS = 2
+# fp32 words an optimizer step reads and writes per parameter (it is memory bound): Adam reads weight,
+# grad, m, v and writes weight, m, v; SGD with momentum reads weight, grad, buffer and writes two
+OPTIMIZER_STREAM_WORDS = {"adam": 7, "sgd": 5}
 
 
 @dataclass(frozen=True)
@@ -85,6 +91,8 @@ class MemoryTable:
     act_input: np.ndarray  # (L,) elements of each layer's input
     range_max_act: np.ndarray  # (L, L): [first, last] -> largest single-layer activation bytes
     dtype: str
+    is_block: np.ndarray  # (L,) transformer blocks (what recomputation checkpoints)
+    cum_keep: np.ndarray  # (L+1,) bytes at mbs 1 kept under recomputation (see recompute_keep)
 
     # layer ranges may be ints or integer arrays (vectorised scoring): the result has their shape
     def params(self, first, last):
@@ -95,6 +103,14 @@ class MemoryTable:
 
     def max_layer_act(self, first, last):
         return self.range_max_act[first, last]
+
+    def recompute_keep(self, first, last):
+        """Bytes (mbs 1) a stage keeps per micro-batch in flight when every transformer block is
+        recomputed (checkpointed one by one, as megatron_patch does): the input of each block, except a
+        first block's (the received input, charged by the caller), and all of the other layers'
+        activations (embedding, head: not recomputed)."""
+        first_block_input = np.where(self.is_block[first], self.cum_keep[np.add(first, 1)] - self.cum_keep[first], 0.0)
+        return self.cum_keep[last + 1] - self.cum_keep[first] - first_block_input
 
 
 class ProfileTables:
@@ -184,11 +200,13 @@ class ProfileTables:
         chain = np.array([float(prov["stack_fwd_s"]), float(prov["stack_bwd_s"])])
         return tuple(float(x) for x in (alone - chain) / (n - 1))
 
-    def update_seconds(self, table: ComputeTable, first, last):
-        """Optimizer step of a stage: the profiled step scaled by the stage's share of parameters."""
+    def update_seconds(self, table: ComputeTable, first, last, optimizer: str = "adam"):
+        """Optimizer step of a stage: the profiled (Adam) step scaled by the stage's share of parameters
+        and by the words the plan's optimizer streams per parameter against Adam's."""
+        words = OPTIMIZER_STREAM_WORDS[optimizer] / OPTIMIZER_STREAM_WORDS["adam"]
         if table.update_params <= 0:
-            return table.update_s
-        return table.update_s * self.memory(table.tp).params(first, last) / table.update_params
+            return table.update_s * words
+        return table.update_s * words * self.memory(table.tp).params(first, last) / table.update_params
 
     # ------------------------------------------------------------------ memory
     def memory(self, tp: int) -> MemoryTable:
@@ -206,9 +224,13 @@ class ProfileTables:
                               file=self.archive.where, field=f"memory/{self.model.name}/tp{tp}",
                               fix="re-profile the model's memory")
         act = rows[:, 3]
+        is_block = np.zeros(L, dtype=bool)
+        is_block[1:self.model.num_layers + 1] = True
+        keep = np.where(is_block, rows[:, 2] * DTYPE_BYTES[entry.dtype], act)
         return MemoryTable(tp=tp, cum_params=np.concatenate(([0.0], np.cumsum(rows[:, 0]))),
                            cum_act=np.concatenate(([0.0], np.cumsum(act))), act_output=rows[:, 1].copy(),
-                           act_input=rows[:, 2].copy(), range_max_act=_range_max(act), dtype=entry.dtype)
+                           act_input=rows[:, 2].copy(), range_max_act=_range_max(act), dtype=entry.dtype,
+                           is_block=is_block, cum_keep=np.concatenate(([0.0], np.cumsum(keep))))
 
     def boundary_bytes(self, last_layer, mbs: int, tp: int, dtype: str):
         """Bytes of the activation that leaves ``last_layer`` for the next stage (and of its gradient

@@ -9,10 +9,11 @@ from simulator import StageEvaluator, simulate
 from simulator.api import CandidateBatch
 
 
-def test_score_batch_equals_simulate(a100v100, sailor_archive):
+@pytest.mark.parametrize("recompute", [False, True])
+def test_score_batch_equals_simulate(a100v100, sailor_archive, recompute: bool):
     rng = np.random.default_rng(1)
     kinds = [(g, tp, p) for g, p in (("A100-40", "a100"), ("V100-16", "v100")) for tp in (1, 2, 4)]
-    ev = StageEvaluator(sailor_archive, a100v100, "GPT-Neo-2.7B")
+    ev = StageEvaluator(sailor_archive, a100v100, "GPT-Neo-2.7B", recompute=recompute)
     N, P, L = 12, 4, 34
     first, last, kind = [], [], []
     for _ in range(N):
@@ -26,7 +27,8 @@ def test_score_batch_equals_simulate(a100v100, sailor_archive):
     for i in range(N):
         stages = tuple(Stage(int(first[i][s]), int(last[i][s]), kinds[kind[i][s]][1], kinds[kind[i][s]][0])
                        for s in range(P))
-        res = simulate(Plan("GPT-Neo-2.7B", 2 * int(m[i]), (Pipeline(2, int(m[i]), stages),)), a100v100, sailor_archive)
+        res = simulate(Plan("GPT-Neo-2.7B", 2 * int(m[i]), (Pipeline(2, int(m[i]), stages),), recompute=recompute),
+                       a100v100, sailor_archive)
         placed = res.plan.pipelines[0].stages  # simulate() packs TP groups onto nodes
         same.append([placed[j].partition == placed[j + 1].partition and placed[j].placement.node ==
                      placed[j + 1].placement.node for j in range(P - 1)])

@@ -6,7 +6,7 @@ import pytest
 from simulator.memory import ALLOCATOR_SLACK, in_flight, stage_memory
 from simulator.tables import ProfileTables
 from sailor_hpc.models import get_model
-from tests.simulator.conftest import OVERHEAD, TINY_ACT, TINY_PARAMS
+from tests.simulator.conftest import OVERHEAD, TINY_ACT, TINY_OUT, TINY_PARAMS
 
 
 def table(tiny, tp=1):
@@ -45,8 +45,14 @@ def test_dtype_optimizer_and_recompute(tiny):
     params = TINY_PARAMS[:3].sum()
     assert bf16.state == 18 * params and sgd.state == 12 * params and sgd.optimizer_temp == 0
     assert bf16.activations == pytest.approx(fp32.activations / 2)  # profile in fp32, plan in bf16
-    # recomputation keeps only inputs (stage 0 has none) and one layer being recomputed
-    assert rec.activations == pytest.approx(TINY_ACT[1]) and rec.activations < fp32.activations
+    # recomputation, 2 micro-batches in flight: the embedding's activations (not recomputed), the input of
+    # block 2 (block 1's input is the embedding's output, kept as block 1's input too), and one layer
+    # (the largest) being recomputed
+    keep = TINY_ACT[0] + 4 * TINY_OUT[1] + 4 * TINY_OUT[2]  # act_input = TINY_OUT in the tiny profile
+    assert rec.activations == pytest.approx(2 * keep + TINY_ACT[1]) and rec.activations < fp32.activations
+    later = stage_memory(mem, 2, 4, dtype="fp32", optimizer="adam", recompute=True, **{**kw, "input_bytes": 500.0})
+    # blocks 2..4 from a received input: the inputs of blocks 3 and 4, plus the received one, per micro-batch
+    assert later.activations == pytest.approx(2 * (4 * TINY_OUT[2] + 4 * TINY_OUT[3] + 500.0) + TINY_ACT[2])
 
 
 def test_bucket_caps_the_reduce_buffer(tiny):

@@ -30,6 +30,8 @@ def test_update_scales_with_the_stage_share_of_parameters(tiny):
     profiled = TINY_PARAMS[0] + TINY_PARAMS[1] + TINY_PARAMS[2] + TINY_PARAMS[5]  # embedding, 2 blocks, tail
     assert c.update_params == profiled
     assert t.update_seconds(c, 0, 5) == pytest.approx(TINY_UPDATE * TINY_PARAMS.sum() / profiled)
+    # SGD with momentum streams 5 fp32 words per parameter where Adam streams 7
+    assert t.update_seconds(c, 0, 5, "sgd") == pytest.approx(TINY_UPDATE * 5 / 7 * TINY_PARAMS.sum() / profiled)
     assert c.fwd(1, 4) == pytest.approx(TINY_FWD[1:5].sum())
 
 
