@@ -20,13 +20,14 @@ _TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "tru
 
 
 class Fields:
-    def __init__(self, data: Any, *, file: object | None, path: str) -> None:
+    def __init__(self, data: Any, *, file: object | None, path: str, known: tuple[str, ...] = ()) -> None:
         if not isinstance(data, Mapping):
             raise SailorError(f"expected a table, got {type(data).__name__}", file=file, field=path or None,
                               fix="write it as a table / JSON object")
         self.data = data
         self.file = file
         self.path = path
+        self.known = known  # fields of this table: never suggested as the misspelling of another
         self.seen: set[str] = set()
 
     def name(self, key: str) -> str:
@@ -48,7 +49,7 @@ class Fields:
     def req(self, key: str, kind: type) -> Any:
         self.seen.add(key)
         if key not in self.data:
-            typo = difflib.get_close_matches(key, [str(k) for k in self.data], n=1)
+            typo = difflib.get_close_matches(key, [str(k) for k in self.data if k not in self.known], n=1)
             fix = (f"rename {typo[0]!r} to {key!r}" if typo
                    else f"add {key} = <{_TYPE_NAMES.get(kind, kind.__name__)}>")
             raise self.error(key, "is missing", fix=fix)

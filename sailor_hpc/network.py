@@ -126,6 +126,12 @@ class NetworkFit:
         if (len(rng) != 2 or not all(isinstance(r, (int, float)) and not isinstance(r, bool) for r in rng)
                 or not 0 < rng[0] < rng[1] < math.inf):
             raise f.error("range_bytes", f"must be [min, max] message bytes with 0 < min < max, got {rng!r}")
+        if coeffs is not None:
+            a, b, c = (float(x) for x in coeffs)
+            lo, hi = math.log2(rng[0] / 1e6), math.log2(rng[1] / 1e6)
+            if max(a * u * u + b * u + c for u in (lo + (hi - lo) * i / 64 for i in range(65))) <= 0:
+                raise f.error("coeffs", f"{coeffs!r} gives no positive bandwidth over range_bytes {rng!r}",
+                              fix="give the fit of measured GB/s over log2(message MB), or constant_gbps")
         return cls(coeffs=tuple(float(c) for c in coeffs) if coeffs else None, constant_gbps=constant,
                    max_gbps=max_gbps, min_bytes=float(rng[0]), max_bytes=float(rng[1]))
 

@@ -327,6 +327,11 @@ class SailorRun:
     plan: Plan
     real_s: float | None
     max_mem_bytes: float | None
+    red_grads_s: float | None = None  # the measured gradient reduction, when the file has it
+
+
+# fields of a Sailor plan_config this reader uses (a typo suggestion never proposes renaming one of them)
+SAILOR_FIELDS = ("mbs", "gbs", "pipeline_list", "real", "max_mem", "red_grads")
 
 
 def is_sailor_plan(data: Any) -> bool:
@@ -339,7 +344,7 @@ def plan_from_sailor(data: dict[str, Any], model: str, source: object | None = N
     Sailor runs m = ceil(gbs / (mbs * D)) micro-batches on every replica, so the converted plan's
     global batch is m * mbs * D (equal to gbs whenever gbs divides evenly, as in all published runs).
     """
-    f = Fields(data, file=source, path="")
+    f = Fields(data, file=source, path="", known=SAILOR_FIELDS)
     mbs = f.positive("mbs")
     gbs = f.positive("gbs")
     raw = f.req("pipeline_list", list)
@@ -374,9 +379,14 @@ def plan_from_sailor(data: dict[str, Any], model: str, source: object | None = N
     if warnings:
         notes["warnings"] = warnings
     plan = Plan(model=get_model(model).name, global_batch_size=total, pipelines=tuple(pipes), notes=notes)
-    real = f.opt("real", float)
-    mem = f.opt("max_mem", float)
-    return SailorRun(plan=plan, real_s=real or None, max_mem_bytes=mem or None)
+    measured = {}
+    for key in ("real", "max_mem", "red_grads"):
+        value = f.opt(key, float)
+        if value is not None and value < 0:
+            raise f.error(key, f"a measured value cannot be negative, got {value}", fix="fix or remove it")
+        measured[key] = value or None  # 0: not measured
+    return SailorRun(plan=plan, real_s=measured["real"], max_mem_bytes=measured["max_mem"],
+                     red_grads_s=measured["red_grads"])
 
 
 def _count(f: Fields, key: str, value: Any) -> int:
@@ -406,6 +416,17 @@ def _replicas(f: Fields, key: str, value: Any, dp: int) -> list[tuple[str, int]]
     return out
 
 
+def _gpu_types_on(plan: Plan, site: Any, path: Path, field_of: Any) -> None:
+    """A stage's GPU type the site does not declare is the plan file's error (named there), not the site's."""
+    for pi, pipe in enumerate(plan.pipelines):
+        for si, stage in enumerate(pipe.stages):
+            try:
+                site.gpu(stage.gpu_type)
+            except SailorError as exc:
+                raise SailorError(f"{exc.message} on site {site.name!r} ({site.source or 'discovered'})", file=path,
+                                  field=field_of(pi, si), fix=exc.fix) from None
+
+
 def load_plan(path: str | Path, *, model: str | None = None, site: Any | None = None,
               validate: bool = True) -> Plan:
     """Read a plan in our format or Sailor's (``model`` is then required), optionally placed on ``site``."""
@@ -423,7 +444,8 @@ def load_run(path: str | Path, *, model: str | None = None, site: Any | None = N
                               fix="pass --model (e.g. OPT-350M)")
         run = plan_from_sailor(data, model, source=path)
         if site is not None:
-            run = SailorRun(place_plan(run.plan, site), run.real_s, run.max_mem_bytes)
+            _gpu_types_on(run.plan, site, path, lambda _p, s: f"pipeline_list[*].tmp_per_stage[{s}]")
+            run = replace(run, plan=place_plan(run.plan, site))
     else:
         run = SailorRun(plan_from_dict(data, source=path), None, None)
         if model is not None:

@@ -323,7 +323,7 @@ class StageReport:
 
     @property
     def fits(self) -> bool:
-        return self.memory.total <= self.capacity_bytes
+        return bool(self.memory.total <= self.capacity_bytes)  # a plain bool, also from numpy numbers
 
     def to_dict(self) -> dict[str, Any]:
         d = {k: getattr(self, k) for k in ("pipeline", "stage", "first_layer", "last_layer", "gpu_type", "partition",

@@ -165,6 +165,9 @@ class ProfileTables:
         if not np.isfinite(times).all() or (times < 0).any():
             raise SailorError(f"{where} holds negative or non-finite times", file=self.archive.where, field=where,
                               fix="re-profile this point")
+        if times[:, 0].sum() <= 0 or times[:, 1].sum() <= 0:
+            raise SailorError(f"{where} holds no forward or no backward time (all zero)", file=self.archive.where,
+                              field=where, fix="re-profile this point")
         fwd, bwd = times[:, 0].copy(), times[:, 1].copy()
         for (b, t), other in points.items():
             if t == tp and b > mbs and other.dtype == entry.dtype:

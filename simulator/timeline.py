@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from sailor_hpc.atomic import atomic_write_text
+from sailor_hpc.atomic import atomic_path, atomic_write_text
 from sailor_hpc.errors import SailorError
 from simulator.iteration import Collective, StageKey, last_met
 
@@ -230,8 +230,6 @@ def write_gantt(timeline: Timeline, path: str | Path, title: str = "") -> None:
     ax.legend(handles=[Patch(color=COLORS[k], label=lab) for k, lab in zip(kinds, labels)], loc="upper left",
               bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     fig.tight_layout()
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
+    with atomic_path(path) as tmp:  # the user's path in any error; nothing half-written
+        fig.savefig(tmp, dpi=110, format="png")
     plt.close(fig)
-    tmp.replace(path)

@@ -13,7 +13,6 @@ reason that is printed with it:
 """
 from __future__ import annotations
 
-import json
 import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from typing import Any
 
 from sailor_hpc.archive import ProfileArchive
 from sailor_hpc.errors import SailorError
+from sailor_hpc.models import get_model
 from sailor_hpc.plan import load_run
 from sailor_hpc.site import Site
 from simulator.api import SimResult, simulate
@@ -95,7 +95,8 @@ class ValidationReport:
 
 
 def find_runs(paths: Iterable[str | Path]) -> list[Path]:
-    """Every ``*.json`` under the given files and folders, sorted."""
+    """Every ``*.json`` under the given files and folders, sorted, each once (a file also named inside a
+    given folder would count twice in the means)."""
     out: list[Path] = []
     for p in map(Path, paths):
         if p.is_dir():
@@ -104,7 +105,13 @@ def find_runs(paths: Iterable[str | Path]) -> list[Path]:
             out.append(p)
         else:
             raise SailorError("no such file or folder", file=p, fix="pass Sailor plan_config files or folders of them")
-    return out
+    seen: set[Path] = set()
+    unique = []
+    for f in out:
+        if f.resolve() not in seen:
+            seen.add(f.resolve())
+            unique.append(f)
+    return unique
 
 
 def documented_anomaly(path: Path) -> str | None:
@@ -131,11 +138,10 @@ def validate_file(path: Path, site: Site, model: str, archive: ProfileArchive) -
     row = ValidationRow(file=str(path))
     anomaly = documented_anomaly(path)
     try:
-        raw = json.loads(path.read_text())
         run = load_run(path, model=model, site=site)
         row.real_s, row.real_mem_bytes = run.real_s, run.max_mem_bytes
         res = simulate(run.plan, site, archive)
-    except (SailorError, OSError, ValueError) as exc:
+    except SailorError as exc:
         row.error = str(exc)
         row.time_excluded = row.mem_excluded = anomaly or f"cannot be evaluated: {exc}"
         return row
@@ -144,9 +150,13 @@ def validate_file(path: Path, site: Site, model: str, archive: ProfileArchive) -
     if anomaly:
         row.time_excluded = row.mem_excluded = anomaly
         return row
-    if row.real_s is not None and raw.get("red_grads") is not None and float(raw["red_grads"]) == row.real_s:
+    if row.real_s is None:
+        row.time_excluded = "no measured `real` (s/iteration) in the file"
+    elif run.red_grads_s == row.real_s:
         row.time_excluded = "`real` equals `red_grads` (a copied value, not an iteration time)"
-    if row.real_mem_bytes is not None:
+    if row.real_mem_bytes is None:
+        row.mem_excluded = "no measured `max_mem` in the file"
+    else:
         floor = memory_floor(res)
         if row.real_mem_bytes < floor:
             row.mem_excluded = (f"reported peak {row.real_mem_bytes / 2**30:.2f} GiB is below the {floor / 2**30:.2f} GiB "
@@ -156,10 +166,17 @@ def validate_file(path: Path, site: Site, model: str, archive: ProfileArchive) -
 
 def validate_runs(paths: Iterable[str | Path], site: Site, model: str, archive: ProfileArchive) -> ValidationReport:
     """Simulate every measured run under ``paths`` and compare."""
+    get_model(model)  # an unknown --model is the command's error, not every file's
     files = find_runs(paths)
     if not files:
         raise SailorError("no plan_config JSON files found", field="PATHS", fix="pass files or folders of them")
-    return ValidationReport([validate_file(f, site, model, archive) for f in files])
+    report = ValidationReport([validate_file(f, site, model, archive) for f in files])
+    if all(r.error for r in report.rows):  # nothing to compare: the input as a whole is wrong
+        first = report.rows[0]
+        raise SailorError(f"none of the {len(files)} file(s) can be evaluated; the first: {first.error}",
+                          field="PATHS", fix="check --site and --model against the runs (e.g. mit/* with "
+                                             "mit-mixed.toml, clariden/* with clariden.toml)")
+    return report
 
 
 __all__ = ["DOCUMENTED_ANOMALIES", "ValidationRow", "ValidationReport", "validate_runs", "validate_file", "find_runs",

@@ -229,3 +229,10 @@ def test_cli_sbatch_renders_and_refuses(tmp_path):
     bad.write_text(json.dumps({"format": "sailor-hpc-plan", "model": "tiny-gpt"}))
     res = runner.invoke(main, ["sbatch", str(bad), "--site", str(LOCAL_LAB), "--dry-run"])
     assert res.exit_code == 2 and "bad.json: pipelines: is missing" in res.output
+
+
+def test_cli_sbatch_that_cannot_render_leaves_no_placed_plan(tmp_path):
+    plan = write_plan(tmp_path, "unplaced")
+    res = CliRunner().invoke(main, ["sbatch", str(plan), "--site", str(LOCAL_LAB), "--dry-run", "--time", "bogus"])
+    assert res.exit_code == 2 and "--time" in res.output
+    assert not (tmp_path / "unplaced.placed.json").exists()

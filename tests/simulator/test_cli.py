@@ -63,3 +63,53 @@ def test_validate_sim_json(tmp_path):
     assert set(out["summary"]) >= {"time_mape_pct", "mem_mape_pct"}
     text = run("validate-sim", validation_dir() / "mit/N4", "--site", SITES / "mit-mixed.toml", "--model", "OPT-350M")
     assert "mean" in text.output and "median" in text.output and "max" in text.output
+
+
+def _edited(tmp_path, name, **changes):
+    raw = json.loads((validation_dir() / PLAN).read_text())
+    raw.update(changes)
+    path = tmp_path / name
+    path.write_text(json.dumps(raw))
+    return path
+
+
+def test_validate_sim_refuses_what_cannot_be_compared(tmp_path):
+    good = _edited(tmp_path, "good.json")
+    _edited(tmp_path, "red.json", red_grads="n/a")  # not a number: that file's error, no traceback
+    _edited(tmp_path, "neg.json", real=-1)  # a negative measurement is no measurement
+    _edited(tmp_path, "none.json", real=0)  # 0 = not measured: kept out with a reason, not silently
+    r = run("validate-sim", tmp_path, good, "--site", SITES / "clariden.toml", "--model", "OPT-350M", "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.output)
+    rows = {Path(f["file"]).name: f for f in out["files"]}
+    assert len(out["files"]) == 4  # good.json named twice, counted once
+    assert "red_grads" in rows["red.json"]["error"] and "real" in rows["neg.json"]["error"]
+    assert rows["none.json"]["time_excluded"].startswith("no measured")
+    assert out["summary"]["time_files"] == 1 and out["summary"]["time_mape_pct"] == rows["good.json"]["time_err_pct"]
+    unknown = run("validate-sim", good, "--site", SITES / "clariden.toml", "--model", "nosuch")
+    assert unknown.exit_code == 2 and "unknown model" in unknown.output
+    wrong_site = run("validate-sim", validation_dir() / "mit", "--site", SITES / "clariden.toml", "--model", "OPT-350M")
+    assert wrong_site.exit_code == 2 and "none of the 5 file(s) can be evaluated" in wrong_site.output
+
+
+def test_simulate_names_the_plan_file_and_reports_plain_booleans(tmp_path):
+    raw = json.loads((validation_dir() / PLAN).read_text())
+    raw["pipeline_list"][0]["tmp_per_stage"][0][0][0][0][0] = "H100"
+    h100 = tmp_path / "h100.json"
+    h100.write_text(json.dumps(raw))
+    r = run("simulate", h100, "--site", SITES / "clariden.toml", "--model", "OPT-350M")
+    assert r.exit_code == 2 and f"{h100}: pipeline_list[*].tmp_per_stage[0]: unknown GPU type 'H100'" in r.output
+    del raw["mbs"]
+    raw["pipeline_list"][0]["tmp_per_stage"][0][0][0][0][0] = "GH-96"
+    h100.write_text(json.dumps(raw))
+    r = run("simulate", h100, "--site", SITES / "clariden.toml", "--model", "OPT-350M")
+    assert r.exit_code == 2 and "mbs: is missing" in r.output and "rename 'gbs'" not in r.output
+    # an out-of-memory plan: every stage's fits is a JSON boolean, not the string "False"
+    oom = tmp_path / "oom.json"
+    oom.write_text(json.dumps({"model": "GPT-Neo-2.7B", "global_batch_size": 8, "pipelines": [
+        {"micro_batch_size": 8, "num_micro_batches": 1, "stages": [{"layers": [0, 33], "tp": 1, "gpu_type": "GH-96"}]}]}))
+    r = run("simulate", oom, "--site", SITES / "clariden.toml", "--json", "--timeline", tmp_path / "no" / "dir" / "t.png")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.output)
+    assert out["fits"] is False and [s["fits"] for s in out["stages"]] == [False]
+    assert (tmp_path / "no" / "dir" / "t.png").read_bytes()[:4] == b"\x89PNG"

@@ -115,3 +115,11 @@ def test_chain_timing_turns_into_a_saving_per_layer_boundary():
     archive.add(ComputeEntry("tiny-gpt", "G1", 1, 1, base.times, big))
     c = ProfileTables(archive, get_model("tiny-gpt")).compute("G1", 1, 1, chain_timing=True)
     assert c.fwd(0, 5) == pytest.approx(TINY_FWD.sum() / 3)
+
+
+def test_a_point_of_all_zero_times_is_refused_not_divided_by():
+    a = tiny_archive()
+    a.add(ComputeEntry("tiny-gpt", "G1", 4, 1, np.zeros((6, 3)), {}))
+    with pytest.raises(SailorError, match="no forward or no backward time") as exc:
+        ProfileTables(a, get_model("tiny-gpt")).compute("G1", 4, 1)
+    assert exc.value.field == "compute/tiny-gpt/G1/mbs4_tp1" and "re-profile" in exc.value.fix

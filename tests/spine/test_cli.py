@@ -67,7 +67,8 @@ def test_plan_validate_sailor_and_errors(tmp_path: Path) -> None:
     no_model = cli("plan", "validate", str(path))
     assert no_model.returncode == 2 and "--model" in no_model.stderr
     wrong_site = cli("plan", "validate", str(path), "--model", "OPT-350", "--site", str(SITE_CONFIGS / "a100-v100.toml"))
-    assert wrong_site.returncode == 2 and "a100-v100.toml: gpu_types: unknown GPU type 'RTX-3090'" in wrong_site.stderr
+    assert wrong_site.returncode == 2 and f"{path}: pipeline_list[*].tmp_per_stage[0]: unknown GPU type 'RTX-3090' " \
+        "on site 'a100-v100'" in wrong_site.stderr  # the plan's error, named in the plan; the site named too
     missing = cli("plan", "validate", str(tmp_path / "none.json"))
     assert missing.returncode == 2 and "file not found" in missing.stderr
 

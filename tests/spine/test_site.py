@@ -126,6 +126,8 @@ def _broken(path: Path, old: str, new: str) -> Path:
      "[min, max]"),
     ('"1" = { coeffs = [-0.0024414231124647644, 0.1408627339370467, 1.116822757126346], max_gbps = 2.4204 }',
      '"²" = { constant_gbps = 2.0 }', "partitions[0].network.inter_node.²", "number of GPUs"),
+    ('"1" = { coeffs = [-0.0024414231124647644, 0.1408627339370467, 1.116822757126346], max_gbps = 2.4204 }',
+     '"1" = { coeffs = [0.0, 0.0, 0.0] }', "partitions[0].network.inter_node.1.coeffs", "no positive bandwidth"),
     # a GPU type names HDF5 groups of the shared archive: a '/' would nest them
     ('[gpu_types."V100-16"]', '[gpu_types."V100/16"]', "gpu_types.V100/16", "not a valid GPU type name"),
     ('name = "local-lab"', 'name = "lab/x"', "name", "not a valid site name"),
