@@ -229,7 +229,9 @@ class LayerProfiler:
                 return out
 
             self._forward_chain(tokens, labels, each)
-            tu, _ = self.clock.measure(lambda: [opt.step(1.0) for opt in self.optimizers])
+            # the step as the runtime takes it: fp32 master gradients first (bf16/fp16 keep their grads on the
+            # low-precision copies; without this the step would find no gradient and skip every parameter)
+            tu, _ = self.clock.measure(lambda: [(opt.main_grads(), opt.step(1.0)) for opt in self.optimizers])
             for opt in self.optimizers:
                 opt.zero_grad()
             if timed:
@@ -312,6 +314,14 @@ def is_oom(exc: BaseException) -> bool:
     return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
 
 
+def _release(prof: "LayerProfiler", device: torch.device) -> None:
+    """After an out-of-memory error: drop the gradients and the allocator's cache before the next point."""
+    for opt in prof.optimizers:
+        opt.zero_grad()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def profile_compute(spec: ModelSpec, mbs_list: Sequence[int], *, tp_group: Any, device: torch.device,
                     dtype: str = "fp32", blocks: int | None = None, warmup: int = 3, iters: int = 10,
                     baseline_rss: float = 0.0) -> ComputeResult:
@@ -328,16 +338,22 @@ def profile_compute(spec: ModelSpec, mbs_list: Sequence[int], *, tp_group: Any, 
     points = []
     for mbs in sorted(mbs_list):
         try:
-            points.append(PointResult(mbs=mbs, times=prof.measure(mbs), stack=prof.measure_stack(mbs)))
+            times = prof.measure(mbs)
         except RuntimeError as exc:
             if not is_oom(exc):
                 raise
             points.append(PointResult(mbs=mbs, times=None, reason=f"out of memory at micro-batch {mbs}: "
                                                                    f"{str(exc).splitlines()[0][:200]}"))
-            for opt in prof.optimizers:
-                opt.zero_grad()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            _release(prof, device)
+            continue
+        try:  # the chain holds every measured layer's activations at once: it may not fit where layers do
+            stack = prof.measure_stack(mbs)
+        except RuntimeError as exc:
+            if not is_oom(exc):
+                raise
+            stack = None
+            _release(prof, device)
+        points.append(PointResult(mbs=mbs, times=times, stack=stack))
     return ComputeResult(points=points, memory=memory, overhead_bytes=prof.overhead_bytes(baseline_rss),
                          profiled_blocks=prof.k, device=device.type,
                          extra={"padded_vocab": prof.padded, "warmup": warmup, "iters": iters,

@@ -335,7 +335,8 @@ def _open_existing(path: Path) -> h5py.File:
 
 
 def write_entries(path: str | os.PathLike[str], entries: Iterable[Entry], *, lock_timeout_s: float = 300.0) -> int:
-    """Merge entries into the archive at ``path`` (created if missing); returns how many were written.
+    """Merge entries into the archive at ``path`` (created if missing); returns how many were written
+    (a failed compute point is not written over a measured one).
 
     Safe against concurrent writers (lock + copy + atomic rename) and readers (they never see a partial file).
     """
@@ -355,6 +356,18 @@ def write_entries(path: str | os.PathLike[str], entries: Iterable[Entry], *, loc
                             old.copy(old[name], out, name=name)
                 out.attrs["format"] = ARCHIVE_FORMAT
                 out.attrs["version"] = ARCHIVE_VERSION
+                written = 0
                 for entry in entries:
+                    if _hides_a_measurement(out, entry):
+                        continue
                     _write_entry(out, entry)
-    return len(entries)
+                    written += 1
+    return written
+
+
+def _hides_a_measurement(h5: h5py.File, entry: Entry) -> bool:
+    """A failed point never replaces a measured one: a lost job, or a second partition of the same GPU
+    type that ran out of memory, must not erase what another job measured (delete it to re-measure)."""
+    if not isinstance(entry, ComputeEntry) or entry.status == "ok" or entry.path not in h5:
+        return False
+    return str(h5[entry.path].attrs.get("status", "ok")) == "ok"

@@ -191,3 +191,32 @@ def test_layer_profiler_on_tiny_gpt(one_rank):
         alone.append(float(one[prof.measured, :2].sum()))
         chained.append(sum(prof.measure_stack(2)))
     assert statistics.median(alone) / 3 < statistics.median(chained) < statistics.median(alone) * 3, (alone, chained)
+
+
+def test_bf16_profile_times_a_real_optimizer_step(one_rank):
+    """bf16 keeps gradients on the bf16 copies: the timed step must move them to the fp32 masters first,
+    or Adam finds no gradient and the profile records a step of nothing."""
+    import torch
+
+    from profiler.compute import LayerProfiler
+
+    prof = LayerProfiler(get_model("tiny-gpt"), tp_group=one_rank, device=torch.device("cpu"), dtype="bf16",
+                         warmup=1, iters=2)
+    prof.measure(1)
+    for opt in prof.optimizers:
+        stepped = [m for m in opt.master.values() if opt.adam.state.get(m, {}).get("step", 0) > 0]
+        assert len(stepped) == len(opt.master) > 0
+
+
+def test_chain_timing_out_of_memory_keeps_the_per_layer_point(one_rank, monkeypatch):
+    import torch
+
+    from profiler.compute import LayerProfiler, profile_compute
+
+    def chain_oom(self, mbs):  # the chain holds every measured layer's activations: it fails first
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(LayerProfiler, "measure_stack", chain_oom)
+    res = profile_compute(get_model("tiny-gpt"), [1], tp_group=one_rank, device=torch.device("cpu"), warmup=1, iters=2)
+    (point,) = res.points
+    assert point.times is not None and point.stack is None and not point.reason

@@ -141,6 +141,13 @@ def test_failed_points_are_recorded_not_dropped(tmp_path: Path) -> None:
     assert archive.failed[("tiny-gpt", "V100-16")][(8, 1)].reason == "CUDA out of memory"
     with pytest.raises(SailorError, match="no compute profile"):
         archive.compute_points("tiny-gpt", "V100-16")
+    # a later failure of a point another job measured (a lost job, a second partition of the same GPU
+    # type) does not erase the measurement; a measurement does replace a failure
+    good = ComputeEntry("tiny-gpt", "V100-16", 8, 1, np.ones((6, 3)), make_provenance("test"))
+    assert write_entries(path, [good]) == 1
+    assert write_entries(path, [bad]) == 0
+    kept = read_archive(path).compute_points("tiny-gpt", "V100-16")[(8, 1)]
+    assert kept.status == "ok" and kept.times.sum() == 18
 
 
 def test_earlier_archive_hides_later_one(tmp_path: Path) -> None:
