@@ -72,21 +72,47 @@ def _read(path: Path) -> Any:
     return read_json(path, missing_fix="pass Sailor's data directory (with profiles/ and network/)")
 
 
-def sailor_entries(data_dir: str | Path) -> list[Entry]:
-    """Every archive entry that Sailor's data directory yields."""
+def mismatched_models(memory: dict[str, Any]) -> dict[str, str]:
+    """Sailor models whose profiled transformer block is not the catalog model of that name (then their
+    profiles describe another network: Sailor's LLAMA-3-8 blocks have full multi-head attention, a
+    16,384 FFN and a 50,304 vocabulary), with the reason. A block is compared at TP 1, to 1 %."""
+    out = {}
+    for sailor_model, by_tp in memory.items():
+        spec = get_model(sailor_model)
+        if "1" not in by_tp or spec.num_layers < 1:
+            continue
+        theirs = float(by_tp["1"]["1"]["params_floats"])
+        ours = spec.block_params()
+        if abs(theirs - ours) > 0.01 * ours:
+            out[sailor_model] = (f"Sailor's {sailor_model} block has {theirs:,.0f} parameters, the catalog's "
+                                 f"{spec.name} {ours:,.0f}: another model, not imported (profile {spec.name} with "
+                                 "`sailor-hpc profile`)")
+    return out
+
+
+def sailor_entries(data_dir: str | Path, skipped: dict[str, str] | None = None) -> list[Entry]:
+    """Every archive entry that Sailor's data directory yields; models whose profiles are of another
+    network than the catalog's model of that name are left out (with the reason in ``skipped``)."""
     root = Path(data_dir)
     prov = make_provenance(SAILOR_SOURCE, dtype="fp32", data_dir=str(root.resolve()))
     entries: list[Entry] = []
     compute = _read(root / "profiles" / "compute_profiles.json")
+    memory = _read(root / "profiles" / "memory_profiles.json")
+    other = mismatched_models(memory)
+    if skipped is not None:
+        skipped.update(other)
     for sailor_model, gpus in compute.items():
+        if sailor_model in other:
+            continue
         model = get_model(sailor_model).name
         for gpu, by_mbs in gpus.items():
             for mbs, by_tp in by_mbs.items():
                 for tp, layers in by_tp.items():
                     times = np.array([layers[str(i)] for i in range(len(layers))], dtype=np.float64)
                     entries.append(ComputeEntry(model, gpu, int(mbs), int(tp), times, dict(prov)))
-    memory = _read(root / "profiles" / "memory_profiles.json")
     for sailor_model, by_tp in memory.items():
+        if sailor_model in other:
+            continue
         model = get_model(sailor_model).name
         for tp, layers in by_tp.items():
             rows = [[layers[str(i)][k] for k in ("params_floats", "act_output_floats", "act_input_floats", "act_mem_bytes")]
@@ -103,6 +129,6 @@ def sailor_entries(data_dir: str | Path) -> list[Entry]:
     return entries
 
 
-def import_sailor(data_dir: str | Path, archive: str | Path) -> int:
+def import_sailor(data_dir: str | Path, archive: str | Path, skipped: dict[str, str] | None = None) -> int:
     """Merge Sailor's profiles into ``archive``; returns the number of entries written."""
-    return write_entries(archive, sailor_entries(data_dir))
+    return write_entries(archive, sailor_entries(data_dir, skipped))

@@ -27,11 +27,14 @@ def import_sailor_cmd(directory: Path, archive: Path, as_json: bool) -> None:
     """Convert Sailor's published profiles (DIRECTORY has profiles/ and network/) into ARCHIVE."""
     from sailor_hpc.sailor_import import import_sailor
 
-    n = import_sailor(directory, archive)
+    skipped: dict[str, str] = {}
+    n = import_sailor(directory, archive, skipped)
     if as_json:
-        echo_json({"archive": str(archive), "entries": n})
+        echo_json({"archive": str(archive), "entries": n, "skipped": skipped})
     else:
         click.echo(f"wrote {n} entries into {archive}")
+        for reason in skipped.values():
+            click.echo(f"skipped: {reason}")
 
 
 def _open(archive: Path | None):

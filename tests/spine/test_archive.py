@@ -32,7 +32,14 @@ def test_imported_archive_equals_sailors_numbers(imported: Path) -> None:
     compute = json.loads((sailor_data() / "profiles" / "compute_profiles.json").read_text())
     memory = json.loads((sailor_data() / "profiles" / "memory_profiles.json").read_text())
     checked = 0
+    # Sailor's LLAMA-3-8 is another network than the catalog's Llama-3-8B (independent numbers: its block
+    # has 268,496,896 parameters, Llama-3-8B's 4096 hidden, 8 KV heads of 128, 14336 FFN give 218,112,000)
+    assert memory["LLAMA-3-8"]["1"]["1"]["params_floats"] == 268_496_896
+    assert get_model("Llama-3-8B").block_params() == 4096 * (4096 + 2 * 8 * 128) + 4096 * 4096 + 3 * 4096 * 14336 + 2 * 4096
+    assert "Llama-3-8B" not in archive.models()
     for sailor_model, gpus in compute.items():
+        if sailor_model == "LLAMA-3-8":
+            continue
         model = get_model(sailor_model).name
         for gpu, by_mbs in gpus.items():
             points = archive.compute_points(model, gpu)
@@ -45,6 +52,8 @@ def test_imported_archive_equals_sailors_numbers(imported: Path) -> None:
                         assert list(times[int(layer)]) == values  # bit-exact
                         checked += 3
     for sailor_model, by_tp in memory.items():
+        if sailor_model == "LLAMA-3-8":
+            continue
         model = get_model(sailor_model).name
         for t, layers in by_tp.items():
             table = archive.memory_table(model, int(t)).table
@@ -52,7 +61,7 @@ def test_imported_archive_equals_sailors_numbers(imported: Path) -> None:
                 row = table[int(layer)]
                 assert list(row) == [v["params_floats"], v["act_output_floats"], v["act_input_floats"], v["act_mem_bytes"]]
                 checked += 4
-    assert checked > 20_000
+    assert checked > 19_000
     prov = archive.compute_points("OPT-350M", "GH-96")[(1, 4)].provenance
     assert {"user", "host", "time", "source"} <= set(prov) and "Sailor" in prov["source"]
 
@@ -70,7 +79,7 @@ def test_network_entries_match_sailors_fits(imported: Path) -> None:
 
 def test_shipped_embedded_archive_is_a_fresh_import(imported: Path) -> None:
     shipped, fresh = read_archive(EMBEDDED_ARCHIVE), read_archive(imported)
-    assert set(shipped.compute) == set(fresh.compute)
+    assert set(shipped.compute) == set(fresh.compute) and set(shipped.memory) == set(fresh.memory)
     for key, points in fresh.compute.items():
         for point, entry in points.items():
             np.testing.assert_array_equal(shipped.compute[key][point].times, entry.times)
