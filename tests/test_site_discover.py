@@ -83,11 +83,12 @@ case "$*" in
 PartitionName=gpu Default=YES MaxNodes=4 MaxTime=2-00:00:00 Nodes=g[1-3],c1 State=UP TotalCPUs=160 TotalNodes=4
 PartitionName=cpu Default=NO MaxNodes=UNLIMITED MaxTime=INFINITE Nodes=c1 State=UP TotalCPUs=64 TotalNodes=1
 PartitionName=odd Default=NO MaxNodes=UNLIMITED MaxTime=30:00 Nodes=x1 State=DOWN TotalCPUs=8 TotalNodes=1
+PartitionName=gpu-long Default=NO MaxNodes=2 MaxTime=7-00:00:00 Nodes=g[1-2] State=UP TotalCPUs=64 TotalNodes=2
 END
   ;;
   *"show node"*) cat <<'END'
-NodeName=g1 CPUTot=32 Gres=gpu:h100:4(S:0-1) RealMemory=500000 State=IDLE Partitions=gpu OS=Linux 5 #1
-NodeName=g2 CPUTot=32 Gres=gpu:h100:4(S:0-1) RealMemory=500000 State=MIXED Partitions=gpu
+NodeName=g1 CPUTot=32 Gres=gpu:h100:4(S:0-1) RealMemory=500000 State=IDLE Partitions=gpu,gpu-long OS=Linux 5 #1
+NodeName=g2 CPUTot=32 Gres=gpu:h100:4(S:0-1) RealMemory=500000 State=MIXED Partitions=gpu,gpu-long
 NodeName=g3 CPUTot=16 Gres=gpu:h100:2 RealMemory=250000 State=IDLE Partitions=gpu
 NodeName=c1 CPUTot=64 Gres=(null) RealMemory=250000 State=IDLE Partitions=gpu,cpu
 NodeName=x1 CPUTot=8 Gres=gpu:mystery9000:2 RealMemory=64000 State=IDLE Partitions=odd
@@ -105,7 +106,9 @@ def test_discover_with_canned_scontrol_output(tmp_path):
     site = found.site
     assert site["name"] == "fakecluster"
     parts = {p["name"]: p for p in site["partitions"]}
-    assert set(parts) == {"gpu", "odd"}                     # the CPU-only partition is left out
+    # the CPU-only partition is left out, and so is gpu-long: its GPUs are gpu's (counted once)
+    assert set(parts) == {"gpu", "odd"}
+    assert any("'gpu-long' shares nodes with 'gpu'" in n for n in found.notes)
     gpu = parts["gpu"]
     assert (gpu["gpu_type"], gpu["gres"], gpu["nodes"], gpu["gpus_per_node"]) == ("H100-80", "gpu:h100", 3, 2)
     assert (gpu["cpus_per_node"], gpu["memory_per_node_mb"], gpu["max_nodes_per_job"]) == (16, 250000, 3)
@@ -170,7 +173,7 @@ def test_discover_site_on_live_cluster(slurm_cluster):
     assert parts["v100"] == {"name": "v100", "gpu_type": "V100-16", "gres": "gpu:v100", "nodes": 2,
                              "gpus_per_node": 8, "cpus_per_node": 8, "memory_per_node_mb": 8000,
                              "max_nodes_per_job": 2, "cost_per_gpu_hour": 1.0}
-    assert site["gpu_types"] == {"A100-40": {"memory_gib": 40.0, "aliases": ["a100"]},
+    assert site["gpu_types"] == {"A100-40": {"memory_gib": 39.43, "aliases": ["a100"]},
                                  "V100-16": {"memory_gib": 16.0, "aliases": ["v100"]}}
     text = dump_site_toml(site)
     assert tomllib.loads(text) == site
@@ -214,3 +217,19 @@ def test_live_availability_on_live_cluster(slurm_cluster):
             break
         time.sleep(0.2)
     assert live_availability(slurm_cluster.env)["a100"]["gpus_idle"] == 8
+
+
+def test_cli_discover_writes_the_notes_into_the_toml(tmp_path):
+    import subprocess
+    import sys
+
+    _fake_bin(tmp_path, "scontrol", FAKE_SCONTROL)
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"}
+    out = tmp_path / "site.toml"
+    proc = subprocess.run([str(Path(sys.executable).with_name("sailor-hpc")), "site", "discover", "-o", str(out)],
+                          capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    text = out.read_text()
+    assert "# - partition 'gpu-long' shares nodes with 'gpu'" in text and "mystery9000" in text
+    assert "note: partition 'gpu-long' shares nodes" in proc.stderr
+    assert tomllib.loads(text) == discover(env=env).site

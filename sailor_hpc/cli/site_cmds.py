@@ -58,11 +58,14 @@ def show_cmd(file: Path, as_json: bool) -> None:
 @json_option
 def discover_cmd(output: Path | None, name: str | None, as_json: bool) -> None:
     """Build a site config from sinfo/scontrol of the cluster this runs on."""
-    from sailor_hpc.slurm.discover import discover_site, dump_site_toml
+    from sailor_hpc.slurm.discover import discover
 
-    doc = discover_site(name)
+    found = discover(name)
+    doc = found.site
+    for note in found.notes:
+        click.echo(f"note: {note}", err=True)
     load_site_dict(doc, source="<discovered>")  # the discovered site must validate
-    text = dump_site_toml(doc)
+    text = found.toml()  # the notes also as comments on top of the file
     if output is not None:
         atomic_write_text(output, text)
     if as_json:

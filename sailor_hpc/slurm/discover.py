@@ -29,9 +29,11 @@ class KnownGpu:
     aliases: tuple[str, ...]   # lower-case gres type strings seen on clusters
 
 
-# Slurm gres types seen in the wild → profile GPU type names (see site_configs/ and the profile archive)
+# Slurm gres types seen in the wild → profile GPU type names (see site_configs/ and the profile archive).
+# Memory: what a process can allocate where it was measured (A100-40: 39.43 GiB, GH-96: 95.58 GiB, as in
+# site_configs/); the marketed size elsewhere.
 KNOWN_GPUS: tuple[KnownGpu, ...] = (
-    KnownGpu("A100-40", 40, ("a100", "a100-40", "a100_40", "a100-40g", "a100_40g", "a100-40gb", "a100_40gb",
+    KnownGpu("A100-40", 39.43, ("a100", "a100-40", "a100_40", "a100-40g", "a100_40g", "a100-40gb", "a100_40gb",
                              "a100-sxm4-40gb", "a100-pcie-40gb", "nvidia_a100-sxm4-40gb", "nvidia_a100-pcie-40gb")),
     KnownGpu("A100-80", 80, ("a100-80", "a100_80", "a100-80g", "a100_80g", "a100-80gb", "a100_80gb", "a100l",
                              "a100-sxm4-80gb", "a100-pcie-80gb", "nvidia_a100-sxm4-80gb", "nvidia_a100_80gb_pcie")),
@@ -39,7 +41,7 @@ KNOWN_GPUS: tuple[KnownGpu, ...] = (
                              "v100-sxm2-16gb", "v100-pcie-16gb", "tesla_v100-sxm2-16gb", "tesla_v100-pcie-16gb")),
     KnownGpu("V100-32", 32, ("v100-32", "v100_32", "v100-32g", "v100_32g", "v100-32gb", "v100_32gb",
                              "v100-sxm2-32gb", "tesla_v100-sxm2-32gb", "v100s")),
-    KnownGpu("GH-96", 96, ("gh200", "gh", "gh-96", "gh200-96", "gh200_96", "nvidia_gh200_96gb", "nvidia_gh200_480gb")),
+    KnownGpu("GH-96", 95.58, ("gh200", "gh", "gh-96", "gh200-96", "gh200_96", "nvidia_gh200_96gb", "nvidia_gh200_480gb")),
     KnownGpu("H100-80", 80, ("h100", "h100-80", "h100_80", "h100-80gb", "h100_80gb", "h100-sxm5-80gb",
                              "nvidia_h100_80gb_hbm3", "nvidia_h100_pcie", "h100_pcie")),
     KnownGpu("H200-141", 141, ("h200", "h200-141", "nvidia_h200")),
@@ -197,14 +199,21 @@ def discover(name: str | None = None, env: Mapping[str, str] | None = None) -> D
             name = "discovered"
     gpu_types: dict[str, dict[str, Any]] = {}
     partitions = []
-    for p in parts:
+    owner: dict[str, str] = {}  # GPU node -> the partition that counts it
+    for p in sorted(parts, key=lambda q: not q.default):  # the default partition first
         pnodes = [n for n in nodes if p.name in n.partitions]
         if not pnodes:
             notes.append(f"partition {p.name!r}: no nodes, left out")
             continue
+        shared = sorted({owner[n.name] for n in pnodes if n.name in owner})
+        if shared:  # the same GPUs twice would let the planner use GPUs the cluster does not have
+            notes.append(f"partition {p.name!r} shares nodes with {', '.join(map(repr, shared))} (the same GPUs): "
+                         "left out; replace that partition by this one if jobs should run here")
+            continue
         doc = _partition_doc(p, pnodes, notes, gpu_types)
         if doc is not None:
             partitions.append(doc)
+            owner.update({n.name: p.name for n in pnodes if _gpu_gres(n)})
     site: dict[str, Any] = {
         "schema_version": SITE_SCHEMA_VERSION,
         "name": name,
