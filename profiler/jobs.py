@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from sailor_hpc.archive import ComputeEntry, MemoryEntry, NetworkEntry, make_provenance, write_entries
+from sailor_hpc.archive import ComputeEntry, MemoryEntry, NetworkEntry, OverheadEntry, make_provenance, write_entries
 from sailor_hpc.errors import SailorError
 from sailor_hpc.models import get_model
 from sailor_hpc.slurm.commands import parse_kv_line, run_slurm
@@ -171,6 +171,8 @@ def compute_job(task: ComputeTask) -> dict[str, Any] | None:
                        "bwd_s": float(np.sum(p.times[:, 1])) if p.ok else None})
     if res.memory is not None:
         entries.append(MemoryEntry(spec.name, task.tp, res.memory, prov, dtype=task.dtype))
+    if res.overhead_bytes is not None:  # written by the job itself, so a resumed sweep does not lose it
+        entries.append(OverheadEntry(task.gpu_key, {task.tp: float(res.overhead_bytes)}, prov))
     write_entries(task.archive, entries)
     return {"points": points, "tp": task.tp, "gpu_key": task.gpu_key, "overhead_bytes": res.overhead_bytes,
             "memory": res.memory is not None, "seconds": time.perf_counter() - t0, "node": os.environ.get("SLURMD_NODENAME")}

@@ -37,8 +37,8 @@ from profiler.executors import Allocation, JobSettings, make_executor
 from profiler.jobs import ComputeTask, NetworkTask, compute_job, network_job
 from profiler.keys import ComputePoint, NetworkLink, device_key, network_site_key
 from profiler.progress import Progress
-from sailor_hpc.archive import (EMBEDDED_ARCHIVE, ComputeEntry, OverheadEntry, ProfileArchive, make_provenance,
-                                read_archive, write_entries)
+from sailor_hpc.archive import (EMBEDDED_ARCHIVE, ComputeEntry, ProfileArchive, make_provenance, read_archive,
+                                write_entries)
 from sailor_hpc.atomic import atomic_write_text
 from sailor_hpc.errors import SailorError
 from sailor_hpc.jobs.status import JobStatus, poll_jobs
@@ -370,22 +370,13 @@ def record_failures(cfg: SweepConfig, units: Sequence[Unit]) -> None:
         write_entries(cfg.archive, entries)
 
 
-def record_overhead(cfg: SweepConfig, units: Sequence[Unit]) -> dict[str, dict[int, float]]:
-    """Merge the per-TP fixed memory the compute jobs measured into the archive's overhead entries."""
+def record_overhead(units: Sequence[Unit]) -> dict[str, dict[int, float]]:
+    """The per-TP fixed memory the compute jobs of this sweep measured (each job wrote its own into the
+    archive, where an overhead entry adds its TP degree to the GPU's table), for the report."""
     found: dict[str, dict[int, float]] = defaultdict(dict)
     for u in units:
         if u.point is not None and u.result and u.result.get("overhead_bytes") is not None and u.status == "ok":
             found[u.point.gpu_key][u.result["tp"]] = float(u.result["overhead_bytes"])
-    if not found:
-        return {}
-    current = _archive_or_empty(cfg.archive).overhead
-    entries = []
-    for gpu, by_tp in found.items():
-        merged = dict(current[gpu].by_tp) if gpu in current else {}
-        merged.update(by_tp)
-        entries.append(OverheadEntry(gpu, merged, make_provenance(f"sailor-hpc profile ({cfg.folder})",
-                                                                  device="cpu" if cfg.cpu else "cuda")))
-    write_entries(cfg.archive, entries)
     return {k: dict(v) for k, v in found.items()}
 
 
@@ -451,6 +442,6 @@ def run_sweep(cfg: SweepConfig, progress: Progress | None = None) -> SweepReport
         progress.update(_counts(units))
         progress.close()
     record_failures(cfg, units)
-    overhead = record_overhead(cfg, units)
+    overhead = record_overhead(units)
     return SweepReport(units=units, archive=cfg.archive, folder=cfg.folder, seconds=time.monotonic() - t0,
                        overhead=overhead)

@@ -291,6 +291,10 @@ def open_archive(explicit: str | os.PathLike[str] | None = None, site: Any | Non
 # ---------------------------------------------------------------------- writing
 
 def _write_entry(h5: h5py.File, entry: Entry) -> None:
+    if isinstance(entry, OverheadEntry) and entry.path in h5:
+        # each profiling job measures its own TP degree: it adds to the GPU's table, never drops the others
+        entry = OverheadEntry(entry.gpu, {**{int(t): float(b) for t, b in h5[entry.path][()]}, **entry.by_tp},
+                              entry.provenance)
     if entry.path in h5:
         del h5[entry.path]
     if isinstance(entry, ComputeEntry):

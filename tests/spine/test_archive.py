@@ -248,3 +248,13 @@ def test_a_file_that_is_not_hdf5_is_not_overwritten(tmp_path: Path) -> None:
     with pytest.raises(SailorError, match="refusing to overwrite"):
         write_entries(notes, [OverheadEntry("A", {1: 1e9}, make_provenance("test"))])
     assert notes.read_text() == "my notes"
+
+
+def test_overhead_entries_add_their_tp_degrees(tmp_path: Path) -> None:
+    """Each profiling job measures one TP degree and writes it itself (a resumed sweep then loses none)."""
+    path = tmp_path / "a.h5"
+    write_entries(path, [OverheadEntry("X", {1: 1e9}, make_provenance("test"))])
+    write_entries(path, [OverheadEntry("X", {2: 2e9}, make_provenance("test"))])
+    assert read_archive(path).overhead["X"].by_tp == {1: 1e9, 2: 2e9}
+    write_entries(path, [OverheadEntry("X", {1: 3e9}, make_provenance("test"))])  # a new measurement replaces
+    assert read_archive(path).overhead["X"].by_tp == {1: 3e9, 2: 2e9}
