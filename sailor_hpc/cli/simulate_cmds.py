@@ -39,7 +39,12 @@ def simulate_cmd(plan_file: Path, site_file: Path, profiles: Path | None, model:
     site = load_site(site_file)
     plan = load_plan(plan_file, model=model, site=site)
     archive = _archive(profiles, site)
-    res = simulate(plan, site, archive)
+    try:
+        res = simulate(plan, site, archive)
+    except SailorError as exc:  # what the simulator finds wrong with the plan (seq_len, layers) is in PLAN
+        if exc.file is None:
+            exc.file = str(plan_file)
+        raise
     if timeline_file is not None:
         if timeline_file.suffix.lower() not in (".png", ".json"):
             raise SailorError(f"cannot write a timeline as {timeline_file.suffix or 'a file without suffix'}",

@@ -49,6 +49,11 @@ def test_simulate_bad_input_exits_2(tmp_path):
     r = CliRunner().invoke(main, ["simulate", str(validation_dir() / PLAN), "--site", str(SITES / "clariden.toml"),
                                   "--model", "OPT-350M", "--timeline", str(tmp_path / "t.svg")])
     assert r.exit_code == 2
+    longer = tmp_path / "seq.json"
+    longer.write_text(json.dumps({"model": "OPT-350M", "global_batch_size": 4, "seq_len": 4096, "pipelines": [
+        {"micro_batch_size": 1, "num_micro_batches": 4, "stages": [{"layers": [0, 25], "tp": 4, "gpu_type": "GH-96"}]}]}))
+    r = run("simulate", longer, "--site", SITES / "clariden.toml")
+    assert r.exit_code == 2 and f"{longer}: seq_len: profiles of OPT-350M are taken at sequence length 2048" in r.output
 
 
 def test_validate_sim_json(tmp_path):
