@@ -165,3 +165,29 @@ def test_cancelled_profiling_jobs_are_reported_failed_and_resume_completes(slurm
     # a second --resume finds nothing left to do and submits nothing
     proc = _profile(slurm_cluster, prof_env, tmp_path, *args, "--resume", "--json")
     assert proc.returncode == 0 and all(u["job_id"] is None for u in json.loads(proc.stdout)["units"])
+
+
+def test_jobs_record_their_overhead_even_when_the_driver_dies(slurm_cluster, prof_env, tmp_path):
+    """The sweep driver killed once its jobs are queued: the jobs still finish and write their points and
+    their GPU's fixed memory overhead themselves, so a later --resume (which finds the points done and has
+    no job results in memory) leaves nothing unrecorded."""
+    sweep = subprocess.Popen(["sailor-hpc", "profile", "--site", str(LOCAL_LAB), "--model", "tiny-gpt", "--cpu",
+                              "--archive", str(tmp_path / "cpu.h5"), "--folder", str(tmp_path / "jobs"), *QUICK,
+                              "--partitions", "a100,v100", "--mbs", "4", "--tp", "1", "--network", "none"],
+                             env=prof_env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(_sweep_jobs(slurm_cluster)) < 2:
+            time.sleep(0.3)
+        assert len(_sweep_jobs(slurm_cluster)) == 2
+    finally:
+        sweep.kill()
+        sweep.wait(10)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and _sweep_jobs(slurm_cluster):
+        time.sleep(0.5)
+    assert not _sweep_jobs(slurm_cluster)
+    a = read_archive(tmp_path / "cpu.h5")
+    assert sorted(a.compute) == [("tiny-gpt", "cpu-A100-40"), ("tiny-gpt", "cpu-V100-16")]
+    assert {g: set(e.by_tp) for g, e in a.overhead.items()} == {"cpu-A100-40": {1}, "cpu-V100-16": {1}}
+    assert all(b > 0 for e in a.overhead.values() for b in e.by_tp.values())
