@@ -212,8 +212,7 @@ class Tails:
                 return hit
             costs = [[self.ev.stage(s.gpu_type, s.tp, p.micro_batch_size, s.first_layer, s.last_layer)
                       for s in p.stages] for p in placed.pipelines]
-            ends = [[Endpoint(s.partition or s.gpu_type, s.placement.node if s.placement else None, s.tp)
-                     for s in p.stages] for p in placed.pipelines]
+            ends = [[Endpoint.of(s) for s in p.stages] for p in placed.pipelines]
             timing = self.ev.iteration(costs, ends, [1] * len(costs))  # what simulate() computes, minus reports
             flush = max(float(sched.makespan.max()) for sched in timing.schedules)
             hit = self._cache[key] = timing.time_s - flush

@@ -15,7 +15,7 @@ import numpy as np
 from sailor_hpc.archive import ProfileArchive, open_archive
 from sailor_hpc.errors import SailorError
 from sailor_hpc.models import ModelSpec, get_model
-from sailor_hpc.plan import Plan, Stage, place_plan, validate_plan
+from sailor_hpc.plan import Plan, place_plan, validate_plan
 from sailor_hpc.site import Site
 from simulator.cost import plan_cost_per_hour
 from simulator.iteration import Collective, IterationEnd, expected_max_normal, finish_iteration, gradient_segments
@@ -375,11 +375,6 @@ class SimResult:
         }
 
 
-def _endpoint(stage: Stage) -> Endpoint:
-    return Endpoint(partition=stage.partition or stage.gpu_type,
-                    node=None if stage.placement is None else stage.placement.node, tp=stage.tp)
-
-
 def prepare_plan(plan: Plan, site: Site) -> Plan:
     """Validate the plan and place it on the site when it carries no placement."""
     validate_plan(plan, site, check_placement=False)
@@ -414,7 +409,7 @@ def _assemble(plan: Plan, site: Site, archive: ProfileArchive | None, options: S
                         recompute=plan.recompute, options=options)
     costs = [[ev.stage(s.gpu_type, s.tp, pipe.micro_batch_size, s.first_layer, s.last_layer) for s in pipe.stages]
              for pipe in plan.pipelines]
-    ends = [[_endpoint(s) for s in pipe.stages] for pipe in plan.pipelines]
+    ends = [[Endpoint.of(s) for s in pipe.stages] for pipe in plan.pipelines]
     return _Assembled(plan, ev, costs, ends)
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from sailor_hpc.plan import Stage
 from sailor_hpc.network import NetworkFit
 from sailor_hpc.site import Site
 
@@ -38,6 +39,12 @@ class Endpoint:
     partition: str
     node: int | None
     tp: int
+
+    @classmethod
+    def of(cls, stage: Stage) -> "Endpoint":
+        """A plan stage's endpoint (its partition, or its GPU type before placement; its node if placed)."""
+        return cls(partition=stage.partition or stage.gpu_type,
+                   node=None if stage.placement is None else stage.placement.node, tp=stage.tp)
 
     def same_node(self, other: "Endpoint") -> bool:
         return self.partition == other.partition and self.node is not None and self.node == other.node
