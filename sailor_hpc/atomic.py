@@ -60,3 +60,17 @@ def atomic_write_with(target: str | os.PathLike[str], writer: Callable[[Path], N
     """Let ``writer`` fill a temporary path, then move it onto ``target``."""
     with atomic_path(target) as tmp:
         writer(tmp)
+
+
+@contextlib.contextmanager
+def removed_on_error(path: str | os.PathLike[str]) -> Iterator[None]:
+    """A file the block creates is removed again if the block fails (one it found is left alone): a
+    command that refuses its input leaves nothing half-done behind."""
+    path = Path(path)
+    existed = path.exists()
+    try:
+        yield
+    except BaseException:
+        if not existed:
+            path.unlink(missing_ok=True)
+        raise

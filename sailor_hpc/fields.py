@@ -63,6 +63,11 @@ class Fields:
 
     def positive(self, key: str, default: int | None = None) -> int:
         value = self.req(key, int) if default is None else self.opt(key, int, default)
+        return self.positive_value(key, value)
+
+    def positive_value(self, key: str, value: Any) -> int:
+        """``value`` (e.g. an element of a list field, named ``key``) as a positive integer."""
+        value = self._check(key, value, int)
         if value <= 0:
             raise self.error(key, f"must be a positive integer, got {value}")
         return value

@@ -354,7 +354,7 @@ def plan_from_sailor(data: dict[str, Any], model: str, source: object | None = N
     warnings: list[str] = []
     for pi, rp in enumerate(raw):
         pf = f.sub(f"pipeline_list[{pi}]", rp)
-        dp = [_count(pf, f"dp[{s}]", v) for s, v in enumerate(pf.req("dp", list))]
+        dp = [pf.positive_value(f"dp[{s}]", v) for s, v in enumerate(pf.req("dp", list))]
         layers = [_layer_list(pf, f"layers_per_stage[{s}]", v) for s, v in enumerate(pf.req("layers_per_stage", list))]
         tmp = pf.req("tmp_per_stage", list)
         if not dp or len(set(dp)) != 1:
@@ -389,12 +389,6 @@ def plan_from_sailor(data: dict[str, Any], model: str, source: object | None = N
                      red_grads_s=measured["red_grads"])
 
 
-def _count(f: Fields, key: str, value: Any) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise f.error(key, f"must be a positive integer, got {value!r}")
-    return value
-
-
 def _layer_list(f: Fields, key: str, value: Any) -> list[int]:
     if (not isinstance(value, list) or not value
             or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in value)):
@@ -412,7 +406,7 @@ def _replicas(f: Fields, key: str, value: Any, dp: int) -> list[tuple[str, int]]
               and isinstance(rep[0][0], list) and rep[0][0] and isinstance(rep[0][0][0], str))
         if not ok:
             raise f.error(f"{key}[{j}]", f"must be [[[gpu, gpus_per_node, zone]], tp], got {rep!r}")
-        out.append((rep[0][0][0], _count(f, f"{key}[{j}][1]", rep[1])))
+        out.append((rep[0][0][0], f.positive_value(f"{key}[{j}][1]", rep[1])))
     return out
 
 

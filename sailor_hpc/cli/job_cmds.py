@@ -7,8 +7,8 @@ from typing import Any
 import click
 
 from sailor_hpc.cli import main
+from sailor_hpc.atomic import removed_on_error
 from sailor_hpc.cli.output import echo_json, json_option, table
-from sailor_hpc.errors import SailorError
 
 _PATH = click.Path(dir_okay=False, path_type=Path)
 
@@ -48,20 +48,15 @@ def _render(plan_file: Path, site_file: Path, model: str | None, data: str | Non
     from sailor_hpc.site import load_site
 
     site = load_site(site_file)
-    placed_copy = plan_file.with_name(f"{plan_file.stem}.placed.json").absolute()
-    had_copy = placed_copy.exists()
-    plan, plan_path = placed_plan_file(plan_file, site, model)
-    if save is None and not dry_run:
-        save = str(plan_path.with_name(f"{plan_file.stem}-ckpt"))
-    try:
+    # no script: no placed copy of the plan left behind for it either
+    with removed_on_error(plan_file.with_name(f"{plan_file.stem}.placed.json").absolute()):
+        plan, plan_path = placed_plan_file(plan_file, site, model)
+        if save is None and not dry_run:
+            save = str(plan_path.with_name(f"{plan_file.stem}-ckpt"))
         text = render_job_script(plan, site, plan_path=plan_path, model=model, data=data, save=save, load=load,
                                  steps=steps, job_name=job_name, time=time_limit, extra_sbatch=extra_sbatch,
                                  train_args=train_arg, python=python, signal_grace_s=signal_grace, workdir=workdir,
                                  log_dir=log_dir, dry_run=dry_run)
-    except SailorError:
-        if plan_path == placed_copy and not had_copy:  # no script: no placed plan left behind for it either
-            placed_copy.unlink()
-        raise
     if plan_path != plan_file.absolute():
         click.echo(f"placed plan written to {plan_path} (the job reads it)", err=True)
     return text, plan_path

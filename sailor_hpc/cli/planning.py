@@ -7,6 +7,7 @@ from typing import Any
 
 import click
 
+from sailor_hpc.atomic import removed_on_error
 from sailor_hpc.cli.output import echo_json, human_bytes, table
 from sailor_hpc.errors import SailorError
 from sailor_hpc.site import Site, load_site
@@ -60,20 +61,16 @@ def run_planner(site_file: Path, model_name: str, *, archive_path: Path | None, 
     best = result.candidates[0]
     if sbatch_out is not None and output is None:
         output = sbatch_out.with_name(f"{sbatch_out.stem}.plan.json")
-    if output is not None:
-        existed = output.exists()
-        best.plan.save(output)
     if sbatch_out is not None:
         from sailor_hpc.jobs.render import render_job_script, write_job_script
 
         assert output is not None
-        try:
+        with removed_on_error(output):  # the script cannot be rendered: no plan file left behind for it either
+            best.plan.save(output)
             script = render_job_script(best.plan, site, plan_path=output.absolute(), data=data, save=save, steps=steps)
-        except SailorError:
-            if not existed:  # the script cannot be rendered: no plan file left behind for it either
-                output.unlink()
-            raise
         write_job_script(sbatch_out, script)
+    elif output is not None:
+        best.plan.save(output)
     if pareto is not None:
         from planner.pareto import plot_pareto
 

@@ -18,9 +18,9 @@ from sailor_hpc.controller.policy import Score
 from sailor_hpc.controller.spec import RunSpec
 from sailor_hpc.errors import SailorError
 from sailor_hpc.jobs.layout import job_layout
+from sailor_hpc.jobs.render import parse_time_limit
 from sailor_hpc.plan import Plan
-from sailor_hpc.site import Site, parse_walltime
-from sailor_hpc.slurm.discover import normalize_walltime
+from sailor_hpc.site import Site
 
 FreeByNode = Mapping[str, Mapping[str, int]]  # partition -> node -> free GPUs
 
@@ -74,11 +74,7 @@ def partitions_for_time(time_limit: str | None, site: Site) -> set[str]:
     gets the default time, cut to its partitions' maxima."""
     if time_limit is None:
         return {p.name for p in site.partitions}
-    norm = normalize_walltime(time_limit)
-    if norm is None:
-        raise SailorError(f"{time_limit!r} is not a Slurm time limit", field="--time",
-                          fix='use "D-HH:MM:SS", "HH:MM:SS" or minutes')
-    seconds = parse_walltime(norm)
+    norm, seconds = parse_time_limit(time_limit)
     allowed = {p.name for p in site.partitions if p.max_walltime_s is None or p.max_walltime_s >= seconds}
     if not allowed:
         longest = max(site.partitions, key=lambda p: p.max_walltime_s or 0)

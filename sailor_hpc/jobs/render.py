@@ -70,6 +70,16 @@ def components_for(layout: JobLayout, site: Site) -> list[ComponentView]:
     return out
 
 
+def parse_time_limit(time: str) -> tuple[str, int]:
+    """A ``--time`` as Slurm's normalized text and seconds (a SailorError naming --time if it is none)."""
+    safety.no_control_chars(time, "--time")
+    norm = normalize_walltime(time)
+    if norm is None:
+        raise SailorError(f"{time!r} is not a Slurm time limit", field="--time",
+                          fix='use "D-HH:MM:SS", "HH:MM:SS" or minutes')
+    return norm, parse_walltime(norm)
+
+
 def job_time(time: str | None, site: Site, layout: JobLayout) -> tuple[str, int]:
     """The job's time limit (Slurm text, seconds), checked against every used partition's maximum."""
     limits = [(p.name, p.max_walltime_s) for p in (site.partition(c.partition) for c in layout.components)
@@ -79,12 +89,7 @@ def job_time(time: str | None, site: Site, layout: JobLayout) -> tuple[str, int]
         if limits:
             seconds = min([seconds] + [s for _, s in limits])
     else:
-        safety.no_control_chars(time, "--time")
-        norm = normalize_walltime(time)
-        if norm is None:
-            raise SailorError(f"{time!r} is not a Slurm time limit", field="--time",
-                              fix='use "D-HH:MM:SS", "HH:MM:SS" or minutes')
-        seconds = parse_walltime(norm)
+        norm, seconds = parse_time_limit(time)
         for name, limit in limits:
             if seconds > limit:
                 raise SailorError(f"time limit {norm} exceeds partition {name!r}'s maximum {site.partition(name).max_walltime}",
