@@ -12,11 +12,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+from collections.abc import Iterator
 from pathlib import Path
 
 from sailor_hpc.archive import open_archive
 from sailor_hpc.site import load_site
-from simulator.validation import validate_runs
+from simulator.validation import ValidationReport, validate_runs
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = os.environ.get("SAILOR_DATA", "/work/shared/sailor_data")
@@ -77,17 +78,25 @@ def _mean(xs: list[float]) -> str:
     return f"{statistics.fmean(xs):5.1f}" if xs else "    -"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def validation_dir(doc: str) -> Path:
+    """The ``validation/`` folder of the Sailor data named by ``--data`` (the benchmarks' one option)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--data", default=DEFAULT_DATA, help="Sailor's data directory (with validation/)")
-    args = ap.parse_args()
-    val = Path(args.data) / "validation"
+    return Path(ap.parse_args().data) / "validation"
+
+
+def set_reports(val: Path) -> Iterator[tuple[str, ValidationReport]]:
+    """Each set's validation report on the embedded archive, in :data:`SETS` order."""
     archive = open_archive()
+    for name, site_file, model, folder in SETS:
+        yield name, validate_runs([val / folder], load_site(ROOT / "site_configs" / site_file), model, archive)
+
+
+def main() -> None:
+    val = validation_dir(__doc__)
     print(f"{'file':52s} {'time err % ours':>15s} {'Sailor':>7s}   {'mem err % ours':>14s} {'Sailor':>7s}  note")
     summary = []
-    for name, site_file, model, folder in SETS:
-        site = load_site(ROOT / "site_configs" / site_file)
-        report = validate_runs([val / folder], site, model, archive)
+    for name, report in set_reports(val):
         errs = {k: {"ours": [], "sailor": [], "sailor_all": []} for k in ("time", "memory")}
         for r in report.rows:
             rel = Path(r.file).resolve().relative_to(val.resolve()).as_posix()

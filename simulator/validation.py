@@ -134,6 +134,24 @@ def memory_floor(result: SimResult) -> float:
     return floor
 
 
+def compute_floor(result: SimResult) -> float:
+    """The earliest any simulator that takes the stages' compute from the profile can end the iteration.
+
+    Whatever the schedule, overlap and network, stage s waits for micro-batch 0 to pass the forwards of
+    stages 0..s-1, runs m forwards and m backwards, and its last gradient then passes the backwards of
+    stages s-1..0; transfers, all-reduces and optimizer steps count as zero. A measured time below
+    this floor is an error no schedule or network model can remove (``benchmarks/profile_bound.py``).
+    """
+    floor = 0.0
+    for index, pipe in enumerate(result.plan.pipelines):
+        stages = sorted((s for s in result.stages if s.pipeline == index), key=lambda s: s.stage)
+        upstream = 0.0  # forward + backward of the stages before s, per micro-batch
+        for s in stages:
+            floor = max(floor, upstream + pipe.num_micro_batches * (s.fwd_s + s.bwd_s))
+            upstream += s.fwd_s + s.bwd_s
+    return floor
+
+
 def validate_file(path: Path, site: Site, model: str, archive: ProfileArchive) -> ValidationRow:
     row = ValidationRow(file=str(path))
     anomaly = documented_anomaly(path)
@@ -180,4 +198,4 @@ def validate_runs(paths: Iterable[str | Path], site: Site, model: str, archive: 
 
 
 __all__ = ["DOCUMENTED_ANOMALIES", "ValidationRow", "ValidationReport", "validate_runs", "validate_file", "find_runs",
-           "memory_floor"]
+           "memory_floor", "compute_floor"]

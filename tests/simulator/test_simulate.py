@@ -10,6 +10,7 @@ from sailor_hpc.plan import Pipeline, Plan, Stage, load_run
 from simulator import plan_timeline, simulate
 from simulator.iteration import Collective, expected_max_normal, finish_iteration, gradient_segments
 from simulator.network import Endpoint, ring_allreduce_seconds
+from simulator.validation import compute_floor
 from tests.simulator.conftest import TINY_BWD, TINY_FWD, validation_dir
 
 
@@ -105,6 +106,18 @@ def test_heterogeneous_plan_matches_the_event_driven_timeline(tiny_site, tiny):
     # the 3-stage pipeline runs its stage-1 TP-2 block layers on G1 at micro-batch 1
     st = next(s for s in res.stages if (s.pipeline, s.stage) == (1, 1))
     assert st.fwd_s == pytest.approx(TINY_FWD[1:4].sum() / 2)
+
+
+def test_compute_floor_by_hand_and_below_the_estimate(tiny_site, tiny):
+    res = simulate(HETERO, tiny_site, tiny)
+    fb = TINY_FWD + TINY_BWD  # per micro-batch at mbs 1, tp 1 on G1; G2 is twice as slow
+    pipe0 = [2 * fb[0:3].sum() / 2, 2 * 2 * fb[3:6].sum()]  # mbs 2: tp 2 on G1, then tp 1 on G2
+    pipe1 = [2 * fb[0], fb[1:4].sum() / 2, fb[4:6].sum()]
+    pipe2 = [fb.sum() / 2]
+    by_hand = max(5 * pipe0[0], pipe0[0] + 5 * pipe0[1],
+                  7 * pipe1[0], pipe1[0] + 7 * pipe1[1], pipe1[0] + pipe1[1] + 7 * pipe1[2], 3 * pipe2[0])
+    assert compute_floor(res) == pytest.approx(by_hand, rel=1e-12)
+    assert compute_floor(res) < res.iteration_time_s
 
 
 @pytest.mark.parametrize("name", ["clariden/OPT-350/N16/plan_config_N16_D4.json",
