@@ -93,6 +93,7 @@ class SearchSettings:
     exhaustive_allocations: int = 64
     beam: int = 24
     simulate_top: int = 12
+    simulate_limit: int = 240  # plans simulated at most while bounds reject the best-estimated ones
     max_stages: int = 16
 
 
@@ -120,8 +121,9 @@ def search(site: Site, archive: ProfileArchive, request: PlanRequest, *, setting
     for name in available:
         site.partition(name)  # unknown partition names are errors
     per_part: list[list[Option]] = []
+    priced_out = False  # a partition the cost budget buys no GPU of
     tails = Tails(ev, request)
-    quick_tails = Tails(ev, request, copies=4)
+    quick_tails = Tails(ev, request, copies=4, cross_nodes=False)
 
     def alone(t: Template, gpus: int, with_tail: bool = True) -> float:
         """Seconds per sample of this template on ``gpus`` GPUs of its partition alone."""
@@ -134,6 +136,11 @@ def search(site: Site, archive: ProfileArchive, request: PlanRequest, *, setting
         gpus = available.get(part.name, 0)
         if request.constraints.max_gpus is not None:
             gpus = min(gpus, request.constraints.max_gpus)
+        if request.constraints.max_cost_per_hour is not None and part.cost_per_gpu_hour > 0:
+            # no more GPUs than the budget buys: templates are ranked on the GPUs they may really get
+            gpus = min(gpus, int(request.constraints.max_cost_per_hour / part.cost_per_gpu_hour + 1e-9))
+            if gpus <= 0:
+                priced_out = True
         gpus = min(gpus, capacity[part.name])
         if gpus <= 0 or (model.name, part.gpu_type) not in archive.compute:
             continue
@@ -166,6 +173,8 @@ def search(site: Site, archive: ProfileArchive, request: PlanRequest, *, setting
         if options:
             per_part.append(options)
     if not per_part:
+        if priced_out:
+            raise _infeasible(request, site, {}, [], 0)
         raise SailorError(f"no partition of site {site.name!r} can run {model.name}", file=site.source,
                           field="partitions", fix="check the available GPUs and that the archive has profiles "
                                                   f"of {model.name} for the site's GPU types (sailor-hpc profiles list)")
@@ -186,15 +195,26 @@ class Tails:
     """Seconds from the pipelines' flush to the end of the iteration (gradient syncs, optimizer step) of a
     set of templates, from the simulator's iteration model on a plan with the allocation's copies of each
     template, capped at ``copies``: exact for small allocations; larger ones reuse the capped ring (a ring
-    all-reduce grows slowly with its size). The plans finally returned are simulated whole."""
+    all-reduce grows slowly with its size), as long as the capped copies still leave one node when the
+    real ones do (a ring that crosses nodes runs at the inter-node bandwidth, often 10-50x below the
+    intra-node one). The plans finally returned are simulated whole."""
 
-    def __init__(self, ev: StageEvaluator, request: PlanRequest, copies: int = 8) -> None:
-        self.ev, self.request, self.copies = ev, request, copies
+    def __init__(self, ev: StageEvaluator, request: PlanRequest, copies: int = 8, cross_nodes: bool = True) -> None:
+        self.ev, self.request, self.copies, self.cross_nodes = ev, request, copies, cross_nodes
         self._cache: dict[tuple, float] = {}
 
+    def capped(self, t: Template, n: int) -> int:
+        """Copies rounded down to a power of two and capped (few distinct small plans to simulate), but
+        never so few that they fit in one node when the ``n`` copies do not (unless ``cross_nodes`` is
+        off: the template ranking prices a template on its whole partition, which no cheap plan takes)."""
+        c = min(1 << (n.bit_length() - 1), self.copies)
+        per_node = self.ev.site.partition(t.partition).gpus_per_node
+        if self.cross_nodes and n * t.gpus > per_node >= c * t.gpus:
+            c = min(n, per_node // t.gpus + 1)
+        return c
+
     def __call__(self, options: tuple[Option, ...]) -> float:
-        # copies rounded down to a power of two and capped: few distinct small plans to simulate
-        key = tuple(sorted((t.key, min(1 << (n.bit_length() - 1), self.copies)) for t, n in options))
+        key = tuple(sorted((t.key, self.capped(t, n)) for t, n in options))
         hit = self._cache.get(key)
         if hit is None:
             pipes = []
@@ -306,10 +326,13 @@ def _simulate_best(site: Site, archive: ProfileArchive, request: PlanRequest, al
     for alloc in allocations:
         if not exhaustive and simulated >= settings.simulate_top and len(out) >= max(1, request.top_k):
             break
+        if not exhaustive and simulated >= settings.simulate_limit:
+            break
         family = tuple(t.key for t, _ in alloc.options)
+        # at most 3 plans per template set among the results, once enough are simulated; plans a bound
+        # rejects do not count (their siblings with fewer copies may meet it)
         if not exhaustive and per_set.get(family, 0) >= 3 and simulated >= settings.simulate_top:
             continue
-        per_set[family] = per_set.get(family, 0) + 1
         try:
             plan = place_plan(to_plan(alloc, request), site)
             validate_plan(plan, site, check_placement=True)
@@ -330,6 +353,7 @@ def _simulate_best(site: Site, archive: ProfileArchive, request: PlanRequest, al
         if reason:
             rejected[reason] = rejected.get(reason, 0) + 1
             continue
+        per_set[family] = per_set.get(family, 0) + 1
         out.append(Candidate(plan, res))
     key = ((lambda x: (-x.throughput, x.result.cost_per_hour)) if request.objective == "throughput"
            else (lambda x: (x.result.cost_per_iteration / request.global_batch_size, -x.throughput)))
@@ -354,9 +378,10 @@ def _infeasible(request: PlanRequest, site: Site, rejected: dict[str, int], fitt
                            fix="lower it, or allow more GPUs / a higher budget")
     if fitting and rejected.get("max_cost_per_iteration"):
         cheapest = min(x.result.cost_per_iteration for x in fitting)
-        return SailorError(f"the cheapest plan found costs {cheapest:.4g} {site.cost_unit} per iteration, above "
-                           f"--max-cost-per-iteration {c.max_cost_per_iteration}", field="--max-cost-per-iteration",
-                           fix="raise it, or lower the global batch")
+        return SailorError(f"the cheapest plan this search simulated costs {cheapest:.4g} {site.cost_unit} per "
+                           f"iteration, above --max-cost-per-iteration {c.max_cost_per_iteration}",
+                           field="--max-cost-per-iteration",
+                           fix="raise it, or lower the global batch (`--objective cost` finds the cheapest plan)")
     if not fitting and set(rejected) == {"placement"}:
         return SailorError(f"no plan of {request.model} packs its TP groups into the nodes a job may take",
                            field="partitions", file=site.source,

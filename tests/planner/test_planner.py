@@ -188,3 +188,30 @@ def test_a_small_batch_on_many_gpus_gets_shallow_pipelines() -> None:
     assert reference.fits
     best = search(site, arch, PlanRequest("OPT-350M", 64)).candidates[0]
     assert best.throughput >= reference.throughput_samples_per_s * (1 - 1e-9), (best.throughput, reference.throughput_samples_per_s)
+
+
+def test_more_gpus_on_a_site_with_a_slow_inter_node_network_never_lower_throughput() -> None:
+    """mit-mixed: RTX-3090 nodes talk at 0.1 GB/s. The tail estimate once capped 16 copies at 8 (one node,
+    intra-node ring) and ranked a 16-GPU RTX-3090 allocation first that the simulator puts at 33 s per
+    iteration; the full search with both partitions returned 12.5 samples/s where Titan-RTX alone gives 20."""
+    site = load_site(REPO / "site_configs" / "mit-mixed.toml")
+    arch = open_archive(site=site)
+
+    def best(**available: int) -> float:
+        return search(site, arch, PlanRequest("OPT-350M", 256, available=available)).candidates[0].throughput
+
+    both = best(rtx3090=16, titan=16)
+    assert both >= max(best(titan=16), best(rtx3090=16)) * (1 - 1e-9)
+
+
+def test_a_larger_cost_per_iteration_budget_still_finds_a_plan() -> None:
+    """The throughput search's best-estimated plans may all simulate above --max-cost-per-iteration; the
+    search once stopped at 3 such plans per template set and reported 0.25 USD as infeasible while 0.21 was not."""
+    site = load_site(REPO / "site_configs" / "a100-v100.toml")
+    arch = open_archive(site=site)
+    previous = 0.0
+    for budget in (0.21, 0.25, 0.26):
+        got = search(site, arch, PlanRequest("OPT-350M", 1024, constraints=Constraints(max_cost_per_iteration=budget)))
+        best = got.candidates[0]
+        assert best.result.cost_per_iteration <= budget and best.throughput >= previous * (1 - 1e-9)
+        previous = best.throughput
