@@ -1,6 +1,7 @@
 """``sailor-hpc sbatch | submit | status | cancel | logs``: training jobs of a plan on a Slurm site."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,8 @@ def _job_options(f: Any) -> Any:
         click.option("--job-name", default=None, help="Slurm job name (default sailor-<model>)."),
         click.option("--extra-sbatch", multiple=True, help="Extra header option, e.g. --mail-type=END (repeatable)."),
         click.option("--train-arg", multiple=True, help="Extra argument of megatron_patch.launch (repeatable)."),
-        click.option("--python", default="python", show_default=True, help="Interpreter on the compute nodes."),
+        click.option("--python", default=sys.executable, show_default=True,
+                     help="Interpreter on the compute nodes (default: this one, as `run` and `profile`)."),
         click.option("--signal-grace", type=int, default=None,
                      help="Seconds before the limit at which ranks checkpoint (default min(300, limit/10))."),
         click.option("--workdir", default=None, help="Job working directory (default: the plan's directory)."),
