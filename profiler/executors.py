@@ -57,8 +57,10 @@ class JobSettings:
     setup: tuple[str, ...] = ()
     extra: dict[str, str] = field(default_factory=dict)
 
-    def additional(self) -> dict[str, Any]:
-        add: dict[str, Any] = dict(self.extra)
+    def per_component(self) -> dict[str, Any]:
+        """The site's options every het component needs in its own header (sbatch does not copy
+        --constraint, --exclusive, ... to later components)."""
+        add: dict[str, Any] = {}
         s = self.site.slurm
         if s.account:
             add["account"] = safety.slurm_word(s.account, "slurm.account")
@@ -66,10 +68,23 @@ class JobSettings:
             add["qos"] = safety.slurm_word(s.qos, "slurm.qos")
         if s.constraint:
             add["constraint"] = safety.constraint(s.constraint)
-        for opt in s.extra_sbatch:
-            safety.sbatch_option(opt, f"slurm.extra_sbatch (site {self.site.source or self.site.name})")
-            name, _, value = opt[2:].partition("=")
-            add[name] = value or True
+        for opt in self._site_options():
+            if not opt.job_wide:
+                add[opt.name] = opt.value if opt.value is not None else True
+        return add
+
+    def _site_options(self) -> list[safety.SbatchOption]:
+        field = f"slurm.extra_sbatch (site {self.site.source or self.site.name})"
+        return [safety.parse_sbatch_option(o, field) for o in self.site.slurm.extra_sbatch]
+
+    def additional(self) -> dict[str, Any]:
+        """submitit's extra header options of the first component: the per-component ones and those of
+        the whole job."""
+        add: dict[str, Any] = dict(self.extra)
+        add.update(self.per_component())
+        for opt in self._site_options():
+            if opt.job_wide:
+                add[opt.name] = opt.value if opt.value is not None else True
         if self.begin:
             safety.no_control_chars(self.begin, "--begin")
             if not safety.SBATCH_OPTION.match(f"--begin={self.begin}"):
@@ -92,7 +107,7 @@ class HetSlurmExecutor(submitit.SlurmExecutor):
         extra: list[str] = []
         for comp in self.het_components:
             extra.append("#SBATCH hetjob")
-            extra += [f"#SBATCH --{k}={v}" for k, v in comp.items()]
+            extra += [f"#SBATCH --{k}" if v is True else f"#SBATCH --{k}={v}" for k, v in comp.items()]
         lines[last + 1:last + 1] = extra
         return "\n".join(lines)
 
@@ -106,7 +121,7 @@ def make_executor(settings: JobSettings, alloc: Allocation, *, job_name: str, on
     settings.folder.mkdir(parents=True, exist_ok=True)
     kw: dict[str, Any] = {"python": settings.python}
     if het is not None:
-        ex: submitit.SlurmExecutor = HetSlurmExecutor(settings.folder, het_components=[het.sbatch_options()], **kw)
+        ex: submitit.SlurmExecutor = HetSlurmExecutor(settings.folder, het_components=[het.sbatch_options() | settings.per_component()], **kw)
     else:
         ex = submitit.SlurmExecutor(settings.folder, **kw)
     srun_args = [f"--cpus-per-task={alloc.cpus_per_task}"]  # Slurm 22.05's srun does not inherit it

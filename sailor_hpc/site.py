@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 from sailor_hpc.errors import SailorError
 from sailor_hpc.fields import Fields, read_text
 from sailor_hpc.network import LinkTable, NetworkFit, require_table
+from sailor_hpc.sbatch_values import constraint, parse_sbatch_option, slurm_word
 
 SITE_SCHEMA_VERSION = 1
 GIB = 1024**3
@@ -172,7 +174,22 @@ def _parse_gpu_types(f: Fields) -> dict[str, GpuType]:
         if not all(isinstance(a, str) for a in aliases):
             raise g.error("aliases", "must be a list of strings")
         out[name] = GpuType(name=name, memory_bytes=int(mem * GIB), aliases=tuple(aliases), peak_tflops=peak)
+    _check_aliases(f, out)
     return out
+
+
+def _check_aliases(f: Fields, gpu_types: dict[str, GpuType]) -> None:
+    """Every name a GPU type answers to must mean that type only. :meth:`Site.gpu` and a partition's
+    ``gpu_type`` take the first type that answers, so an alias shared by two types, or equal to another
+    type's name, would silently give a plan or partition the other GPU's memory and profiles."""
+    owner = {name: name for name in gpu_types}  # names first: an alias may not take one, declared before or after
+    for g in gpu_types.values():
+        for alias in g.aliases:
+            other = owner.setdefault(alias, g.name)
+            if other != g.name:
+                what = "the name" if other == alias else "an alias"
+                raise f.error(f"{g.name}.aliases", f"alias {alias!r} of {g.name!r} is already {what} of GPU type "
+                              f"{other!r}", fix=f"remove {alias!r} from one of the two, or rename it")
 
 
 def _parse_partition(f: Fields, gpu_types: dict[str, GpuType]) -> Partition:
@@ -220,6 +237,23 @@ def _parse_partition(f: Fields, gpu_types: dict[str, GpuType]) -> Partition:
     return part
 
 
+def _parse_slurm(f: Fields) -> SlurmDefaults:
+    """The ``[slurm]`` defaults, checked with the job header's own rules (:mod:`sailor_hpc.sbatch_values`)
+    now: every job of the site writes them into its ``#SBATCH`` lines, so a bad one is the site's error,
+    reported by ``site validate``, not a surprise of the first render."""
+    def checked(key: str, check: Callable[..., str]) -> str:
+        value = f.opt(key, str, "")
+        return check(value, f.name(key), file=f.file) if value else value
+
+    account, qos = checked("account", slurm_word), checked("qos", slurm_word)
+    feature = checked("constraint", constraint)
+    extra = f.opt("extra_sbatch", list, [])
+    for i, opt in enumerate(extra):
+        parse_sbatch_option(opt, f.name(f"extra_sbatch[{i}]"), file=f.file)
+    f.done()
+    return SlurmDefaults(account=account, qos=qos, constraint=feature, extra_sbatch=tuple(extra))
+
+
 def load_site_dict(data: dict[str, Any], source: object | None = None) -> Site:
     """Validate a parsed site document (TOML tables) and build a :class:`Site`."""
     f = Fields(data, file=source, path="")
@@ -240,11 +274,7 @@ def load_site_dict(data: dict[str, Any], source: object | None = None) -> Site:
         if p.name in seen:
             raise f.error(f"partitions[{i}].name", f"partition {p.name!r} is declared twice")
         seen.add(p.name)
-    slurm = f.sub("slurm", f.opt("slurm", dict, {}))
-    defaults = SlurmDefaults(account=slurm.opt("account", str, ""), qos=slurm.opt("qos", str, ""),
-                             constraint=slurm.opt("constraint", str, ""),
-                             extra_sbatch=tuple(slurm.opt("extra_sbatch", list, [])))
-    slurm.done()
+    defaults = _parse_slurm(f.sub("slurm", f.opt("slurm", dict, {})))
     env = f.sub("environment", f.opt("environment", dict, {}))
     prelude = env.opt("prelude", list, [])
     env.done()

@@ -21,7 +21,8 @@ def _job_options(f: Any) -> Any:
         click.option("--site", "site_file", type=_PATH, required=True, help="Site config TOML."),
         click.option("--model", default=None, help="Model (required for a Sailor plan_config)."),
         click.option("--data", default=None, help="Dataset prefix (PREFIX.bin/.idx) the ranks train on."),
-        click.option("--save", default=None, help="Checkpoint directory (default: <plan>-ckpt next to the plan)."),
+        click.option("--save", default=None,
+                     help="Checkpoint directory (default: <plan stem>-ckpt in the job directory, see --workdir)."),
         click.option("--load", default=None, help="Checkpoint to start from (until the job has its own)."),
         click.option("--steps", type=click.IntRange(min=1), default=100, show_default=True,
                      help="Optimizer step to train to."),
@@ -33,7 +34,9 @@ def _job_options(f: Any) -> Any:
                      help="Interpreter on the compute nodes (default: this one, as `run` and `profile`)."),
         click.option("--signal-grace", type=int, default=None,
                      help="Seconds before the limit at which ranks checkpoint (default min(300, limit/10))."),
-        click.option("--workdir", default=None, help="Job working directory (default: the plan's directory)."),
+        click.option("--workdir", default=None,
+                     help="Job working directory (default: the job directory, where the script and the placed "
+                          "plan go: that of the script file, else the current directory)."),
         click.option("--log-dir", default=None, help="Directory of the job log (default: the work directory)."),
         click.option("--dry-run", is_flag=True, help="Ranks only print their role (no training)."),
     ]
@@ -42,25 +45,48 @@ def _job_options(f: Any) -> Any:
     return f
 
 
+def _job_dir(script: Path | None, option: str, workdir: str | None) -> Path:
+    """The job directory, checked before anything is written: where the script, a placed copy of the plan,
+    the default checkpoints and (by default) the job's working directory and log go. The script's
+    directory, else ``--workdir``, else the current directory."""
+    from sailor_hpc.jobs.render import check_job_dir
+
+    if script is None and workdir is not None:
+        return check_job_dir(workdir, "--workdir")
+    return check_job_dir(script.parent if script is not None else Path.cwd(), option)
+
+
 def _render(plan_file: Path, site_file: Path, model: str | None, data: str | None, save: str | None,
             load: str | None, steps: int, time_limit: str | None, job_name: str | None, extra_sbatch: tuple[str, ...],
             train_arg: tuple[str, ...], python: str, signal_grace: int | None, workdir: str | None,
-            log_dir: str | None, dry_run: bool) -> tuple[str, Path]:
-    from sailor_hpc.jobs.render import placed_plan_file, render_job_script
+            log_dir: str | None, dry_run: bool, *, job_dir: Path) -> tuple[str, Path]:
+    """Render the job; a placed copy of the plan (if one is needed) goes into ``job_dir`` (see
+    :func:`_job_dir`), never next to the input plan, which may be read-only shared data."""
+    from sailor_hpc.jobs.render import (
+        check_job_dir, check_training_args, placed_plan, placed_plan_path, render_job_script)
     from sailor_hpc.site import load_site
 
     site = load_site(site_file)
+    if save is None and not dry_run:
+        save = str(job_dir / f"{plan_file.stem}-ckpt")
+    check_training_args(data, save, steps, dry_run=dry_run, dry_run_option="--dry-run")
+    work = check_job_dir(workdir, "--workdir") if workdir is not None else job_dir
+    logs = check_job_dir(log_dir, "--log-dir") if log_dir is not None else work
+    plan, plan_path = placed_plan(plan_file, site, model)
+    copy = plan_path is None
+    plan_path = plan_path or placed_plan_path(plan, job_dir, plan_file.stem)
     # no script: no placed copy of the plan left behind for it either
-    with removed_on_error(plan_file.with_name(f"{plan_file.stem}.placed.json").absolute()):
-        plan, plan_path = placed_plan_file(plan_file, site, model)
-        if save is None and not dry_run:
-            save = str(plan_path.with_name(f"{plan_file.stem}-ckpt"))
+    with removed_on_error(plan_path):
+        if copy:
+            plan.save(plan_path)
         text = render_job_script(plan, site, plan_path=plan_path, model=model, data=data, save=save, load=load,
                                  steps=steps, job_name=job_name, time=time_limit, extra_sbatch=extra_sbatch,
-                                 train_args=train_arg, python=python, signal_grace_s=signal_grace, workdir=workdir,
-                                 log_dir=log_dir, dry_run=dry_run)
-    if plan_path != plan_file.absolute():
-        click.echo(f"placed plan written to {plan_path} (the job reads it)", err=True)
+                                 train_args=train_arg, python=python, signal_grace_s=signal_grace, workdir=work,
+                                 log_dir=logs, dry_run=dry_run)
+    for d in (work, logs):  # Slurm creates neither
+        d.mkdir(parents=True, exist_ok=True)
+    if copy:
+        click.echo(f"placed plan written to {plan_path} (the job reads it: keep it until the job has ended)", err=True)
     return text, plan_path
 
 
@@ -71,7 +97,7 @@ def sbatch_cmd(output: Path | None, **kw: Any) -> None:
     """Render the (het) sbatch script that trains PLAN on SITE; nothing is submitted."""
     from sailor_hpc.jobs.render import write_job_script
 
-    text, _ = _render(**kw)
+    text, _ = _render(**kw, job_dir=_job_dir(output, "-o/--output", kw["workdir"]))
     if output is None:
         click.echo(text, nl=False)
     else:
@@ -82,7 +108,8 @@ def sbatch_cmd(output: Path | None, **kw: Any) -> None:
 @main.command("submit")
 @_job_options
 @click.option("--script", "script_out", type=_PATH, default=None,
-              help="Where to keep the rendered script (default: <plan>.sbatch next to the plan).")
+              help="Where to keep the rendered script (default: <plan>.sbatch next to the plan); its directory "
+                   "is the job directory.")
 @click.option("--test-only", is_flag=True, help="Only ask Slurm whether and when it would start (sbatch --test-only).")
 @json_option
 def submit_cmd(script_out: Path | None, test_only: bool, as_json: bool, **kw: Any) -> None:
@@ -90,8 +117,8 @@ def submit_cmd(script_out: Path | None, test_only: bool, as_json: bool, **kw: An
     from sailor_hpc.jobs.render import write_job_script
     from sailor_hpc.jobs.submit import check_script, submit_script
 
-    text, plan_path = _render(**kw)
     script = script_out or kw["plan_file"].with_suffix(".sbatch")
+    text, plan_path = _render(**kw, job_dir=_job_dir(script, "--script", kw["workdir"]))
     write_job_script(script, text)
     if test_only:
         answer = check_script(script)

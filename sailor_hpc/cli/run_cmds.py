@@ -136,7 +136,7 @@ def drive(run_dir: Path) -> int:
 @click.option("--signal-grace", type=int, default=None, help="Seconds before the limit at which ranks checkpoint.")
 @click.option("--python", default=sys.executable, show_default=True, help="Interpreter on the compute nodes.")
 @click.option("--train-arg", multiple=True, help="Extra argument of megatron_patch.launch (repeatable).")
-@click.option("--extra-sbatch", multiple=True, help="Extra #SBATCH option, e.g. --qos=low (repeatable).")
+@click.option("--extra-sbatch", multiple=True, help="Extra #SBATCH option, e.g. --mail-type=END (repeatable).")
 @click.option("--run-dir", type=_DIR, default=None, help="Where the run's journal lives (default: SAVE/controller).")
 @click.option("--resume", "resume_dir", type=_DIR, default=None,
               help="Continue the run in this run directory (after the controller stopped or was killed).")

@@ -9,6 +9,7 @@ through :mod:`sailor_hpc.jobs.rank_env`. Every user-supplied value is validated 
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Sequence
@@ -111,14 +112,45 @@ def _plan_file_matches(plan: Plan, plan_path: Path) -> None:
                           field="plan_path", fix="save the placed plan to this path and render again")
 
 
-def check_training_args(data: object | None, save: object | None, steps: int, *, dry_run: bool = False) -> None:
-    """What a training job needs besides the plan (callers check it before a long search)."""
+def check_training_args(data: object | None, save: object | None, steps: int, *, dry_run: bool = False,
+                        dry_run_option: str | None = None) -> None:
+    """What a training job needs besides the plan (callers check it before a long search).
+
+    ``dry_run_option`` is the calling command's flag for a job that does not train, if it has one: the
+    fix only offers it then (``plan --sbatch`` and ``run`` have none).
+    """
     if not isinstance(steps, int) or isinstance(steps, bool) or steps <= 0:
         raise SailorError(f"must be a positive integer, got {steps!r}", field="--steps")
     if not dry_run and (data is None or save is None):
         missing = "--data" if data is None else "--save"
-        raise SailorError("training needs a dataset prefix and a checkpoint directory", field=missing,
-                          fix="pass --data PREFIX and --save DIR (or render a --dry-run job)")
+        fix = "pass --data PREFIX and --save DIR"
+        if dry_run_option:
+            fix += f" (or {dry_run_option} for a job whose ranks only print their role)"
+        raise SailorError("training needs a dataset prefix and a checkpoint directory", field=missing, fix=fix)
+
+
+def check_job_dir(path: str | os.PathLike[str], field: str) -> Path:
+    """A directory the job or sailor-hpc writes to, checked before anything is written: it exists or can
+    be created, and is writable. Slurm does not create a missing ``--output`` directory: the job would
+    start, fail to open its log and end without a word."""
+    target = Path(path).expanduser().absolute()
+    existing = next(d for d in (target, *target.parents) if d.exists())
+    if not existing.is_dir():
+        raise SailorError(f"{existing} is not a directory", file=target, field=field,
+                          fix="choose a directory path")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "is not writable" if existing == target else f"cannot be created: {existing} is not writable"
+        raise SailorError(f"the directory {what}", file=target, field=field,
+                          fix=f"choose a directory you can write, with {field}")
+    return target
+
+
+def extra_sbatch_options(site: Site, extra_sbatch: Sequence[str]) -> list[safety.SbatchOption]:
+    """The site's ``[slurm].extra_sbatch`` and then the caller's options, each checked and under its full
+    name; a refusal names the site file's field or the ``--extra-sbatch`` flag."""
+    out = [safety.parse_sbatch_option(o, f"slurm.extra_sbatch[{i}]", file=site.source)
+           for i, o in enumerate(site.slurm.extra_sbatch)]
+    return out + [safety.parse_sbatch_option(o) for o in extra_sbatch]
 
 
 def render_job_script(plan: Plan, site: Site, *, plan_path: str | os.PathLike[str], model: str | None = None,
@@ -132,11 +164,13 @@ def render_job_script(plan: Plan, site: Site, *, plan_path: str | os.PathLike[st
 
     ``data`` and ``save`` are required unless ``dry_run`` (every rank then only prints its role);
     ``load`` is used until the job has a checkpoint of its own in ``save`` (requeued runs resume from
-    ``save``). ``extra_sbatch`` are ``--option=value`` header lines, ``train_args`` extra arguments of
-    ``megatron_patch.launch``. ``requeue=False`` (a controller that resubmits by itself): no
-    ``scontrol requeue`` after a checkpoint on the limit signal, and ``--no-requeue`` (a node failure
-    ends the job instead of Slurm requeueing it). Raises :class:`SailorError` for anything unsafe or
-    inconsistent.
+    ``save``). ``extra_sbatch`` are ``--option=value`` header lines: job-wide ones (mail, dependency,
+    ...) are written once, before the first component, every other one in each component, because
+    sbatch gives many options written before ``#SBATCH hetjob`` to the first component only.
+    ``train_args`` are extra arguments of ``megatron_patch.launch``. ``requeue=False`` (a controller
+    that resubmits by itself): no ``scontrol requeue`` after a checkpoint on the limit signal, and
+    ``--no-requeue`` (a node failure ends the job instead of Slurm requeueing it). Raises
+    :class:`SailorError` for anything unsafe or inconsistent.
     """
     validate_plan(plan, site, source=plan_path, check_placement=True)
     plan_file = Path(safety.shell_path(plan_path, "plan_path"))
@@ -154,9 +188,7 @@ def render_job_script(plan: Plan, site: Site, *, plan_path: str | os.PathLike[st
     work = safety.sbatch_path(workdir if workdir is not None else plan_file.parent, "--workdir")
     logs = safety.sbatch_path(log_dir if log_dir is not None else work, "--log-dir")
     jname = safety.job_name(job_name or f"sailor-{name}", "--job-name")
-    extra = [safety.sbatch_option(o, f"slurm.extra_sbatch (site {site.source or site.name})")
-             for o in site.slurm.extra_sbatch]
-    extra += [safety.sbatch_option(o) for o in extra_sbatch]
+    extra, slurm = extra_sbatch_options(site, extra_sbatch), site.slurm
     for i, line in enumerate(site.prelude):
         if any(c in line for c in "\n\r\x00"):
             raise SailorError("prelude lines must be single lines", file=site.source, field=f"environment.prelude[{i}]")
@@ -165,11 +197,12 @@ def render_job_script(plan: Plan, site: Site, *, plan_path: str | os.PathLike[st
         "plan_path_comment": str(plan_file), "task_ranks_comment": " ".join(map(str, layout.task_ranks)),
         "job_name": jname, "output": f"{logs}/%x-%j.out", "workdir": work, "time": time_text,
         "signal_grace_s": grace, "rank_exit_wait_s": max(MIN_RANK_EXIT_WAIT_S, grace), "dry_run": dry_run,
-        "requeue": requeue, "extra_sbatch": extra,
+        "requeue": requeue, "extra_job_sbatch": [o.text for o in extra if o.job_wide],
+        "extra_component_sbatch": [o.text for o in extra if not o.job_wide],
         "components": components_for(layout, site), "heterogeneous": layout.heterogeneous,
-        "account": safety.slurm_word(site.slurm.account, "slurm.account") if site.slurm.account else "",
-        "qos": safety.slurm_word(site.slurm.qos, "slurm.qos") if site.slurm.qos else "",
-        "constraint": safety.constraint(site.slurm.constraint) if site.slurm.constraint else "",
+        "account": safety.slurm_word(slurm.account, "slurm.account", file=site.source) if slurm.account else "",
+        "qos": safety.slurm_word(slurm.qos, "slurm.qos", file=site.source) if slurm.qos else "",
+        "constraint": safety.constraint(slurm.constraint, file=site.source) if slurm.constraint else "",
         "prelude": list(site.prelude), "port_base": PORT_BASE, "port_span": PORT_SPAN,
         "plan_path": safety.q(str(plan_file)),
         "data": safety.q(safety.shell_path(data, "--data")) if data is not None else "",
@@ -189,13 +222,12 @@ def write_job_script(path: str | os.PathLike[str], text: str) -> Path:
     return target
 
 
-def placed_plan_file(plan_path: str | os.PathLike[str], site: Site, model: str | None = None) -> tuple[Plan, Path]:
-    """The plan of ``plan_path`` placed on ``site``, and the file the job should read it from.
-
-    A plan in our format that is already placed is used as it is. A Sailor ``plan_config`` or an
-    unplaced plan is converted / placed and saved next to it as ``<stem>.placed.json``, because the
-    job's ranks read the plan file and must see exactly the placement the script was rendered for.
-    """
+def placed_plan(plan_path: str | os.PathLike[str], site: Site,
+                model: str | None = None) -> tuple[Plan, Path | None]:
+    """The plan of ``plan_path`` placed on ``site``, and ``plan_path`` itself if the job can read it from
+    there (a plan in our format, already placed), else None: a placed copy must be written
+    (:func:`placed_plan_path`), because the job's ranks read the plan file and must see exactly the
+    placement the script was rendered for."""
     path = Path(plan_path)
     plan = load_plan(path, model=model, site=site)
     if not all(s.placement is not None and s.partition is not None for p in plan.pipelines for s in p.stages):
@@ -205,11 +237,28 @@ def placed_plan_file(plan_path: str | os.PathLike[str], site: Site, model: str |
         same = load_plan(path, model=model, validate=False) == plan and not _is_sailor_file(path)
     except SailorError:
         same = False
-    if same:
-        return plan, path.absolute()
-    out = path.with_name(f"{path.stem}.placed.json").absolute()
-    plan.save(out)
-    return plan, out
+    return plan, (path.absolute() if same else None)
+
+
+def placed_plan_path(plan: Plan, directory: str | os.PathLike[str], stem: str) -> Path:
+    """``<directory>/<stem>.<content hash>.placed.json``: named by what it holds, so rendering the plan for
+    another site, model or placement writes another file instead of replacing the one a queued job
+    will read, and rendering the same plan again finds the same file."""
+    digest = hashlib.sha256(plan.to_json().encode()).hexdigest()[:12]
+    return Path(directory).absolute() / f"{stem}.{digest}.placed.json"
+
+
+def placed_plan_file(plan_path: str | os.PathLike[str], site: Site, model: str | None = None, *,
+                     directory: str | os.PathLike[str] | None = None) -> tuple[Plan, Path]:
+    """:func:`placed_plan`, writing the placed copy (atomically) into ``directory`` when one is needed:
+    the job's directory, never the input's by choice (that may be read-only shared data); None keeps
+    the plan's own directory for callers that own it."""
+    plan, path = placed_plan(plan_path, site, model)
+    if path is None:
+        where = Path(plan_path).parent if directory is None else directory
+        path = placed_plan_path(plan, where, Path(plan_path).stem)
+        plan.save(path)
+    return plan, path
 
 
 def _is_sailor_file(path: Path) -> bool:

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 import subprocess
 import tomllib
 from pathlib import Path
@@ -15,6 +17,7 @@ from sailor_hpc.errors import SailorError
 from sailor_hpc.jobs.render import placed_plan_file, render_job_script
 from sailor_hpc.plan import load_plan
 from sailor_hpc.site import load_site, load_site_dict
+from sailor_hpc.toml_writer import dump_toml
 from tests.jobs.conftest import LOCAL_LAB, write_plan
 
 
@@ -35,6 +38,10 @@ def _header(script: str) -> list[list[str]]:
         elif line.startswith("#SBATCH "):
             comps[-1].append(line[len("#SBATCH "):])
     return comps
+
+
+def _placed_files(directory: Path) -> list[Path]:
+    return sorted(p.absolute() for p in directory.rglob("*.placed.json"))
 
 
 def _bash_argv(script: str, var: str) -> list[str]:
@@ -94,7 +101,7 @@ def test_training_job_checkpoints_and_requeues(tmp_path):
     assert launch[launch.index("--save") + 1] == str(tmp_path / "ckpt") and "--auto-resume" in launch
     assert launch[launch.index("--save-interval") + 1] == "10" and launch[launch.index("--steps") + 1] == "50"
     # --load only while --save has no complete checkpoint of its own
-    assert 'compgen -G "$SAVE/step_*/manifest.json"' in script and f"LAUNCH+=(--load {tmp_path / 'old'})" in script
+    assert 'for m in "$SAVE"/step_*/manifest.json' in script and f"LAUNCH+=(--load {tmp_path / 'old'})" in script
     # a controller that resubmits by itself: no requeue after the checkpoint, none after a node failure
     no_requeue = _render(tmp_path, "het-mixed", dry_run=False, data="d", save="s", requeue=False)
     assert "--no-requeue" in _header(no_requeue)[0] and "scontrol requeue" not in no_requeue
@@ -129,7 +136,7 @@ def test_site_account_qos_constraint_extra_and_prelude(tmp_path):
     script = _render(tmp_path, "het-mixed", site=site)
     for comp in _header(script):
         assert {"--account=proj42", "--qos=normal", "--constraint=ib&nvlink"} <= set(comp)
-    assert "--mail-type=END" in _header(script)[0]
+    assert "--mail-type=END" in _header(script)[0] and script.count("--mail-type=END") == 1
     body = script.split("set -uo pipefail", 1)[1]
     assert body.index("module load cuda/12.4") < body.index("source /opt/venv/bin/activate") < body.index("srun ")
 
@@ -201,9 +208,11 @@ def test_plan_file_must_match_the_rendered_plan(tmp_path):
 def test_unplaced_plan_gets_a_placed_copy(tmp_path):
     site = load_site(LOCAL_LAB)
     path = write_plan(tmp_path, "unplaced")
-    plan, placed = placed_plan_file(path, site)
-    assert placed == (tmp_path / "unplaced.placed.json").absolute()
+    plan, placed = placed_plan_file(path, site, directory=tmp_path / "job")
+    assert placed.parent == (tmp_path / "job").absolute() and re.fullmatch(r"unplaced\.[0-9a-f]{12}\.placed\.json",
+                                                                          placed.name)
     assert load_plan(placed, site=site) == plan
+    assert placed_plan_file(path, site, directory=tmp_path / "job")[1] == placed  # same plan, same file
     assert all(s.placement is not None for p in plan.pipelines for s in p.stages)
     # an already placed plan is used as it is
     _, same = placed_plan_file(write_plan(tmp_path, "het-mixed"), site)
@@ -217,7 +226,8 @@ def test_cli_sbatch_renders_and_refuses(tmp_path):
     res = runner.invoke(main, ["sbatch", str(plan), "--site", str(LOCAL_LAB), "--dry-run", "-o", str(out)])
     assert res.exit_code == 0, res.output
     assert out.stat().st_mode & 0o100 and "#SBATCH hetjob" in out.read_text()
-    assert f"\nPLAN={(tmp_path / 'unplaced.placed.json').absolute()}\n" in out.read_text()
+    placed = _placed_files(tmp_path)
+    assert len(placed) == 1 and f"\nPLAN={placed[0]}\n" in out.read_text()
     res = runner.invoke(main, ["sbatch", str(plan), "--site", str(LOCAL_LAB), "--job-name", "a;b", "--dry-run"])
     assert res.exit_code == 2 and "--job-name" in res.output and "not a safe job name" in res.output
     res = runner.invoke(main, ["sbatch", str(plan), "--site", str(LOCAL_LAB), "--json", "--job-name", "a b",
@@ -235,4 +245,247 @@ def test_cli_sbatch_that_cannot_render_leaves_no_placed_plan(tmp_path):
     plan = write_plan(tmp_path, "unplaced")
     res = CliRunner().invoke(main, ["sbatch", str(plan), "--site", str(LOCAL_LAB), "--dry-run", "--time", "bogus"])
     assert res.exit_code == 2 and "--time" in res.output
-    assert not (tmp_path / "unplaced.placed.json").exists()
+    assert not _placed_files(tmp_path)
+
+
+# ---- extra sbatch options: per component or once for the whole het job
+
+def test_extra_options_are_written_in_every_component_and_job_wide_ones_once(tmp_path):
+    """sbatch 22.05 gives most options written before the first `#SBATCH hetjob` to the first component
+    only (--exclusive, --mem-per-cpu, --constraint, --gres-flags ... are not copied): per-component
+    options must stand in every component; mail, dependency, comment once."""
+    site = _site_with(extra_sbatch=["--exclusive", "--mail-type=END"])
+    script = _render(tmp_path, "het-mixed", site=site,
+                     extra_sbatch=["--mem-per-cpu=2000", "--gres-f=enforce-binding", "--comment=sailor",
+                                   "--dependency=afterok:12", "--mail-u=me@example.org"])
+    comps = _header(script)
+    assert len(comps) == 3
+    for comp in comps:
+        assert {"--exclusive", "--mem-per-cpu=2000", "--gres-flags=enforce-binding"} <= set(comp), comp
+    job_wide = ["--mail-type=END", "--comment=sailor", "--dependency=afterok:12", "--mail-user=me@example.org"]
+    first = comps[0]
+    for opt in job_wide:
+        assert script.count(opt) == 1 and first.index(opt) < first.index("--partition=v100"), opt
+    # the site's options come before the command line's (a later sbatch option wins)
+    assert comps[1].index("--exclusive") < comps[1].index("--mem-per-cpu=2000")
+
+
+def _sbatch_defined_options(script: str, workdir: Path) -> list[dict[str, str]]:
+    """What sbatch's own option parser makes of each het component of ``script`` (``sbatch -vv`` lists
+    the defined options of every component before it contacts a controller). Runs only the sbatch
+    client, with a private slurm.conf naming an unreachable controller: no cluster is used."""
+    sbatch = shutil.which("sbatch")
+    if sbatch is None:
+        pytest.skip("sbatch (slurm-client) is not installed")
+    conf = workdir / "slurm.conf"
+    conf.write_text("ClusterName=render-test\nSlurmctldHost=localhost(127.0.0.1)\nSlurmctldPort=1\n"
+                    "AuthType=auth/none\nCredType=cred/none\nSelectType=select/cons_tres\nGresTypes=gpu\n"
+                    "NodeName=n[1-4] CPUs=8 Gres=gpu:a100:4,gpu:v100:8 State=UNKNOWN\n"
+                    "PartitionName=a100 Nodes=n[1-2]\nPartitionName=v100 Nodes=n[3-4]\n")
+    job = workdir / "job.sh"
+    job.write_text(script)
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "SLURM_CONF": str(conf)}
+    components = script.count("#SBATCH hetjob") + 1
+    blocks: list[dict[str, str]] = []
+    with subprocess.Popen([sbatch, "-vv", str(job)], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                          env=env, cwd=workdir) as proc:
+        assert proc.stderr is not None
+        current: dict[str, str] | None = None
+        for line in proc.stderr:  # stop reading once every component is listed: the submission then times out
+            text = line.removeprefix("sbatch: ").strip()
+            if text == "defined options":
+                current = {}
+            elif text == "end of defined options" and current is not None:
+                blocks.append(current)
+                current = None
+                if len(blocks) == components:
+                    break
+            elif current is not None and " : " in text:
+                key, _, value = text.partition(" : ")
+                current[key.strip()] = value.strip()
+        proc.kill()
+    assert len(blocks) == components, "sbatch did not list every component's options"
+    return blocks
+
+
+def test_sbatch_itself_gives_every_component_the_per_component_options(tmp_path):
+    """The rendered header as sbatch 22.05 parses it: every component gets --exclusive and --mem-per-cpu
+    (written once, before the first hetjob, only component 0 would), and also the time limit, job name
+    and signal that are written once (sbatch copies those itself)."""
+    script = _render(tmp_path, "het-mixed", dry_run=False, data="d", save="s", time="00:30:00",
+                     extra_sbatch=["--exclusive", "--mem-per-cpu=100", "--mail-type=END"])
+    blocks = _sbatch_defined_options(script, tmp_path)
+    assert [b["partition"] for b in blocks] == ["v100", "a100", "a100"]
+    for b in blocks:
+        assert b.get("exclusive") == "exclusive" and b.get("mem-per-cpu") == "100", b
+        assert b["time"] == "00:30:00" and b["job-name"] == "sailor-tiny-gpt" and b["signal"] == "USR1@180", b
+    assert blocks[0]["mail-type"] == "END"
+
+
+@pytest.mark.parametrize("option, words", [
+    ("--parti=v100", "--parti (sbatch reads it as --partition)"),
+    ("--ntasks-per-n=2", "sbatch reads it as --ntasks-per-node"),
+    ("--tasks-per-node=2", "--tasks-per-node cannot be added"),  # sbatch's hidden alias of --ntasks-per-node
+    ("--gpus-per-n=1", "sbatch reads it as --gpus-per-node"),
+    ("--nod=2", "ambiguous: sbatch could read it as --nodefile, --nodelist, --nodes"),
+    ("--ntasks-per=2", "ambiguous"),
+    ("--sig=USR1@5", "sbatch reads it as --signal"),
+    ("--no-r", "sbatch reads it as --no-requeue"),
+    ("--chd=/tmp", "sbatch reads it as --chdir"),
+    ("--wait", "changes what sbatch does or prints"),
+    ("--wai", "ambiguous: sbatch could read it as --wait, --wait-all-nodes"),
+    ("--test-only", "changes what sbatch does or prints"),
+    ("--test", "sbatch reads it as --test-only"),
+    ("--parsable", "changes what sbatch does or prints"),
+    ("--pars", "sbatch reads it as --parsable"),
+    ("--quiet", "changes what sbatch does or prints"),
+    ("--clusters=other", "another cluster"),
+    ("--het-group=1", "--het-group cannot be added"),
+    ("-N 2", "'-N 2' (-N is --nodes) cannot be added"),
+    ("-n4", "-n is --ntasks"),
+    ("-p x", "-p is --partition"),
+    ("-W", "-W is --wait"),
+    ("-x n1", "short option"),
+])
+def test_forbidden_options_cannot_sneak_in_abbreviated_or_short(tmp_path, option, words):
+    with pytest.raises(SailorError) as err:
+        _render(tmp_path, "het-mixed", extra_sbatch=[option])
+    assert err.value.field == "--extra-sbatch" and words in err.value.message and err.value.fix, err.value
+
+
+def test_abbreviated_allowed_option_is_written_under_its_full_name(tmp_path):
+    script = _render(tmp_path, "a100-only", extra_sbatch=["--mail-t=END", "--exclusi"])
+    assert _header(script)[0].count("--mail-type=END") == 1 and "--exclusive" in _header(script)[0]
+    with pytest.raises(SailorError, match="write it as --exclude=VALUE"):
+        _render(tmp_path, "a100-only", extra_sbatch=["-x n1"])
+
+
+def test_cli_refuses_a_forbidden_option_with_exit_2(tmp_path):
+    plan = write_plan(tmp_path, "het-mixed")
+    res = CliRunner().invoke(main, ["sbatch", str(plan), "--site", str(LOCAL_LAB), "--dry-run",
+                                    "--extra-sbatch", "--ntasks-per-n=2"])
+    assert res.exit_code == 2
+    assert "--extra-sbatch: --ntasks-per-n (sbatch reads it as --ntasks-per-node) cannot be added" in res.output
+    assert "fix: change the plan" in res.output
+
+
+# ---- the --load condition: a shell glob over $SAVE
+
+def _load_block(script: str) -> str:
+    """The script's lines from PLAN= to the end of the --load condition, plus a print of LAUNCH."""
+    start = script.index("PLAN=")
+    end = script.index("\nfi\n", start) + len("\nfi\n")
+    return script[start:end] + 'printf "%s\\0" "${LAUNCH[@]}"\n'
+
+
+@pytest.mark.parametrize("save_name, complete", [
+    ("ckpt", True), ("ckpt", False),
+    ("with space", True), ("with space", False),
+    ("glob [1] *", True), ("glob [1] *", False),  # * [ ? in the path are literal, not a pattern
+    ("ck*", False),  # a sibling's checkpoint (ck-other/) must not count as this job's
+    ("ck?other", False),
+])
+def test_load_is_passed_only_while_save_has_no_complete_checkpoint(tmp_path, save_name, complete):
+    root = tmp_path / "root dir"
+    (root / "ck-other" / "step_5").mkdir(parents=True)
+    (root / "ck-other" / "step_5" / "manifest.json").write_text("{}")
+    save = root / save_name
+    (save / "step_9").mkdir(parents=True, exist_ok=True)  # an unfinished checkpoint: no manifest yet
+    if complete:
+        (save / "step_3").mkdir()
+        (save / "step_3" / "manifest.json").write_text("{}")
+    script = _render(tmp_path, "het-mixed", dry_run=False, data="d", save=save, load=tmp_path / "old")
+    proc = subprocess.run(["bash", "-c", "set -uo pipefail\n" + _load_block(script)], capture_output=True,
+                          text=True, timeout=30, cwd=root)
+    assert proc.returncode == 0, proc.stderr
+    launch = proc.stdout.split("\0")[:-1]
+    assert launch[launch.index("--save") + 1] == str(save)
+    assert ("--load" in launch) is not complete, launch
+
+
+def test_load_condition_with_an_empty_save_directory_and_none_at_all(tmp_path):
+    for save in (tmp_path / "empty", tmp_path / "missing"):
+        if save.name == "empty":
+            save.mkdir()
+        script = _render(tmp_path, "het-mixed", dry_run=False, data="d", save=save, load=tmp_path / "old")
+        proc = subprocess.run(["bash", "-c", "set -uo pipefail\n" + _load_block(script)], capture_output=True,
+                              text=True, timeout=30)
+        assert proc.returncode == 0 and "--load" in proc.stdout.split("\0"), proc.stderr
+
+
+# ---- the placed plan: next to the job script, named by its content
+
+def test_placed_plan_goes_next_to_the_script_not_the_input(tmp_path):
+    """A plan in a read-only directory (the shared Sailor data) can be rendered: nothing is written there."""
+    shared, jobs = tmp_path / "shared", tmp_path / "jobs"
+    shared.mkdir()
+    plan = write_plan(shared, "unplaced")
+    shared.chmod(0o555)
+    try:
+        res = CliRunner().invoke(main, ["sbatch", str(plan), "--site", str(LOCAL_LAB), "--data", "/d",
+                                        "-o", str(jobs / "train.sh")])
+        assert res.exit_code == 0, res.output
+        assert sorted(p.name for p in shared.iterdir()) == ["unplaced.json"]
+    finally:
+        shared.chmod(0o755)
+    placed = _placed_files(jobs)
+    assert len(placed) == 1 and f"placed plan written to {placed[0]}" in res.output
+    script = (jobs / "train.sh").read_text()
+    assert f"\nPLAN={placed[0]}\n" in script and f"--chdir={jobs.absolute()}" in script
+    assert f"SAVE={(jobs / 'unplaced-ckpt').absolute()}" in script
+
+
+def test_renders_for_other_sites_or_plans_do_not_replace_a_queued_jobs_plan(tmp_path):
+    jobs = tmp_path / "jobs"
+    plan = write_plan(tmp_path, "unplaced")
+    runner = CliRunner()
+    assert runner.invoke(main, ["sbatch", str(plan), "--site", str(LOCAL_LAB), "--dry-run",
+                                "-o", str(jobs / "a.sh")]).exit_code == 0
+    (first,) = _placed_files(jobs)
+    queued = first.read_text()
+    doc = tomllib.loads(LOCAL_LAB.read_text())  # another site: v100 nodes have 4 GPUs, so the placement differs
+    doc["partitions"][1]["gpus_per_node"] = 4
+    other_site = tmp_path / "other.toml"
+    other_site.write_text(dump_toml(doc))
+    res = runner.invoke(main, ["sbatch", str(plan), "--site", str(other_site), "--dry-run", "-o", str(jobs / "b.sh")])
+    assert res.exit_code == 0, res.output
+    placed = _placed_files(jobs)
+    assert len(placed) == 2 and first.read_text() == queued
+    assert f"PLAN={first}\n" in (jobs / "a.sh").read_text() and f"PLAN={first}\n" not in (jobs / "b.sh").read_text()
+
+
+# ---- hints name options that exist; directories are checked before anything is written
+
+def test_missing_data_hint_offers_dry_run_only_where_the_command_has_it(tmp_path):
+    runner = CliRunner()
+    assert "--dry-run" not in {o for p in main.commands["plan"].params for o in p.opts}
+    res = runner.invoke(main, ["plan", "--site", str(LOCAL_LAB), "--model", "tiny-gpt", "--sbatch",
+                               str(tmp_path / "job.sh")])
+    assert res.exit_code == 2 and "--data" in res.output and "--dry-run" not in res.output, res.output
+    assert "--dry-run" in {o for p in main.commands["sbatch"].params for o in p.opts}
+    res = runner.invoke(main, ["sbatch", str(write_plan(tmp_path, "het-mixed")), "--site", str(LOCAL_LAB)])
+    assert res.exit_code == 2 and "or --dry-run" in res.output
+
+
+def test_log_dir_is_checked_before_anything_is_written(tmp_path):
+    plan = write_plan(tmp_path, "unplaced")
+    (tmp_path / "a-file").write_text("")
+    res = CliRunner().invoke(main, ["sbatch", str(plan), "--site", str(LOCAL_LAB), "--dry-run",
+                                    "--log-dir", str(tmp_path / "a-file" / "logs"), "-o", str(tmp_path / "job.sh")])
+    assert res.exit_code == 2 and "--log-dir" in res.output and "is not a directory" in res.output, res.output
+    assert not (tmp_path / "job.sh").exists() and not _placed_files(tmp_path)
+    # a log directory that does not exist yet is created with the job files (Slurm would not create it)
+    logs = tmp_path / "new" / "logs"
+    res = CliRunner().invoke(main, ["sbatch", str(plan), "--site", str(LOCAL_LAB), "--dry-run",
+                                    "--log-dir", str(logs), "-o", str(tmp_path / "job.sh")])
+    assert res.exit_code == 0 and logs.is_dir() and f"--output={logs}/%x-%j.out" in (tmp_path / "job.sh").read_text()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
+def test_unwritable_log_dir_is_refused(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir(mode=0o555)
+    plan = write_plan(tmp_path, "het-mixed")
+    res = CliRunner().invoke(main, ["sbatch", str(plan), "--site", str(LOCAL_LAB), "--dry-run",
+                                    "--log-dir", str(ro / "logs")])
+    assert res.exit_code == 2 and "--log-dir" in res.output and "cannot be created" in res.output

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-DATA_MODEL = ["errors", "atomic", "fields", "network", "site", "models", "plan", "archive", "locking", "sailor_import"]
+DATA_MODEL = ["errors", "atomic", "fields", "network", "site", "models", "plan", "archive", "locking", "sailor_import", "sbatch_values"]
 PROJECT = {"sailor_hpc", "simulator", "planner", "profiler", "megatron_patch", "sbatch_templates"}
 
 

@@ -1,6 +1,7 @@
 """Site configs: shipped files, round trip, and one test per validation error."""
 from __future__ import annotations
 
+import json
 import tomllib
 from pathlib import Path
 
@@ -98,6 +99,11 @@ def _broken(path: Path, old: str, new: str) -> Path:
     return path
 
 
+def _extra_sbatch(*options: object) -> tuple[str, str]:
+    """(old, new) that give local-lab.toml's [slurm] section ``extra_sbatch = [options]``."""
+    return 'constraint = ""', 'constraint = ""\nextra_sbatch = ' + json.dumps(list(options))
+
+
 # the a100 partition's single-sender inter-node fit in local-lab.toml, the line the network cases break
 A100_INTER_1 = '"1" = { coeffs = [-0.0024414231124647644, 0.1408627339370467, 1.116822757126346], max_gbps = 2.4204 }'
 
@@ -135,6 +141,20 @@ A100_INTER_1 = '"1" = { coeffs = [-0.0024414231124647644, 0.1408627339370467, 1.
     # a GPU type names HDF5 groups of the shared archive: a '/' would nest them
     ('[gpu_types."V100-16"]', '[gpu_types."V100/16"]', "gpu_types.V100/16", "not a valid GPU type name"),
     ('name = "local-lab"', 'name = "lab/x"', "name", "not a valid site name"),
+    # [slurm] values reach every job's #SBATCH lines: checked at load with the job header's rules
+    ('account = ""', 'account = "proj;touch x"', "slurm.account", "not a valid Slurm name"),
+    ('qos = ""', 'qos = "normal\\n#SBATCH --partition=v100"', "slurm.qos", "control characters"),
+    ('constraint = ""', 'constraint = "ib nvlink"', "slurm.constraint", "constraint expression"),
+    (*_extra_sbatch("--gres=gpu:v100:8"), "slurm.extra_sbatch[0]", "--gres cannot be added"),
+    (*_extra_sbatch("--mail-type=END", "--parti=v100"), "slurm.extra_sbatch[1]", "sbatch reads it as --partition"),
+    (*_extra_sbatch("-N 2"), "slurm.extra_sbatch[0]", "-N is --nodes"),
+    (*_extra_sbatch("--comment=a b"), "slurm.extra_sbatch[0]", "plain value"),
+    (*_extra_sbatch(3), "slurm.extra_sbatch[0]", "must be a string"),
+    # a name a GPU type answers to must mean one type (Site.gpu takes the first that answers)
+    ('aliases = ["v100", "V100"]', 'aliases = ["v100", "A100-40"]', "gpu_types.V100-16.aliases",
+     "already the name of GPU type 'A100-40'"),
+    ('aliases = ["v100", "V100"]', 'aliases = ["v100", "a100"]', "gpu_types.V100-16.aliases",
+     "already an alias of GPU type 'A100-40'"),
 ])
 def test_every_validation_error_names_file_field_and_problem(lab_site: Path, old: str, new: str, field: str,
                                                              words: str) -> None:
@@ -187,3 +207,25 @@ def test_gpu_lookup_by_alias_and_unknown() -> None:
         site.gpu("MI250")
     with pytest.raises(SailorError, match="no partition 'gpu'"):
         site.partition("gpu")
+
+
+def test_site_validate_reports_a_bad_slurm_value_with_file_field_and_fix(lab_site: Path) -> None:
+    """A forbidden extra option is the site file's error, found by `site validate`, not by the first render."""
+    from click.testing import CliRunner
+
+    from sailor_hpc.cli import main
+
+    _broken(lab_site, 'constraint = ""', 'constraint = ""\nextra_sbatch = ["--ntasks-per-n=2"]')
+    res = CliRunner().invoke(main, ["site", "validate", str(lab_site)])
+    assert res.exit_code == 2, res.output
+    assert f"{lab_site}: slurm.extra_sbatch[0]: --ntasks-per-n (sbatch reads it as --ntasks-per-node)" in res.output
+    assert "(fix: change the plan or the site's partitions instead)" in res.output
+
+
+def test_gpu_aliases_may_repeat_within_a_type_and_name_partitions() -> None:
+    """Not collisions: a type listing its own name or an alias twice, and a partition named like the alias of
+    its GPU type (local-lab's "a100"): partitions and GPU types are looked up apart (Site.partition, Site.gpu)."""
+    data = tomllib.loads((SITE_CONFIGS / "local-lab.toml").read_text())
+    data["gpu_types"]["A100-40"]["aliases"] = ["a100", "A100-40", "a100"]
+    site = load_site_dict(data, source="x.toml")
+    assert site.gpu("a100").name == "A100-40" and site.partition("a100").gpu_type == "A100-40"
