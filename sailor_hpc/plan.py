@@ -9,9 +9,11 @@ placement. Gradients of a layer are averaged over every pipeline that holds it, 
 """
 from __future__ import annotations
 
+import heapq
 import json
 import math
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,9 @@ PLAN_FORMAT = "sailor-hpc-plan"
 PLAN_VERSION = 1
 DTYPES = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adam", "sgd")
+# how a plan gets placements: place_plan, which `simulate`, `sbatch` and `submit` run on a plan without them
+PLACE_FIX = ("give every stage a placement, or none and let sailor-hpc place the plan (`sailor-hpc simulate`, "
+             "`sbatch` and `submit` do; `sbatch` writes the placed plan next to PLAN)")
 
 
 @dataclass(frozen=True)
@@ -112,7 +117,7 @@ class Plan:
             for s in p.stages:
                 if s.placement is None or s.partition is None:
                     raise SailorError("plan has stages without partition/placement", field="pipelines",
-                                      fix="place the plan on a site first (sailor-hpc plan, or plan validate --site)")
+                                      fix=PLACE_FIX)
                 nodes[s.partition].add(s.placement.node)
         return {k: len(v) for k, v in nodes.items()}
 
@@ -263,7 +268,7 @@ def _validate_on_site(plan: Plan, site: Any, err: Any, check_placement: bool) ->
             if not check_placement:
                 continue
             if s.placement is None:
-                raise err(f"{sw}.placement", "is missing", "place the plan (sailor-hpc plan does it)")
+                raise err(f"{sw}.placement", "is missing", PLACE_FIX)
             pl = s.placement
             if len(pl.gpus) != s.tp or len(set(pl.gpus)) != s.tp:
                 raise err(f"{sw}.placement.gpus", f"must list {s.tp} distinct local GPUs, got {list(pl.gpus)}")
@@ -286,36 +291,137 @@ def _validate_on_site(plan: Plan, site: Any, err: Any, check_placement: bool) ->
             raise err("pipelines", f"placement uses node index {highest} of {part_name!r}; indices must be < {limit}")
 
 
-def place_plan(plan: Plan, site: Any) -> Plan:
-    """Give every stage a partition (if missing) and a placement, packing TP groups onto nodes.
+StageKey = tuple[int, int]  # (pipeline, stage)
+Group = list[tuple[StageKey, int]]  # TP groups (stage, TP) that go on one node together
+Placements = dict[StageKey, Placement]
 
-    TP groups are packed first-fit by decreasing size, so a plan takes as few nodes as it can.
+
+def node_segments(tps: Sequence[int], gpus_per_node: int) -> list[list[int]]:
+    """Consecutive stages of one pipeline that share a node when the pipeline is packed alone, in order,
+    from a fresh node (a stage that does not fit in what is left of the node opens the next one).
+
+    This is the placement the planner prices a pipeline at (``planner.templates.endpoints``): a
+    boundary inside a segment is an intra-node transfer, one between segments an inter-node one.
+    Returns the stage indices of each segment.
     """
-    free: dict[str, list[int]] = {}
-    order = sorted(((i, j) for i, p in enumerate(plan.pipelines) for j in range(len(p.stages))),
-                   key=lambda ij: -plan.pipelines[ij[0]].stages[ij[1]].tp)
-    placed: dict[tuple[int, int], Stage] = {}
-    for i, j in order:
-        s = plan.pipelines[i].stages[j]
-        part_name = s.partition
-        if part_name is None:
-            candidates = site.partitions_with_gpu(s.gpu_type)
-            if not candidates:
-                raise SailorError(f"no partition of site {site.name!r} has {s.gpu_type} GPUs", file=site.source,
-                                  field="partitions", fix="add one, or plan for this site's GPU types")
-            part_name = candidates[0].name
-        part = site.partition(part_name)
-        nodes = free.setdefault(part.name, [])
-        node = next((n for n, left in enumerate(nodes) if left >= s.tp), None)
-        if node is None:
-            nodes.append(part.gpus_per_node)
-            node = len(nodes) - 1
-        first = part.gpus_per_node - nodes[node]
-        nodes[node] -= s.tp
-        placed[(i, j)] = replace(s, partition=part.name, placement=Placement(node, tuple(range(first, first + s.tp))))
-    pipes = tuple(replace(p, stages=tuple(placed[(i, j)] for j in range(len(p.stages))))
+    out: list[list[int]] = []
+    fill = gpus_per_node  # forces a new segment for the first stage
+    for j, tp in enumerate(tps):
+        if fill + tp > gpus_per_node:
+            out.append([])
+            fill = 0
+        out[-1].append(j)
+        fill += tp
+    return out
+
+
+class _Nodes:
+    """First-fit over the nodes of one partition: the lowest-numbered node with room, else a new one.
+
+    Nodes are kept in one heap per free-GPU count, so a fit costs O(gpus_per_node log nodes) even for
+    plans with hundreds of nodes (the planner places a plan for every allocation it prices)."""
+
+    def __init__(self, gpus_per_node: int) -> None:
+        self.size = gpus_per_node
+        self.count = 0
+        self._free: list[list[int]] = [[] for _ in range(gpus_per_node + 1)]  # free count -> node heap
+
+    def take(self, gpus: int) -> tuple[int, int]:
+        """Reserve ``gpus`` GPUs on one node; returns (node, first local GPU)."""
+        fits = [(h[0], free) for free, h in enumerate(self._free) if free >= max(gpus, 1) and h]
+        if fits:
+            node, free = min(fits)
+            heapq.heappop(self._free[free])
+        else:  # a new node (also for a group larger than a node: validate_plan names that error)
+            node, free = self.count, self.size
+            self.count += 1
+        heapq.heappush(self._free[max(free - gpus, 0)], node)
+        return node, self.size - free
+
+
+def _first_fit(groups: Sequence[Group], gpus_per_node: int) -> tuple[int, Placements]:
+    """Put each group of (stage, TP) on one node, first fit in the given order; (nodes used, placements)."""
+    nodes = _Nodes(gpus_per_node)
+    out: Placements = {}
+    for group in groups:
+        node, first = nodes.take(sum(tp for _, tp in group))
+        for key, tp in group:
+            out[key] = Placement(node, tuple(range(first, first + tp)))
+            first += tp
+    return nodes.count, out
+
+
+def _by_size(groups: list[Group]) -> list[Group]:
+    """Largest groups first (stable: equal sizes stay in pipeline order)."""
+    return sorted(groups, key=lambda g: -sum(tp for _, tp in g))
+
+
+def _place_partition(segments: list[Group], part: Any) -> Placements:
+    """Placements of one partition's stages, given the planner's node segments in pipeline order.
+
+    The first packing within the partition's per-job node limit wins:
+
+    1. the segments in pipeline order (nodes filled pipeline by pipeline);
+    2. the segments by decreasing size (fewer nodes; like 1, it breaks no boundary the planner
+       priced as intra-node);
+    3. single TP groups in pipeline order: a pipeline straddles two nodes only where a node runs
+       full, so the hops that must cross nodes are spread over the pipelines and over their stages
+       (cutting segments apart instead puts a stage between two inter-node hops, and the slowest
+       stage sets a pipeline's pace);
+    4. single TP groups by decreasing size (first-fit decreasing, the tightest packing).
+
+    If none fits, the one with the fewest nodes (validate_plan then names the limit).
+    """
+    limit = min(part.nodes, part.max_nodes_per_job)
+    singles = [[stage] for g in segments for stage in g]
+    tries = []
+    for groups in (segments, _by_size(segments), singles, _by_size(singles)):
+        count, placed = _first_fit(groups, part.gpus_per_node)
+        if count <= limit:
+            return placed
+        tries.append((count, len(tries), placed))
+    return min(tries)[2]
+
+
+def place_plan(plan: Plan, site: Any) -> Plan:
+    """Give every stage a partition (if missing) and a placement on the nodes of that partition.
+
+    The placement is the one the planner priced: a pipeline's consecutive stages that fit in one node
+    together (:func:`node_segments`) share a node, so every stage-to-stage transfer that the planner's
+    templates charged as intra-node is intra-node in the job (segments that land on the same node
+    only make a transfer faster). Only when those segments need more nodes than the partition gives a
+    job are TP groups packed one by one (see :func:`_place_partition`).
+    """
+    parts = {(i, j): _stage_partition(s, site) for i, p in enumerate(plan.pipelines) for j, s in enumerate(p.stages)}
+    segments: dict[str, list[Group]] = defaultdict(list)
+    for i, pipe in enumerate(plan.pipelines):
+        j = 0
+        while j < len(pipe.stages):  # runs of consecutive stages on one partition
+            part = parts[(i, j)]
+            run = [j]
+            while run[-1] + 1 < len(pipe.stages) and parts[(i, run[-1] + 1)].name == part.name:
+                run.append(run[-1] + 1)
+            for seg in node_segments([pipe.stages[k].tp for k in run], part.gpus_per_node):
+                segments[part.name].append([((i, run[k]), pipe.stages[run[k]].tp) for k in seg])
+            j = run[-1] + 1
+    placed: Placements = {}
+    for name, segs in segments.items():
+        placed.update(_place_partition(segs, site.partition(name)))
+    pipes = tuple(replace(p, stages=tuple(replace(s, partition=parts[(i, j)].name, placement=placed[(i, j)])
+                                          for j, s in enumerate(p.stages)))
                   for i, p in enumerate(plan.pipelines))
     return replace(plan, pipelines=pipes)
+
+
+def _stage_partition(stage: Stage, site: Any) -> Any:
+    """The stage's partition: the one it names, else the first of the site with its GPU type."""
+    if stage.partition is not None:
+        return site.partition(stage.partition)
+    candidates = site.partitions_with_gpu(stage.gpu_type)
+    if not candidates:
+        raise SailorError(f"no partition of site {site.name!r} has {stage.gpu_type} GPUs", file=site.source,
+                          field="partitions", fix="add one, or plan for this site's GPU types")
+    return candidates[0]
 
 
 # ---------------------------------------------------------------- Sailor's plan_config format

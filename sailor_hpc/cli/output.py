@@ -30,3 +30,23 @@ def _fmt(value: Any) -> str:
 
 def human_bytes(n: float) -> str:
     return f"{n / 1024**3:.2f} GiB"
+
+
+def memory_by_gpu_type_rows(res: Any) -> list[tuple[str, str, str]]:
+    """(GPU type, peak memory, capacity) of a simulated plan, one row per GPU type.
+
+    A type's peak is the largest of its own stages, set against its own capacity: a heterogeneous
+    plan's overall peak against the largest GPU's capacity hides a small GPU that is nearly full.
+    """
+    return [(gpu, human_bytes(d["peak_bytes"]), human_bytes(d["capacity_bytes"]))
+            for gpu, d in res.memory_by_gpu_type().items()]
+
+
+def memory_by_gpu_type_table(res: Any) -> str:
+    """The rows of :func:`memory_by_gpu_type_rows` as a table (as ``sailor-hpc simulate`` prints them)."""
+    return table(("gpu type", "peak memory", "capacity"), memory_by_gpu_type_rows(res))
+
+
+def memory_by_gpu_type_cell(res: Any) -> str:
+    """The same rows on one line, for tables with one row per plan: ``A100-40 17.19 GiB / 39.43 GiB, ...``."""
+    return ", ".join(f"{gpu} {peak} / {cap}" for gpu, peak, cap in memory_by_gpu_type_rows(res))

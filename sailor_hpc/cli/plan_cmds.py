@@ -29,18 +29,20 @@ def describe_plan(plan: Plan) -> str:
 @click.option("--profiles", "archive_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Profile archive (default: $SAILOR_PROFILES, the site's, then the embedded one).")
 @click.option("--gbs", type=int, default=None, help="Global batch size (default: 1024).")
-@click.option("--seq-len", type=int, default=None, help="Sequence length (default: the model's).")
-@click.option("--objective", type=click.Choice(["throughput", "cost"]), default="throughput", show_default=True)
+@click.option("--seq-len", type=int, default=None,
+              help="Sequence length (default and only value: the model's, at which it is profiled).")
+@click.option("--objective", type=click.Choice(["throughput", "cost"]), default="throughput", show_default=True,
+              help="Rank plans by samples per second, or by cost per sample.")
 @click.option("--max-cost-per-hour", type=float, default=None, help="In the site's cost unit.")
 @click.option("--max-cost-per-iteration", type=float, default=None, help="In the site's cost unit.")
 @click.option("--min-throughput", type=float, default=None, help="Samples per second.")
-@click.option("--max-gpus", type=int, default=None)
+@click.option("--max-gpus", type=click.IntRange(min=1), default=None, help="GPUs a plan may use at most.")
 @click.option("--available", default="site", show_default=True,
               help="'site' (every GPU of the site), 'live' (whole idle nodes from sinfo) or "
                    "'PART=GPUS,PART=GPUS'.")
 @click.option("--space", type=click.Choice(["full", "sailor", "homogeneous"]), default="full", show_default=True,
               help="Search space: everything, Sailor's plan shape, or one partition.")
-@click.option("--top", "top_k", type=int, default=5, show_default=True, help="Plans to show.")
+@click.option("--top", "top_k", type=click.IntRange(min=1), default=5, show_default=True, help="Plans to show.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the best plan here.")
 @click.option("--pareto", type=click.Path(dir_okay=False, path_type=Path), default=None,

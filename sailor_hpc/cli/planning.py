@@ -2,14 +2,17 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import click
 
 from sailor_hpc.atomic import removed_on_error
-from sailor_hpc.cli.output import echo_json, human_bytes, table
+from sailor_hpc.cli.output import echo_json, memory_by_gpu_type_cell, table
 from sailor_hpc.errors import SailorError
+from sailor_hpc.models import get_model
 from sailor_hpc.site import Site, load_site
 
 DEFAULT_GBS = 1024
@@ -30,9 +33,36 @@ def parse_available(spec: str, site: Site) -> dict[str, int]:
         if not count.strip().isdigit():
             raise SailorError(f"{item!r} is not PART=GPUS", field="--available",
                               fix="use 'site', 'live' or e.g. 'a100=64,v100=128'")
-        site.partition(name.strip())
+        with in_plan_terms(None, field="--available", drop_file=True):
+            site.partition(name.strip())
         out[name.strip()] = int(count)
     return out
+
+
+@contextmanager
+def in_plan_terms(only: str | None, *, field: str | None = None, fix: str | None = None,
+                  drop_file: bool = False) -> Iterator[None]:
+    """Re-label an error of a helper shared with other commands in this command's terms: the option the
+    user gave and a fix naming options ``sailor-hpc plan`` has (the helpers name those of ``profile``,
+    or a site field). ``only``: re-label only errors about that field (None: every error);
+    ``drop_file``: the error is in a command-line value, not in the file the helper read."""
+    try:
+        yield
+    except SailorError as exc:
+        if only is None or exc.field == only:
+            exc.field = field or exc.field
+            exc.fix = fix or exc.fix
+            exc.file = None if drop_file else exc.file
+        raise
+
+
+def check_options(model_name: str, seq_len: int | None) -> None:
+    """Refuse what the search would only find out after minutes, or report in another command's terms."""
+    with in_plan_terms(None, field="--model"):
+        model = get_model(model_name)
+    if seq_len is not None and seq_len != model.seq_len:
+        raise SailorError(f"{model.name} is profiled (and planned) at sequence length {model.seq_len}, not {seq_len}",
+                          field="--seq-len", fix=f"leave out --seq-len, or pass {model.seq_len}")
 
 
 def run_planner(site_file: Path, model_name: str, *, archive_path: Path | None, gbs: int | None,
@@ -44,11 +74,14 @@ def run_planner(site_file: Path, model_name: str, *, archive_path: Path | None, 
     from sailor_hpc.archive import open_archive
 
     site = load_site(site_file)
+    check_options(model_name, seq_len)
     if sbatch_out is not None:
         from sailor_hpc.jobs.render import check_training_args
 
-        check_training_args(data, save, steps)  # before the search, not after it
-    archive = open_archive(archive_path, site)
+        check_training_args(data, save, steps)  # before the search, not after it (plan has no --dry-run)
+    with in_plan_terms("--archive", field="--profiles",
+                       fix="pass --profiles FILE, set SAILOR_PROFILES, or reinstall to get the embedded default"):
+        archive = open_archive(archive_path, site)
     request = PlanRequest(model=model_name, global_batch_size=DEFAULT_GBS if gbs is None else gbs, objective=objective,
                           constraints=Constraints(max_cost_per_hour, max_cost_per_iteration, min_throughput, max_gpus),
                           available=parse_available(available, site), seq_len=seq_len, space=space, top_k=top_k)
@@ -85,7 +118,7 @@ def run_planner(site_file: Path, model_name: str, *, archive_path: Path | None, 
                f"{objective}, space {space}; searched in {result.search_time_s:.2f} s "
                f"({result.allocations_scored} allocations scored, {result.plans_simulated} plans simulated)")
     click.echo(table(("#", "GPUs", "pipelines", "stages", "TP", "mbs x micro-batches", "iteration s",
-                      "samples/s", "peak mem / capacity", f"{site.cost_unit}/hour"),
+                      "samples/s", "peak memory / capacity per GPU type", f"{site.cost_unit}/hour"),
                      [_plan_row(i, c) for i, c in enumerate(shown)]))
     if output is not None:
         click.echo(f"best plan written to {output}")
@@ -98,7 +131,8 @@ def _plan_json(c: Any) -> dict[str, Any]:
     return {"plan": c.plan.to_dict(), "iteration_time_s": r.iteration_time_s,
             "throughput_samples_per_s": r.throughput_samples_per_s, "tokens_per_s": r.tokens_per_s,
             "cost_per_hour": r.cost_per_hour, "cost_per_iteration": r.cost_per_iteration,
-            "peak_memory_bytes": r.peak_memory_bytes, "gpus": c.plan.gpus_by_type()}
+            "peak_memory_bytes": r.peak_memory_bytes, "memory_by_gpu_type": r.memory_by_gpu_type(),
+            "gpus": c.plan.gpus_by_type()}
 
 
 def _plan_row(i: int, c: Any) -> tuple:
@@ -109,12 +143,11 @@ def _plan_row(i: int, c: Any) -> tuple:
         shapes[key] = shapes.get(key, 0) + 1
     stages = ", ".join(f"{n}x {g}" for (g, _, _, _), n in shapes.items())
     micro = sorted({(p.micro_batch_size, p.num_micro_batches) for p in plan.pipelines})
-    cap = max(s.capacity_bytes for s in r.stages)
     return (i + 1, " + ".join(f"{n} {g}" for g, n in plan.gpus_by_type().items()), stages,
             ",".join(sorted({str(k[1]) for k in shapes})), ",".join(sorted({k[2] for k in shapes})),
             " ".join(f"{b}x{m}" for b, m in micro[:4]) + (" ..." if len(micro) > 4 else ""),
             f"{r.iteration_time_s:.3f}", f"{r.throughput_samples_per_s:.1f}",
-            f"{human_bytes(r.peak_memory_bytes)} / {human_bytes(cap)}", f"{r.cost_per_hour:.2f}")
+            memory_by_gpu_type_cell(r), f"{r.cost_per_hour:.2f}")
 
 
 class _ProgressBar:

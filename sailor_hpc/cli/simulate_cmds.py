@@ -6,7 +6,7 @@ from pathlib import Path
 import click
 
 from sailor_hpc.cli import main
-from sailor_hpc.cli.output import echo_json, human_bytes, json_option, table
+from sailor_hpc.cli.output import echo_json, human_bytes, json_option, memory_by_gpu_type_table, table
 
 site_option = click.option("--site", "site_file", required=True, type=click.Path(dir_okay=False, path_type=Path),
                            help="Site config (site_configs/*.toml).")
@@ -83,10 +83,8 @@ def describe_result(res, name: str, site_name: str) -> str:
             for s in res.stages]
     lines.append(table(("pipe", "stage", "layers", "gpu", "tp", "fwd ms", "bwd ms", "send ms", "memory", "capacity",
                         "fits"), rows))
-    by_type = res.memory_by_gpu_type()
     lines.append("")
-    lines.append(table(("gpu type", "peak memory", "capacity"),
-                       [(g, human_bytes(d["peak_bytes"]), human_bytes(d["capacity_bytes"])) for g, d in by_type.items()]))
+    lines.append(memory_by_gpu_type_table(res))
     return "\n".join(lines)
 
 

@@ -55,6 +55,49 @@ def test_placement_packs_tp_groups_into_nodes_without_overlap() -> None:
     assert plan.nodes_by_partition() == {"a100": 2, "v100": 2}
 
 
+def _two_pipelines(tps: tuple[int, ...], copies: int = 2) -> Plan:
+    """``copies`` identical OPT-350M pipelines on a100 whose stages have the TP degrees ``tps``."""
+    bounds = [26 * k // len(tps) for k in range(len(tps) + 1)]
+    stages = tuple(Stage(a, b - 1, tp, "A100-40", "a100") for (a, b), tp in zip(zip(bounds, bounds[1:]), tps))
+    return Plan("OPT-350M", 2 * copies, (Pipeline(1, 2, stages),) * copies)
+
+
+@pytest.mark.parametrize("tps", [(2, 1, 1), (1, 2, 1), (1, 1, 2), (1, 1, 1, 1)])
+def test_placement_keeps_a_pipeline_that_fits_in_a_node_on_one_node(tps) -> None:
+    """The planner prices a pipeline whose TP groups fit in one node with intra-node hops. Packing TP groups
+    by decreasing size across pipelines put the TP-2 stages of both pipelines on node 0 and every TP-1 stage
+    on node 1, so every pipeline crossed nodes at each TP-2 stage."""
+    site = lab()
+    plan = place_plan(_two_pipelines(tps), site)
+    validate_plan(plan, site)
+    assert [{s.placement.node for s in p.stages} for p in plan.pipelines] == [{0}, {1}]
+
+
+def test_placement_fills_nodes_pipeline_by_pipeline_when_pipelines_do_not_fit_whole() -> None:
+    """Three pipelines of 3, 3 and 2 TP-1 stages on two 4-GPU nodes: whole pipelines need three nodes, a job
+    gets two. The fallback fills the nodes pipeline by pipeline: only one pipeline straddles the two nodes,
+    across one hop."""
+    site = lab()
+    stages3 = tuple(Stage(a, b, 1, "A100-40", "a100") for a, b in ((0, 8), (9, 17), (18, 25)))
+    stages2 = (Stage(0, 12, 1, "A100-40", "a100"), Stage(13, 25, 1, "A100-40", "a100"))
+    plan = place_plan(Plan("OPT-350M", 6, (Pipeline(1, 2, stages3), Pipeline(1, 2, stages3), Pipeline(1, 2, stages2))),
+                      site)
+    validate_plan(plan, site)
+    hops = [sum(a.placement.node != b.placement.node for a, b in zip(p.stages, p.stages[1:])) for p in plan.pipelines]
+    assert sorted(hops) == [0, 0, 1] and plan.nodes_by_partition() == {"a100": 2}
+
+
+def test_placement_of_a_large_plan_is_fast_and_valid() -> None:
+    """The planner places a plan for every allocation it prices: 64 pipelines of TP 2/1/1 on 64 nodes."""
+    import time
+    site = load_site(SITE_CONFIGS / "a100-v100.toml")
+    t0 = time.perf_counter()
+    plan = place_plan(_two_pipelines((2, 1, 1), copies=64), site)
+    assert time.perf_counter() - t0 < 2.0
+    validate_plan(plan, site)
+    assert all(len({s.placement.node for s in p.stages}) == 1 for p in plan.pipelines)
+
+
 def _expect(plan: Plan, field: str, words: str, site=None, placed: bool | None = None) -> None:
     if placed is None:
         placed = all(s.placement for p in plan.pipelines for s in p.stages)
@@ -94,7 +137,8 @@ def test_site_errors() -> None:
     big = _with_stage(plan, 0, 1, tp=8)
     _expect(big, "pipelines[0].stages[1].tp", "does not fit in one node", site)
     placed = place_plan(plan, site)
-    _expect(_with_stage(placed, 1, 0, placement=Placement(0, (0,))), "pipelines[1].stages[1].placement",
+    taken = placed.pipelines[1].stages[1].placement  # stage 0 moved onto one of stage 1's GPUs
+    _expect(_with_stage(placed, 1, 0, placement=Placement(taken.node, taken.gpus[:1])), "pipelines[1].stages[1].placement",
             "also used by pipelines[1].stages[0]", site)
     _expect(_with_stage(placed, 0, 0, placement=Placement(0, (2, 7))), "pipelines[0].stages[0].placement.gpus",
             "does not exist", site)
