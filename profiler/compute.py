@@ -24,15 +24,23 @@ saving per layer boundary inside a stage.
 Memory at micro-batch 1: parameters per TP rank per layer from megatron_patch's layout (checked against
 the built modules by ``build_stage_module``); each layer's output and input elements; retained
 activation bytes = what the layer's forward keeps until its backward (CUDA: allocator delta around the
-forward, as Sailor; CPU: the unique storages saved for backward plus the output, parameters and inputs
-excluded). Fixed memory: on a GPU, device memory in use that the caching allocator does not hold
+forward, as Sailor, after one warm-up pass so that one-time allocations are not counted; CPU: the unique
+storages saved for backward plus the output, parameters and inputs excluded). Fixed memory: on a GPU, device memory in use that the caching allocator does not hold
 (context, cuBLAS/NCCL workspaces; ``nvidia-smi`` minus reserved) after the TP collectives ran; on CPU,
 the process's resident memory after start-up (a stand-in, recorded under the ``cpu-`` key only).
+
+Failures: a step (the memory table, a micro-batch size, its chain timing) that fails on any TP rank,
+out of memory or otherwise, is recorded as failed on every rank with the reasons, and the sweep of the
+job goes on with the next size (:class:`TPAgreement`: no rank is left waiting in a collective).
 """
 from __future__ import annotations
 
+import contextlib
+import datetime
 import math
+import os
 import statistics
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -184,7 +192,7 @@ class LayerProfiler:
         self.spec, self.device, self.dtype = spec, device, dtype
         self.k = profiled_blocks(spec, blocks)
         self.warmup, self.iters, self.seed = warmup, iters, seed
-        self.tp = dist.get_world_size(tp_group)
+        self.tp, self.rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
         self.padded = padded_vocab_size(spec, (self.tp,))
         self.clock = _Clock(device)
         patch.apply(cpu=device.type == "cpu")  # what the runtime installs before building stages
@@ -220,6 +228,8 @@ class LayerProfiler:
             timed = it >= self.warmup
 
             def each(layer: int, run: Callable[[], torch.Tensor], _x: torch.Tensor | None) -> torch.Tensor:
+                if layer == 1:
+                    _injected_failure(self.rank, mbs)
                 tf, out = self.clock.measure(run)
                 grad = _grad_like(out, self.seed + layer)
                 tb, _ = self.clock.measure(lambda: out.backward(grad))
@@ -268,8 +278,19 @@ class LayerProfiler:
         return statistics.median(fwd), statistics.median(bwd)
 
     def memory_table(self) -> np.ndarray:
-        """(L, 4) at micro-batch 1: params, act_output, act_input (elements per TP rank), act_mem_bytes."""
+        """(L, 4) at micro-batch 1: params, act_output, act_input (elements per TP rank), act_mem_bytes.
+
+        Measured after one untimed forward and backward of every layer: the first pass allocates what
+        stays for the process's lifetime (the cuBLAS workspace, cached masks and rotary tables, gradient
+        buffers), which the allocator delta around a layer's forward would otherwise count as that layer's
+        activations. (On CPU the retained bytes come from the saved tensors, which a warm-up does not
+        change; the GPU path cannot be tested on a CPU-only machine.)"""
         tokens, labels = _inputs(self.spec, 1, self.device, self.seed)
+        self._forward_chain(tokens, labels, self._warm_up_layer)
+        for opt in self.optimizers:
+            opt.zero_grad()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         L = self.spec.num_pipeline_layers
         table = np.zeros((L, 4))
         table[:, 0] = layer_params(self.spec, self.tp, self.padded)
@@ -290,6 +311,11 @@ class LayerProfiler:
         for l in range(L):
             table[l, 1:] = measured[source_layer(self.spec, l, self.k)]
         return table
+
+    def _warm_up_layer(self, layer: int, run: Callable[[], torch.Tensor], _x: torch.Tensor | None) -> torch.Tensor:
+        out = run()
+        out.backward(_grad_like(out, self.seed + layer))
+        return out
 
     def overhead_bytes(self, baseline_rss: float) -> float:
         if self.device.type == "cuda":
@@ -314,8 +340,114 @@ def is_oom(exc: BaseException) -> bool:
     return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
 
 
+FAIL_ENV = "SAILOR_PROFILER_FAIL"
+
+
+def _injected_failure(rank: int, mbs: int) -> None:
+    """For tests only: ``SAILOR_PROFILER_FAIL=<rank>:<mbs>`` makes that TP rank fail at that micro-batch size
+    just before the first block's forward, so the other ranks wait in that block's TP collective, as they
+    do when one GPU runs out of memory."""
+    if os.environ.get(FAIL_ENV) == f"{rank}:{mbs}":
+        raise RuntimeError(f"injected failure ({FAIL_ENV}) on TP rank {rank} at micro-batch {mbs}")
+
+
+def _describe(exc: BaseException) -> str:
+    first = (str(exc).strip().splitlines() or [""])[0][:200]
+    return f"{'out of memory' if is_oom(exc) else type(exc).__name__}: {first}"
+
+
+class TPAgreement:
+    """Every step of a profiling job (the memory table, one micro-batch size, its chain timing) ends with
+    all TP ranks knowing its outcome on every rank.
+
+    Why: an exception on one rank (out of memory, typically) leaves the others waiting in a TP collective
+    that rank never joins, and a rank that went on alone would pair its next collectives with the others'
+    old ones. So each rank posts its outcome to the job's rendezvous store and waits for everyone's: the
+    step failed if it failed anywhere (with each failing rank's reason, in the order they failed), and then
+    every rank records it as failed. A rank still waiting in a collective is released: on NCCL a watchdog
+    thread that sees another rank's failure aborts the communicator (what ends a waiting NCCL kernel);
+    gloo cannot be interrupted (its pending collectives ignore abort and destroy), so the group carries a
+    per-collective timeout. After a failed step the group may hold half-done collectives, so
+    :meth:`renew` replaces it before the next step (every rank does, as every rank knows the outcome).
+    """
+
+    def __init__(self, group: Any, store: Any | None = None, *, collective_timeout_s: float = 300.0,
+                 agree_timeout_s: float = 1800.0, poll_s: float = 0.1) -> None:
+        self.group = group
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        if self.world > 1 and store is None:
+            raise ValueError("the ranks of a TP group agree through the job's store: pass it")
+        self.store = None if store is None or self.world == 1 else dist.PrefixStore("sailor-profile/", store)
+        self.collective_timeout_s, self.agree_timeout_s, self.poll_s = collective_timeout_s, agree_timeout_s, poll_s
+        self.steps = 0
+
+    def run(self, step: str, fn: Callable[[], Any]) -> tuple[Any, str]:
+        """(fn's value, "") when the step succeeded on every rank, else (None, why) on every rank."""
+        self.steps += 1
+        key = f"{self.steps}:{step}"
+        done = threading.Event()
+        if self.world > 1 and dist.get_backend(self.group) == "nccl":
+            threading.Thread(target=self._watch, args=(key, done), daemon=True).start()
+        try:
+            value, why = fn(), ""
+        except Exception as exc:  # noqa: BLE001 - any failure of a point is recorded, never the job's end
+            value, why = None, _describe(exc)
+            if self.store is not None:
+                why = f"{self.store.add(f'{key}/failures', 1)} {why}"
+        finally:
+            done.set()
+        if self.store is None:
+            return value, why
+        failures = self._verdicts(key, why)
+        return (None, failures) if failures else (value, "")
+
+    def _verdicts(self, key: str, why: str) -> str:
+        """Post this rank's outcome, then every failing rank's reason in the order they failed ("" if none)."""
+        assert self.store is not None
+        self.store.set(f"{key}/rank{self.rank}", f"failed {why}" if why else "ok")
+        keys = [f"{key}/rank{r}" for r in range(self.world)]
+        self.store.wait(keys, datetime.timedelta(seconds=self.agree_timeout_s))
+        failed = []
+        for r, k in enumerate(keys):
+            verdict = self.store.get(k).decode()
+            if verdict.startswith("failed "):
+                order, _, reason = verdict[len("failed "):].partition(" ")
+                failed.append((int(order), f"rank {r}: {reason}"))
+        return "; then ".join(text for _, text in sorted(failed))
+
+    def _watch(self, key: str, done: threading.Event) -> None:
+        """NCCL only: abort this rank's communicator once another rank failed the step, which ends a
+        collective kernel still waiting for that rank (untested here: it needs GPUs)."""
+        assert self.store is not None
+        while not done.wait(self.poll_s):
+            if self.store.add(f"{key}/failures", 0) > 0:
+                self.group.abort()
+                return
+
+    def finish(self) -> None:
+        """The last word: rank 0 hosts the store, so it leaves only after every rank has read its last verdict."""
+        if self.store is None:
+            return
+        self.store.set(f"finished/rank{self.rank}", "1")
+        if self.rank == 0:
+            self.store.wait([f"finished/rank{r}" for r in range(self.world)],
+                            datetime.timedelta(seconds=self.agree_timeout_s))
+
+    def renew(self) -> None:
+        """A fresh TP group over the same ranks (called by every rank after a failed step)."""
+        if self.world == 1:
+            return
+        old = self.group
+        ranks, backend = dist.get_process_group_ranks(old), dist.get_backend(old)
+        for retire in (old.abort, lambda: dist.destroy_process_group(old)):
+            with contextlib.suppress(Exception):  # an aborted or timed-out group: only its resources are left
+                retire()
+        self.group = dist.new_group(ranks, backend=backend,
+                                    timeout=datetime.timedelta(seconds=self.collective_timeout_s))
+
+
 def _release(prof: "LayerProfiler", device: torch.device) -> None:
-    """After an out-of-memory error: drop the gradients and the allocator's cache before the next point."""
+    """After a failed step: drop the gradients and the allocator's cache before the next point."""
     for opt in prof.optimizers:
         opt.zero_grad()
     if device.type == "cuda":
@@ -324,37 +456,44 @@ def _release(prof: "LayerProfiler", device: torch.device) -> None:
 
 def profile_compute(spec: ModelSpec, mbs_list: Sequence[int], *, tp_group: Any, device: torch.device,
                     dtype: str = "fp32", blocks: int | None = None, warmup: int = 3, iters: int = 10,
-                    baseline_rss: float = 0.0) -> ComputeResult:
-    """Measure every micro-batch size of ``mbs_list`` (ascending) at this TP degree; an out-of-memory
-    point is recorded as failed and the larger ones are still tried (after freeing the cache)."""
-    prof = LayerProfiler(spec, tp_group=tp_group, device=device, dtype=dtype, blocks=blocks, warmup=warmup,
-                         iters=iters)
-    try:
-        memory = prof.memory_table()
-    except RuntimeError as exc:
-        if not is_oom(exc):
-            raise
-        memory = None
+                    baseline_rss: float = 0.0, store: Any | None = None,
+                    collective_timeout_s: float = 300.0) -> ComputeResult:
+    """Measure every micro-batch size of ``mbs_list`` (ascending) at this TP degree. A step that fails on any
+    rank (out of memory or any other error) is recorded as failed on every rank with the reasons
+    (:class:`TPAgreement`; ``store`` is the job's rendezvous store, needed for TP > 1), and the larger sizes
+    are still tried, after freeing the cache, on a fresh group and freshly built stages."""
+    agree = TPAgreement(tp_group, store, collective_timeout_s=collective_timeout_s)
+
+    def build() -> LayerProfiler:
+        return LayerProfiler(spec, tp_group=agree.group, device=device, dtype=dtype, blocks=blocks, warmup=warmup,
+                             iters=iters)
+
+    def recover(prof: LayerProfiler) -> LayerProfiler:
+        _release(prof, device)
+        if agree.world == 1:
+            return prof
+        agree.renew()
+        return build()
+
+    prof = build()
+    memory, memory_failure = agree.run("memory", prof.memory_table)
+    if memory_failure:
+        prof = recover(prof)
     points = []
     for mbs in sorted(mbs_list):
-        try:
-            times = prof.measure(mbs)
-        except RuntimeError as exc:
-            if not is_oom(exc):
-                raise
-            points.append(PointResult(mbs=mbs, times=None, reason=f"out of memory at micro-batch {mbs}: "
-                                                                   f"{str(exc).splitlines()[0][:200]}"))
-            _release(prof, device)
+        times, why = agree.run(f"mbs{mbs}", lambda: prof.measure(mbs))
+        if why:
+            points.append(PointResult(mbs=mbs, times=None, reason=f"micro-batch {mbs}: {why}"))
+            prof = recover(prof)
             continue
-        try:  # the chain holds every measured layer's activations at once: it may not fit where layers do
-            stack = prof.measure_stack(mbs)
-        except RuntimeError as exc:
-            if not is_oom(exc):
-                raise
-            stack = None
-            _release(prof, device)
+        # the chain holds every measured layer's activations at once: it may fail where the layers fit
+        stack, why = agree.run(f"mbs{mbs}-chain", lambda: prof.measure_stack(mbs))
+        if why:
+            prof = recover(prof)
         points.append(PointResult(mbs=mbs, times=times, stack=stack))
+    agree.finish()
     return ComputeResult(points=points, memory=memory, overhead_bytes=prof.overhead_bytes(baseline_rss),
                          profiled_blocks=prof.k, device=device.type,
                          extra={"padded_vocab": prof.padded, "warmup": warmup, "iters": iters,
-                                "stack_layers": len(prof.measured)})
+                                "stack_layers": len(prof.measured),
+                                **({"memory_failure": memory_failure} if memory_failure else {})})

@@ -16,9 +16,9 @@ def fit_bandwidth(sizes: Sequence[float], gbps: Sequence[float]) -> NetworkFit:
     """Quadratic fit of measured bandwidth (GB/s) over message sizes (bytes)."""
     x = np.asarray(sizes, dtype=np.float64)
     y = np.asarray(gbps, dtype=np.float64)
-    if x.size != y.size or x.size < 3:
-        raise SailorError(f"a bandwidth fit needs at least 3 message sizes, got {x.size}", field="--net-sizes",
-                          fix="measure at least three message sizes")
+    if x.size != y.size or np.unique(x).size < 3:  # three points fix a quadratic; repeats add none
+        raise SailorError(f"a bandwidth fit needs at least 3 distinct message sizes, got {np.unique(x).size}",
+                          field="--net-sizes", fix="measure at least three message sizes")
     if not (np.isfinite(y).all() and (y > 0).all() and (x > 0).all()):
         raise SailorError("measured bandwidths must be positive and finite", field="network",
                           fix="re-run the network job")

@@ -46,6 +46,7 @@ class ComputeTask:
     blocks: int | None = None
     warmup: int = 3
     iters: int = 10
+    collective_timeout_s: float = 300.0  # how long a TP rank waits in a collective for the others
 
 
 @dataclass(frozen=True)
@@ -142,15 +143,19 @@ def compute_job(task: ComputeTask) -> dict[str, Any] | None:
     device = _device(task.cpu)
     threads = int(os.environ.get("SLURM_CPUS_PER_TASK", "1") or 1)
     torch.set_num_threads(max(1, threads))
-    os.environ["MASTER_ADDR"] = "127.0.0.1"  # one node: every TP rank is here
-    os.environ["MASTER_PORT"] = str(PORT_BASE + int(os.environ.get("SLURM_JOB_ID", "0")) % PORT_SPAN)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world,
+    # one node: every TP rank is here. The store is ours (not init_process_group's own) because the ranks
+    # also agree through it on every step's outcome (profiler.compute.TPAgreement)
+    port = PORT_BASE + int(os.environ.get("SLURM_JOB_ID", "0")) % PORT_SPAN
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=datetime.timedelta(minutes=20))
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world, store=store,
                             timeout=datetime.timedelta(minutes=20))
     t0 = time.perf_counter()
     try:
+        group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=task.collective_timeout_s))
         spec = get_model(task.model)
-        res = profile_compute(spec, task.mbs, tp_group=dist.group.WORLD, device=device, dtype=task.dtype,
-                              blocks=task.blocks, warmup=task.warmup, iters=task.iters, baseline_rss=baseline)
+        res = profile_compute(spec, task.mbs, tp_group=group, device=device, dtype=task.dtype, blocks=task.blocks,
+                              warmup=task.warmup, iters=task.iters, baseline_rss=baseline, store=store,
+                              collective_timeout_s=task.collective_timeout_s)
     finally:
         dist.destroy_process_group()
     if rank != 0:
@@ -171,7 +176,7 @@ def compute_job(task: ComputeTask) -> dict[str, Any] | None:
                        "bwd_s": float(np.sum(p.times[:, 1])) if p.ok else None})
     if res.memory is not None:
         entries.append(MemoryEntry(spec.name, task.tp, res.memory, prov, dtype=task.dtype))
-    if res.overhead_bytes is not None:  # written by the job itself, so a resumed sweep does not lose it
+    if res.overhead_bytes:  # written by the job itself, so a resumed sweep does not lose it (0: not measurable)
         entries.append(OverheadEntry(task.gpu_key, {task.tp: float(res.overhead_bytes)}, prov))
     write_entries(task.archive, entries)
     return {"points": points, "tp": task.tp, "gpu_key": task.gpu_key, "overhead_bytes": res.overhead_bytes,

@@ -22,6 +22,7 @@ is completed by running the same command with ``--resume``.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections import Counter, defaultdict
@@ -131,6 +132,26 @@ class SweepReport:
 
 # ------------------------------------------------------------------------------------------- checking
 
+def real_path(path: Path) -> Path:
+    """``path`` with ``~``, ``..`` and every symlink resolved. The sweep hands paths to jobs on other nodes
+    (where the working directory differs and a login node's symlink may not exist or point elsewhere)
+    and compares them with the embedded and the site's shared archive (a symlink to either must not
+    slip past the checks): only the real path names the same file everywhere. (The interpreter path is
+    left alone: a virtual environment's python is a symlink that must stay one.)"""
+    return Path(os.path.realpath(path.expanduser()))
+
+
+def check_net_sizes(sizes: Sequence[int]) -> None:
+    """The bandwidth fit is quadratic in log message size (:mod:`profiler.fit`): fewer than three distinct
+    sizes cannot determine it, and the network jobs would fail only after their allocation ran."""
+    distinct = sorted(set(sizes))
+    if len(distinct) < 3:
+        shown = ", ".join(f"2^{s.bit_length() - 1}" if s > 0 and s & (s - 1) == 0 else str(s) for s in distinct)
+        raise SailorError(f"{len(distinct)} distinct message size(s) ({shown} bytes): the bandwidth fit is quadratic "
+                          "in log size and needs at least 3", field="--net-sizes",
+                          fix="give at least three log2 sizes, e.g. --net-sizes 16,20,24 (or leave the default)")
+
+
 def check_config(cfg: SweepConfig) -> None:
     spec = get_model(cfg.model)
     for name in cfg.part_names:
@@ -144,14 +165,16 @@ def check_config(cfg: SweepConfig) -> None:
     if bad:
         raise SailorError(f"unknown network measurement {bad[0]!r}", field="--network",
                           fix=f"use any of {', '.join(NETWORK_KINDS)} or 'none'")
+    if cfg.sizes:
+        check_net_sizes(cfg.sizes)
     if cfg.points_per_job <= 0 or cfg.iters <= 0 or cfg.warmup < 0 or cfg.time_min <= 0:
         raise SailorError("points per job, iterations and the time limit must be positive", field="--iters")
-    archive = cfg.archive.expanduser().absolute()
-    if archive == EMBEDDED_ARCHIVE.absolute():
+    archive = real_path(cfg.archive)
+    if archive == real_path(EMBEDDED_ARCHIVE):
         raise SailorError("refusing to write into the embedded Sailor profiles", file=archive, field="--archive",
                           fix="pass the site's shared archive or a file of your own")
     if cfg.cpu:
-        shared = cfg.site.archive and Path(cfg.site.archive).expanduser().absolute() == archive
+        shared = cfg.site.archive and real_path(Path(cfg.site.archive)) == archive
         if shared:
             raise SailorError("a CPU sweep may not write into the site's shared archive", file=archive,
                               field="--archive", fix="pass --archive with a test archive of its own")
@@ -292,7 +315,7 @@ def submit_network(cfg: SweepConfig, units: Sequence[Unit]) -> None:
         nodes = 1 if link.kind == "intra" or link.het else 2
         task = NetworkTask(site_key=network_site_key(cfg.site.name, cfg.cpu), kind=link.kind, a=link.a, b=link.b,
                            senders=link.senders, nodes=nodes, sizes=cfg.message_sizes, archive=str(cfg.archive),
-                           cpu=cfg.cpu, sweep=str(cfg.folder), folder=str(cfg.folder.absolute()), python=cfg.python,
+                           cpu=cfg.cpu, sweep=str(cfg.folder), folder=str(cfg.folder), python=cfg.python,
                            iters=cfg.net_iters)
         het = Allocation(cfg.site.partition(link.b), 1, link.senders) if link.het else None
         try:
@@ -388,8 +411,8 @@ def _counts(units: Sequence[Unit]) -> Counter[str]:
 
 def run_sweep(cfg: SweepConfig, progress: Progress | None = None) -> SweepReport:
     """Run (or, with ``cfg.resume``, complete) a sweep; returns every unit's outcome."""
+    cfg = replace(cfg, archive=real_path(cfg.archive), folder=real_path(cfg.folder))
     check_config(cfg)
-    cfg = replace(cfg, archive=cfg.archive.expanduser().absolute(), folder=cfg.folder.expanduser().absolute())
     cfg.folder.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     units = grid(cfg)

@@ -10,7 +10,9 @@ Layout (version 1; attributes in brackets)::
                                           rank) and act_mem_bytes (retained activation bytes at mbs 1)
                                           [dtype, provenance]
     /overhead/<gpu>                       float64 (n, 2): rows (tp, bytes) of per-GPU fixed memory
-                                          (CUDA context, communicator buffers, allocator) [provenance]
+                                          (CUDA context, communicator buffers, allocator) [provenance];
+                                          a TP degree without a row takes the nearest measured one below
+                                          it, else above it (:meth:`ProfileArchive.overhead_tp`)
     /network/<site>/<link>                float64 (3,): quadratic fit coefficients (GB/s vs log2 MB)
                                           [kind, a, b, senders, max_gbps, min_bytes, max_bytes, provenance]
 
@@ -21,16 +23,21 @@ Concurrency: readers open the file without HDF5 locking (which fails on many net
 always see a complete file, because writers never modify it in place: a writer takes the archive's
 lock (see :mod:`sailor_hpc.locking`), copies the current file and its new entries into a temporary
 file, and renames it over the archive. Concurrent writers therefore serialise and lose nothing.
+
+A file that is not laid out like this (a dataset where a group belongs, a missing attribute, text where
+numbers belong) is reported as a SailorError naming the file, the HDF5 path and the fix, by readers and
+by writers alike (a writer never copies a broken archive on).
 """
 from __future__ import annotations
 
 import getpass
 import json
+import math
 import os
 import re
 import socket
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -161,13 +168,32 @@ class ProfileArchive:
                               fix=f"profile TP {tp} (`sailor-hpc profile --tp {tp}`) or use a profiled TP")
         return tables[tp]
 
-    def overhead_bytes(self, gpu: str, tp: int) -> float:
+    def overhead_tp(self, gpu: str, tp: int) -> int:
+        """The measured TP degree whose fixed overhead stands for ``tp`` on ``gpu``.
+
+        The rule: ``tp`` itself if it was measured, else the largest measured degree below it, else (``tp``
+        below every measured degree) the smallest measured one. Why: the fixed memory grows with TP (a TP
+        group adds its communicator's buffers, a larger group more channels), so the nearest degree below
+        is the closest measurement of the same kind of set-up, and where there is none below, the next one
+        above errs on the safe side (a plan is refused, never sent out of memory). A GPU type without any
+        recorded overhead is an error (never 0): its plans would look smaller than they are.
+
+        The table of one GPU type comes whole from one archive: every profiling job adds its TP degree to
+        the GPU's table in its archive (:func:`write_entries`), and a front archive's table hides the embedded
+        estimates of that GPU type entirely, so measured and estimated degrees are never mixed (Sailor's
+        estimates include other ranks' CUDA contexts that a runtime binding its devices first does not pay).
+        """
         entry = self.overhead.get(gpu)
-        if entry is None:
+        if entry is None or not entry.by_tp:
             raise SailorError(f"no fixed memory overhead recorded for {gpu}", file=self.where,
                               field=f"overhead/{gpu}", fix=f"run `sailor-hpc profile` on a {gpu} partition")
-        lower = [t for t in entry.by_tp if t <= tp]
-        return entry.by_tp[max(lower) if lower else min(entry.by_tp)]
+        below = [t for t in entry.by_tp if t <= tp]
+        return max(below) if below else min(entry.by_tp)
+
+    def overhead_bytes(self, gpu: str, tp: int) -> float:
+        """Fixed per-GPU memory (bytes) of one GPU of a TP-``tp`` group, by the rule of :meth:`overhead_tp`."""
+        measured = self.overhead_tp(gpu, tp)
+        return self.overhead[gpu].by_tp[measured]
 
     @property
     def where(self) -> str:
@@ -215,40 +241,170 @@ class ProfileArchive:
 
 # ---------------------------------------------------------------------- reading
 
-def _prov(obj: Any) -> dict[str, Any]:
-    raw = obj.attrs.get("provenance", "{}")
-    return json.loads(raw if isinstance(raw, str) else raw.decode())
+_POINT_NAME = re.compile(r"^mbs([1-9][0-9]*)_tp([1-9][0-9]*)$")
+_TP_NAME = re.compile(r"^tp([1-9][0-9]*)$")
+_REPAIR = ("delete the entry (h5py: `del f[{path!r}]`) and profile it again, or re-create the archive with "
+           "`sailor-hpc profiles import-sailor` / `sailor-hpc profile`")
+
+
+class _Reader:
+    """Reads one archive file. Anything that is not as :func:`write_entries` writes it (a dataset where a
+    group belongs, a missing attribute, text where numbers belong, a wrong shape) becomes a SailorError
+    naming the file, the HDF5 path and the fix, never an AttributeError from deep inside h5py: archives
+    are shared, and the person who meets a broken one is rarely the one who broke it."""
+
+    def __init__(self, h5: h5py.File, path: Path) -> None:
+        self.h5, self.path = h5, path
+        self.at = "/"  # the HDF5 path being read, for errors raised from below (h5py, numpy)
+
+    def error(self, hpath: str, message: str) -> SailorError:
+        hpath = hpath.lstrip("/") or "/"
+        return SailorError(message, file=self.path, field=hpath, fix=_REPAIR.format(path=hpath))
+
+    def group(self, parent: h5py.Group, name: str) -> h5py.Group | None:
+        """``parent[name]`` as a group, None when absent."""
+        node = parent.get(name)
+        if node is not None and not isinstance(node, h5py.Group):
+            raise self.error(node.name, "is a dataset where the archive has a group")
+        return node
+
+    def groups(self, parent: h5py.Group | None) -> Iterator[tuple[str, h5py.Group]]:
+        for key, child in parent.items() if parent is not None else ():
+            if not isinstance(child, h5py.Group):
+                raise self.error(child.name, "is a dataset where the archive has a group")
+            yield key, child
+
+    def datasets(self, group: h5py.Group | None) -> Iterator[tuple[str, h5py.Dataset]]:
+        for key, child in group.items() if group is not None else ():
+            if not isinstance(child, h5py.Dataset):
+                raise self.error(child.name, "is a group where the archive has a dataset")
+            self.at = child.name
+            yield key, child
+
+    def numbers(self, ds: h5py.Dataset, shape: tuple[int | None, ...], what: str) -> np.ndarray:
+        """The dataset as float64 of ``shape`` (None: any length >= 1)."""
+        if ds.dtype.kind not in "fiu":
+            raise self.error(ds.name, f"holds {ds.dtype} values, not numbers ({what})")
+        data = np.asarray(ds[()], dtype=np.float64)
+        if data.ndim != len(shape) or any(n is not None and n != d for n, d in zip(shape, data.shape)) \
+                or 0 in data.shape:
+            want = " x ".join("n" if n is None else str(n) for n in shape)
+            raise self.error(ds.name, f"has shape {data.shape}, expected {want} ({what})")
+        return data
+
+    def require(self, ok: bool, ds: h5py.HLObject, message: str) -> None:
+        if not ok:
+            raise self.error(ds.name, message)
+
+    def text(self, obj: h5py.HLObject, name: str, default: str | None = None) -> str:
+        raw = obj.attrs.get(name, default)
+        if raw is None:
+            raise self.error(obj.name, f"has no {name!r} attribute")
+        if isinstance(raw, bytes | np.bytes_):
+            raw = raw.decode(errors="replace")
+        if not isinstance(raw, str):
+            raise self.error(obj.name, f"attribute {name!r} is {raw!r}, not text")
+        return raw
+
+    def number(self, obj: h5py.HLObject, name: str, kind: type = float) -> float:
+        raw = obj.attrs.get(name)
+        if raw is None:
+            raise self.error(obj.name, f"has no {name!r} attribute")
+        ok = isinstance(raw, int | float | np.integer | np.floating) and not isinstance(raw, bool | np.bool_)
+        if not ok or not math.isfinite(float(raw)) or (kind is int and float(raw) != int(raw)):
+            raise self.error(obj.name, f"attribute {name!r} is {raw!r}, not {'an integer' if kind is int else 'a number'}")
+        return kind(raw)
+
+    def provenance(self, obj: h5py.HLObject) -> dict[str, Any]:
+        text = self.text(obj, "provenance", "{}")
+        try:
+            prov = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise self.error(obj.name, f"attribute 'provenance' is not JSON ({exc})") from None
+        if not isinstance(prov, dict):
+            raise self.error(obj.name, "attribute 'provenance' is not a JSON object")
+        return prov
+
+    def header(self) -> None:
+        if self.text(self.h5, "format", "") != ARCHIVE_FORMAT:
+            raise SailorError("not a sailor-hpc profile archive", file=self.path, field="format",
+                              fix="pass an archive written by sailor-hpc (profiles import-sailor / profile)")
+        version = self.h5.attrs.get("version", 0)
+        if not isinstance(version, int | np.integer) or int(version) != ARCHIVE_VERSION:
+            raise SailorError(f"archive version {version!r} is not supported", file=self.path, field="version",
+                              fix=f"this sailor-hpc reads version {ARCHIVE_VERSION}")
+
+    def compute(self) -> Iterator[ComputeEntry]:
+        for model, gpus in self.groups(self.group(self.h5, "compute")):
+            for gpu, points in self.groups(gpus):
+                for name, ds in self.datasets(points):
+                    match = _POINT_NAME.match(name)
+                    self.require(match is not None, ds, "is not named mbs<B>_tp<T>")
+                    status = self.text(ds, "status", "ok")
+                    self.require(status in ("ok", "failed"), ds, f"status {status!r} is neither 'ok' nor 'failed'")
+                    times = self.numbers(ds, (None, 3), "fwd, bwd, update seconds per layer")
+                    self.require(status == "failed" or bool(np.isfinite(times).all() and (times >= 0).all()), ds,
+                                 "a measured point has negative or missing (NaN) seconds")
+                    yield ComputeEntry(model, gpu, int(match[1]), int(match[2]), times, self.provenance(ds), status,
+                                       self.text(ds, "reason", ""), self.text(ds, "dtype", "fp32"))
+
+    def memory(self) -> Iterator[MemoryEntry]:
+        for model, tables in self.groups(self.group(self.h5, "memory")):
+            for name, ds in self.datasets(tables):
+                match = _TP_NAME.match(name)
+                self.require(match is not None, ds, "is not named tp<T>")
+                table = self.numbers(ds, (None, len(MEMORY_COLUMNS)), ", ".join(MEMORY_COLUMNS) + " per layer")
+                self.require(bool(np.isfinite(table).all() and (table >= 0).all()), ds,
+                             "has negative or missing (NaN) values")
+                yield MemoryEntry(model, int(match[1]), table, self.provenance(ds), self.text(ds, "dtype", "fp32"))
+
+    def overhead(self) -> Iterator[OverheadEntry]:
+        for gpu, ds in self.datasets(self.group(self.h5, "overhead")):
+            rows = self.numbers(ds, (None, 2), "rows of (TP degree, bytes)")
+            tps, nbytes = rows[:, 0], rows[:, 1]
+            self.require(bool((tps >= 1).all() and (tps == np.round(tps)).all()), ds,
+                         f"TP degrees {tps.tolist()} are not positive integers")
+            self.require(len(set(tps.tolist())) == len(tps), ds, f"TP degrees {tps.tolist()} repeat")
+            self.require(bool(np.isfinite(nbytes).all() and (nbytes > 0).all()), ds,
+                         f"fixed memory {nbytes.tolist()} is not a positive number of bytes per TP degree")
+            yield OverheadEntry(gpu, {int(t): float(b) for t, b in rows}, self.provenance(ds))
+
+    def network(self) -> Iterator[NetworkEntry]:
+        for site, links in self.groups(self.group(self.h5, "network")):
+            for _, ds in self.datasets(links):
+                coeffs = self.numbers(ds, (3,), "quadratic fit coefficients")
+                self.require(bool(np.isfinite(coeffs).all()), ds, "has missing (NaN) fit coefficients")
+                kind = self.text(ds, "kind")
+                self.require(kind in ("intra", "inter"), ds, f"kind {kind!r} is neither 'intra' nor 'inter'")
+                senders = self.number(ds, "senders", int)
+                self.require(senders >= 1, ds, f"senders {senders} is not positive")
+                fit = NetworkFit(coeffs=tuple(float(c) for c in coeffs), max_gbps=self.number(ds, "max_gbps") or None,
+                                 min_bytes=self.number(ds, "min_bytes"), max_bytes=self.number(ds, "max_bytes"))
+                yield NetworkEntry(site, kind, self.text(ds, "a"), self.text(ds, "b"), senders, fit, self.provenance(ds))
+
+    def entries(self) -> Iterator[Entry]:
+        self.header()
+        yield from self.compute()
+        yield from self.memory()
+        yield from self.overhead()
+        yield from self.network()
+
+
+def _entries_of(h5: h5py.File, path: Path) -> list[Entry]:
+    """Every entry of an open archive, checked (see :class:`_Reader`)."""
+    reader = _Reader(h5, path)
+    try:
+        return list(reader.entries())
+    except SailorError:
+        raise
+    except (ValueError, KeyError, TypeError, OSError) as exc:  # what the checks did not foresee
+        raise reader.error(reader.at, f"cannot be read: {exc}") from None
 
 
 def _read_into(archive: ProfileArchive, path: Path, *, override: bool) -> None:
     with h5py.File(path, "r", locking=False) as h5:
-        if h5.attrs.get("format") != ARCHIVE_FORMAT:
-            raise SailorError("not a sailor-hpc profile archive", file=path, field="format",
-                              fix="pass an archive written by sailor-hpc (profiles import-sailor / profile)")
-        version = int(h5.attrs.get("version", 0))
-        if version != ARCHIVE_VERSION:
-            raise SailorError(f"archive version {version} is not supported", file=path, field="version",
-                              fix=f"this sailor-hpc reads version {ARCHIVE_VERSION}")
-        for model, gpus in h5.get("compute", {}).items():
-            for gpu, points in gpus.items():
-                for name, ds in points.items():
-                    mbs, tp = (int(x[3:] if x.startswith("mbs") else x[2:]) for x in name.split("_"))
-                    archive.add(ComputeEntry(model, gpu, mbs, tp, ds[()], _prov(ds), str(ds.attrs.get("status", "ok")),
-                                             str(ds.attrs.get("reason", "")), str(ds.attrs.get("dtype", "fp32"))),
-                                override=override)
-        for model, tables in h5.get("memory", {}).items():
-            for name, ds in tables.items():
-                archive.add(MemoryEntry(model, int(name[2:]), ds[()], _prov(ds), str(ds.attrs.get("dtype", "fp32"))),
-                            override=override)
-        for gpu, ds in h5.get("overhead", {}).items():
-            archive.add(OverheadEntry(gpu, {int(t): float(b) for t, b in ds[()]}, _prov(ds)), override=override)
-        for site, links in h5.get("network", {}).items():
-            for ds in links.values():
-                at = ds.attrs
-                fit = NetworkFit(coeffs=tuple(float(c) for c in ds[()]), max_gbps=float(at["max_gbps"]) or None,
-                                 min_bytes=float(at["min_bytes"]), max_bytes=float(at["max_bytes"]))
-                archive.add(NetworkEntry(site, str(at["kind"]), str(at["a"]), str(at["b"]), int(at["senders"]), fit,
-                                         _prov(ds)), override=override)
+        for entry in _entries_of(h5, path):
+            archive.add(entry, override=override)
 
 
 def read_archive(*paths: str | os.PathLike[str]) -> ProfileArchive:
@@ -263,9 +419,6 @@ def read_archive(*paths: str | os.PathLike[str]) -> ProfileArchive:
             _read_into(archive, path, override=False)
         except OSError as exc:
             raise SailorError(f"cannot read the archive: {exc}", file=path, fix="is it an HDF5 file?") from None
-        except (ValueError, KeyError, TypeError) as exc:  # a group or attribute not as sailor-hpc writes them
-            raise SailorError(f"malformed archive entry: {exc!r}", file=path,
-                              fix="re-create the archive with `sailor-hpc profiles import-sailor` / `profile`") from None
     archive.sources = tuple(str(p) for p in paths)
     return archive
 
@@ -356,6 +509,7 @@ def write_entries(path: str | os.PathLike[str], entries: Iterable[Entry], *, loc
                         if old.attrs.get("format") != ARCHIVE_FORMAT:
                             raise SailorError("refusing to overwrite a file that is not a sailor-hpc archive",
                                               file=path, fix="choose another --archive path")
+                        _entries_of(old, path)  # a broken archive is reported, not copied on with new entries
                         for name in old:
                             old.copy(old[name], out, name=name)
                 out.attrs["format"] = ARCHIVE_FORMAT
@@ -366,7 +520,19 @@ def write_entries(path: str | os.PathLike[str], entries: Iterable[Entry], *, loc
                         continue
                     _write_entry(out, entry)
                     written += 1
+                _readable(out, path)
     return written
+
+
+def _readable(h5: h5py.File, path: Path) -> None:
+    """The new archive, before it replaces the old one, reads back under the readers' rules: an entry the
+    readers would refuse (an empty overhead table, NaN seconds in a measured point) is refused here, and
+    the shared file stays as it was."""
+    try:
+        _entries_of(h5, path)
+    except SailorError as exc:
+        raise SailorError(f"refusing to write an entry readers would refuse: {exc.message}", file=path,
+                          field=exc.field, fix="nothing was written; correct the entry") from None
 
 
 def _hides_a_measurement(h5: h5py.File, entry: Entry) -> bool:

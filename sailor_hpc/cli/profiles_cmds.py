@@ -2,12 +2,18 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import click
 import numpy as np
 
 from sailor_hpc.cli import main
 from sailor_hpc.cli.output import echo_json, json_option, table
+
+if TYPE_CHECKING:
+    from sailor_hpc.archive import ComputeEntry
+
+    Points = dict[tuple[int, int], ComputeEntry]
 
 archive_option = click.option("--archive", type=click.Path(dir_okay=False, path_type=Path), default=None,
                               help="Profile archive (default: $SAILOR_PROFILES, else the embedded Sailor profiles).")
@@ -43,26 +49,39 @@ def _open(archive: Path | None):
     return read_archive(archive) if archive else open_archive()
 
 
+def _pair_row(model: str, gpu: str, points: Points, failed: Points) -> dict[str, Any]:
+    """One (model, GPU) pair of ``profiles list``: measured points, and the failed ones with their reasons,
+    so a pair whose every point failed still shows that profiling was tried, and why it failed."""
+    grid = {**failed, **points}
+    status = "ok" if not failed else ("failed" if not points else "partly failed")
+    return {"model": model, "gpu": gpu, "status": status, "mbs": sorted({b for b, _ in grid}),
+            "tp": sorted({t for _, t in grid}), "points": len(points), "failed": len(failed),
+            "failed_points": [{"mbs": b, "tp": t, "reason": e.reason} for (b, t), e in sorted(failed.items())],
+            "source": next(iter(grid.values())).provenance.get("source", "")}
+
+
+def _reasons(row: dict[str, Any], width: int = 80) -> str:
+    """The distinct reasons of a row's failed points, on one line."""
+    text = "; ".join(dict.fromkeys(f["reason"] or "no reason recorded" for f in row["failed_points"]))
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
 @profiles.command("list")
 @archive_option
 @json_option
 def list_cmd(archive: Path | None, as_json: bool) -> None:
-    """List (model, GPU) pairs with their profiled micro-batch sizes and TP degrees."""
+    """List (model, GPU) pairs with their profiled micro-batch sizes and TP degrees (failed ones included)."""
     a = _open(archive)
-    rows = []
-    for (model, gpu), points in sorted(a.compute.items()):
-        failed = a.failed.get((model, gpu), {})
-        rows.append({"model": model, "gpu": gpu, "mbs": sorted({b for b, _ in points}),
-                     "tp": sorted({t for _, t in points}), "points": len(points), "failed": len(failed),
-                     "source": next(iter(points.values())).provenance.get("source", "")})
+    rows = [_pair_row(model, gpu, a.compute.get((model, gpu), {}), a.failed.get((model, gpu), {}))
+            for model, gpu in sorted(set(a.compute) | set(a.failed))]
     if as_json:
         echo_json({"archive": a.where, "profiles": rows, "memory": {m: sorted(t) for m, t in a.memory.items()},
                    "overhead": sorted(a.overhead), "network": {s: len(v) for s, v in a.network.items()}})
         return
     click.echo(f"archive: {a.where}")
-    click.echo(table(("model", "gpu", "mbs", "tp", "points", "failed"),
+    click.echo(table(("model", "gpu", "mbs", "tp", "points", "failed", "status", "why failed"),
                      [(r["model"], r["gpu"], ",".join(map(str, r["mbs"])), ",".join(map(str, r["tp"])), r["points"],
-                       r["failed"]) for r in rows]))
+                       r["failed"], r["status"], _reasons(r) or "-") for r in rows]))
 
 
 @profiles.command("show")
@@ -76,7 +95,8 @@ def show_cmd(model: str, gpu: str, archive: Path | None, as_json: bool) -> None:
 
     a = _open(archive)
     name = get_model(model).name
-    points = a.compute_points(name, gpu)
+    failed_only = (name, gpu) in a.failed and (name, gpu) not in a.compute
+    points = {} if failed_only else a.compute_points(name, gpu)  # a pair never profiled is an error
     rows = []
     for (mbs, tp), e in sorted(points.items()):
         rows.append({"mbs": mbs, "tp": tp, "fwd_s": float(np.sum(e.times[:, 0])), "bwd_s": float(np.sum(e.times[:, 1])),

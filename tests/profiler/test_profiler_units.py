@@ -17,7 +17,7 @@ from profiler.keys import device_key
 from profiler.netbench import stream_pairs
 from profiler.progress import Progress
 from profiler.sweep import SweepConfig, check_config, grid
-from sailor_hpc.archive import EMBEDDED_ARCHIVE
+from sailor_hpc.archive import EMBEDDED_ARCHIVE, read_archive
 from sailor_hpc.cli import main
 from sailor_hpc.errors import SailorError
 from sailor_hpc.models import get_model
@@ -220,3 +220,211 @@ def test_chain_timing_out_of_memory_keeps_the_per_layer_point(one_rank, monkeypa
     res = profile_compute(get_model("tiny-gpt"), [1], tp_group=one_rank, device=torch.device("cpu"), warmup=1, iters=2)
     (point,) = res.points
     assert point.times is not None and point.stack is None and not point.reason
+
+
+# ---------------------------------------------------------------------------- paths and options of a sweep
+
+def test_net_sizes_below_three_distinct_are_refused_before_any_job(tmp_path, monkeypatch):
+    import profiler.sweep as sweep
+
+    def no_jobs(*_a, **_k):
+        raise AssertionError("a job was submitted")
+
+    monkeypatch.setattr(sweep, "make_executor", no_jobs)
+    base = ["profile", "--site", str(LOCAL_LAB), "--model", "tiny-gpt", "--cpu", "--archive", str(tmp_path / "a.h5"),
+            "--folder", str(tmp_path / "f")]
+    for sizes in ("16,20", "16,20,20", "24"):
+        res = CliRunner().invoke(main, base + ["--net-sizes", sizes])
+        assert res.exit_code == 2 and "--net-sizes" in res.output and "at least 3" in res.output, res.output
+    assert not (tmp_path / "f").exists() and not (tmp_path / "a.h5").exists()
+    with pytest.raises(SailorError, match="3 distinct"):
+        fit_bandwidth([2.0 ** 16, 2.0 ** 16, 2.0 ** 20], [1.0, 1.1, 2.0])
+
+
+def test_a_symlink_to_a_protected_archive_is_still_refused(tmp_path):
+    from dataclasses import replace
+
+    link = tmp_path / "looks-mine.h5"
+    link.symlink_to(EMBEDDED_ARCHIVE)
+    with pytest.raises(SailorError, match="embedded"):
+        check_config(_cfg(tmp_path, archive=link))
+    shared = tmp_path / "site" / "shared.h5"
+    shared.parent.mkdir()
+    shared.touch()
+    (tmp_path / "alias").symlink_to(shared.parent)
+    site = replace(load_site(LOCAL_LAB), archive=str(shared))
+    with pytest.raises(SailorError, match="shared archive"):
+        check_config(SweepConfig(site=site, model="tiny-gpt", archive=tmp_path / "alias" / "shared.h5", cpu=True))
+
+
+class _FakeExecutor:
+    """Records what the sweep hands to its jobs instead of submitting them."""
+
+    tasks: list = []
+
+    def submit(self, fn, task):
+        self.tasks.append(task)
+        return type("Job", (), {"job_id": str(len(self.tasks))})()
+
+    def map_array(self, fn, tasks):
+        return [self.submit(fn, t) for t in tasks]
+
+
+class _EndAtOnce:
+    """A watcher whose jobs all end, without a result, at the first poll."""
+
+    def __init__(self, **_kw):
+        self.ids: list[str] = []
+
+    def add(self, by_job):
+        self.ids = list(by_job)
+
+    @property
+    def open(self):
+        return list(self.ids)
+
+    def poll(self):
+        from types import SimpleNamespace
+        ended, self.ids = self.ids, []
+        return {j: SimpleNamespace(final=True, state="FAILED") for j in ended}
+
+    def status(self, _jid):
+        return None
+
+
+def test_jobs_get_real_paths_from_a_relative_path_through_a_symlink(tmp_path, monkeypatch):
+    """Jobs run elsewhere (another working directory, another node's view of the login node's symlinks):
+    the archive and folders they get must be the real paths, so every job writes the same file."""
+    import profiler.sweep as sweep
+    from profiler.sweep import run_sweep
+
+    real = (tmp_path / "real").resolve()
+    real.mkdir()
+    (tmp_path / "link").symlink_to(real)
+    monkeypatch.chdir(tmp_path)
+    _FakeExecutor.tasks = []
+    monkeypatch.setattr(sweep, "make_executor", lambda *a, **k: _FakeExecutor())
+    monkeypatch.setattr(sweep, "JobWatcher", _EndAtOnce)
+    monkeypatch.setattr(sweep, "job_result", lambda folder, jid, st: (None, f"job {jid} FAILED"))
+    cfg = SweepConfig(site=load_site(LOCAL_LAB), model="tiny-gpt", archive=Path("link/../link/a.h5"),
+                      folder=Path("link/sweep"), partitions=("a100",), mbs=(1,), tp=(1,), cpu=True,
+                      network=("intra",), senders=(2,), poll_s=0.01)
+    report = run_sweep(cfg, progress=Progress(0, stream=io.StringIO(), tty=False))
+    compute = [t for t in _FakeExecutor.tasks if hasattr(t, "mbs")]
+    network = [t for t in _FakeExecutor.tasks if hasattr(t, "sizes")]
+    assert compute and network
+    for task in compute + network:
+        assert task.archive == str(real / "a.h5") and task.sweep == str(real / "sweep")
+    assert all(t.folder == str(real / "sweep") for t in network)
+    assert report.archive == real / "a.h5" and report.folder == real / "sweep"
+    assert (real / "sweep" / "sweep-state.json").exists()
+    assert read_archive(real / "a.h5").failed  # the ended job's points are recorded, in the real file
+
+
+# ---------------------------------------------------------------------------- a failure on one TP rank
+
+def _compute_rank(rank: int, job_id: int, task, env: dict) -> None:
+    """One task of a TP-2 profiling job, as Slurm would start it (CPU, gloo)."""
+    import os
+
+    os.environ.update(env, SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_JOB_ID=str(job_id),
+                      SLURM_CPUS_PER_TASK="1", OMP_NUM_THREADS="1")
+    from profiler.jobs import compute_job
+    compute_job(task)
+
+
+def _free_job_id() -> int:
+    """A Slurm job id whose profiling port (jobs.PORT_BASE + id % PORT_SPAN) is free here."""
+    import socket
+
+    from profiler.jobs import PORT_BASE, PORT_SPAN
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if PORT_BASE <= port < PORT_BASE + PORT_SPAN:
+            return port - PORT_BASE
+    raise RuntimeError("no free port in the profiling range")
+
+
+def test_a_failure_on_one_tp_rank_fails_that_point_on_every_rank_and_the_job_goes_on(tmp_path):
+    """Rank 1 fails at micro-batch 2 just before a block's forward, while rank 0 enters that block's TP
+    all-reduce: rank 0 must not wait for it forever, both ranks must record micro-batch 2 as failed with
+    rank 1's reason, and micro-batch 4 must still be measured (on a fresh group)."""
+    import multiprocessing as mp
+
+    from profiler.compute import FAIL_ENV
+    from profiler.jobs import ComputeTask
+
+    archive = tmp_path / "cpu.h5"
+    task = ComputeTask(model="tiny-gpt", partition="a100", gpu_key="cpu-A100-40", tp=2, mbs=(1, 2, 4),
+                       archive=str(archive), cpu=True, sweep="test", warmup=1, iters=2, collective_timeout_s=10)
+    ctx = mp.get_context("spawn")
+    job_id = _free_job_id()
+    ranks = [ctx.Process(target=_compute_rank, args=(r, job_id, task, {FAIL_ENV: "1:2"})) for r in (0, 1)]
+    t0 = time.monotonic()
+    for p in ranks:
+        p.start()
+    for p in ranks:
+        p.join(240)
+    alive = [p for p in ranks if p.is_alive()]
+    for p in alive:
+        p.kill()
+    assert not alive, "a rank still waits for the failed one"
+    assert [p.exitcode for p in ranks] == [0, 0]
+    a = read_archive(archive)
+    assert sorted(a.compute[("tiny-gpt", "cpu-A100-40")]) == [(1, 2), (4, 2)]
+    (failed,) = a.failed[("tiny-gpt", "cpu-A100-40")].values()
+    assert (failed.mbs, failed.tp) == (2, 2)
+    assert failed.reason.startswith("micro-batch 2: rank 1: RuntimeError: injected failure"), failed.reason
+    assert 2 in a.memory["tiny-gpt"] and a.overhead["cpu-A100-40"].by_tp[2] > 0
+    assert time.monotonic() - t0 < 200
+
+
+def test_the_memory_table_is_taken_after_a_warm_up_pass(one_rank, monkeypatch):
+    """One-time allocations of the first pass (cuBLAS workspace, cached masks, gradient buffers) must not be
+    counted as a layer's activations: every measured layer has run forward and backward once before the
+    first retained-bytes measurement. (The allocator path itself needs a GPU.)"""
+    import torch
+
+    import profiler.compute as compute
+
+    prof = compute.LayerProfiler(get_model("tiny-gpt"), tp_group=one_rank, device=torch.device("cpu"),
+                                 warmup=1, iters=1)
+    runs: list[int] = []
+    first_measured_after: list[int] = []
+    real_run, real_retained = compute._Stage.run, compute._retained_bytes
+
+    def counting_run(self, layer, *args):
+        runs.append(layer)
+        return real_run(self, layer, *args)
+
+    def retained(fn, exclude, device):
+        if not first_measured_after:
+            first_measured_after.append(len(runs))
+        return real_retained(fn, exclude, device)
+
+    monkeypatch.setattr(compute._Stage, "run", counting_run)
+    monkeypatch.setattr(compute, "_retained_bytes", retained)
+    table = prof.memory_table()
+    assert sorted(runs[:first_measured_after[0]]) == sorted(prof.measured)
+    assert table.shape == (get_model("tiny-gpt").num_pipeline_layers, 4) and (table[:, 3] > 0).all()
+
+
+def test_het_profiling_jobs_give_every_component_the_sites_per_component_options(tmp_path):
+    """sbatch copies --account/--qos to later het components but not --constraint or --exclusive: the
+    network job's second component must carry them itself; job-wide options stay in the first only."""
+    import dataclasses
+
+    from profiler.executors import Allocation, JobSettings, make_executor
+    site = load_site(LOCAL_LAB)
+    slurm = dataclasses.replace(site.slurm, constraint="ib", extra_sbatch=("--exclusive", "--mail-type=END"))
+    site = dataclasses.replace(site, slurm=slurm)
+    part = site.partitions[0]
+    settings = JobSettings(folder=tmp_path, python="python3", time_min=5, site=site)
+    ex = make_executor(settings, Allocation(part, 1, 1), job_name="net", het=Allocation(part, 1, 1))
+    text = ex._make_submission_file_text("true", "uid")
+    first, _, second = text.partition("#SBATCH hetjob")
+    for head in (first, second):
+        assert "#SBATCH --constraint=ib" in head and "#SBATCH --exclusive" in head.split("\n")
+    assert "--mail-type=END" in first and "--mail-type" not in second

@@ -11,8 +11,8 @@ import h5py
 import numpy as np
 import pytest
 
-from sailor_hpc.archive import (EMBEDDED_ARCHIVE, ComputeEntry, NetworkEntry, OverheadEntry, make_provenance,
-                                open_archive, read_archive, write_entries)
+from sailor_hpc.archive import (EMBEDDED_ARCHIVE, ComputeEntry, NetworkEntry, OverheadEntry, ProfileArchive,
+                                make_provenance, open_archive, read_archive, write_entries)
 from sailor_hpc.errors import SailorError
 from sailor_hpc.models import get_model
 from sailor_hpc.network import NetworkFit
@@ -258,3 +258,105 @@ def test_overhead_entries_add_their_tp_degrees(tmp_path: Path) -> None:
     assert read_archive(path).overhead["X"].by_tp == {1: 1e9, 2: 2e9}
     write_entries(path, [OverheadEntry("X", {1: 3e9}, make_provenance("test"))])  # a new measurement replaces
     assert read_archive(path).overhead["X"].by_tp == {1: 3e9, 2: 2e9}
+
+
+# ---------------------------------------------------------------------- fixed overhead by TP degree
+
+def test_overhead_of_an_unmeasured_tp_degree_follows_the_documented_rule(tmp_path: Path) -> None:
+    """TP 4 with rows for TP 1 and 2 only takes TP 2 (the nearest below); a degree below every row takes
+    the smallest; a GPU type's table comes whole from the front archive (measured and estimated degrees
+    are not mixed); an empty table is an error, never a crash or 0."""
+    path = tmp_path / "front.h5"
+    write_entries(path, [OverheadEntry("GH-96", {1: 1.0e9}, make_provenance("test")),
+                         OverheadEntry("GH-96", {2: 2.0e9}, make_provenance("test")),  # another job, another TP
+                         OverheadEntry("X", {4: 5.0e9, 8: 9.0e9}, make_provenance("test"))])
+    archive = read_archive(path, EMBEDDED_ARCHIVE)
+    assert archive.overhead["GH-96"].by_tp == {1: 1.0e9, 2: 2.0e9}  # merged per TP within the archive
+    assert [archive.overhead_tp("GH-96", t) for t in (1, 2, 4, 8)] == [1, 2, 2, 2]
+    assert archive.overhead_bytes("GH-96", 4) == 2.0e9  # not the embedded estimate (4.0e9) for TP 4
+    assert archive.overhead_bytes("X", 2) == 5.0e9 and archive.overhead_bytes("X", 16) == 9.0e9
+    assert read_archive(EMBEDDED_ARCHIVE).overhead_bytes("GH-96", 4) == 4.0e9
+    empty = ProfileArchive()
+    empty.add(OverheadEntry("Y", {}, {}))
+    with pytest.raises(SailorError, match="no fixed memory overhead recorded for Y"):
+        empty.overhead_bytes("Y", 1)
+
+
+def test_the_simulator_charges_the_overhead_of_the_nearest_measured_tp(tmp_path: Path) -> None:
+    from sailor_hpc.plan import Pipeline, Plan, Stage
+    from sailor_hpc.site import load_site
+    from simulator import simulate
+    from tests.spine.conftest import SITE_CONFIGS
+
+    front = tmp_path / "front.h5"
+    write_entries(front, [OverheadEntry("GH-96", {1: 1.0e9, 2: 2.0e9}, make_provenance("test"))])
+    plan = Plan(model="OPT-350M", global_batch_size=4, pipelines=(Pipeline(1, 4, (Stage(0, 25, 4, "GH-96"),)),))
+    site = load_site(SITE_CONFIGS / "clariden.toml")
+    measured = simulate(plan, site, read_archive(front, EMBEDDED_ARCHIVE)).stage_memory[0]
+    estimated = simulate(plan, site, read_archive(EMBEDDED_ARCHIVE)).stage_memory[0]
+    assert estimated - measured == pytest.approx(4.0e9 - 2.0e9)
+
+
+# ---------------------------------------------------------------------- malformed archives
+
+def _broken(tmp_path: Path, name: str, build) -> Path:
+    path = tmp_path / f"{name}.h5"
+    with h5py.File(path, "w") as h5:
+        h5.attrs["format"] = "sailor-hpc-profiles"
+        h5.attrs["version"] = 1
+        build(h5)
+    return path
+
+
+def _point(h5: h5py.File, data=None, **attrs) -> h5py.Dataset:
+    ds = h5.create_dataset("compute/tiny-gpt/G/mbs1_tp1", data=np.ones((6, 3)) if data is None else data)
+    ds.attrs.update(attrs)
+    return ds
+
+
+BROKEN = {  # name: (how it is broken, HDF5 path named, words of the message)
+    "dataset_for_group": (lambda h5: h5.create_dataset("compute", data=[1, 2]), "compute", "is a dataset"),
+    "gpu_is_dataset": (lambda h5: h5.create_dataset("compute/tiny-gpt/G", data=[1.0]), "compute/tiny-gpt/G",
+                       "is a dataset"),
+    "point_is_group": (lambda h5: h5.create_group("compute/tiny-gpt/G/mbs1_tp1"), "compute/tiny-gpt/G/mbs1_tp1",
+                       "is a group"),
+    "point_name": (lambda h5: h5.create_dataset("compute/tiny-gpt/G/fast", data=np.ones((6, 3))),
+                   "compute/tiny-gpt/G/fast", "mbs<B>_tp<T>"),
+    "text_times": (lambda h5: _point(h5, np.array([b"a", b"b"])), "compute/tiny-gpt/G/mbs1_tp1", "not numbers"),
+    "flat_times": (lambda h5: _point(h5, np.ones(6)), "compute/tiny-gpt/G/mbs1_tp1", "expected n x 3"),
+    "status": (lambda h5: _point(h5, status=3), "compute/tiny-gpt/G/mbs1_tp1", "'status'"),
+    "provenance": (lambda h5: _point(h5, provenance="[1]"), "compute/tiny-gpt/G/mbs1_tp1", "JSON object"),
+    "memory_shape": (lambda h5: h5.create_dataset("memory/tiny-gpt/tp1", data=np.ones((6, 2))),
+                     "memory/tiny-gpt/tp1", "expected n x 4"),
+    "overhead_empty": (lambda h5: h5.create_dataset("overhead/G", data=np.zeros((0, 2))), "overhead/G",
+                       "expected n x 2"),
+    "overhead_nan": (lambda h5: h5.create_dataset("overhead/G", data=[[1.0, np.nan]]), "overhead/G",
+                     "positive number of bytes"),
+    "network_attrs": (lambda h5: h5.create_dataset("network/lab/intra:a:a:2", data=np.ones(3)),
+                      "network/lab/intra:a:a:2", "no 'kind' attribute"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BROKEN))
+def test_a_malformed_archive_is_a_sailor_error_naming_file_path_and_fix(tmp_path: Path, name: str) -> None:
+    build, hpath, words = BROKEN[name]
+    path = _broken(tmp_path, name, build)
+    with pytest.raises(SailorError) as info:
+        read_archive(path)
+    assert info.value.file == str(path) and info.value.field == hpath and words in info.value.message
+    assert f"del f[{hpath!r}]" in info.value.fix
+    before = path.read_bytes()
+    with pytest.raises(SailorError) as info:  # a writer does not copy the broken entry on either
+        write_entries(path, [OverheadEntry("A", {1: 1e9}, make_provenance("test"))])
+    assert info.value.field == hpath and path.read_bytes() == before
+
+
+def test_an_entry_readers_would_refuse_is_not_written(tmp_path: Path) -> None:
+    path = tmp_path / "a.h5"
+    write_entries(path, [OverheadEntry("A", {1: 1e9}, make_provenance("test"))])
+    before = path.read_bytes()
+    for bad in (OverheadEntry("B", {}, make_provenance("test")), OverheadEntry("B", {1: 0.0}, make_provenance("test")),
+                ComputeEntry("tiny-gpt", "B", 1, 1, np.full((6, 3), np.nan), make_provenance("test"))):
+        with pytest.raises(SailorError, match="refusing to write") as info:
+            write_entries(path, [bad])
+        assert info.value.field == bad.path and path.read_bytes() == before

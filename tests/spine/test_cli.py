@@ -77,3 +77,95 @@ def test_plan_validate_sailor_and_errors(tmp_path: Path) -> None:
 def test_usage_errors_exit_2() -> None:
     assert cli("site", "show").returncode == 2
     assert cli("no-such-command").returncode == 2
+
+
+def _archive_with(path: Path, build) -> Path:
+    import h5py
+
+    with h5py.File(path, "w") as h5:
+        h5.attrs["format"] = "sailor-hpc-profiles"
+        h5.attrs["version"] = 1
+        build(h5)
+    return path
+
+
+def test_profiles_list_and_show_refuse_a_malformed_archive_naming_file_path_and_fix(tmp_path: Path) -> None:
+    import numpy as np
+
+    def text_times(h5) -> None:
+        h5.create_dataset("compute/tiny-gpt/G/mbs1_tp1", data=np.array([b"fast", b"slow"]))
+
+    cases = {  # archive: (HDF5 path, words)
+        _archive_with(tmp_path / "a.h5", lambda h5: h5.create_dataset("compute/tiny-gpt/G", data=[1.0])):
+            ("compute/tiny-gpt/G", "is a dataset where the archive has a group"),
+        _archive_with(tmp_path / "b.h5", text_times): ("compute/tiny-gpt/G/mbs1_tp1", "not numbers"),
+        _archive_with(tmp_path / "c.h5", lambda h5: h5.create_dataset("network/lab/x", data=np.ones(3))):
+            ("network/lab/x", "has no 'kind' attribute"),
+    }
+    for path, (hpath, words) in cases.items():
+        for command in (["list"], ["show", "tiny-gpt", "G"]):
+            out = cli("profiles", *command, "--archive", str(path))
+            assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+            assert f"{path}: {hpath}: " in out.stderr and words in out.stderr and f"del f['{hpath}']" in out.stderr
+        err = json.loads(cli("profiles", "list", "--archive", str(path), "--json").stderr)
+        assert (err["file"], err["field"]) == (str(path), hpath) and err["fix"]
+
+
+def test_profiles_list_shows_pairs_whose_every_point_failed(tmp_path: Path) -> None:
+    import numpy as np
+
+    from sailor_hpc.archive import ComputeEntry, make_provenance, write_entries
+
+    path = tmp_path / "a.h5"
+    prov = make_provenance("test")
+    write_entries(path, [
+        ComputeEntry("tiny-gpt", "A100-40", 1, 1, np.ones((6, 3)), prov),
+        ComputeEntry("tiny-gpt", "A100-40", 8, 1, np.full((6, 3), np.nan), prov, status="failed", reason="CUDA out of memory"),
+        ComputeEntry("tiny-gpt", "V100-16", 1, 2, np.full((6, 3), np.nan), prov, status="failed",
+                     reason="job 12 NODE_FAIL on n3"),
+        ComputeEntry("tiny-gpt", "V100-16", 2, 2, np.full((6, 3), np.nan), prov, status="failed",
+                     reason="job 12 NODE_FAIL on n3")])
+    rows = {r["gpu"]: r for r in json.loads(cli("profiles", "list", "--archive", str(path), "--json").stdout)["profiles"]}
+    assert rows["A100-40"]["status"] == "partly failed" and rows["A100-40"]["points"] == 1
+    v100 = rows["V100-16"]
+    assert (v100["status"], v100["points"], v100["failed"], v100["mbs"], v100["tp"]) == ("failed", 0, 2, [1, 2], [2])
+    assert [f["reason"] for f in v100["failed_points"]] == ["job 12 NODE_FAIL on n3"] * 2
+    text = cli("profiles", "list", "--archive", str(path))
+    line = next(x for x in text.stdout.splitlines() if "V100-16" in x)
+    assert text.returncode == 0 and "failed" in line and "NODE_FAIL on n3" in line and line.count("NODE_FAIL") == 1
+    shown = cli("profiles", "show", "tiny-gpt", "V100-16", "--archive", str(path))
+    assert shown.returncode == 0 and "failed: mbs 2 tp 2: job 12 NODE_FAIL on n3" in shown.stdout
+
+
+def _sailor_copy(tmp_path: Path, where: str, mutate) -> Path:
+    """Sailor's data directory with one JSON file changed by ``mutate``."""
+    root = tmp_path / "sailor"
+    for sub in ("profiles", "network"):
+        shutil.copytree(sailor_data() / sub, root / sub, dirs_exist_ok=True)
+    doc = json.loads((root / where).read_text())
+    text = mutate(doc)
+    (root / where).write_text(text if isinstance(text, str) else json.dumps(doc))
+    return root
+
+
+def test_import_sailor_refuses_malformed_json_naming_file_and_field(tmp_path: Path) -> None:
+    compute, memory = "profiles/compute_profiles.json", "profiles/memory_profiles.json"
+    opt = lambda d: d["OPT-350"]["V100-16"]["1"]["1"]  # noqa: E731 - OPT-350 on V100-16, mbs 1, TP 1
+    cases = [
+        (compute, lambda d: "{\"OPT-350\": ", "not valid JSON", None),
+        (compute, lambda d: d["OPT-350"].__setitem__("V100-16", [1, 2]), "must be a JSON object", "OPT-350.V100-16"),
+        (compute, lambda d: opt(d).__setitem__("3", ["fast", 1, 2]), "must be a non-negative finite number, got 'fast'",
+         "OPT-350.V100-16.1.1.3.0"),
+        (memory, lambda d: d["OPT-350"]["2"]["5"].__setitem__("act_mem_bytes", "lots"), "got 'lots'",
+         "OPT-350.2.5.act_mem_bytes"),
+        (compute, lambda d: opt(d).__setitem__("26", [1.0, 2.0, 3.0]),
+         "has 27 layers, but the catalog's OPT-350M has 26 (embedding + 24 blocks + 1 tail)", "OPT-350.V100-16.1.1"),
+        (memory, lambda d: d["OPT-350"]["4"].pop("25"), "has 25 layers, but the catalog's OPT-350M has 26", "OPT-350.4"),
+    ]
+    for i, (where, mutate, words, field) in enumerate(cases):
+        root = _sailor_copy(tmp_path / str(i), where, mutate)
+        archive = tmp_path / f"{i}.h5"
+        out = cli("profiles", "import-sailor", str(root), "--archive", str(archive))
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+        assert f"{root / where}: {field + ': ' if field else ''}" in out.stderr and words in out.stderr, out.stderr
+        assert not archive.exists()  # nothing of a malformed directory is imported
