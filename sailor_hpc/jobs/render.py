@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -157,7 +158,7 @@ def render_job_script(plan: Plan, site: Site, *, plan_path: str | os.PathLike[st
                       data: str | os.PathLike[str] | None = None, save: str | os.PathLike[str] | None = None,
                       load: str | os.PathLike[str] | None = None, steps: int = 100, job_name: str | None = None,
                       time: str | None = None, extra_sbatch: Sequence[str] = (), train_args: Sequence[str] = (),
-                      python: str = "python", signal_grace_s: int | None = None,
+                      python: str | None = None, signal_grace_s: int | None = None,
                       workdir: str | os.PathLike[str] | None = None, log_dir: str | os.PathLike[str] | None = None,
                       dry_run: bool = False, requeue: bool = True) -> str:
     """The sbatch script that trains ``plan`` (read by the job from ``plan_path``) on ``site``.
@@ -167,7 +168,9 @@ def render_job_script(plan: Plan, site: Site, *, plan_path: str | os.PathLike[st
     ``save``). ``extra_sbatch`` are ``--option=value`` header lines: job-wide ones (mail, dependency,
     ...) are written once, before the first component, every other one in each component, because
     sbatch gives many options written before ``#SBATCH hetjob`` to the first component only.
-    ``train_args`` are extra arguments of ``megatron_patch.launch``. ``requeue=False`` (a controller
+    ``train_args`` are extra arguments of ``megatron_patch.launch``; ``python`` the interpreter on the
+    compute nodes (default: the one running this, a virtualenv on the shared filesystem where sailor-hpc
+    is installed, rather than a bare ``python`` that is often the system's, without torch). ``requeue=False`` (a controller
     that resubmits by itself): no ``scontrol requeue`` after a checkpoint on the limit signal, and
     ``--no-requeue`` (a node failure ends the job instead of Slurm requeueing it). Raises
     :class:`SailorError` for anything unsafe or inconsistent.
@@ -209,7 +212,7 @@ def render_job_script(plan: Plan, site: Site, *, plan_path: str | os.PathLike[st
         "save": safety.q(safety.shell_path(save, "--save")) if save is not None else "",
         "load": safety.q(safety.shell_path(load, "--load")) if load is not None else "",
         "steps": steps, "train_args": [safety.q(safety.no_control_chars(a, "--train-arg")) for a in train_args],
-        "python": safety.q(safety.python_exe(python)), "exit_saved_on_signal": EXIT_SAVED_ON_SIGNAL,
+        "python": safety.q(safety.python_exe(python or sys.executable)), "exit_saved_on_signal": EXIT_SAVED_ON_SIGNAL,
     }
     return _environment().get_template(sbatch_templates.TRAIN_TEMPLATE).render(**ctx)
 

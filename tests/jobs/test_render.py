@@ -6,6 +6,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -85,8 +86,8 @@ def test_het_plan_components_and_srun(tmp_path):
     assert "--signal" not in script and "requeue" not in script.split("set -uo")[1]
     task = _bash_argv(script, "TASK")
     plan_path = str((tmp_path / "het-mixed.json").absolute())
-    assert task[:6] == ["python", "-m", "sailor_hpc.jobs.rank_env", "--plan", plan_path, "--"]
-    assert task[6:] == ["python", "-m", "megatron_patch.launch", "--plan", plan_path, "--model", "tiny-gpt",
+    assert task[:6] == [sys.executable, "-m", "sailor_hpc.jobs.rank_env", "--plan", plan_path, "--"]
+    assert task[6:] == [sys.executable, "-m", "megatron_patch.launch", "--plan", plan_path, "--model", "tiny-gpt",
                         "--steps", "100", "--dry-run"]
 
 
