@@ -29,7 +29,7 @@ DTYPES = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adam", "sgd")
 # how a plan gets placements: place_plan, which `simulate`, `sbatch` and `submit` run on a plan without them
 PLACE_FIX = ("give every stage a placement, or none and let sailor-hpc place the plan (`sailor-hpc simulate`, "
-             "`sbatch` and `submit` do; `sbatch` writes the placed plan next to PLAN)")
+             "`sbatch` and `submit` do; `sbatch` writes the placed plan next to its script)")
 
 
 @dataclass(frozen=True)
@@ -370,17 +370,20 @@ def _place_partition(segments: list[Group], part: Any) -> Placements:
        stage sets a pipeline's pace);
     4. single TP groups by decreasing size (first-fit decreasing, the tightest packing).
 
-    If none fits, the one with the fewest nodes (validate_plan then names the limit).
+    A packing must also take no more nodes than 4 does: the planner counts GPUs (and idle nodes x GPUs
+    per node with ``--available live``), so a placement that leaves GPUs of its nodes empty to keep
+    pipelines whole (3 TP-1 stages per 4-GPU node: 64 nodes instead of 48) asks Slurm for nodes the
+    allocation never had, and bills GPUs that do no work. If none fits, the one with the fewest nodes
+    (validate_plan then names the limit).
     """
-    limit = min(part.nodes, part.max_nodes_per_job)
     singles = [[stage] for g in segments for stage in g]
-    tries = []
-    for groups in (segments, _by_size(segments), singles, _by_size(singles)):
+    tightest = _first_fit(_by_size(singles), part.gpus_per_node)
+    limit = min(part.nodes, part.max_nodes_per_job, tightest[0])
+    for groups in (segments, _by_size(segments), singles):
         count, placed = _first_fit(groups, part.gpus_per_node)
         if count <= limit:
             return placed
-        tries.append((count, len(tries), placed))
-    return min(tries)[2]
+    return tightest[1]
 
 
 def place_plan(plan: Plan, site: Any) -> Plan:
@@ -390,7 +393,8 @@ def place_plan(plan: Plan, site: Any) -> Plan:
     together (:func:`node_segments`) share a node, so every stage-to-stage transfer that the planner's
     templates charged as intra-node is intra-node in the job (segments that land on the same node
     only make a transfer faster). Only when those segments need more nodes than the partition gives a
-    job are TP groups packed one by one (see :func:`_place_partition`).
+    job, or than the tightest packing of its TP groups, are TP groups packed one by one (see
+    :func:`_place_partition`).
     """
     parts = {(i, j): _stage_partition(s, site) for i, p in enumerate(plan.pipelines) for j, s in enumerate(p.stages)}
     segments: dict[str, list[Group]] = defaultdict(list)

@@ -22,7 +22,8 @@ def _job_options(f: Any) -> Any:
         click.option("--model", default=None, help="Model (required for a Sailor plan_config)."),
         click.option("--data", default=None, help="Dataset prefix (PREFIX.bin/.idx) the ranks train on."),
         click.option("--save", default=None,
-                     help="Checkpoint directory (default: <plan stem>-ckpt in the job directory, see --workdir)."),
+                     help="Checkpoint directory (default: <plan stem>-ckpt next to the plan, so a re-rendered job "
+                          "resumes from it)."),
         click.option("--load", default=None, help="Checkpoint to start from (until the job has its own)."),
         click.option("--steps", type=click.IntRange(min=1), default=100, show_default=True,
                      help="Optimizer step to train to."),
@@ -67,8 +68,9 @@ def _render(plan_file: Path, site_file: Path, model: str | None, data: str | Non
     from sailor_hpc.site import load_site
 
     site = load_site(site_file)
-    if save is None and not dry_run:
-        save = str(job_dir / f"{plan_file.stem}-ckpt")
+    if save is None and not dry_run:  # next to the plan, whatever -o says: a re-rendered job resumes from it
+        save = str(check_job_dir(plan_file.absolute().parent, "--save (default: next to the plan)")
+                   / f"{plan_file.stem}-ckpt")
     check_training_args(data, save, steps, dry_run=dry_run, dry_run_option="--dry-run")
     work = check_job_dir(workdir, "--workdir") if workdir is not None else job_dir
     logs = check_job_dir(log_dir, "--log-dir") if log_dir is not None else work
@@ -83,8 +85,8 @@ def _render(plan_file: Path, site_file: Path, model: str | None, data: str | Non
                                  steps=steps, job_name=job_name, time=time_limit, extra_sbatch=extra_sbatch,
                                  train_args=train_arg, python=python, signal_grace_s=signal_grace, workdir=work,
                                  log_dir=logs, dry_run=dry_run)
-    for d in (work, logs):  # Slurm creates neither
-        d.mkdir(parents=True, exist_ok=True)
+        for d in (work, logs):  # Slurm creates neither
+            d.mkdir(parents=True, exist_ok=True)
     if copy:
         click.echo(f"placed plan written to {plan_path} (the job reads it: keep it until the job has ended)", err=True)
     return text, plan_path

@@ -135,6 +135,14 @@ def check_job_dir(path: str | os.PathLike[str], field: str) -> Path:
     be created, and is writable. Slurm does not create a missing ``--output`` directory: the job would
     start, fail to open its log and end without a word."""
     target = Path(path).expanduser().absolute()
+    if "%" in str(target):
+        raise SailorError("the path has a '%': Slurm expands %-patterns (%u, %j, ...) in the job's log path, so "
+                          "the log would go to a directory that was never created", file=target, field=field,
+                          fix="choose a directory path without '%'")
+    broken = next((d for d in (target, *target.parents) if d.is_symlink() and not d.exists()), None)
+    if broken is not None:
+        raise SailorError(f"{broken} is a broken symbolic link", file=target, field=field,
+                          fix="point the link at a directory, or choose another path")
     existing = next(d for d in (target, *target.parents) if d.exists())
     if not existing.is_dir():
         raise SailorError(f"{existing} is not a directory", file=target, field=field,
@@ -212,7 +220,7 @@ def render_job_script(plan: Plan, site: Site, *, plan_path: str | os.PathLike[st
         "save": safety.q(safety.shell_path(save, "--save")) if save is not None else "",
         "load": safety.q(safety.shell_path(load, "--load")) if load is not None else "",
         "steps": steps, "train_args": [safety.q(safety.no_control_chars(a, "--train-arg")) for a in train_args],
-        "python": safety.q(safety.python_exe(python or sys.executable)), "exit_saved_on_signal": EXIT_SAVED_ON_SIGNAL,
+        "python": safety.q(safety.quoted_python_exe(python or sys.executable)), "exit_saved_on_signal": EXIT_SAVED_ON_SIGNAL,
     }
     return _environment().get_template(sbatch_templates.TRAIN_TEMPLATE).render(**ctx)
 

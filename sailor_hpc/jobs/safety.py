@@ -28,7 +28,7 @@ from sailor_hpc.sbatch_values import (
 )
 
 __all__ = ["CONSTRAINT", "FORBIDDEN_SBATCH", "JOB_WIDE_SBATCH", "SBATCH_OPTION", "SLURM_WORD", "SbatchOption",
-           "constraint", "job_id", "job_name", "no_control_chars", "parse_sbatch_option", "python_exe", "q",
+           "constraint", "job_id", "job_name", "no_control_chars", "parse_sbatch_option", "python_exe", "q", "quoted_python_exe",
            "sbatch_option", "sbatch_path", "shell_path", "slurm_word"]
 
 JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}$")
@@ -61,6 +61,16 @@ def shell_path(value: str | Path, field: str, *, absolute: bool = True) -> str:
 def python_exe(value: str, field: str = "--python") -> str:
     return matching(value, field, PYTHON_EXE, "a plain interpreter name or path",
                     "e.g. python, python3 or /path/to/venv/bin/python")
+
+
+def quoted_python_exe(value: str, field: str = "--python") -> str:
+    """An interpreter path for a script that shell-quotes it: any path (a virtualenv under a folder with a
+    space, as ``sys.executable`` may be) but no control characters and no leading ``-`` (an option)."""
+    no_control_chars(value, field)
+    if value.startswith("-"):
+        raise SailorError(f"{value!r} is not an interpreter name or path", field=field,
+                          fix="e.g. python3 or /path/to/venv/bin/python")
+    return value
 
 
 def job_id(value: str | int, field: str = "JOBID") -> str:

@@ -157,7 +157,8 @@ CANARY = "sailor-pwned"
     ({"extra_sbatch": ["--comment='x'"]}, "--extra-sbatch"),
     ({"extra_sbatch": ["--mail-type=END\n#SBATCH --gres=gpu:a100:4"]}, "--extra-sbatch"),
     ({"extra_sbatch": ["-p v100"]}, "--extra-sbatch"),
-    ({"python": "python; touch sailor-pwned"}, "--python"),
+    ({"python": "python\ntouch sailor-pwned"}, "--python"),
+    ({"python": "--version"}, "--python"),
     ({"train_args": ["--x\ntouch sailor-pwned"]}, "--train-arg"),
     ({"data": "/tmp/d\ntouch sailor-pwned", "save": "/tmp/s", "dry_run": False}, "--data"),
     ({"save": "/tmp/s\rtouch", "data": "/tmp/d", "dry_run": False}, "--save"),
@@ -185,9 +186,11 @@ def test_hostile_paths_are_quoted_not_run(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     nasty = [f"/tmp/a b/$(touch {CANARY})", f"/tmp/`touch {CANARY}`", "/tmp/x'; touch " + CANARY + "; '",
              '/tmp/"q"/$HOME/*']
+    python = f"/tmp/my env/$(touch {CANARY});/bin/python"  # sys.executable may be any path: it is quoted
     script = _render(tmp_path, "het-mixed", dry_run=False, data=nasty[0], save=nasty[1], load=nasty[2],
-                     train_args=[nasty[3], f"; touch {CANARY}"])
+                     train_args=[nasty[3], f"; touch {CANARY}"], python=python)
     launch = _bash_argv(script, "LAUNCH")
+    assert launch[0] == python and _bash_argv(script, "TASK")[0] == python
     assert launch[launch.index("--data") + 1] == nasty[0]
     assert launch[launch.index("--save") + 1] == nasty[1]
     assert launch[launch.index("--load") + 1] == nasty[2]
@@ -424,7 +427,7 @@ def test_placed_plan_goes_next_to_the_script_not_the_input(tmp_path):
     shared.chmod(0o555)
     try:
         res = CliRunner().invoke(main, ["sbatch", str(plan), "--site", str(LOCAL_LAB), "--data", "/d",
-                                        "-o", str(jobs / "train.sh")])
+                                        "--save", str(jobs / "ckpt"), "-o", str(jobs / "train.sh")])
         assert res.exit_code == 0, res.output
         assert sorted(p.name for p in shared.iterdir()) == ["unplaced.json"]
     finally:
@@ -433,7 +436,19 @@ def test_placed_plan_goes_next_to_the_script_not_the_input(tmp_path):
     assert len(placed) == 1 and f"placed plan written to {placed[0]}" in res.output
     script = (jobs / "train.sh").read_text()
     assert f"\nPLAN={placed[0]}\n" in script and f"--chdir={jobs.absolute()}" in script
-    assert f"SAVE={(jobs / 'unplaced-ckpt').absolute()}" in script
+    assert f"SAVE={(jobs / 'ckpt').absolute()}" in script
+
+
+def test_default_checkpoints_stay_next_to_the_plan_whatever_the_script_path(tmp_path):
+    """Re-rendering a running training's job elsewhere (another -o) must not move its checkpoints: the
+    job would auto-resume from an empty directory and silently start again at step 0."""
+    plan = write_plan(tmp_path, "unplaced")
+    saves = set()
+    for out in (tmp_path / "jobs" / "a.sh", tmp_path / "other" / "b.sh"):
+        res = CliRunner().invoke(main, ["sbatch", str(plan), "--site", str(LOCAL_LAB), "--data", "/d", "-o", str(out)])
+        assert res.exit_code == 0, res.output
+        saves |= {line for line in out.read_text().splitlines() if line.startswith("SAVE=")}
+    assert saves == {f"SAVE={(tmp_path / 'unplaced-ckpt').absolute()}"}
 
 
 def test_renders_for_other_sites_or_plans_do_not_replace_a_queued_jobs_plan(tmp_path):
@@ -490,3 +505,16 @@ def test_unwritable_log_dir_is_refused(tmp_path):
     res = CliRunner().invoke(main, ["sbatch", str(plan), "--site", str(LOCAL_LAB), "--dry-run",
                                     "--log-dir", str(ro / "logs")])
     assert res.exit_code == 2 and "--log-dir" in res.output and "cannot be created" in res.output
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda d: d / "logs-%u", "Slurm expands"),  # Slurm would expand it in --output: logs to a missing dir
+    (lambda d: (d / "link").symlink_to(d / "nowhere") or d / "link", "broken symbolic link"),
+])
+def test_log_dirs_slurm_cannot_use_are_refused_and_leave_nothing(tmp_path, make, words):
+    plan = write_plan(tmp_path, "unplaced")
+    log_dir = make(tmp_path)
+    res = CliRunner().invoke(main, ["sbatch", str(plan), "--site", str(LOCAL_LAB), "--dry-run",
+                                    "--log-dir", str(log_dir), "-o", str(tmp_path / "job.sh")])
+    assert res.exit_code == 2 and "--log-dir" in res.output and words in res.output, res.output
+    assert not (tmp_path / "job.sh").exists() and not _placed_files(tmp_path) and not (tmp_path / "logs-%u").exists()

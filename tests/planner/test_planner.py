@@ -236,17 +236,28 @@ def _priced_endpoints(plan, site) -> list[list]:
 
 
 def _must_cross_nodes(plan, site) -> bool:
-    """Whether the plan's priced node segments provably cannot all stay whole: more segments larger than
-    half a node (no two share a node) than the partition gives a job nodes."""
-    from sailor_hpc.plan import node_segments
+    """Whether the plan's priced node segments cannot all stay whole: more segments larger than half a
+    node (no two share a node) than the partition gives a job nodes, or whole segments that take more
+    nodes than the tightest packing of the plan's TP groups (place_plan then never asks for the extra
+    nodes: they were not in the allocation)."""
+    from sailor_hpc.plan import _by_size, _first_fit, node_segments
 
     big: dict[str, int] = {}
-    for p in plan.pipelines:
+    segments: dict[str, list] = {}
+    for i, p in enumerate(plan.pipelines):
         part = site.partition(p.stages[0].partition)
         for seg in node_segments([s.tp for s in p.stages], part.gpus_per_node):
+            segments.setdefault(part.name, []).append([((i, j), p.stages[j].tp) for j in seg])
             if 2 * sum(p.stages[j].tp for j in seg) > part.gpus_per_node:
                 big[part.name] = big.get(part.name, 0) + 1
-    return any(n > min(site.partition(k).nodes, site.partition(k).max_nodes_per_job) for k, n in big.items())
+    if any(n > min(site.partition(k).nodes, site.partition(k).max_nodes_per_job) for k, n in big.items()):
+        return True
+    for name, segs in segments.items():
+        per_node = site.partition(name).gpus_per_node
+        tightest = _first_fit(_by_size([[g] for seg in segs for g in seg]), per_node)[0]
+        if min(_first_fit(segs, per_node)[0], _first_fit(_by_size(segs), per_node)[0]) > tightest:
+            return True
+    return False
 
 
 @pytest.mark.parametrize("site_file,model,gbs", [("a100-v100.toml", "OPT-350M", 256),

@@ -87,6 +87,18 @@ def test_placement_fills_nodes_pipeline_by_pipeline_when_pipelines_do_not_fit_wh
     assert sorted(hops) == [0, 0, 1] and plan.nodes_by_partition() == {"a100": 2}
 
 
+def test_placement_never_takes_more_nodes_than_the_tightest_packing() -> None:
+    """16 pipelines of 3 TP-1 stages on 4-GPU nodes: whole pipelines would take 16 nodes with a GPU idle
+    on each, but the planner counted 48 GPUs (12 idle nodes with --available live): the job must ask
+    for 12 nodes, and then fills them pipeline by pipeline (a pipeline straddles nodes at one hop at most)."""
+    site = load_site(SITE_CONFIGS / "a100-v100.toml")
+    plan = place_plan(_two_pipelines((1, 1, 1), copies=16), site)
+    validate_plan(plan, site)
+    assert plan.nodes_by_partition() == {"a100": 12}
+    assert all(sum(a.placement.node != b.placement.node for a, b in zip(p.stages, p.stages[1:])) <= 1
+               for p in plan.pipelines)
+
+
 def test_placement_of_a_large_plan_is_fast_and_valid() -> None:
     """The planner places a plan for every allocation it prices: 64 pipelines of TP 2/1/1 on 64 nodes."""
     import time
