@@ -376,10 +376,16 @@ def _place_partition(segments: list[Group], part: Any) -> Placements:
     allocation never had, and bills GPUs that do no work. If none fits, the one with the fewest nodes
     (validate_plan then names the limit).
     """
+    limit = min(part.nodes, part.max_nodes_per_job)
+    count, placed = _first_fit(segments, part.gpus_per_node)
+    if count <= min(limit, -(-sum(tp for g in segments for _, tp in g) // part.gpus_per_node)):
+        return placed  # as few nodes as the GPUs need: no packing can do better (the planner's common case)
     singles = [[stage] for g in segments for stage in g]
     tightest = _first_fit(_by_size(singles), part.gpus_per_node)
-    limit = min(part.nodes, part.max_nodes_per_job, tightest[0])
-    for groups in (segments, _by_size(segments), singles):
+    limit = min(limit, tightest[0])
+    if count <= limit:
+        return placed
+    for groups in (_by_size(segments), singles):
         count, placed = _first_fit(groups, part.gpus_per_node)
         if count <= limit:
             return placed
