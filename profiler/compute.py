@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import math
 import os
 import statistics
@@ -167,7 +168,8 @@ def _retained_bytes(fn: Callable[[], torch.Tensor], exclude: Sequence[torch.Tens
         before = torch.cuda.memory_allocated(device)
         out = fn()
         torch.cuda.synchronize(device)
-        return out, float(torch.cuda.memory_allocated(device) - before)
+        # never below 0: the allocator may free a cached block during the forward
+        return out, max(0.0, float(torch.cuda.memory_allocated(device) - before))
     skip = {t.untyped_storage().data_ptr() for t in exclude}
     kept: dict[int, int] = {}
 
@@ -468,28 +470,33 @@ def profile_compute(spec: ModelSpec, mbs_list: Sequence[int], *, tp_group: Any, 
         return LayerProfiler(spec, tp_group=agree.group, device=device, dtype=dtype, blocks=blocks, warmup=warmup,
                              iters=iters)
 
-    def recover(prof: LayerProfiler) -> LayerProfiler:
+    def recover() -> None:
+        nonlocal prof
         _release(prof, device)
         if agree.world == 1:
-            return prof
+            return
+        prof = None  # the failed stages go before new ones are built: after an OOM there is no room for both
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
         agree.renew()
-        return build()
+        prof = build()
 
-    prof = build()
+    prof: LayerProfiler | None = build()
     memory, memory_failure = agree.run("memory", prof.memory_table)
     if memory_failure:
-        prof = recover(prof)
+        recover()
     points = []
     for mbs in sorted(mbs_list):
         times, why = agree.run(f"mbs{mbs}", lambda: prof.measure(mbs))
         if why:
             points.append(PointResult(mbs=mbs, times=None, reason=f"micro-batch {mbs}: {why}"))
-            prof = recover(prof)
+            recover()
             continue
         # the chain holds every measured layer's activations at once: it may fail where the layers fit
         stack, why = agree.run(f"mbs{mbs}-chain", lambda: prof.measure_stack(mbs))
         if why:
-            prof = recover(prof)
+            recover()
         points.append(PointResult(mbs=mbs, times=times, stack=stack))
     agree.finish()
     return ComputeResult(points=points, memory=memory, overhead_bytes=prof.overhead_bytes(baseline_rss),
