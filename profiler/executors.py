@@ -68,23 +68,20 @@ class JobSettings:
             add["qos"] = safety.slurm_word(s.qos, "slurm.qos")
         if s.constraint:
             add["constraint"] = safety.constraint(s.constraint)
-        for opt in self._site_options():
-            if not opt.job_wide:
-                add[opt.name] = opt.value if opt.value is not None else True
+        add.update(self._site_options(job_wide=False))
         return add
 
-    def _site_options(self) -> list[safety.SbatchOption]:
-        field = f"slurm.extra_sbatch (site {self.site.source or self.site.name})"
-        return [safety.parse_sbatch_option(o, field) for o in self.site.slurm.extra_sbatch]
+    def _site_options(self, *, job_wide: bool) -> dict[str, Any]:
+        """The site's extra sbatch options of one kind, as submitit's parameters."""
+        return {o.name: o.value if o.value is not None else True
+                for o in safety.extra_sbatch_options(self.site) if o.job_wide == job_wide}
 
     def additional(self) -> dict[str, Any]:
         """submitit's extra header options of the first component: the per-component ones and those of
         the whole job."""
         add: dict[str, Any] = dict(self.extra)
         add.update(self.per_component())
-        for opt in self._site_options():
-            if opt.job_wide:
-                add[opt.name] = opt.value if opt.value is not None else True
+        add.update(self._site_options(job_wide=True))
         if self.begin:
             safety.no_control_chars(self.begin, "--begin")
             if not safety.SBATCH_OPTION.match(f"--begin={self.begin}"):
@@ -121,7 +118,8 @@ def make_executor(settings: JobSettings, alloc: Allocation, *, job_name: str, on
     settings.folder.mkdir(parents=True, exist_ok=True)
     kw: dict[str, Any] = {"python": settings.python}
     if het is not None:
-        ex: submitit.SlurmExecutor = HetSlurmExecutor(settings.folder, het_components=[het.sbatch_options() | settings.per_component()], **kw)
+        components = [het.sbatch_options() | settings.per_component()]
+        ex: submitit.SlurmExecutor = HetSlurmExecutor(settings.folder, het_components=components, **kw)
     else:
         ex = submitit.SlurmExecutor(settings.folder, **kw)
     srun_args = [f"--cpus-per-task={alloc.cpus_per_task}"]  # Slurm 22.05's srun does not inherit it

@@ -154,14 +154,6 @@ def check_job_dir(path: str | os.PathLike[str], field: str) -> Path:
     return target
 
 
-def extra_sbatch_options(site: Site, extra_sbatch: Sequence[str]) -> list[safety.SbatchOption]:
-    """The site's ``[slurm].extra_sbatch`` and then the caller's options, each checked and under its full
-    name; a refusal names the site file's field or the ``--extra-sbatch`` flag."""
-    out = [safety.parse_sbatch_option(o, f"slurm.extra_sbatch[{i}]", file=site.source)
-           for i, o in enumerate(site.slurm.extra_sbatch)]
-    return out + [safety.parse_sbatch_option(o) for o in extra_sbatch]
-
-
 def render_job_script(plan: Plan, site: Site, *, plan_path: str | os.PathLike[str], model: str | None = None,
                       data: str | os.PathLike[str] | None = None, save: str | os.PathLike[str] | None = None,
                       load: str | os.PathLike[str] | None = None, steps: int = 100, job_name: str | None = None,
@@ -199,7 +191,7 @@ def render_job_script(plan: Plan, site: Site, *, plan_path: str | os.PathLike[st
     work = safety.sbatch_path(workdir if workdir is not None else plan_file.parent, "--workdir")
     logs = safety.sbatch_path(log_dir if log_dir is not None else work, "--log-dir")
     jname = safety.job_name(job_name or f"sailor-{name}", "--job-name")
-    extra, slurm = extra_sbatch_options(site, extra_sbatch), site.slurm
+    extra, slurm = safety.extra_sbatch_options(site, extra_sbatch), site.slurm
     for i, line in enumerate(site.prelude):
         if any(c in line for c in "\n\r\x00"):
             raise SailorError("prelude lines must be single lines", file=site.source, field=f"environment.prelude[{i}]")

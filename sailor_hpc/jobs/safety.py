@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import re
 import shlex
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from sailor_hpc.errors import SailorError
 from sailor_hpc.sbatch_values import (
@@ -28,7 +30,7 @@ from sailor_hpc.sbatch_values import (
 )
 
 __all__ = ["CONSTRAINT", "FORBIDDEN_SBATCH", "JOB_WIDE_SBATCH", "SBATCH_OPTION", "SLURM_WORD", "SbatchOption",
-           "constraint", "job_id", "job_name", "no_control_chars", "parse_sbatch_option", "python_exe", "q", "quoted_python_exe",
+           "constraint", "extra_sbatch_options", "job_id", "job_name", "no_control_chars", "parse_sbatch_option", "python_exe", "q", "quoted_python_exe",
            "sbatch_option", "sbatch_path", "shell_path", "slurm_word"]
 
 JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}$")
@@ -80,3 +82,12 @@ def job_id(value: str | int, field: str = "JOBID") -> str:
 def q(value: str) -> str:
     """Shell-quote one word (after :func:`no_control_chars`)."""
     return shlex.quote(value)
+
+
+def extra_sbatch_options(site: Any, extra_sbatch: Sequence[str] = ()) -> list[SbatchOption]:
+    """The site's ``[slurm].extra_sbatch`` and then the caller's options, each checked and under its full
+    name; a refusal names the site file's field or the ``--extra-sbatch`` flag. (Training jobs and
+    profiling jobs both split them into job-wide and per-component options.)"""
+    out = [parse_sbatch_option(o, f"slurm.extra_sbatch[{i}]", file=site.source)
+           for i, o in enumerate(site.slurm.extra_sbatch)]
+    return out + [parse_sbatch_option(o) for o in extra_sbatch]
