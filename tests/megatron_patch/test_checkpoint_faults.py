@@ -40,8 +40,12 @@ def test_checkpoint_killed_mid_write_is_never_loaded(runtime_env: Env, ref_file:
     logs = launch(runtime_env, "C", 4, root, "--auto-resume", program=KILLER, expect=None,
                   extra_env={"FAULT": "before_commit", "FAULT_STEP": "4"}, grace=1)
     assert events(logs[0], "loaded")[0]["step"] == 2
-    assert [(e["step"], round(e["loss"], 5)) for e in events(logs[0], "step")] == \
-        [(s, round(ref_losses[s - 1], 5)) for s in (3, 4)]
+    steps = events(logs[0], "step")
+    assert [e["step"] for e in steps] == [3, 4]
+    # same bound as test_exactness: float32 sums in another order differ in the 6th digit, so rounding
+    # both to 5 decimals could split a pair that straddles a rounding boundary (5.050985 -> .05098/.05099)
+    assert all(abs(e["loss"] - ref_losses[e["step"] - 1]) < 1e-5 for e in steps), \
+        [(e["loss"], ref_losses[e["step"] - 1]) for e in steps]
     assert (tmp_dir(root, 4) / "manifest.json").is_file() and not step_dir(root, 4).exists()
     assert latest_complete(root) == step_dir(root, 2)
 
