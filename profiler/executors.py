@@ -60,21 +60,13 @@ class JobSettings:
     def per_component(self) -> dict[str, Any]:
         """The site's options every het component needs in its own header (sbatch does not copy
         --constraint, --exclusive, ... to later components)."""
-        add: dict[str, Any] = {}
-        s = self.site.slurm
-        if s.account:
-            add["account"] = safety.slurm_word(s.account, "slurm.account")
-        if s.qos:
-            add["qos"] = safety.slurm_word(s.qos, "slurm.qos")
-        if s.constraint:
-            add["constraint"] = safety.constraint(s.constraint)
-        add.update(self._site_options(job_wide=False))
-        return add
+        return self._site_options(job_wide=False)
 
     def _site_options(self, *, job_wide: bool) -> dict[str, Any]:
-        """The site's extra sbatch options of one kind, as submitit's parameters."""
+        """The site's sbatch options of one kind (:func:`safety.site_sbatch_options`), as submitit's
+        parameters."""
         return {o.name: o.value if o.value is not None else True
-                for o in safety.extra_sbatch_options(self.site) if o.job_wide == job_wide}
+                for o in safety.site_sbatch_options(self.site) if o.job_wide == job_wide}
 
     def additional(self) -> dict[str, Any]:
         """submitit's extra header options of the first component: the per-component ones and those of

@@ -177,8 +177,3 @@ def parse_sbatch_option(value: str, field: str = "--extra-sbatch", *, file: obje
         shown = f"--{m.group('name')}" + ("" if name == m.group("name") else f" (sbatch reads it as --{name})")
         raise _forbidden(shown, name, field, file)
     return SbatchOption(name=name, value=m.group("value"))
-
-
-def sbatch_option(value: str, field: str = "--extra-sbatch", *, file: object | None = None) -> str:
-    """:func:`parse_sbatch_option` as header text, the option under its full name."""
-    return parse_sbatch_option(value, field, file=file).text

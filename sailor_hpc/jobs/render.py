@@ -191,7 +191,7 @@ def render_job_script(plan: Plan, site: Site, *, plan_path: str | os.PathLike[st
     work = safety.sbatch_path(workdir if workdir is not None else plan_file.parent, "--workdir")
     logs = safety.sbatch_path(log_dir if log_dir is not None else work, "--log-dir")
     jname = safety.job_name(job_name or f"sailor-{name}", "--job-name")
-    extra, slurm = safety.extra_sbatch_options(site, extra_sbatch), site.slurm
+    header = safety.site_sbatch_options(site, extra_sbatch)
     for i, line in enumerate(site.prelude):
         if any(c in line for c in "\n\r\x00"):
             raise SailorError("prelude lines must be single lines", file=site.source, field=f"environment.prelude[{i}]")
@@ -200,12 +200,9 @@ def render_job_script(plan: Plan, site: Site, *, plan_path: str | os.PathLike[st
         "plan_path_comment": str(plan_file), "task_ranks_comment": " ".join(map(str, layout.task_ranks)),
         "job_name": jname, "output": f"{logs}/%x-%j.out", "workdir": work, "time": time_text,
         "signal_grace_s": grace, "rank_exit_wait_s": max(MIN_RANK_EXIT_WAIT_S, grace), "dry_run": dry_run,
-        "requeue": requeue, "extra_job_sbatch": [o.text for o in extra if o.job_wide],
-        "extra_component_sbatch": [o.text for o in extra if not o.job_wide],
+        "requeue": requeue, "job_sbatch": [o.text for o in header if o.job_wide],
+        "component_sbatch": [o.text for o in header if not o.job_wide],
         "components": components_for(layout, site), "heterogeneous": layout.heterogeneous,
-        "account": safety.slurm_word(slurm.account, "slurm.account", file=site.source) if slurm.account else "",
-        "qos": safety.slurm_word(slurm.qos, "slurm.qos", file=site.source) if slurm.qos else "",
-        "constraint": safety.constraint(slurm.constraint, file=site.source) if slurm.constraint else "",
         "prelude": list(site.prelude), "port_base": PORT_BASE, "port_span": PORT_SPAN,
         "plan_path": safety.q(str(plan_file)),
         "data": safety.q(safety.shell_path(data, "--data")) if data is not None else "",

@@ -26,12 +26,12 @@ from typing import Any
 from sailor_hpc.errors import SailorError
 from sailor_hpc.sbatch_values import (
     CONSTRAINT, FORBIDDEN_SBATCH, JOB_WIDE_SBATCH, SBATCH_OPTION, SLURM_WORD, SbatchOption, constraint, matching,
-    no_control_chars, parse_sbatch_option, sbatch_option, slurm_word,
+    no_control_chars, parse_sbatch_option, slurm_word,
 )
 
 __all__ = ["CONSTRAINT", "FORBIDDEN_SBATCH", "JOB_WIDE_SBATCH", "SBATCH_OPTION", "SLURM_WORD", "SbatchOption",
-           "constraint", "extra_sbatch_options", "job_id", "job_name", "no_control_chars", "parse_sbatch_option", "python_exe", "q", "quoted_python_exe",
-           "sbatch_option", "sbatch_path", "shell_path", "slurm_word"]
+           "constraint", "job_id", "job_name", "no_control_chars", "parse_sbatch_option", "python_exe", "q",
+           "quoted_python_exe", "sbatch_path", "shell_path", "site_sbatch_options", "slurm_word"]
 
 JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}$")
 SBATCH_PATH = re.compile(r"^[A-Za-z0-9_./+%-]+$")  # %j / %x patterns allowed in log paths
@@ -84,10 +84,15 @@ def q(value: str) -> str:
     return shlex.quote(value)
 
 
-def extra_sbatch_options(site: Any, extra_sbatch: Sequence[str] = ()) -> list[SbatchOption]:
-    """The site's ``[slurm].extra_sbatch`` and then the caller's options, each checked and under its full
-    name; a refusal names the site file's field or the ``--extra-sbatch`` flag. (Training jobs and
-    profiling jobs both split them into job-wide and per-component options.)"""
-    out = [parse_sbatch_option(o, f"slurm.extra_sbatch[{i}]", file=site.source)
-           for i, o in enumerate(site.slurm.extra_sbatch)]
+def site_sbatch_options(site: Any, extra_sbatch: Sequence[str] = ()) -> list[SbatchOption]:
+    """Every option the site and the caller add to a job's header, checked and under sbatch's full names:
+    the site's ``[slurm]`` account, QOS and constraint, its ``extra_sbatch``, then the caller's options.
+    A refusal names the site file's field or the ``--extra-sbatch`` flag. Training jobs and profiling
+    jobs both read them here and split them into job-wide and per-component options
+    (:attr:`SbatchOption.job_wide`)."""
+    s = site.slurm
+    named = (("account", s.account, slurm_word), ("qos", s.qos, slurm_word), ("constraint", s.constraint, constraint))
+    out = [SbatchOption(name, check(value, f"slurm.{name}", file=site.source)) for name, value, check in named if value]
+    out += [parse_sbatch_option(o, f"slurm.extra_sbatch[{i}]", file=site.source)
+            for i, o in enumerate(s.extra_sbatch)]
     return out + [parse_sbatch_option(o) for o in extra_sbatch]
