@@ -19,6 +19,7 @@ from sailor_hpc.jobs.render import placed_plan_file, render_job_script
 from sailor_hpc.plan import load_plan
 from sailor_hpc.site import load_site, load_site_dict
 from sailor_hpc.toml_writer import dump_toml
+from tests.conftest import slurm_missing
 from tests.jobs.conftest import LOCAL_LAB, write_plan
 
 
@@ -280,10 +281,7 @@ def _sbatch_defined_options(script: str, workdir: Path) -> list[dict[str, str]]:
     client, with a private slurm.conf naming an unreachable controller: no cluster is used."""
     sbatch = shutil.which("sbatch")
     if sbatch is None:
-        reason = "sbatch (slurm-client) is not installed"
-        if os.environ.get("SAILOR_REQUIRE_SLURM") == "1":  # CI installs Slurm: a missing sbatch is a failure
-            pytest.fail(f"{reason} (SAILOR_REQUIRE_SLURM=1)", pytrace=False)
-        pytest.skip(reason)
+        slurm_missing("sbatch (slurm-client) is not installed")
     conf = workdir / "slurm.conf"
     conf.write_text("ClusterName=render-test\nSlurmctldHost=localhost(127.0.0.1)\nSlurmctldPort=1\n"
                     "AuthType=auth/none\nCredType=cred/none\nSelectType=select/cons_tres\nGresTypes=gpu\n"
@@ -500,14 +498,22 @@ def test_log_dir_is_checked_before_anything_is_written(tmp_path):
     assert res.exit_code == 0 and logs.is_dir() and f"--output={logs}/%x-%j.out" in (tmp_path / "job.sh").read_text()
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
 def test_unwritable_log_dir_is_refused(tmp_path):
+    """Root may write into read-only directories, so under root (CI) the CLI runs without the
+    capabilities that let it (setpriv drops them from its bounding set): as any user would."""
     ro = tmp_path / "ro"
     ro.mkdir(mode=0o555)
     plan = write_plan(tmp_path, "het-mixed")
-    res = CliRunner().invoke(main, ["sbatch", str(plan), "--site", str(LOCAL_LAB), "--dry-run",
-                                    "--log-dir", str(ro / "logs")])
-    assert res.exit_code == 2 and "--log-dir" in res.output and "cannot be created" in res.output
+    argv = [sys.executable, "-c", "from sailor_hpc.cli import main; main(prog_name='sailor-hpc')",
+            "sbatch", str(plan), "--site", str(LOCAL_LAB), "--dry-run", "--log-dir", str(ro / "logs")]
+    if os.geteuid() == 0:
+        setpriv = shutil.which("setpriv")
+        if setpriv is None:
+            pytest.skip("root writes into read-only directories, and setpriv (util-linux) is missing to stop it")
+        argv = [setpriv, "--bounding-set", "-dac_override,-dac_read_search", "--", *argv]
+    res = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "--log-dir" in res.stderr and "cannot be created" in res.stderr, res.stderr
+    assert not (ro / "logs").exists() and not _placed_files(tmp_path)
 
 
 @pytest.mark.parametrize("make, words", [
