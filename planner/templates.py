@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from planner.balance import PipelineSpeed
+from sailor_hpc.plan import node_segments
 from sailor_hpc.site import Partition
 from simulator import StageEvaluator
 from simulator.network import Endpoint
@@ -63,16 +64,10 @@ class Template:
 
 
 def endpoints(stages: tuple[tuple[int, int, int], ...], part: Partition) -> list[Endpoint]:
-    """Stages packed onto consecutive nodes in order, as the plan's placement packs one pipeline."""
-    out, used = [], 0
-    for _, _, tp in stages:
-        node = used // part.gpus_per_node
-        if (used % part.gpus_per_node) + tp > part.gpus_per_node:
-            node += 1
-            used = node * part.gpus_per_node
-        out.append(Endpoint(part.name, node, tp))
-        used += tp
-    return out
+    """Stages packed onto consecutive nodes in order: the node segments that ``place_plan`` keeps
+    together in the job (:func:`sailor_hpc.plan.node_segments`), numbered from 0."""
+    segments = node_segments([tp for _, _, tp in stages], part.gpus_per_node)
+    return [Endpoint(part.name, node, stages[j][2]) for node, seg in enumerate(segments) for j in seg]
 
 
 class TemplateBuilder:

@@ -300,8 +300,9 @@ def node_segments(tps: Sequence[int], gpus_per_node: int) -> list[list[int]]:
     """Consecutive stages of one pipeline that share a node when the pipeline is packed alone, in order,
     from a fresh node (a stage that does not fit in what is left of the node opens the next one).
 
-    This is the placement the planner prices a pipeline at (``planner.templates.endpoints``): a
-    boundary inside a segment is an intra-node transfer, one between segments an inter-node one.
+    This is the placement the planner prices a pipeline at (``planner.templates.endpoints`` numbers
+    these segments as its nodes): a boundary inside a segment is an intra-node transfer, one between
+    segments an inter-node one.
     Returns the stage indices of each segment.
     """
     out: list[list[int]] = []

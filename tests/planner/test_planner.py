@@ -298,7 +298,8 @@ def test_placed_plans_run_as_fast_as_the_planner_priced_them(site_file, model, g
 
 
 def test_node_segments_are_the_templates_node_groups() -> None:
-    """place_plan keeps together the stages planner.templates.endpoints prices on one node: the same rule."""
+    """place_plan keeps together the stages planner.templates.endpoints prices on one node: the same rule,
+    and that rule is packing in order onto fresh nodes (checked from its definition)."""
     import itertools
 
     from planner.templates import endpoints
@@ -308,9 +309,16 @@ def test_node_segments_are_the_templates_node_groups() -> None:
     for n in range(1, 6):
         for tps in itertools.product((1, 2, 4), repeat=n):
             nodes = [e.node for e in endpoints(tuple((0, 0, tp) for tp in tps), part)]
-            groups = [[nodes[j] for j in seg] for seg in node_segments(list(tps), part.gpus_per_node)]
+            segments = node_segments(list(tps), part.gpus_per_node)
+            groups = [[nodes[j] for j in seg] for seg in segments]
             assert all(len(set(g)) == 1 for g in groups), tps
             assert [g[0] for g in groups] == sorted({*nodes}), tps
+            # in order, each fits a node, and a segment starts only where its first stage does not fit
+            # into what the previous one left
+            assert [j for seg in segments for j in seg] == list(range(n)), tps
+            assert all(sum(tps[j] for j in seg) <= part.gpus_per_node for seg in segments), tps
+            assert all(sum(tps[j] for j in prev) + tps[seg[0]] > part.gpus_per_node
+                       for prev, seg in zip(segments, segments[1:])), tps
 
 
 # ---------------------------------------------------------------- the plan command's table and hints
