@@ -12,13 +12,32 @@ from sailor_hpc.errors import SailorError
 from sailor_hpc.network import NetworkFit
 
 
+def check_message_sizes(sizes: Sequence[float]) -> None:
+    """The fit is quadratic in log message size: fewer than three distinct sizes cannot determine it
+    (repeats add nothing). The sweep checks ``--net-sizes`` with this before any job runs, where the
+    network jobs would otherwise fail only after their allocation ran."""
+    distinct = sorted(set(sizes))
+    if len(distinct) < 3:
+        shown = ", ".join(_size_text(s) for s in distinct)
+        raise SailorError(f"the bandwidth fit is quadratic in log message size and needs at least 3 distinct "
+                          f"message sizes, got {len(distinct)} ({shown} bytes)", field="--net-sizes",
+                          fix="give at least three log2 sizes, e.g. --net-sizes 16,20,24 (or leave the default)")
+
+
+def _size_text(nbytes: float) -> str:
+    """``2^k`` for a power of two, else the number."""
+    n = int(nbytes)
+    return f"2^{n.bit_length() - 1}" if n == nbytes and n > 0 and n & (n - 1) == 0 else f"{nbytes:g}"
+
+
 def fit_bandwidth(sizes: Sequence[float], gbps: Sequence[float]) -> NetworkFit:
     """Quadratic fit of measured bandwidth (GB/s) over message sizes (bytes)."""
     x = np.asarray(sizes, dtype=np.float64)
     y = np.asarray(gbps, dtype=np.float64)
-    if x.size != y.size or np.unique(x).size < 3:  # three points fix a quadratic; repeats add none
-        raise SailorError(f"a bandwidth fit needs at least 3 distinct message sizes, got {np.unique(x).size}",
-                          field="--net-sizes", fix="measure at least three message sizes")
+    if x.size != y.size:
+        raise SailorError(f"{x.size} message sizes but {y.size} bandwidths", field="network",
+                          fix="re-run the network job")
+    check_message_sizes(sizes)
     if not (np.isfinite(y).all() and (y > 0).all() and (x > 0).all()):
         raise SailorError("measured bandwidths must be positive and finite", field="network",
                           fix="re-run the network job")

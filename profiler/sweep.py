@@ -35,6 +35,7 @@ import numpy as np
 import submitit
 
 from profiler.executors import Allocation, JobSettings, make_executor
+from profiler.fit import check_message_sizes
 from profiler.jobs import ComputeTask, NetworkTask, compute_job, network_job
 from profiler.keys import ComputePoint, NetworkLink, device_key, network_site_key
 from profiler.progress import Progress
@@ -141,17 +142,6 @@ def real_path(path: Path) -> Path:
     return Path(os.path.realpath(path.expanduser()))
 
 
-def check_net_sizes(sizes: Sequence[int]) -> None:
-    """The bandwidth fit is quadratic in log message size (:mod:`profiler.fit`): fewer than three distinct
-    sizes cannot determine it, and the network jobs would fail only after their allocation ran."""
-    distinct = sorted(set(sizes))
-    if len(distinct) < 3:
-        shown = ", ".join(f"2^{s.bit_length() - 1}" if s > 0 and s & (s - 1) == 0 else str(s) for s in distinct)
-        raise SailorError(f"{len(distinct)} distinct message size(s) ({shown} bytes): the bandwidth fit is quadratic "
-                          "in log size and needs at least 3", field="--net-sizes",
-                          fix="give at least three log2 sizes, e.g. --net-sizes 16,20,24 (or leave the default)")
-
-
 def check_config(cfg: SweepConfig) -> None:
     spec = get_model(cfg.model)
     for name in cfg.part_names:
@@ -166,7 +156,7 @@ def check_config(cfg: SweepConfig) -> None:
         raise SailorError(f"unknown network measurement {bad[0]!r}", field="--network",
                           fix=f"use any of {', '.join(NETWORK_KINDS)} or 'none'")
     if cfg.sizes:
-        check_net_sizes(cfg.sizes)
+        check_message_sizes(cfg.sizes)
     if cfg.points_per_job <= 0 or cfg.iters <= 0 or cfg.warmup < 0 or cfg.time_min <= 0:
         raise SailorError("points per job, iterations and the time limit must be positive", field="--iters")
     archive = real_path(cfg.archive)
