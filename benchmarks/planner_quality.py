@@ -5,7 +5,7 @@ mixes of Sailor's measured planner runs); OPT-350M at gbs 1024 and GPT-Neo-2.7B 
 our best plan (full space), the best homogeneous plan (one partition), the best Sailor-shaped plan
 (one micro-batch size, the same micro-batch count on every pipeline, uniform split: our planner
 restricted to Sailor's space), and the plan Sailor's own planner chose
-(../shared/sailor_data/planner_results, when present) re-scored by our simulator.
+(planner_results of the shipped Sailor data) re-scored by our simulator.
 
     .venv/bin/python benchmarks/planner_quality.py
 """
@@ -15,14 +15,15 @@ import time
 from pathlib import Path
 
 from planner import PlanRequest, search
-from sailor_hpc.archive import open_archive
-from sailor_hpc.errors import SailorError
-from sailor_hpc.plan import load_plan
-from sailor_hpc.site import load_site
+from sailor_hpc.core.archive import open_archive
+from sailor_hpc.core.errors import SailorError
+from sailor_hpc.core.plan_io import load_plan
+from sailor_hpc.core.sailor_compat import SAILOR_DATA
+from sailor_hpc.core.site import load_site
 from simulator import simulate
 
 ROOT = Path(__file__).resolve().parents[1]
-SAILOR_RESULTS = ROOT.parent / "shared" / "sailor_data" / "planner_results"
+SAILOR_RESULTS = SAILOR_DATA / "planner_results"
 MIXES = [(256, 256), (64, 192), (32, 96), (80, 240), (128, 0)]  # 50/50, 25/75, Sailor's mixes
 MODELS = [("OPT-350M", "OPT-350", 1024), ("GPT-Neo-2.7B", "GPT-Neo-2.7", 2048)]
 

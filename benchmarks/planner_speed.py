@@ -15,8 +15,8 @@ import tomllib
 from pathlib import Path
 
 from planner import PlanRequest, search
-from sailor_hpc.archive import open_archive
-from sailor_hpc.site import Site, load_site, load_site_dict
+from sailor_hpc.core.archive import open_archive
+from sailor_hpc.core.site import Site, load_site, load_site_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 SITES = ROOT / "site_configs"
@@ -45,7 +45,8 @@ def main() -> None:
         ("3 types x 256 GPUs", mixed_site(256, ["A100-40", "V100-16", "RTX-3090"]), 4900.0, 30.0),
         ("4 types x 1024 GPUs", mixed_site(1024, ["A100-40", "V100-16", "RTX-3090", "GH-96"]), None, 60.0),
     ]
-    print(f"{'scenario':38} {'search s':>9} {'target s':>9} {'Sailor s':>9} {'allocations':>12} {'best samples/s':>15}  best plan GPUs")
+    print(f"{'scenario':38} {'search s':>9} {'target s':>9} {'Sailor s':>9} {'allocations':>12} "
+          f"{'best samples/s':>15}  best plan GPUs")
     for name, site, sailor, target in scenarios:
         archive = open_archive(site=site)
         t0 = time.perf_counter()

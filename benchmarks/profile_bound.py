@@ -12,15 +12,16 @@ Two measurements, both independent of how a simulator models schedules and netwo
    goes up and down with the micro-batch size is the profile disagreeing with the runs, which no
    model of the hardware can repair; only a per-micro-batch correction fitted to these files could.
 
-    .venv/bin/python benchmarks/profile_bound.py [--data /work/shared/sailor_data]
+    .venv/bin/python benchmarks/profile_bound.py [--data DIR]  (default: the copy shipped in sailor_hpc/core/data/sailor)
 """
 from __future__ import annotations
 
 import statistics
 from pathlib import Path
 
-from simulator.validation import compute_floor
 from simulator_accuracy import set_reports, validation_dir  # the sibling benchmark (same folder)
+
+from simulator.validation import compute_floor
 
 
 def main() -> None:

@@ -11,26 +11,26 @@ Runs whose ``red_grads`` is a copied value (over half the iteration) or that hav
 skipped. On the MIT runs the 1-Gbit all-reduce dominates and the model of it is already ~5-10 % above
 ``red_grads``, so no jitter can be read from them (their site leaves it at 0).
 
-    .venv/bin/python benchmarks/replica_jitter.py [--data /work/shared/sailor_data]
+    .venv/bin/python benchmarks/replica_jitter.py [--data DIR]  (default: the copy shipped in sailor_hpc/core/data/sailor)
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 from dataclasses import replace
 from pathlib import Path
 
-from sailor_hpc.archive import open_archive
-from sailor_hpc.plan import load_run
-from sailor_hpc.site import load_site
+from sailor_hpc.core.archive import open_archive
+from sailor_hpc.core.plan_io import load_run
+from sailor_hpc.core.sailor_compat import SAILOR_DATA
+from sailor_hpc.core.site import load_site
 from simulator import plan_timeline
 from simulator.iteration import expected_max_normal
 from simulator.validation import find_runs
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_DATA = os.environ.get("SAILOR_DATA", "/work/shared/sailor_data")
+DEFAULT_DATA = SAILOR_DATA  # shipped with the package
 SETS = [("clariden.toml", "OPT-350M", "clariden/OPT-350"), ("clariden.toml", "GPT-Neo-2.7B", "clariden/GPT-NEO"),
         ("mit-mixed.toml", "OPT-350M", "mit")]
 

@@ -1,7 +1,7 @@
 """Recovery time of the resize controller on the local Slurm cluster: allocation change -> first step under
 the new plan, queue wait excluded (goal: <= 60 s).
 
-The scenario of tests/resize (tiny-gpt on CPU ranks, global batch 64, at most 2 GPUs; blockers leave one
+The scenario of tests/controller (tiny-gpt on CPU ranks, global batch 64, at most 2 GPUs; blockers leave one
 idle A100): per cycle, a node of the job goes down (``scontrol update state=down``: re-plan onto 2 V100),
 comes back (``state=resume``: grow back to 2 A100, the job checkpoints on SIGUSR1), and the job is
 preempted (SIGTERM to its ranks: it checkpoints on the signal, the controller resubmits). The clock starts
@@ -29,7 +29,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.resize.scenario import Scenario, build_inputs, kind  # noqa: E402
+from tests.controller.scenario import Scenario, build_inputs, kind  # noqa: E402
 from tests.slurm.cluster import get_cluster  # noqa: E402
 
 GOAL_S = 60.0

@@ -33,8 +33,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from megatron_patch import local  # noqa: E402
-from sailor_hpc.models import ModelSpec, get_model  # noqa: E402
-from sailor_hpc.plan import Pipeline, Plan, Stage  # noqa: E402
+from sailor_hpc.core.models import ModelSpec, get_model  # noqa: E402
+from sailor_hpc.core.plan import Pipeline, Plan, Stage  # noqa: E402
 
 BENCH = ModelSpec("bench-gpt", num_layers=4, hidden_size=128, num_heads=4, ffn_hidden_size=512, vocab_size=256,
                   seq_len=64, family="gpt")

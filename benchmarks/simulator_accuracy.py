@@ -1,26 +1,26 @@
 """Our simulator against Sailor's on Sailor's measured runs: error per file and the means per set.
 
 Sailor's estimates are the reference numbers of its own simulator on these files
-(/work/shared/reference/sailor_model.md section 4.3, full-precision list). Files kept out of our means
+(the project's reference notes on Sailor, section 4.3, full-precision list). Files kept out of our means
 (documented anomalies, physically impossible memory readings) are kept out of Sailor's too, with the
 reason printed; Sailor's mean over every file is shown as well.
 
-    .venv/bin/python benchmarks/simulator_accuracy.py [--data /work/shared/sailor_data]
+    .venv/bin/python benchmarks/simulator_accuracy.py [--data DIR]  (default: the copy shipped in sailor_hpc/core/data/sailor)
 """
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 from collections.abc import Iterator
 from pathlib import Path
 
-from sailor_hpc.archive import open_archive
-from sailor_hpc.site import load_site
+from sailor_hpc.core.archive import open_archive
+from sailor_hpc.core.sailor_compat import SAILOR_DATA
+from sailor_hpc.core.site import load_site
 from simulator.validation import ValidationReport, validate_runs
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_DATA = os.environ.get("SAILOR_DATA", "/work/shared/sailor_data")
+DEFAULT_DATA = SAILOR_DATA  # shipped with the package
 
 # (set, site config, model, folder under validation/)
 SETS = [("clariden/OPT-350", "clariden.toml", "OPT-350M", "clariden/OPT-350"),

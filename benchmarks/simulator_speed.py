@@ -17,9 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
-from sailor_hpc.archive import open_archive
-from sailor_hpc.plan import Pipeline, Plan, Stage
-from sailor_hpc.site import load_site
+from sailor_hpc.core.archive import open_archive
+from sailor_hpc.core.plan import Pipeline, Plan, Stage
+from sailor_hpc.core.site import load_site
 from simulator import StageEvaluator, simulate
 from simulator.api import CandidateBatch
 from simulator.network import Endpoint

@@ -46,10 +46,10 @@ def rank_main() -> None:
     from megatron_patch.data import GlobalSamples
     from megatron_patch.engine import Trainer
     from profiler.compute import LayerProfiler, resident_bytes
-    from sailor_hpc.archive import ComputeEntry, MemoryEntry, OverheadEntry, ProfileArchive
-    from sailor_hpc.models import get_model
-    from sailor_hpc.plan import Pipeline, Plan, Stage
-    from sailor_hpc.site import load_site_dict
+    from sailor_hpc.core.archive import ComputeEntry, MemoryEntry, OverheadEntry, ProfileArchive
+    from sailor_hpc.core.models import get_model
+    from sailor_hpc.core.plan import Pipeline, Plan, Stage
+    from sailor_hpc.core.site import load_site_dict
     from simulator import SimOptions, simulate
 
     rounds, data = int(os.environ["BENCH_ROUNDS"]), os.environ["BENCH_DATA"]

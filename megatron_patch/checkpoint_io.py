@@ -12,12 +12,13 @@ import base64
 import io
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_patch import checkpoint as ck
 from megatron_patch.layout import ParamInfo, full_of, shard_of
 from megatron_patch.patch import megatron_version
+from sailor_hpc.core import checkpoint as ck
 
 if TYPE_CHECKING:
     from megatron_patch.engine import Trainer
@@ -50,11 +51,10 @@ def rng_to_json() -> str:
 
 
 def rng_from_json(text: str) -> None:
-    import numpy as np
     torch.set_rng_state(torch.from_numpy(np.frombuffer(base64.b64decode(text), dtype=np.uint8).copy()))
 
 
-def save(trainer: "Trainer", root: str, keep: int = 3) -> str:
+def save(trainer: Trainer, root: str, keep: int = 3) -> str:
     """Collective over all ranks of the plan: write a complete checkpoint of the trainer's state."""
     t = trainer
     rank, role = t.rank, t.role
@@ -136,7 +136,7 @@ class CheckpointReader:
         return {n: self.tensors(n) for n in self.names()}
 
 
-def load(trainer: "Trainer", path: str, *, missing_ok: bool = False) -> str | None:
+def load(trainer: Trainer, path: str, *, missing_ok: bool = False) -> str | None:
     """Collective: load a checkpoint written under any plan into this trainer's layout.
 
     Rank 0 alone picks it (the newest complete one under ``path``, every checksum verified once, not

@@ -25,7 +25,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from sailor_hpc.errors import SailorError
+import megatron_patch
+import sailor_hpc
+from sailor_hpc.core.errors import SailorError
 
 EOD = 0
 
@@ -54,8 +56,6 @@ def build_dataset(prefix: str | Path, texts: Iterable[str]) -> Path:
 
 def shipped_texts() -> list[str]:
     """The project's own Python and Markdown sources, in a fixed order (deterministic)."""
-    import megatron_patch
-    import sailor_hpc
     files: list[Path] = []
     for pkg in (sailor_hpc, megatron_patch):
         root = Path(pkg.__file__).parent
@@ -94,7 +94,7 @@ class GlobalSamples:
             start, length, doc = start + take, length - take, doc + 1
         return np.concatenate(out).astype(np.int64)
 
-    @functools.lru_cache(maxsize=4)
+    @functools.lru_cache(maxsize=4)  # noqa: B019  (a dataset lives as long as the run)
     def _order(self, epoch: int) -> np.ndarray:
         return np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
 

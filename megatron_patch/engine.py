@@ -28,10 +28,10 @@ from megatron_patch.model import build_stage_module, padded_vocab_size
 from megatron_patch.optimizer import StageOptimizer, clip_coefficient
 from megatron_patch.options import TrainOptions
 from megatron_patch.p2p import HeteroP2PCommunicator, StageGroup
-from megatron_patch.roles import Role, role_of, stage_rank_table
-from sailor_hpc.errors import SailorError
-from sailor_hpc.models import ModelSpec
-from sailor_hpc.plan import Plan
+from sailor_hpc.core.errors import SailorError
+from sailor_hpc.core.models import ModelSpec
+from sailor_hpc.core.plan import Plan
+from sailor_hpc.core.roles import Role, role_of, stage_rank_table
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,8 @@ import torch.distributed as dist
 
 from megatron_patch.groups import create_groups, group
 from megatron_patch.layout import ParamInfo, chunk_views
-from megatron_patch.roles import stage_rank_table
-from sailor_hpc.plan import Plan
+from sailor_hpc.core.plan import Plan
+from sailor_hpc.core.roles import stage_rank_table
 
 WEIGHTINGS = ("samples", "uniform")  # "uniform" (1/num_pipelines) exists as the tests' negative control
 

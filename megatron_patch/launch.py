@@ -4,8 +4,8 @@
                                     [--load DIR | --auto-resume] --steps N [--dry-run]
 
 - Rank and rendezvous come from torchrun (RANK/WORLD_SIZE/LOCAL_RANK) or Slurm (SLURM_PROCID/
-  SLURM_NTASKS/SLURM_LOCALID) plus MASTER_ADDR/MASTER_PORT (``megatron_patch.env``); the rank's role
-  follows ``megatron_patch.roles`` (pipelines, then stages, then TP ranks, in plan order).
+  SLURM_NTASKS/SLURM_LOCALID) plus MASTER_ADDR/MASTER_PORT (``sailor_hpc.core.dist_env``); the rank's role
+  follows ``sailor_hpc.core.roles`` (pipelines, then stages, then TP ranks, in plan order).
 - ``--steps N`` is the step to reach: a resumed run continues from the checkpoint's step to N.
 - ``--dry-run`` prints this rank's role as one JSON line and exits 0, without torch.
 - SIGUSR1 or SIGTERM (Slurm's warning before the time limit): the runtime finishes the current step,
@@ -18,17 +18,22 @@
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import os
+import resource
 import signal
 import sys
 import time
+import warnings
 from typing import Any
 
 from megatron_patch.options import TrainOptions, adam_from_args, add_adam_args
-from megatron_patch.env import EXIT_BAD_INPUT, EXIT_DONE, EXIT_SAVED_ON_SIGNAL, DistEnv, read_env
-from megatron_patch.roles import Role, role_of
-from sailor_hpc.errors import SailorError
-from sailor_hpc.plan import Plan, load_plan
+from sailor_hpc.core.dist_env import EXIT_BAD_INPUT, EXIT_DONE, EXIT_SAVED_ON_SIGNAL, DistEnv, read_env
+from sailor_hpc.core.errors import SailorError
+from sailor_hpc.core.plan import Plan
+from sailor_hpc.core.plan_io import load_plan
+from sailor_hpc.core.roles import Role, role_of
 
 _STOP: list[int] = []  # signals received (set by the handler, read at step boundaries)
 
@@ -74,7 +79,6 @@ def role_record(role: Role, env: DistEnv) -> dict[str, Any]:
 
 
 def _peak_memory(device: Any) -> int:
-    import resource
 
     import torch
     if device.type == "cuda":
@@ -83,9 +87,6 @@ def _peak_memory(device: Any) -> int:
 
 
 def train(args: argparse.Namespace, plan: Plan, env: DistEnv, role: Role) -> int:
-    import datetime
-    import os
-    import warnings
 
     for signum in (signal.SIGUSR1, signal.SIGTERM):  # before anything slow: the default action kills
         signal.signal(signum, _on_signal)

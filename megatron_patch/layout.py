@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sailor_hpc.models import ModelSpec
+from sailor_hpc.core.models import ModelSpec
 
 
 @dataclass(frozen=True)

@@ -23,10 +23,19 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron_patch.layout import (Arch, ParamInfo, arch_of, final_norm_layer, head_layer, local_shape, param_layout,
-                                   params_of_layers, shard_of)
+from megatron_patch.layout import (
+    Arch,
+    ParamInfo,
+    arch_of,
+    final_norm_layer,
+    head_layer,
+    local_shape,
+    param_layout,
+    params_of_layers,
+    shard_of,
+)
 from megatron_patch.patch import cross_entropy
-from sailor_hpc.models import ModelSpec
+from sailor_hpc.core.models import ModelSpec
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 VOCAB_DIVISOR = 128  # megatron's make_vocab_size_divisible_by default
@@ -61,8 +70,10 @@ def transformer_config(spec: ModelSpec, *, tp: int, dtype: torch.dtype, cuda: bo
 
 
 def layer_spec(spec: ModelSpec, te: bool) -> Any:
-    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
-                                                          get_gpt_layer_with_transformer_engine_spec)
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
     norm = arch_of(spec).norm
     if te:
         return get_gpt_layer_with_transformer_engine_spec()
@@ -254,7 +265,7 @@ class StageModule(torch.nn.Module):
         return h
 
     # -- canonical parameters
-    def canonical_params(self) -> "OrderedDict[str, torch.nn.Parameter]":
+    def canonical_params(self) -> OrderedDict[str, torch.nn.Parameter]:
         """Megatron (GPTModel) name -> local parameter; a tied output weight is named after the embedding."""
         out: OrderedDict[str, torch.nn.Parameter] = OrderedDict()
         for layer in self.layers:

@@ -20,7 +20,7 @@ __all__ = ["AdamConfig", "StageOptimizer", "clip_coefficient"]  # AdamConfig re-
 class StageOptimizer:
     """Owns the fp32 master copy of this rank's parameters and their Adam state, by canonical name."""
 
-    def __init__(self, params: "OrderedDict[str, torch.nn.Parameter]", infos: dict[str, ParamInfo],
+    def __init__(self, params: OrderedDict[str, torch.nn.Parameter], infos: dict[str, ParamInfo],
                  cfg: AdamConfig) -> None:
         self.cfg = cfg
         self.params = params
@@ -34,7 +34,7 @@ class StageOptimizer:
                               {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
         self.adam = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=False)
 
-    def main_grads(self) -> "OrderedDict[str, torch.Tensor]":
+    def main_grads(self) -> OrderedDict[str, torch.Tensor]:
         """fp32 gradients by name (zeros where a parameter got none), ready for the sync."""
         out: OrderedDict[str, torch.Tensor] = OrderedDict()
         for name, p in self.params.items():

@@ -37,6 +37,7 @@ P2 (a call) and the additions P3-P6, which are new code rather than changes to m
 from __future__ import annotations
 
 import functools
+import importlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -193,7 +194,7 @@ class _CpuTorch:
 
     cuda = _CpuCuda()
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache  # noqa: B019  (one proxy per process)
     def __getattr__(self, name: str) -> Any:
         attr = getattr(torch, name)
         if name not in _FACTORIES:
@@ -208,7 +209,6 @@ class _CpuTorch:
 
 
 def _install_cpu_torch() -> None:
-    import importlib
     proxy = _CpuTorch()
     for name in CPU_MODULES:
         mod = importlib.import_module(name)

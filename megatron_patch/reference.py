@@ -9,17 +9,23 @@ and ``torch.nn.utils.clip_grad_norm_``. It needs ``torch.distributed`` initialis
 """
 from __future__ import annotations
 
+import argparse
+import json
+import os
+import warnings
 from collections import OrderedDict
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from megatron_patch import patch
 from megatron_patch.data import GlobalSamples
-from megatron_patch.options import TrainOptions, adam_from_args, add_adam_args
 from megatron_patch.layout import arch_of, param_layout
-from megatron_patch.model import layer_spec, canonical_init, transformer_config
-from sailor_hpc.models import ModelSpec
+from megatron_patch.local import free_port
+from megatron_patch.model import canonical_init, layer_spec, transformer_config
+from megatron_patch.options import TrainOptions, adam_from_args, add_adam_args
+from sailor_hpc.core.models import ModelSpec, get_model
 
 
 def gpt_model(spec: ModelSpec, seed: int) -> torch.nn.Module:
@@ -109,12 +115,7 @@ class ReferenceTrainer:
 
 def main(argv: list[str] | None = None) -> int:
     """Train the reference and save ``{name: {param, exp_avg, exp_avg_sq}}`` at the requested steps."""
-    import argparse
-    import os
-    import warnings
-    from pathlib import Path
 
-    from sailor_hpc.models import get_model
     ap = argparse.ArgumentParser(prog="python -m megatron_patch.reference", description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True)
     ap.add_argument("--data", required=True)
@@ -130,7 +131,6 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|TransformerEngine).*")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:
-        from megatron_patch.local import free_port
         os.environ["MASTER_PORT"] = str(free_port())
     dist.init_process_group("gloo", rank=0, world_size=1)
     spec = get_model(args.model)
@@ -147,7 +147,6 @@ def main(argv: list[str] | None = None) -> int:
         losses.append(ref.train_step())
         if ref.step in snaps:
             torch.save(ref.state(), out / f"ref_step_{ref.step}.pt")
-    import json
     (out / "losses.json").write_text(json.dumps(losses))
     dist.destroy_process_group()
     return 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from planner.search import Candidate, SearchResult
-from sailor_hpc.atomic import atomic_path
+from sailor_hpc.core.atomic import atomic_path
 
 
 def pareto_front(candidates: list[Candidate]) -> list[Candidate]:

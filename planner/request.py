@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from sailor_hpc.errors import SailorError
+from sailor_hpc.core.errors import SailorError
 
 OBJECTIVES = ("throughput", "cost")
 

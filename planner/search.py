@@ -21,11 +21,12 @@ from dataclasses import dataclass, field
 from planner.balance import Share, balance
 from planner.request import PlanRequest
 from planner.templates import Template, TemplateBuilder, build_templates
-from sailor_hpc.archive import ProfileArchive
-from sailor_hpc.errors import SailorError
-from sailor_hpc.models import get_model
-from sailor_hpc.plan import Pipeline, Plan, Stage, place_plan, validate_plan
-from sailor_hpc.site import Site
+from sailor_hpc.core.archive import ProfileArchive
+from sailor_hpc.core.errors import SailorError
+from sailor_hpc.core.models import get_model
+from sailor_hpc.core.placement import place_plan
+from sailor_hpc.core.plan import Pipeline, Plan, Stage, validate_plan
+from sailor_hpc.core.site import Site
 from simulator import SimResult, StageEvaluator, simulate
 from simulator.network import Endpoint
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from planner.balance import PipelineSpeed
-from sailor_hpc.plan import node_segments
-from sailor_hpc.site import Partition
+from sailor_hpc.core.placement import node_segments
+from sailor_hpc.core.site import Partition
 from simulator import StageEvaluator
 from simulator.network import Endpoint
 
@@ -65,7 +65,7 @@ class Template:
 
 def endpoints(stages: tuple[tuple[int, int, int], ...], part: Partition) -> list[Endpoint]:
     """Stages packed onto consecutive nodes in order: the node segments that ``place_plan`` keeps
-    together in the job (:func:`sailor_hpc.plan.node_segments`), numbered from 0."""
+    together in the job (:func:`sailor_hpc.core.placement.node_segments`), numbered from 0."""
     segments = node_segments([tp for _, _, tp in stages], part.gpus_per_node)
     return [Endpoint(part.name, node, stages[j][2]) for node, seg in enumerate(segments) for j in seg]
 

@@ -10,18 +10,3 @@ failure and resumes. CPU measurements are kept apart from GPU profiles (:mod:`pr
 This package imports torch only inside the jobs (:mod:`profiler.compute`, :mod:`profiler.netbench`);
 the driver runs on a login node without it.
 """
-from __future__ import annotations
-
-from typing import Any
-
-_EXPORTS = {"SweepConfig": "profiler.sweep", "SweepReport": "profiler.sweep", "run_sweep": "profiler.sweep",
-            "measured_site": "profiler.sites", "device_key": "profiler.keys"}
-
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(name)
-    import importlib
-    return getattr(importlib.import_module(_EXPORTS[name]), name)

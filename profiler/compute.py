@@ -25,7 +25,8 @@ Memory at micro-batch 1: parameters per TP rank per layer from megatron_patch's 
 the built modules by ``build_stage_module``); each layer's output and input elements; retained
 activation bytes = what the layer's forward keeps until its backward (CUDA: allocator delta around the
 forward, as Sailor, after one warm-up pass so that one-time allocations are not counted; CPU: the unique
-storages saved for backward plus the output, parameters and inputs excluded). Fixed memory: on a GPU, device memory in use that the caching allocator does not hold
+storages saved for backward plus the output, parameters and inputs excluded). Fixed memory: on a GPU, device
+memory in use that the caching allocator does not hold
 (context, cuBLAS/NCCL workspaces; ``nvidia-smi`` minus reserved) after the TP collectives ran; on CPU,
 the process's resident memory after start-up (a stand-in, recorded under the ``cpu-`` key only).
 
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import gc
 import math
 import os
@@ -53,10 +55,17 @@ import torch.distributed as dist
 
 from megatron_patch import patch
 from megatron_patch.layout import local_shape, param_layout, params_of_layers
-from megatron_patch.model import (BlockLayer, EmbeddingLayer, FinalNormLayer, OutputLayer, StageModule,
-                                  build_stage_module, padded_vocab_size)
+from megatron_patch.model import (
+    BlockLayer,
+    EmbeddingLayer,
+    FinalNormLayer,
+    OutputLayer,
+    StageModule,
+    build_stage_module,
+    padded_vocab_size,
+)
 from megatron_patch.optimizer import AdamConfig, StageOptimizer
-from sailor_hpc.models import ModelSpec
+from sailor_hpc.core.models import ModelSpec
 
 DEFAULT_BLOCKS = 2
 
@@ -229,12 +238,13 @@ class LayerProfiler:
         for it in range(self.warmup + self.iters):
             timed = it >= self.warmup
 
-            def each(layer: int, run: Callable[[], torch.Tensor], _x: torch.Tensor | None) -> torch.Tensor:
+            def each(layer: int, run: Callable[[], torch.Tensor], _x: torch.Tensor | None,
+                     timed: bool = timed) -> torch.Tensor:
                 if layer == 1:
                     _injected_failure(self.rank, mbs)
                 tf, out = self.clock.measure(run)
                 grad = _grad_like(out, self.seed + layer)
-                tb, _ = self.clock.measure(lambda: out.backward(grad))
+                tb, _ = self.clock.measure(functools.partial(out.backward, grad))
                 if timed:
                     fwd[layer].append(tf)
                     bwd[layer].append(tb)
@@ -271,7 +281,7 @@ class LayerProfiler:
 
             tf, out = self.clock.measure(chain)
             grad = _grad_like(out, self.seed + self.measured[-1])
-            tb, _ = self.clock.measure(lambda: out.backward(grad))
+            tb, _ = self.clock.measure(functools.partial(out.backward, grad))
             for opt in self.optimizers:
                 opt.zero_grad()
             if it >= self.warmup:
@@ -448,7 +458,7 @@ class TPAgreement:
                                     timeout=datetime.timedelta(seconds=self.collective_timeout_s))
 
 
-def _release(prof: "LayerProfiler", device: torch.device) -> None:
+def _release(prof: LayerProfiler, device: torch.device) -> None:
     """After a failed step: drop the gradients and the allocator's cache before the next point."""
     for opt in prof.optimizers:
         opt.zero_grad()
@@ -488,13 +498,13 @@ def profile_compute(spec: ModelSpec, mbs_list: Sequence[int], *, tp_group: Any, 
         recover()
     points = []
     for mbs in sorted(mbs_list):
-        times, why = agree.run(f"mbs{mbs}", lambda: prof.measure(mbs))
+        times, why = agree.run(f"mbs{mbs}", functools.partial(prof.measure, mbs))
         if why:
             points.append(PointResult(mbs=mbs, times=None, reason=f"micro-batch {mbs}: {why}"))
             recover()
             continue
         # the chain holds every measured layer's activations at once: it may fail where the layers fit
-        stack, why = agree.run(f"mbs{mbs}-chain", lambda: prof.measure_stack(mbs))
+        stack, why = agree.run(f"mbs{mbs}-chain", functools.partial(prof.measure_stack, mbs))
         if why:
             recover()
         points.append(PointResult(mbs=mbs, times=times, stack=stack))

@@ -4,10 +4,10 @@ submitit (1.5) writes one ``#SBATCH`` block; it has no het-job support. :class:`
 ``#SBATCH hetjob`` components after submitit's block (the function then runs in het group 0, and
 :func:`profiler.jobs.network_job` reaches the other group with its own ``srun --het-group=...`` step).
 submitit also cannot follow a het job's state (sacct reports ``12+0``/``12+1``, it looks up ``12``), so
-:mod:`profiler.sweep` watches every job itself (:class:`sailor_hpc.jobs.watch.JobWatcher`) and reads only
+:mod:`profiler.sweep` watches every job itself (:class:`sailor_hpc.slurm.watch.JobWatcher`) and reads only
 the result file of task 0.
 
-Every value that reaches an ``#SBATCH`` line is checked with :mod:`sailor_hpc.jobs.safety` first.
+Every value that reaches an ``#SBATCH`` line is checked with :mod:`sailor_hpc.slurm.safety` first.
 """
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ from typing import Any
 
 import submitit
 
-from sailor_hpc.errors import SailorError
-from sailor_hpc.jobs import safety
-from sailor_hpc.site import Partition, Site
+from sailor_hpc.core.errors import SailorError
+from sailor_hpc.core.site import Partition, Site
+from sailor_hpc.slurm import safety
 
 
 @dataclass(frozen=True)

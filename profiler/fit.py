@@ -1,6 +1,6 @@
 """The bandwidth fit the simulator reads: GB/s = a*u^2 + b*u + c, u = log2(message bytes / 1e6) (Sailor's
 form, fitted with a degree-2 least-squares polynomial as Sailor's ``fit_func.py`` does), valid over the
-measured message sizes and capped at the highest bandwidth observed (:class:`sailor_hpc.network.NetworkFit`
+measured message sizes and capped at the highest bandwidth observed (:class:`sailor_hpc.core.network.NetworkFit`
 clamps both). Torch-free."""
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from sailor_hpc.errors import SailorError
-from sailor_hpc.network import NetworkFit
+from sailor_hpc.core.errors import SailorError
+from sailor_hpc.core.network import NetworkFit
 
 
 def check_message_sizes(sizes: Sequence[float]) -> None:

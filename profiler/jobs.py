@@ -24,9 +24,17 @@ from typing import Any
 
 import numpy as np
 
-from sailor_hpc.archive import ComputeEntry, MemoryEntry, NetworkEntry, OverheadEntry, make_provenance, write_entries
-from sailor_hpc.errors import SailorError
-from sailor_hpc.models import get_model
+from profiler.fit import fit_bandwidth
+from sailor_hpc.core.archive import (
+    ComputeEntry,
+    MemoryEntry,
+    NetworkEntry,
+    OverheadEntry,
+    make_provenance,
+    write_entries,
+)
+from sailor_hpc.core.errors import SailorError
+from sailor_hpc.core.models import get_model
 from sailor_hpc.slurm.commands import parse_kv_line, run_slurm
 
 PORT_BASE, PORT_SPAN = 30000, 20000
@@ -198,7 +206,6 @@ def _srun_command(task: NetworkTask, spec_file: Path, out_file: Path) -> list[st
 
 def network_job(task: NetworkTask) -> dict[str, Any]:
     """Run the bandwidth benchmark on the allocation's ranks, fit it, write the network entry."""
-    from profiler.fit import fit_bandwidth
     from profiler.netbench import NetSpec
 
     folder = Path(task.folder)

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from sailor_hpc.atomic import atomic_write_text
+from sailor_hpc.core.atomic import atomic_write_text
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class NetSpec:
         return json.dumps(asdict(self))
 
     @classmethod
-    def from_json(cls, text: str) -> "NetSpec":
+    def from_json(cls, text: str) -> NetSpec:
         d = json.loads(text)
         d["sizes"] = tuple(d["sizes"])
         return cls(**d)

@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 from profiler.keys import device_key, network_site_key
-from sailor_hpc.archive import ProfileArchive
-from sailor_hpc.network import LinkTable, NetworkFit
-from sailor_hpc.site import Site
+from sailor_hpc.core.archive import ProfileArchive
+from sailor_hpc.core.network import LinkTable, NetworkFit
+from sailor_hpc.core.site import Site
 
 
 def _overlay(table: LinkTable | None, fits: dict[int, NetworkFit]) -> LinkTable | None:

@@ -4,7 +4,7 @@
 inside a node, between two nodes of a partition, between partitions), submits it through submitit
 (one job array per partition and TP degree, ``points_per_job`` micro-batch sizes per array element;
 one job per network link, a het job between partitions), and watches all jobs with
-:class:`sailor_hpc.jobs.watch.JobWatcher`, never submitit's own polling, which loses het jobs and waits
+:class:`sailor_hpc.slurm.watch.JobWatcher`, never submitit's own polling, which loses het jobs and waits
 forever on jobs that die without a result.
 
 Outcomes, every one reported and recorded, none dropped:
@@ -39,16 +39,22 @@ from profiler.fit import check_message_sizes
 from profiler.jobs import ComputeTask, NetworkTask, compute_job, network_job
 from profiler.keys import ComputePoint, NetworkLink, device_key, network_site_key
 from profiler.progress import Progress
-from sailor_hpc.archive import (EMBEDDED_ARCHIVE, ComputeEntry, ProfileArchive, make_provenance, read_archive,
-                                write_entries)
-from sailor_hpc.atomic import atomic_write_text
-from sailor_hpc.errors import SailorError
-from sailor_hpc.jobs.status import JobStatus, poll_jobs
-from sailor_hpc.jobs.submit import cancel_job
-from sailor_hpc.jobs.watch import JobWatcher
-from sailor_hpc.models import get_model
-from sailor_hpc.plan import DTYPES
-from sailor_hpc.site import Site
+from sailor_hpc.core.archive import (
+    EMBEDDED_ARCHIVE,
+    ComputeEntry,
+    ProfileArchive,
+    make_provenance,
+    read_archive,
+    write_entries,
+)
+from sailor_hpc.core.atomic import atomic_write_text
+from sailor_hpc.core.errors import SailorError
+from sailor_hpc.core.models import get_model
+from sailor_hpc.core.plan import DTYPES
+from sailor_hpc.core.site import Site
+from sailor_hpc.slurm.status import JobStatus, poll_jobs
+from sailor_hpc.slurm.submit import cancel_job
+from sailor_hpc.slurm.watch import JobWatcher
 
 NETWORK_KINDS = ("intra", "inter", "between")
 GPU_SIZES = tuple(2 ** e for e in range(16, 31, 2))  # 64 KiB .. 1 GiB, as Sailor's fits

@@ -4,14 +4,14 @@ Public API (the planner and the CLI use only this; there is no other copy of the
 
 Whole plans
     ``simulate(plan, site, archive=None, *, options=None) -> SimResult``
-        ``plan``: :class:`sailor_hpc.plan.Plan` (ours or a converted Sailor ``plan_config``; placed on
-        ``site`` when it carries no placement). ``archive``: a :class:`sailor_hpc.archive.ProfileArchive`
+        ``plan``: :class:`sailor_hpc.core.plan.Plan` (ours or a converted Sailor ``plan_config``; placed on
+        ``site`` when it carries no placement). ``archive``: a :class:`sailor_hpc.core.archive.ProfileArchive`
         (default: ``open_archive(site=site)``). ``SimResult`` has ``iteration_time_s``,
         ``throughput_samples_per_s``, ``tokens_per_s``, ``peak_memory_bytes`` (max over GPUs),
         ``stages`` (per stage: compute, transfers, flush and end times, :class:`~simulator.memory.StageMemory`
         by component, capacity, ``fits``), ``stage_memory`` (list of bytes), ``memory_by_gpu_type()``,
         ``fits``, ``cost_per_iteration``, ``cost_per_hour`` (site units), ``breakdown`` and ``to_dict()``.
-        Bad plans raise :class:`sailor_hpc.errors.SailorError`; a plan that overflows memory is
+        Bad plans raise :class:`sailor_hpc.core.errors.SailorError`; a plan that overflows memory is
         evaluated and reported with ``fits = False``.
     ``plan_timeline(plan, site, archive=None) -> Timeline``
         Per-rank events of one iteration from the event-driven engine (``write_png``, ``write_json``).
@@ -38,8 +38,18 @@ exact), :mod:`simulator.iteration` (gradient syncs with the straggler wait, opti
 :mod:`simulator.memory`, :mod:`simulator.cost`, :mod:`simulator.timeline` (independent event-driven replay),
 :mod:`simulator.validation` (measured runs). The CLI is ``sailor-hpc simulate`` / ``sailor-hpc validate-sim``.
 """
-from simulator.api import (BatchScores, CandidateBatch, IterationTiming, SimOptions, SimResult, StageCost,
-                           StageEvaluator, StageReport, plan_timeline, simulate)
+from simulator.api import (
+                           BatchScores,
+                           CandidateBatch,
+                           IterationTiming,
+                           SimOptions,
+                           SimResult,
+                           StageCost,
+                           StageEvaluator,
+                           StageReport,
+                           plan_timeline,
+                           simulate,
+)
 from simulator.network import Endpoint
 from simulator.schedule import pipeline_schedule
 

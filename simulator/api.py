@@ -12,15 +12,15 @@ from typing import Any
 
 import numpy as np
 
-from sailor_hpc.archive import ProfileArchive, open_archive
-from sailor_hpc.errors import SailorError
-from sailor_hpc.models import ModelSpec, get_model
-from sailor_hpc.plan import Plan, place_plan, validate_plan
-from sailor_hpc.site import Site
+from sailor_hpc.core.archive import ProfileArchive, open_archive
+from sailor_hpc.core.errors import SailorError
+from sailor_hpc.core.models import ModelSpec, get_model
+from sailor_hpc.core.placement import place_plan
+from sailor_hpc.core.plan import Plan, validate_plan
+from sailor_hpc.core.site import Site
 from simulator.cost import plan_cost_per_hour
 from simulator.iteration import Collective, IterationEnd, expected_max_normal, finish_iteration, gradient_segments
-from simulator.memory import (ALLOCATOR_SLACK, DEFAULT_BUCKET_ELEMS, GRAD_BYTES, StageMemory, in_flight,
-                              stage_memory)
+from simulator.memory import ALLOCATOR_SLACK, DEFAULT_BUCKET_ELEMS, GRAD_BYTES, StageMemory, in_flight, stage_memory
 from simulator.network import Endpoint, p2p_seconds, ring_allreduce_seconds
 from simulator.schedule import ScheduleResult, pipeline_schedule
 from simulator.tables import ComputeTable, MemoryTable, ProfileTables, tables_for
@@ -189,7 +189,7 @@ class StageEvaluator:
         return out
 
     def iteration(self, costs: Sequence[Sequence[StageCost]], ends: Sequence[Sequence[Endpoint]],
-                  micro_batches: Sequence[int]) -> "IterationTiming":
+                  micro_batches: Sequence[int]) -> IterationTiming:
         """One iteration of several pipelines given their stages: schedules, collectives, optimizer steps.
 
         What :func:`simulate` computes for a plan, for callers that hold per-stage numbers instead.
@@ -210,7 +210,7 @@ class StageEvaluator:
         return IterationTiming(scheds, transfers, colls, finish_iteration(flush, colls, update))
 
     # ------------------------------------------------------------------ batches (vectorised)
-    def score_batch(self, batch: "CandidateBatch") -> "BatchScores":
+    def score_batch(self, batch: CandidateBatch) -> BatchScores:
         """Time and memory of N single pipelines at once, straight from the prefix sums.
 
         The same formulas as :meth:`stage`, :meth:`stage_memory` and :meth:`pipeline`, evaluated on
@@ -480,5 +480,6 @@ def _result(plan: Plan, site: Site, ev: StageEvaluator, costs, timing: Iteration
                      collectives=tuple(collectives), collective_starts=end.collective_start)
 
 
-__all__ = ["SimOptions", "StageCost", "StageEvaluator", "CandidateBatch", "BatchScores", "StageReport", "SimResult", "simulate", "plan_timeline",
+__all__ = ["SimOptions", "StageCost", "StageEvaluator", "CandidateBatch", "BatchScores", "StageReport", "SimResult", "simulate",
+           "plan_timeline",
            "prepare_plan", "IterationTiming"]

@@ -5,8 +5,8 @@ busy or idle (Slurm bills an allocation, not its use). Traffic is not billed on 
 """
 from __future__ import annotations
 
-from sailor_hpc.plan import Plan
-from sailor_hpc.site import Site
+from sailor_hpc.core.plan import Plan
+from sailor_hpc.core.site import Site
 
 
 def plan_cost_per_hour(plan: Plan, site: Site) -> float:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 
 import numpy as np
 
@@ -45,7 +45,7 @@ class Collective:
     skew: float = 0.0  # straggler wait per second of compute since the holders last met (jitter * E[max])
 
 
-@lru_cache(maxsize=None)
+@cache
 def expected_max_normal(n: int) -> float:
     """E[max of n standard normal draws] = integral of x * n * pdf(x) * cdf(x)^(n-1); 0 for n <= 1.
     Trapezoid rule on [-9, 9], the cdf integrated on the same grid (error below 1e-6)."""

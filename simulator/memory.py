@@ -36,7 +36,7 @@ peak = model state + optimizer temporaries + gradient-reduction buffer
   :data:`ALLOCATOR_SLACK` of the activation terms (expandable segments would remove most of it).
 * Fixed overhead: CUDA context, library workspaces, NCCL communicator buffers, per GPU type and TP
   degree, from the profile archive (measured by the profiler; for the imported Sailor data estimated
-  in :mod:`sailor_hpc.sailor_import`).
+  in :mod:`sailor_hpc.core.sailor_compat.profiles`).
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ Where a transfer runs:
 * otherwise -> ``site.inter_node_fit(partition_a, partition_b, senders)`` (between partitions: the
   measured cross-partition link, else the slower partition's network).
 
-Fits are the site's (clamped to their measured range by :class:`sailor_hpc.network.NetworkFit`); the
+Fits are the site's (clamped to their measured range by :class:`sailor_hpc.core.network.NetworkFit`); the
 number of GPUs sending at once selects the fit (``k``), whose bandwidth is the aggregate of the k
 streams at the per-stream message size.
 
@@ -27,9 +27,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sailor_hpc.plan import Stage
-from sailor_hpc.network import NetworkFit
-from sailor_hpc.site import Site
+from sailor_hpc.core.network import NetworkFit
+from sailor_hpc.core.plan import Stage
+from sailor_hpc.core.site import Site
 
 
 @dataclass(frozen=True)
@@ -41,12 +41,12 @@ class Endpoint:
     tp: int
 
     @classmethod
-    def of(cls, stage: Stage) -> "Endpoint":
+    def of(cls, stage: Stage) -> Endpoint:
         """A plan stage's endpoint (its partition, or its GPU type before placement; its node if placed)."""
         return cls(partition=stage.partition or stage.gpu_type,
                    node=None if stage.placement is None else stage.placement.node, tp=stage.tp)
 
-    def same_node(self, other: "Endpoint") -> bool:
+    def same_node(self, other: Endpoint) -> bool:
         return self.partition == other.partition and self.node is not None and self.node == other.node
 
 

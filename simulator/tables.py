@@ -16,8 +16,8 @@ Conventions kept from Sailor's profiles (the archive's format):
   tail), repeated on every layer; an optimizer step streams over the parameters (Adam: read weights,
   grads and 2 states, write 3), so a stage's step is that time scaled by the stage's share of
   parameters (Sailor used the 2-block time unscaled for any stage), and for SGD with momentum by the
-  5 words it streams against Adam's 7 (profiles time Adam: Sailor's DeepSpeed runs and our profiler). A profile that measured another
-  number of blocks records it as ``profiled_blocks`` in its provenance.
+  5 words it streams against Adam's 7 (profiles time Adam: Sailor's DeepSpeed runs and our profiler).
+  A profile that measured another number of blocks records it as ``profiled_blocks`` in its provenance.
 * a layer never takes longer on fewer samples: a point slower than a larger micro-batch's point of
   the same layer, direction, GPU and TP is measurement noise (Sailor's GH-96 OPT profile has mbs 1
   slower than mbs 2 on the embedding, the head and some blocks; single-stage GH200 runs at mbs 1 are
@@ -37,11 +37,12 @@ Conventions kept from Sailor's profiles (the archive's format):
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import numpy as np
 
-from sailor_hpc.archive import ProfileArchive
-from sailor_hpc.errors import SailorError
-from sailor_hpc.models import ModelSpec
+from sailor_hpc.core.archive import ProfileArchive
+from sailor_hpc.core.errors import SailorError
+from sailor_hpc.core.models import ModelSpec
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 DEFAULT_PROFILED_BLOCKS = 2

@@ -18,8 +18,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from sailor_hpc.atomic import atomic_path, atomic_write_text
-from sailor_hpc.errors import SailorError
+from sailor_hpc.core.atomic import atomic_path, atomic_write_text
+from sailor_hpc.core.errors import SailorError
 from simulator.iteration import Collective, StageKey, last_met
 
 COLORS = {"fwd": "#4c72b0", "bwd": "#55a868", "send_act": "#c4a000", "recv_act": "#c4a000", "send_grad": "#dd8452",

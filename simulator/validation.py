@@ -19,14 +19,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sailor_hpc.archive import ProfileArchive
-from sailor_hpc.errors import SailorError
-from sailor_hpc.models import get_model
-from sailor_hpc.plan import load_run
-from sailor_hpc.site import Site
+from sailor_hpc.core.archive import ProfileArchive
+from sailor_hpc.core.errors import SailorError
+from sailor_hpc.core.models import get_model
+from sailor_hpc.core.plan_io import load_run
+from sailor_hpc.core.site import Site
 from simulator.api import SimResult, simulate
 
-# trailing path parts -> reason (reference: /work/shared/reference/sailor_model.md section 4.3)
+# trailing path parts -> reason (the reference notes on Sailor's data, section 4.3)
 DOCUMENTED_ANOMALIES: dict[tuple[str, ...], str] = {
     ("GPT-NEO", "N4", "plan_config_N4_D4.json"):
         "documented anomaly: its plan covers 26 of GPT-Neo's 34 layers (copied from OPT) and `real` is a copy "

@@ -9,11 +9,14 @@ or fail when ``SAILOR_REQUIRE_SLURM=1``. See tests/slurm/cluster.py for the othe
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Iterator
+from pathlib import Path
 from typing import NoReturn
 
 import pytest
 
+from tests.data import SITE_CONFIGS
 from tests.slurm.cluster import ClusterUnavailable, SlurmCluster, get_cluster
 
 
@@ -47,3 +50,11 @@ def slurm_cluster() -> Iterator[SlurmCluster]:
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture()
+def lab_site(tmp_path: Path) -> Path:
+    """A private copy of local-lab.toml that tests may edit."""
+    dst = tmp_path / "site.toml"
+    shutil.copy(SITE_CONFIGS / "local-lab.toml", dst)
+    return dst

@@ -1,47 +1,9 @@
 """The ``sailor-hpc`` command line: a thin face over functions the tests call directly.
 
-Each command group lives in its own module and registers itself on :data:`main`. Every
-:class:`~sailor_hpc.errors.SailorError` (and an ``OSError`` on a path the user gave) becomes one message
-naming file, field and fix, and exit code 2.
+Each command group lives in its own module and registers itself on :data:`main`
+(:mod:`sailor_hpc.cli.app`); importing this package registers them all.
 """
-from __future__ import annotations
+from sailor_hpc.cli import job_cmds, plan_cmds, profile_cmds, profiles_cmds, run_cmds, simulate_cmds, site_cmds  # noqa: F401  (registration)
+from sailor_hpc.cli.app import main
 
-import json
-import sys
-from typing import Any
-
-import click
-
-from sailor_hpc.errors import EXIT_BAD_INPUT, SailorError
-
-
-class _Group(click.Group):
-    def invoke(self, ctx: click.Context) -> Any:
-        try:
-            return super().invoke(ctx)
-        except SailorError as exc:
-            _refuse(ctx, exc)
-        except OSError as exc:  # a path given on the command line cannot be read or written
-            _refuse(ctx, SailorError(exc.strerror or str(exc), file=exc.filename,
-                                     fix="check the path (a folder where a file is expected?) and its permissions"))
-
-
-def _refuse(ctx: click.Context, exc: SailorError) -> None:
-    if "--json" in sys.argv:
-        click.echo(json.dumps(exc.to_dict()), err=True)
-    else:
-        click.echo(f"error: {exc}", err=True)
-    ctx.exit(EXIT_BAD_INPUT)
-
-
-@click.group(cls=_Group)
-@click.version_option(package_name="sailor-hpc")
-def main() -> None:
-    """Plan and run LLM training on the mixed GPU partitions of a SLURM site."""
-
-
-def _register() -> None:
-    from sailor_hpc.cli import job_cmds, plan_cmds, profile_cmds, profiles_cmds, run_cmds, simulate_cmds, site_cmds  # noqa: F401  (registration side effect)
-
-
-_register()
+__all__ = ["main"]

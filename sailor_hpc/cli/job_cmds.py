@@ -1,15 +1,28 @@
 """``sailor-hpc sbatch | submit | status | cancel | logs``: training jobs of a plan on a Slurm site."""
 from __future__ import annotations
 
+import getpass
 import sys
 from pathlib import Path
 from typing import Any
 
 import click
 
-from sailor_hpc.cli import main
-from sailor_hpc.atomic import removed_on_error
+from sailor_hpc.cli.app import main
 from sailor_hpc.cli.output import echo_json, json_option, table
+from sailor_hpc.cli.run_cmds import status_cmd as run_status
+from sailor_hpc.core.atomic import removed_on_error
+from sailor_hpc.core.site import load_site
+from sailor_hpc.jobs.render import (
+    check_job_dir,
+    check_training_args,
+    placed_plan,
+    placed_plan_path,
+    render_job_script,
+    write_job_script,
+)
+from sailor_hpc.slurm.status import job_status, list_jobs
+from sailor_hpc.slurm.submit import cancel_job, check_script, log_path, read_log, submit_script
 
 _PATH = click.Path(dir_okay=False, path_type=Path)
 
@@ -50,7 +63,6 @@ def _job_dir(script: Path | None, option: str, workdir: str | None) -> Path:
     """The job directory, checked before anything is written: where the script, a placed copy of the plan,
     the default checkpoints and (by default) the job's working directory and log go. The script's
     directory, else ``--workdir``, else the current directory."""
-    from sailor_hpc.jobs.render import check_job_dir
 
     if script is None and workdir is not None:
         return check_job_dir(workdir, "--workdir")
@@ -63,9 +75,6 @@ def _render(plan_file: Path, site_file: Path, model: str | None, data: str | Non
             log_dir: str | None, dry_run: bool, *, job_dir: Path) -> tuple[str, Path]:
     """Render the job; a placed copy of the plan (if one is needed) goes into ``job_dir`` (see
     :func:`_job_dir`), never next to the input plan, which may be read-only shared data."""
-    from sailor_hpc.jobs.render import (
-        check_job_dir, check_training_args, placed_plan, placed_plan_path, render_job_script)
-    from sailor_hpc.site import load_site
 
     site = load_site(site_file)
     if save is None and not dry_run:  # next to the plan, whatever -o says: a re-rendered job resumes from it
@@ -97,7 +106,6 @@ def _render(plan_file: Path, site_file: Path, model: str | None, data: str | Non
 @click.option("-o", "--output", type=_PATH, default=None, help="Write the script here (default: print it).")
 def sbatch_cmd(output: Path | None, **kw: Any) -> None:
     """Render the (het) sbatch script that trains PLAN on SITE; nothing is submitted."""
-    from sailor_hpc.jobs.render import write_job_script
 
     text, _ = _render(**kw, job_dir=_job_dir(output, "-o/--output", kw["workdir"]))
     if output is None:
@@ -116,8 +124,6 @@ def sbatch_cmd(output: Path | None, **kw: Any) -> None:
 @json_option
 def submit_cmd(script_out: Path | None, test_only: bool, as_json: bool, **kw: Any) -> None:
     """Render and submit the job that trains PLAN on SITE; prints the job id."""
-    from sailor_hpc.jobs.render import write_job_script
-    from sailor_hpc.jobs.submit import check_script, submit_script
 
     script = script_out or kw["plan_file"].with_suffix(".sbatch")
     text, plan_path = _render(**kw, job_dir=_job_dir(script, "--script", kw["workdir"]))
@@ -141,17 +147,14 @@ def submit_cmd(script_out: Path | None, test_only: bool, as_json: bool, **kw: An
 def status_cmd(ctx: click.Context, job_id: str | None, as_json: bool) -> None:
     """State of a job (het components, nodes; squeue + sacct), of your queued jobs, or the history of a
     `sailor-hpc run` given its run directory."""
-    from sailor_hpc.jobs.status import job_status, list_jobs
 
     if job_id is not None and Path(job_id).is_dir():
-        from sailor_hpc.cli.run_cmds import status_cmd as run_status
 
         ctx.invoke(run_status, run_dir=Path(job_id), events=True, as_json=as_json)
         return
     if job_id is not None:
         jobs = [job_status(job_id)]
     else:
-        import getpass
         jobs = list_jobs(user=getpass.getuser())
     if as_json:
         echo_json(jobs[0].to_dict() if job_id is not None else [j.to_dict() for j in jobs])
@@ -170,7 +173,6 @@ def status_cmd(ctx: click.Context, job_id: str | None, as_json: bool) -> None:
 @click.argument("job_id", metavar="JOBID")
 def cancel_cmd(job_id: str) -> None:
     """Cancel a job (every het component / array element)."""
-    from sailor_hpc.jobs.submit import cancel_job
 
     click.echo(f"cancelled {cancel_job(job_id)}")
 
@@ -181,7 +183,6 @@ def cancel_cmd(job_id: str) -> None:
 @click.option("--path", "path_only", is_flag=True, help="Only print where the log is.")
 def logs_cmd(job_id: str, tail: int | None, path_only: bool) -> None:
     """Print the output of a job submitted with sailor-hpc (all ranks, het groups included)."""
-    from sailor_hpc.jobs.submit import log_path, read_log
 
     if path_only:
         click.echo(str(log_path(job_id)))

@@ -5,9 +5,12 @@ from pathlib import Path
 
 import click
 
-from sailor_hpc.cli import main
+from sailor_hpc.cli.app import main
 from sailor_hpc.cli.output import echo_json, json_option, table
-from sailor_hpc.plan import Plan
+from sailor_hpc.cli.planning import run_planner
+from sailor_hpc.core.plan import Plan
+from sailor_hpc.core.plan_io import load_plan
+from sailor_hpc.core.site import load_site
 
 
 def plan_rows(plan: Plan) -> list[tuple]:
@@ -64,7 +67,6 @@ def plan_group(ctx: click.Context, site_file: Path | None, model_name: str | Non
             click.echo(ctx.get_help())
             return
         raise click.UsageError("plan needs both --site and --model")
-    from sailor_hpc.cli.planning import run_planner
 
     run_planner(site_file, model_name, **opts)
 
@@ -77,8 +79,6 @@ def plan_group(ctx: click.Context, site_file: Path | None, model_name: str | Non
 @json_option
 def validate_cmd(plan_file: Path, model: str | None, site_file: Path | None, as_json: bool) -> None:
     """Check PLAN's invariants (layers, samples, TP, GPUs); Sailor plan_configs are converted."""
-    from sailor_hpc.plan import load_plan
-    from sailor_hpc.site import load_site
 
     site = load_site(site_file) if site_file else None
     plan = load_plan(plan_file, model=model, site=site)

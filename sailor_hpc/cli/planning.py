@@ -9,11 +9,16 @@ from typing import Any
 
 import click
 
-from sailor_hpc.atomic import removed_on_error
+from planner import Constraints, PlanRequest, search
+from planner.pareto import plot_pareto
 from sailor_hpc.cli.output import echo_json, memory_by_gpu_type_cell, table
-from sailor_hpc.errors import SailorError
-from sailor_hpc.models import get_model
-from sailor_hpc.site import Site, load_site
+from sailor_hpc.core.archive import open_archive
+from sailor_hpc.core.atomic import removed_on_error
+from sailor_hpc.core.errors import SailorError
+from sailor_hpc.core.models import get_model
+from sailor_hpc.core.site import Site, load_site
+from sailor_hpc.jobs.render import check_training_args, render_job_script, write_job_script
+from sailor_hpc.slurm.discover import live_availability
 
 DEFAULT_GBS = 1024
 
@@ -23,7 +28,6 @@ def parse_available(spec: str, site: Site) -> dict[str, int]:
     if spec == "site":
         return {}
     if spec == "live":
-        from sailor_hpc.slurm.discover import live_availability
 
         live = live_availability()
         return {p.name: live.get(p.name, {}).get("nodes_idle", 0) * p.gpus_per_node for p in site.partitions}
@@ -70,13 +74,10 @@ def run_planner(site_file: Path, model_name: str, *, archive_path: Path | None, 
                 max_cost_per_iteration: float | None, min_throughput: float | None, max_gpus: int | None,
                 available: str, space: str, top_k: int, output: Path | None, pareto: Path | None,
                 sbatch_out: Path | None, data: str | None, save: str | None, steps: int, as_json: bool) -> None:
-    from planner import Constraints, PlanRequest, search
-    from sailor_hpc.archive import open_archive
 
     site = load_site(site_file)
     check_options(model_name, seq_len)
     if sbatch_out is not None:
-        from sailor_hpc.jobs.render import check_training_args
 
         check_training_args(data, save, steps)  # before the search, not after it (plan has no --dry-run)
     with in_plan_terms("--archive", field="--profiles",
@@ -95,7 +96,6 @@ def run_planner(site_file: Path, model_name: str, *, archive_path: Path | None, 
     if sbatch_out is not None and output is None:
         output = sbatch_out.with_name(f"{sbatch_out.stem}.plan.json")
     if sbatch_out is not None:
-        from sailor_hpc.jobs.render import render_job_script, write_job_script
 
         assert output is not None
         with removed_on_error(output):  # the script cannot be rendered: no plan file left behind for it either
@@ -105,7 +105,6 @@ def run_planner(site_file: Path, model_name: str, *, archive_path: Path | None, 
     elif output is not None:
         best.plan.save(output)
     if pareto is not None:
-        from planner.pareto import plot_pareto
 
         plot_pareto(result, pareto, site.cost_unit)
     shown = result.candidates[:top_k]

@@ -6,9 +6,16 @@ from pathlib import Path
 
 import click
 
-from sailor_hpc.cli import main
+from profiler.sites import measured_site
+from profiler.sweep import SweepConfig, run_sweep
+from sailor_hpc.cli.app import main
 from sailor_hpc.cli.output import echo_json, json_option, table
-from sailor_hpc.errors import SailorError
+from sailor_hpc.core.archive import read_archive
+from sailor_hpc.core.atomic import atomic_write_text
+from sailor_hpc.core.errors import SailorError
+from sailor_hpc.core.models import get_model
+from sailor_hpc.core.site import load_site
+from sailor_hpc.core.toml_writer import dump_toml
 
 
 def _ints(text: str, flag: str) -> tuple[int, ...]:
@@ -67,9 +74,6 @@ def profile_cmd(site_file: Path, model: str, partitions: str | None, mbs: str, t
     Exit code 0 when every point and link was measured, 1 when some failed (each is reported and
     recorded; run again with --resume to complete the sweep), 2 for bad input.
     """
-    from profiler.sweep import SweepConfig, run_sweep
-    from sailor_hpc.models import get_model
-    from sailor_hpc.site import load_site
 
     site = load_site(site_file)
     name = get_model(model).name
@@ -91,10 +95,6 @@ def profile_cmd(site_file: Path, model: str, partitions: str | None, mbs: str, t
                       points_per_job=points_per_job, timeout_s=timeout_s, lost_after_s=lost_after, resume=resume)
     report = run_sweep(cfg)
     if write_site is not None:
-        from profiler.sites import measured_site
-        from sailor_hpc.archive import read_archive
-        from sailor_hpc.atomic import atomic_write_text
-        from sailor_hpc.toml_writer import dump_toml
 
         measured = measured_site(site, read_archive(report.archive), cpu=cpu)
         atomic_write_text(write_site, dump_toml(measured.to_dict(), header_comments=[

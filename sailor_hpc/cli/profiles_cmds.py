@@ -7,11 +7,14 @@ from typing import TYPE_CHECKING, Any
 import click
 import numpy as np
 
-from sailor_hpc.cli import main
+from sailor_hpc.cli.app import main
 from sailor_hpc.cli.output import echo_json, json_option, table
+from sailor_hpc.core.archive import open_archive, read_archive
+from sailor_hpc.core.models import get_model
+from sailor_hpc.core.sailor_compat.profiles import import_sailor
 
 if TYPE_CHECKING:
-    from sailor_hpc.archive import ComputeEntry
+    from sailor_hpc.core.archive import ComputeEntry
 
     Points = dict[tuple[int, int], ComputeEntry]
 
@@ -31,7 +34,6 @@ def profiles() -> None:
 @json_option
 def import_sailor_cmd(directory: Path, archive: Path, as_json: bool) -> None:
     """Convert Sailor's published profiles (DIRECTORY has profiles/ and network/) into ARCHIVE."""
-    from sailor_hpc.sailor_import import import_sailor
 
     skipped: dict[str, str] = {}
     n = import_sailor(directory, archive, skipped)
@@ -44,7 +46,6 @@ def import_sailor_cmd(directory: Path, archive: Path, as_json: bool) -> None:
 
 
 def _open(archive: Path | None):
-    from sailor_hpc.archive import open_archive, read_archive
 
     return read_archive(archive) if archive else open_archive()
 
@@ -91,7 +92,6 @@ def list_cmd(archive: Path | None, as_json: bool) -> None:
 @json_option
 def show_cmd(model: str, gpu: str, archive: Path | None, as_json: bool) -> None:
     """Per-(mbs, TP) totals of one model on one GPU type, with provenance."""
-    from sailor_hpc.models import get_model
 
     a = _open(archive)
     name = get_model(model).name

@@ -18,9 +18,15 @@ from typing import Any
 
 import click
 
-from sailor_hpc.cli import main
+from sailor_hpc.cli.app import main
 from sailor_hpc.cli.output import echo_json, json_option, table
-from sailor_hpc.errors import SailorError
+from sailor_hpc.controller import Controller, RunDir, RunSpec, fold, new_run_id
+from sailor_hpc.controller.planning import partitions_for_time
+from sailor_hpc.controller.story import ATTEMPT_HEADER, attempt_rows, describe
+from sailor_hpc.core.archive import open_archive
+from sailor_hpc.core.errors import SailorError
+from sailor_hpc.core.models import get_model
+from sailor_hpc.core.site import load_site
 
 _FILE = click.Path(dir_okay=False, path_type=Path)
 _DIR = click.Path(file_okay=False, path_type=Path)
@@ -50,11 +56,6 @@ def _data_files_exist(prefix: str) -> None:
 
 def new_run(opts: dict[str, Any]) -> Path:
     """Check a new run's options, write its run directory and return it."""
-    from sailor_hpc.archive import open_archive
-    from sailor_hpc.controller import RunDir, RunSpec, new_run_id
-    from sailor_hpc.controller.planning import partitions_for_time
-    from sailor_hpc.models import get_model
-    from sailor_hpc.site import load_site
 
     for name, flag in (("site_file", "--site"), ("model", "--model"), ("data", "--data"), ("save", "--save")):
         if opts.get(name) is None:
@@ -85,7 +86,6 @@ def new_run(opts: dict[str, Any]) -> Path:
 
 def drive(run_dir: Path) -> int:
     """Run the controller in the foreground, echoing the journal; SIGTERM stops it like Ctrl-C."""
-    from sailor_hpc.controller import Controller, RunDir
 
     t0 = time.time()
 
@@ -165,8 +165,6 @@ def run_group(ctx: click.Context, resume_dir: Path | None, **opts: Any) -> None:
 @json_option
 def status_cmd(run_dir: Path, events: bool, as_json: bool) -> None:
     """The run's history: its jobs (plans, why, recovery times) and every event and decision."""
-    from sailor_hpc.controller import RunDir, fold
-    from sailor_hpc.controller.story import ATTEMPT_HEADER, attempt_rows, describe
 
     rd = RunDir.existing(run_dir)
     spec = rd.spec()

@@ -5,8 +5,14 @@ from pathlib import Path
 
 import click
 
-from sailor_hpc.cli import main
+from sailor_hpc.cli.app import main
 from sailor_hpc.cli.output import echo_json, human_bytes, json_option, memory_by_gpu_type_table, table
+from sailor_hpc.core.archive import open_archive
+from sailor_hpc.core.errors import SailorError
+from sailor_hpc.core.plan_io import load_plan
+from sailor_hpc.core.site import load_site
+from simulator import plan_timeline, simulate
+from simulator.validation import validate_runs
 
 site_option = click.option("--site", "site_file", required=True, type=click.Path(dir_okay=False, path_type=Path),
                            help="Site config (site_configs/*.toml).")
@@ -15,7 +21,6 @@ profiles_option = click.option("--profiles", "profiles", type=click.Path(dir_oka
 
 
 def _archive(profiles: Path | None, site):
-    from sailor_hpc.archive import open_archive
 
     return open_archive(profiles, site)
 
@@ -31,10 +36,6 @@ def _archive(profiles: Path | None, site):
 def simulate_cmd(plan_file: Path, site_file: Path, profiles: Path | None, model: str | None,
                  timeline_file: Path | None, as_json: bool) -> None:
     """Iteration time, throughput, peak memory per GPU and cost of PLAN (ours or a Sailor plan_config)."""
-    from sailor_hpc.errors import SailorError
-    from sailor_hpc.plan import load_plan
-    from sailor_hpc.site import load_site
-    from simulator import plan_timeline, simulate
 
     site = load_site(site_file)
     plan = load_plan(plan_file, model=model, site=site)
@@ -97,8 +98,6 @@ def describe_result(res, name: str, site_name: str) -> str:
 def validate_sim_cmd(paths: tuple[Path, ...], site_file: Path, model: str, profiles: Path | None,
                      as_json: bool) -> None:
     """Measured vs simulated time and memory of Sailor-format runs (files or folders)."""
-    from sailor_hpc.site import load_site
-    from simulator.validation import validate_runs
 
     site = load_site(site_file)
     report = validate_runs(paths, site, model, _archive(profiles, site))

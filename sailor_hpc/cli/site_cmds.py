@@ -5,10 +5,11 @@ from pathlib import Path
 
 import click
 
-from sailor_hpc.atomic import atomic_write_text
-from sailor_hpc.cli import main
+from sailor_hpc.cli.app import main
 from sailor_hpc.cli.output import echo_json, human_bytes, json_option, table
-from sailor_hpc.site import Site, load_site, load_site_dict
+from sailor_hpc.core.atomic import atomic_write_text
+from sailor_hpc.core.site import Site, load_site, load_site_dict
+from sailor_hpc.slurm.discover import discover
 
 
 @main.group()
@@ -58,7 +59,6 @@ def show_cmd(file: Path, as_json: bool) -> None:
 @json_option
 def discover_cmd(output: Path | None, name: str | None, as_json: bool) -> None:
     """Build a site config from sinfo/scontrol of the cluster this runs on."""
-    from sailor_hpc.slurm.discover import discover
 
     found = discover(name)
     doc = found.site

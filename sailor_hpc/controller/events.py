@@ -1,7 +1,7 @@
 """Seeing allocation changes: one snapshot of the job and the partitions per poll, and what changed.
 
 An :class:`Observation` is what the controller knows after one round of Slurm queries: the job's
-state and nodes (``squeue``/``sacct`` through :class:`~sailor_hpc.jobs.watch.JobWatcher`), every
+state and nodes (``squeue``/``sacct`` through :class:`~sailor_hpc.slurm.watch.JobWatcher`), every
 node's state and the idle GPUs per node (``sinfo``), and from those the GPUs *free for the run*
 (idle, plus the run's own job's GPUs while it runs: a new plan may reuse them).
 
@@ -18,10 +18,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from sailor_hpc.core.plan import Plan
 from sailor_hpc.jobs.layout import job_layout
-from sailor_hpc.jobs.status import RUNNING_STATES, JobStatus
-from sailor_hpc.plan import Plan
 from sailor_hpc.slurm.commands import SinfoNode
+from sailor_hpc.slurm.status import RUNNING_STATES, JobStatus
 
 
 @dataclass

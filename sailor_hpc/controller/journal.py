@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from sailor_hpc.errors import SailorError
+from sailor_hpc.core.errors import SailorError
 
 Record = dict[str, Any]
 

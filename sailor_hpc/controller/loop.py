@@ -34,25 +34,33 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from megatron_patch.checkpoint import latest_complete, read_manifest
-from sailor_hpc.archive import open_archive
 from sailor_hpc.controller import slurm_ops
-from sailor_hpc.controller.events import (Observation, draining_only, free_for_run, idle_increase, lost_nodes,
-                                          node_states, own_gpus)
+from sailor_hpc.controller.events import (
+    Observation,
+    draining_only,
+    free_for_run,
+    idle_increase,
+    lost_nodes,
+    node_states,
+    own_gpus,
+)
 from sailor_hpc.controller.journal import Record
 from sailor_hpc.controller.planning import Planned, plan_on
 from sailor_hpc.controller.policy import Score, Verdict, judge, plan_shape, restart_cost
 from sailor_hpc.controller.progress import LogTail
 from sailor_hpc.controller.state import RESIZE_REASON, Attempt, RunDir, RunState, apply, fold, job_name
 from sailor_hpc.controller.story import describe
-from sailor_hpc.errors import SailorError
-from sailor_hpc.jobs.status import FINAL_STATES, RUNNING_STATES, JobStatus, job_status
-from sailor_hpc.jobs.submit import log_path
-from sailor_hpc.jobs.watch import JobWatcher
-from sailor_hpc.plan import Plan, load_plan
-from sailor_hpc.site import Site, load_site
+from sailor_hpc.core.archive import open_archive
+from sailor_hpc.core.checkpoint import latest_complete, read_manifest
+from sailor_hpc.core.errors import SailorError
+from sailor_hpc.core.plan import Plan
+from sailor_hpc.core.plan_io import load_plan
+from sailor_hpc.core.site import Site, load_site
 from sailor_hpc.slurm.commands import sinfo_nodes
 from sailor_hpc.slurm.discover import live_availability
+from sailor_hpc.slurm.status import FINAL_STATES, RUNNING_STATES, JobStatus, job_status
+from sailor_hpc.slurm.submit import log_path
+from sailor_hpc.slurm.watch import JobWatcher
 
 STOP_TIMEOUT_S = 300.0  # a job asked to checkpoint that has not stopped by then is cancelled ...
 STOP_MARGIN = 3.0  # ... unless its measured step + save times, with this margin, need longer

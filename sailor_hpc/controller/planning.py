@@ -14,13 +14,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from planner import search
 from sailor_hpc.controller.policy import Score
 from sailor_hpc.controller.spec import RunSpec
-from sailor_hpc.errors import SailorError
+from sailor_hpc.core.errors import SailorError
+from sailor_hpc.core.plan import Plan
+from sailor_hpc.core.site import Site
 from sailor_hpc.jobs.layout import job_layout
 from sailor_hpc.jobs.render import parse_time_limit
-from sailor_hpc.plan import Plan
-from sailor_hpc.site import Site
 
 FreeByNode = Mapping[str, Mapping[str, int]]  # partition -> node -> free GPUs
 
@@ -87,7 +88,6 @@ def partitions_for_time(time_limit: str | None, site: Site) -> set[str]:
 def plan_on(spec: RunSpec, site: Site, archive: Any, free: FreeByNode) -> Planned:
     """The planner's best plan for the run on the free GPUs ``free``, placeable now, on partitions that
     admit the run's time limit."""
-    from planner import search
 
     allowed = partitions_for_time(spec.time_limit, site)
     available = {p.name: int(sum(free.get(p.name, {}).values())) if p.name in allowed else 0 for p in site.partitions}

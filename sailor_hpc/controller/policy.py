@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from sailor_hpc.plan import Plan
+from sailor_hpc.core.plan import Plan
 
 DEFAULT_RESTART_COST_S = 60.0
 

@@ -16,14 +16,14 @@ from pathlib import Path
 
 from sailor_hpc.controller.spec import RunSpec
 from sailor_hpc.controller.state import RunDir, job_name_prefix
-from sailor_hpc.errors import SailorError
+from sailor_hpc.core.errors import SailorError
+from sailor_hpc.core.plan import Plan
+from sailor_hpc.core.site import Site
 from sailor_hpc.jobs.render import render_job_script, write_job_script
-from sailor_hpc.jobs.status import FINAL_STATES, RUNNING_STATES, JobRef
-from sailor_hpc.jobs.submit import JobRecord, cancel_job, submit_script
-from sailor_hpc.jobs.watch import JobWatcher
-from sailor_hpc.plan import Plan
-from sailor_hpc.site import Site
 from sailor_hpc.slurm.commands import QueueJob, run_slurm, squeue
+from sailor_hpc.slurm.status import FINAL_STATES, RUNNING_STATES, JobRef
+from sailor_hpc.slurm.submit import JobRecord, cancel_job, submit_script
+from sailor_hpc.slurm.watch import JobWatcher
 
 Env = Mapping[str, str] | None
 SIGNAL_TIMEOUT_S = 10.0  # scancel --signal waits on a job in transition (requeue): do not hang the controller

@@ -16,8 +16,9 @@ from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from sailor_hpc.atomic import atomic_write_text
-from sailor_hpc.errors import SailorError
+from planner import Constraints, PlanRequest
+from sailor_hpc.core.atomic import atomic_write_text
+from sailor_hpc.core.errors import SailorError
 
 SPEC_FORMAT = "sailor-hpc-run"
 SPEC_VERSION = 1
@@ -97,7 +98,7 @@ class RunSpec:
         return {"format": SPEC_FORMAT, "version": SPEC_VERSION, **d}
 
     @classmethod
-    def from_dict(cls, data: Any, source: str | None = None) -> "RunSpec":
+    def from_dict(cls, data: Any, source: str | None = None) -> RunSpec:
         if not isinstance(data, dict) or data.get("format") != SPEC_FORMAT or data.get("version") != SPEC_VERSION:
             raise SailorError(f"not a {SPEC_FORMAT} v{SPEC_VERSION} file", file=source,
                               fix="point --resume at the directory `sailor-hpc run` created")
@@ -122,7 +123,7 @@ class RunSpec:
         atomic_write_text(path, json.dumps(self.to_dict(), indent=1) + "\n")
 
     @classmethod
-    def read(cls, path: str | Path) -> "RunSpec":
+    def read(cls, path: str | Path) -> RunSpec:
         path = Path(path)
         try:
             data = json.loads(path.read_text())
@@ -135,7 +136,6 @@ class RunSpec:
 
     def plan_request(self, available: dict[str, int]) -> Any:
         """The planner's request for this run on ``available`` GPUs per partition."""
-        from planner import Constraints, PlanRequest
 
         return PlanRequest(model=self.model, global_batch_size=self.gbs, objective=self.objective,
                            constraints=Constraints(self.max_cost_per_hour, self.max_cost_per_iteration,

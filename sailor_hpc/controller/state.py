@@ -21,9 +21,8 @@ from typing import Any
 
 from sailor_hpc.controller.journal import Journal, Record, read_journal
 from sailor_hpc.controller.spec import RunSpec
-from sailor_hpc.errors import SailorError
-from sailor_hpc.locking import file_lock
-
+from sailor_hpc.core.errors import SailorError
+from sailor_hpc.core.locking import file_lock
 
 #: the reason of a job submitted because more GPUs made a better plan worth its restart
 RESIZE_REASON = "idle_gpus"
@@ -71,7 +70,7 @@ class RunDir:
         return read_journal(self.journal_file)
 
     @classmethod
-    def create(cls, path: str | Path, spec: RunSpec) -> "RunDir":
+    def create(cls, path: str | Path, spec: RunSpec) -> RunDir:
         rd = cls(path)
         if rd.journal_file.exists() or rd.spec_file.exists():
             raise SailorError("this directory already holds a controlled run", file=rd.path, field="--run-dir",
@@ -82,7 +81,7 @@ class RunDir:
         return rd
 
     @classmethod
-    def existing(cls, path: str | Path) -> "RunDir":
+    def existing(cls, path: str | Path) -> RunDir:
         rd = cls(path)
         if not rd.spec_file.is_file():
             raise SailorError("not a run directory (no run.json)", file=rd.path, field="--resume",

@@ -4,7 +4,7 @@ The job has one het component per partition the plan uses (a partition whose nod
 numbers of ranks gets one component per node size, because ``--ntasks-per-node`` is per component).
 ``srun`` numbers tasks component by component, node by node (block distribution), so the layout
 fixes, for every ``SLURM_PROCID``, the plan rank it runs (``task_ranks``). Plan ranks follow
-:func:`megatron_patch.roles.rank_roles` (pipelines, stages, TP ranks in plan order), which in general
+:func:`sailor_hpc.core.roles.rank_roles` (pipelines, stages, TP ranks in plan order), which in general
 interleaves partitions, so the two orders differ and :mod:`sailor_hpc.jobs.rank_env` translates.
 
 Order guarantees (the contract of ``sbatch_templates/README.md``):
@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_patch.roles import Role, rank_roles
-from sailor_hpc.errors import SailorError
-from sailor_hpc.plan import Plan
+from sailor_hpc.core.errors import SailorError
+from sailor_hpc.core.plan import Plan
+from sailor_hpc.core.roles import Role, rank_roles
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@
 the plan numbers ranks pipeline by pipeline. This wrapper reads ``SLURM_PROCID`` / ``SLURM_NTASKS`` /
 ``SLURM_LOCALID``, looks the task up in the plan's job layout, checks that Slurm placed it where the
 layout expects (task count, local index), exports ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` /
-``LOCAL_WORLD_SIZE`` (the torchrun variables, which ``megatron_patch.env`` prefers over Slurm's) and
+``LOCAL_WORLD_SIZE`` (the torchrun variables, which ``sailor_hpc.core.dist_env`` prefers over Slurm's) and
 ``OMP_NUM_THREADS`` (this component's CPUs per task, unless set), then replaces itself with the command.
 It imports no torch, so it costs a few tens of milliseconds per rank.
 """
@@ -17,9 +17,9 @@ import os
 import sys
 from collections.abc import Mapping
 
-from sailor_hpc.errors import EXIT_BAD_INPUT, SailorError
+from sailor_hpc.core.errors import EXIT_BAD_INPUT, SailorError
+from sailor_hpc.core.plan_io import load_plan
 from sailor_hpc.jobs.layout import JobLayout, job_layout
-from sailor_hpc.plan import load_plan
 
 
 def _int(env: Mapping[str, str], key: str) -> int:

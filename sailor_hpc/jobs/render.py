@@ -5,7 +5,7 @@ ordinary job), nodes / tasks / GPUs / CPUs from the plan's placement and the sit
 QOS and constraint from the site and the caller, the site's environment prelude, the rendezvous
 address from het group 0, and one ``srun`` step that starts ``megatron_patch.launch`` on every rank
 through :mod:`sailor_hpc.jobs.rank_env`. Every user-supplied value is validated or quoted here
-(:mod:`sailor_hpc.jobs.safety`); the template only lays values out.
+(:mod:`sailor_hpc.slurm.safety`); the template only lays values out.
 """
 from __future__ import annotations
 
@@ -21,15 +21,18 @@ from typing import Any
 import jinja2
 
 import sbatch_templates
-from megatron_patch.env import EXIT_SAVED_ON_SIGNAL
 from sailor_hpc import __version__
-from sailor_hpc.atomic import atomic_write_text
-from sailor_hpc.errors import SailorError
-from sailor_hpc.jobs import safety
+from sailor_hpc.core.atomic import atomic_write_text
+from sailor_hpc.core.dist_env import EXIT_SAVED_ON_SIGNAL
+from sailor_hpc.core.errors import SailorError
+from sailor_hpc.core.models import get_model
+from sailor_hpc.core.placement import place_plan
+from sailor_hpc.core.plan import Plan, validate_plan
+from sailor_hpc.core.plan_io import load_plan
+from sailor_hpc.core.sailor_compat.plans import is_sailor_plan
+from sailor_hpc.core.site import Site, parse_walltime
 from sailor_hpc.jobs.layout import JobLayout, job_layout
-from sailor_hpc.models import get_model
-from sailor_hpc.plan import Plan, is_sailor_plan, load_plan, place_plan, validate_plan
-from sailor_hpc.site import Site, parse_walltime
+from sailor_hpc.slurm import safety
 from sailor_hpc.slurm.discover import normalize_walltime
 
 DEFAULT_TIME = "01:00:00"

@@ -3,7 +3,7 @@
 Every function takes an optional ``env``: extra environment variables laid over ``os.environ``
 (typically ``{"SLURM_CONF": ...}`` for a non-default cluster; a complete environment such as
 the test fixture's ``slurm_cluster.env`` works as well). A missing command, a non-zero exit or
-a timeout raises :class:`sailor_hpc.errors.SailorError` naming the command and Slurm's message.
+a timeout raises :class:`sailor_hpc.core.errors.SailorError` naming the command and Slurm's message.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import subprocess
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from sailor_hpc.errors import SailorError
+from sailor_hpc.core.errors import SailorError
 
 DEFAULT_TIMEOUT_S = 60.0
 _INSTALL_FIX = ("run sailor-hpc on a machine with the Slurm client tools (a login node) and SLURM_CONF "

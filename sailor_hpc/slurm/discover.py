@@ -1,7 +1,7 @@
 """Build a site config from a live Slurm cluster, and read its current GPU availability.
 
 ``discover_site()`` asks ``scontrol`` for the partitions and nodes and returns a site document
-(same schema as ``site_configs/*.toml``, loadable with ``sailor_hpc.site.load_site_dict``):
+(same schema as ``site_configs/*.toml``, loadable with ``sailor_hpc.core.site.load_site_dict``):
 one partition per Slurm partition that has GPU nodes. ``dump_site_toml()`` writes it as TOML.
 ``live_availability()`` counts idle GPUs and nodes per partition from ``sinfo -N`` (for the
 planner's ``--available live``).
@@ -15,9 +15,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sailor_hpc.slurm.commands import (GresEntry, NodeInfo, PartitionInfo, show_config, show_nodes,
-                                       show_partitions, sinfo_nodes)
-from sailor_hpc.toml_writer import dump_toml
+from sailor_hpc.core.toml_writer import dump_toml
+from sailor_hpc.slurm.commands import (
+    GresEntry,
+    NodeInfo,
+    PartitionInfo,
+    show_config,
+    show_nodes,
+    show_partitions,
+    sinfo_nodes,
+)
 
 SITE_SCHEMA_VERSION = 1
 

@@ -5,12 +5,13 @@ from collections import defaultdict
 
 import pytest
 
-from megatron_patch.roles import rank_roles
-from sailor_hpc.errors import SailorError
+from sailor_hpc.core.errors import SailorError
+from sailor_hpc.core.placement import place_plan
+from sailor_hpc.core.plan import plan_from_dict
+from sailor_hpc.core.roles import rank_roles
+from sailor_hpc.core.site import load_site
 from sailor_hpc.jobs.layout import job_layout
 from sailor_hpc.jobs.rank_env import rank_environment
-from sailor_hpc.plan import place_plan, plan_from_dict
-from sailor_hpc.site import load_site
 from tests.jobs.conftest import LOCAL_LAB, PLANS
 
 

@@ -14,11 +14,11 @@ import pytest
 from click.testing import CliRunner
 
 from sailor_hpc.cli import main
-from sailor_hpc.errors import SailorError
+from sailor_hpc.core.errors import SailorError
+from sailor_hpc.core.plan_io import load_plan
+from sailor_hpc.core.site import load_site, load_site_dict
+from sailor_hpc.core.toml_writer import dump_toml
 from sailor_hpc.jobs.render import placed_plan_file, render_job_script
-from sailor_hpc.plan import load_plan
-from sailor_hpc.site import load_site, load_site_dict
-from sailor_hpc.toml_writer import dump_toml
 from tests.conftest import slurm_missing
 from tests.jobs.conftest import LOCAL_LAB, write_plan
 

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from megatron_patch.roles import rank_roles
+from sailor_hpc.core.plan_io import load_plan
+from sailor_hpc.core.roles import rank_roles
+from sailor_hpc.core.site import load_site
 from sailor_hpc.jobs.render import placed_plan_file, render_job_script, write_job_script
-from sailor_hpc.jobs.status import poll_jobs
-from sailor_hpc.jobs.submit import check_script
-from sailor_hpc.jobs.watch import JobWatcher
-from sailor_hpc.plan import load_plan
-from sailor_hpc.site import load_site
+from sailor_hpc.slurm.status import poll_jobs
+from sailor_hpc.slurm.submit import check_script
+from sailor_hpc.slurm.watch import JobWatcher
 from tests.jobs.conftest import LOCAL_LAB, PLANS, write_plan
 
 pytestmark = pytest.mark.slurm

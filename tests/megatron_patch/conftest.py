@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from megatron_patch import local
-from sailor_hpc.plan import Pipeline, Plan, Stage, load_plan
+from sailor_hpc.core.plan import Pipeline, Plan, Stage
+from sailor_hpc.core.plan_io import load_plan
 
 MODEL = "tiny-gpt"  # 4 blocks: pipeline layers 0 (embedding), 1..4, 5 (final norm + head + loss)
 GLOBAL_BATCH = 8

@@ -17,7 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from megatron_patch import checkpoint, launch
+from megatron_patch import launch
+from sailor_hpc.core import checkpoint
 
 
 def _die() -> None:

@@ -21,7 +21,7 @@ from megatron_patch.groups import create_groups, group, singleton_collection  # 
 from megatron_patch.layout import arch_of, param_layout, shard_of  # noqa: E402
 from megatron_patch.model import build_stage_module, canonical_init  # noqa: E402
 from megatron_patch.reference import gpt_model  # noqa: E402
-from sailor_hpc.models import ModelSpec, get_model  # noqa: E402
+from sailor_hpc.core.models import ModelSpec, get_model  # noqa: E402
 
 # a miniature Llama: RMSNorm, SwiGLU, RoPE, GQA, no biases, untied head, final norm as its own layer
 TINY_LLAMA = ModelSpec("tiny-llama-test", num_layers=2, hidden_size=64, num_heads=4, ffn_hidden_size=96,

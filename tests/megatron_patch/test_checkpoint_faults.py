@@ -18,8 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from megatron_patch import local
-from megatron_patch.checkpoint import latest_complete, read_manifest, step_dir, tmp_dir
-from megatron_patch.env import EXIT_SAVED_ON_SIGNAL
+from sailor_hpc.core.checkpoint import latest_complete, read_manifest, step_dir, tmp_dir
+from sailor_hpc.core.dist_env import EXIT_SAVED_ON_SIGNAL
 from tests.megatron_patch.conftest import GLOBAL_BATCH, Env, events, launch, launch_args, max_diff
 
 KILLER = ["tests/megatron_patch/kill_worker.py"]
@@ -77,7 +77,7 @@ def test_signal_saves_a_complete_checkpoint_and_exits_75(
 
     # the controller's view: step and data position from the manifest, without torch
     code = ("import sys, json; sys.modules['torch'] = None\n"
-            "from megatron_patch.checkpoint import latest_complete, read_manifest\n"
+            "from sailor_hpc.core.checkpoint import latest_complete, read_manifest\n"
             f"m = read_manifest(latest_complete({str(root)!r}))\n"
             "print(json.dumps([m['step'], m['consumed_samples'], m['plan']['pipelines'][0]['num_micro_batches']]))")
     out = subprocess.run([sys.executable, "-c", code], cwd=local.REPO, capture_output=True, text=True,

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_patch import checkpoint as ck
+from sailor_hpc.core import checkpoint as ck
 
 
 def make(root: Path, step: int, payload: bytes = b"x" * 1000) -> Path:

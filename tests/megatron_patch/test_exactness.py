@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_patch.checkpoint import step_dir
+from sailor_hpc.core.checkpoint import step_dir
 from tests.megatron_patch.conftest import PLANS, Env, add_plan, events, launch, max_diff
 
 PARAM_TOL = 1e-6

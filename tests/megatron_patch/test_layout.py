@@ -10,8 +10,8 @@ torch = pytest.importorskip("torch")
 
 from megatron_patch.grad_sync import build_buckets, holders  # noqa: E402
 from megatron_patch.layout import ParamInfo, chunk_views, full_of, param_layout, shard_of  # noqa: E402
-from sailor_hpc.models import get_model  # noqa: E402
-from sailor_hpc.plan import Pipeline, Plan, Stage  # noqa: E402
+from sailor_hpc.core.models import get_model  # noqa: E402
+from sailor_hpc.core.plan import Pipeline, Plan, Stage  # noqa: E402
 
 
 def test_swiglu_fc1_shards_are_gate_and_up_slices() -> None:

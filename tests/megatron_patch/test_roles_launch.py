@@ -8,10 +8,10 @@ import sys
 import pytest
 
 from megatron_patch import local
-from megatron_patch.env import EXIT_BAD_INPUT, read_env
-from megatron_patch.roles import rank_roles, role_of
-from sailor_hpc.errors import SailorError
-from sailor_hpc.plan import Pipeline, Placement, Plan, Stage
+from sailor_hpc.core.dist_env import EXIT_BAD_INPUT, read_env
+from sailor_hpc.core.errors import SailorError
+from sailor_hpc.core.plan import Pipeline, Placement, Plan, Stage
+from sailor_hpc.core.roles import rank_roles, role_of
 
 PLAN = Plan("tiny-gpt", 8, (
     Pipeline(2, 2, (Stage(0, 2, 2, "A100-40", "a100", Placement(0, (0, 1))),

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from sailor_hpc.archive import EMBEDDED_ARCHIVE, read_archive
-from sailor_hpc.site import Site, load_site_dict
-from tests.tiny_archive import write_tiny_archive
+from sailor_hpc.core.archive import EMBEDDED_ARCHIVE, read_archive
+from sailor_hpc.core.site import Site, load_site_dict
+from tests.data.tiny_archive import write_tiny_archive
 
 
 def small_site(a100_nodes: int = 1, v100_nodes: int = 1, gpus_per_node: int = 2) -> Site:

@@ -13,8 +13,9 @@ from collections.abc import Iterator
 import pytest
 
 from planner import Constraints, PlanRequest, search
-from sailor_hpc.errors import SailorError
-from sailor_hpc.plan import Pipeline, Plan, Stage, place_plan
+from sailor_hpc.core.errors import SailorError
+from sailor_hpc.core.placement import place_plan
+from sailor_hpc.core.plan import Pipeline, Plan, Stage
 from simulator import simulate
 from tests.planner.conftest import small_site
 

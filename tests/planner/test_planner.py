@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 
 from planner import Constraints, PlanRequest, search
-from sailor_hpc.archive import open_archive
-from sailor_hpc.errors import SailorError
-from sailor_hpc.plan import load_plan, validate_plan
-from sailor_hpc.site import load_site
+from sailor_hpc.core.archive import open_archive
+from sailor_hpc.core.errors import SailorError
+from sailor_hpc.core.plan import validate_plan
+from sailor_hpc.core.plan_io import load_plan
+from sailor_hpc.core.site import load_site
 from tests.planner.conftest import small_site
 
 REPO = Path(__file__).resolve().parents[2]
@@ -177,8 +178,9 @@ def test_a_small_batch_on_many_gpus_gets_shallow_pipelines() -> None:
     """64 samples on 256 A100: one micro-batch per pipeline, so the bubble decides and single-stage TP 4
     pipelines beat the deep ones that are most efficient per GPU. The planner must do at least as well
     as that hand-built plan (simulated by the same simulator)."""
+    from sailor_hpc.core.placement import place_plan
+    from sailor_hpc.core.plan import Pipeline, Plan, Stage
     from simulator import simulate
-    from sailor_hpc.plan import Pipeline, Plan, Stage, place_plan
 
     site = load_site(REPO / "site_configs" / "a100-v100.toml")
     arch = open_archive(site=site)
@@ -187,7 +189,8 @@ def test_a_small_batch_on_many_gpus_gets_shallow_pipelines() -> None:
     reference = simulate(by_hand, site, arch)
     assert reference.fits
     best = search(site, arch, PlanRequest("OPT-350M", 64)).candidates[0]
-    assert best.throughput >= reference.throughput_samples_per_s * (1 - 1e-9), (best.throughput, reference.throughput_samples_per_s)
+    assert best.throughput >= reference.throughput_samples_per_s * (1 - 1e-9), \
+        (best.throughput, reference.throughput_samples_per_s)
 
 
 def test_more_gpus_on_a_site_with_a_slow_inter_node_network_never_lower_throughput() -> None:
@@ -240,7 +243,7 @@ def _must_cross_nodes(plan, site) -> bool:
     node (no two share a node) than the partition gives a job nodes, or whole segments that take more
     nodes than the tightest packing of the plan's TP groups (place_plan then never asks for the extra
     nodes: they were not in the allocation)."""
-    from sailor_hpc.plan import _by_size, _first_fit, node_segments
+    from sailor_hpc.core.placement import _by_size, _first_fit, node_segments
 
     big: dict[str, int] = {}
     segments: dict[str, list] = {}
@@ -303,7 +306,7 @@ def test_node_segments_are_the_templates_node_groups() -> None:
     import itertools
 
     from planner.templates import endpoints
-    from sailor_hpc.plan import node_segments
+    from sailor_hpc.core.placement import node_segments
 
     part = load_site(LAB).partition("a100")  # 4 GPUs a node
     for n in range(1, 6):
@@ -422,9 +425,9 @@ def test_cli_plan_help_names_only_its_own_options() -> None:
 
 def test_cli_plan_without_any_archive_names_its_profiles_option(monkeypatch) -> None:
     """open_archive names `profile`'s --archive; plan's option is --profiles."""
-    import sailor_hpc.archive
+    import sailor_hpc.core.archive
 
-    monkeypatch.setattr(sailor_hpc.archive, "resolve_archive_paths", lambda *a, **k: [])
+    monkeypatch.setattr(sailor_hpc.core.archive, "resolve_archive_paths", lambda *a, **k: [])
     out = _plan_cli("--gbs", "32")
     assert out.exit_code == 2 and "error: --profiles: no profile archive" in out.output, out.output
     assert not _unknown_options(out.output.splitlines()[-1])

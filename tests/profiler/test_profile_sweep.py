@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sailor_hpc.archive import read_archive
-from sailor_hpc.models import get_model
-from sailor_hpc.plan import plan_from_dict
-from sailor_hpc.site import load_site
+from sailor_hpc.core.archive import read_archive
+from sailor_hpc.core.models import get_model
+from sailor_hpc.core.plan import plan_from_dict
+from sailor_hpc.core.site import load_site
 
 pytestmark = pytest.mark.slurm
 
@@ -56,9 +56,9 @@ def test_cpu_sweep_fills_the_archive_and_the_simulator_reads_it(slurm_cluster, p
     parts = _node_partitions(slurm_cluster)
     # compute: every point, under the cpu- keys only (never the GPU type names of the published profiles)
     assert sorted(a.compute) == [("tiny-gpt", "cpu-A100-40"), ("tiny-gpt", "cpu-V100-16")] and not a.failed
-    for (model, gpu), points in a.compute.items():
+    for (_model, gpu), points in a.compute.items():
         assert sorted(points) == [(1, 1), (1, 2), (2, 1), (2, 2)]
-        for (mbs, tp), e in points.items():
+        for e in points.values():
             assert e.times.shape == (L, 3) and np.isfinite(e.times).all() and (e.times > 0).all()
             prov = e.provenance
             assert prov["device"] == "cpu" and prov["method"] == "wall-clock" and prov["profiled_blocks"] == 2

@@ -17,11 +17,11 @@ from profiler.keys import device_key
 from profiler.netbench import stream_pairs
 from profiler.progress import Progress
 from profiler.sweep import SweepConfig, check_config, grid
-from sailor_hpc.archive import EMBEDDED_ARCHIVE, read_archive
 from sailor_hpc.cli import main
-from sailor_hpc.errors import SailorError
-from sailor_hpc.models import get_model
-from sailor_hpc.site import load_site
+from sailor_hpc.core.archive import EMBEDDED_ARCHIVE, read_archive
+from sailor_hpc.core.errors import SailorError
+from sailor_hpc.core.models import get_model
+from sailor_hpc.core.site import load_site
 
 REPO = Path(__file__).resolve().parents[2]
 LOCAL_LAB = REPO / "site_configs" / "local-lab.toml"
@@ -125,6 +125,7 @@ def test_progress_prints_one_line_per_change():
 def one_rank():
     """A gloo process group of this process alone (what a TP-1 profiling job has)."""
     import torch.distributed as dist
+
     from megatron_patch.local import free_port
     mine = not dist.is_initialized()
     if mine:
@@ -171,7 +172,7 @@ def test_layer_profiler_on_tiny_gpt(one_rank):
     torch.set_num_threads(1)
     try:
         ref, sums = [], []
-        for i in range(9):
+        for _ in range(9):
             t0 = time.perf_counter()
             whole(tokens, tokens).sum().backward()
             ref.append(time.perf_counter() - t0)

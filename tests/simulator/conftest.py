@@ -7,13 +7,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sailor_hpc.archive import ComputeEntry, MemoryEntry, OverheadEntry, ProfileArchive, open_archive
-from sailor_hpc.site import Site, load_site, load_site_dict
+from sailor_hpc.core.archive import ComputeEntry, MemoryEntry, OverheadEntry, ProfileArchive, open_archive
+from sailor_hpc.core.site import Site, load_site, load_site_dict
+from tests.data import SAILOR_DATA
 
 REPO = Path(__file__).resolve().parents[2]
 SITES = REPO / "site_configs"
-SAILOR_DATA = REPO.parent / "shared" / "sailor_data"
-VALIDATION = SAILOR_DATA / "validation"
+VALIDATION = SAILOR_DATA / "validation"  # Sailor's measured runs, shipped with the package
 
 # tiny-gpt: layer 0 embedding, 1..4 blocks, 5 head -> 6 pipeline layers
 TINY_L = 6
@@ -86,5 +86,5 @@ def sailor_archive() -> ProfileArchive:
 
 def validation_dir() -> Path:
     if not VALIDATION.exists():
-        pytest.fail(f"Sailor's measured runs are expected at {VALIDATION} (shared/ beside the checkout)")
+        pytest.fail(f"Sailor's measured runs are missing from the package ({VALIDATION}): reinstall it")
     return VALIDATION

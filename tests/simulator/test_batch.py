@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sailor_hpc.plan import Pipeline, Plan, Stage
+from sailor_hpc.core.plan import Pipeline, Plan, Stage
 from simulator import StageEvaluator, simulate
 from simulator.api import CandidateBatch
 

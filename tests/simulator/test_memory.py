@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
+from sailor_hpc.core.models import get_model
 from simulator.memory import ALLOCATOR_SLACK, in_flight, stage_memory
 from simulator.tables import ProfileTables
-from sailor_hpc.models import get_model
 from tests.simulator.conftest import OVERHEAD, TINY_ACT, TINY_OUT, TINY_PARAMS
 
 

@@ -5,8 +5,9 @@ from dataclasses import replace
 
 import pytest
 
-from sailor_hpc.errors import SailorError
-from sailor_hpc.plan import Pipeline, Plan, Stage, load_run
+from sailor_hpc.core.errors import SailorError
+from sailor_hpc.core.plan import Pipeline, Plan, Stage
+from sailor_hpc.core.plan_io import load_run
 from simulator import plan_timeline, simulate
 from simulator.iteration import Collective, expected_max_normal, finish_iteration, gradient_segments
 from simulator.network import Endpoint, ring_allreduce_seconds
@@ -60,7 +61,7 @@ def test_expected_max_of_normals_matches_sampling():
 
 
 def test_replica_jitter_delays_gradient_syncs_in_both_engines(tiny, tiny_site):
-    from sailor_hpc.site import load_site_dict
+    from sailor_hpc.core.site import load_site_dict
     from tests.simulator.conftest import TINY_SITE
 
     doc = {**TINY_SITE, "partitions": [{**p, "replica_jitter": 0.05} for p in TINY_SITE["partitions"]]}

@@ -4,9 +4,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sailor_hpc.archive import ComputeEntry
-from sailor_hpc.errors import SailorError
-from sailor_hpc.models import get_model
+from sailor_hpc.core.archive import ComputeEntry
+from sailor_hpc.core.errors import SailorError
+from sailor_hpc.core.models import get_model
 from simulator.tables import ProfileTables
 from tests.simulator.conftest import TINY_FWD, TINY_PARAMS, TINY_UPDATE, tiny_archive
 

@@ -1,0 +1,196 @@
+"""Layout-independent checkpoints: directory protocol, manifest, verification (torch-free).
+
+A checkpoint is a directory ``ROOT/step_NNNNNNNN/`` holding one file per pipeline layer
+(``layer_LLL.pt``: full fp32 tensors under Megatron names, with their Adam moments) and
+``manifest.json``. It is written as ``ROOT/.tmp-step_NNNNNNNN/``; the manifest, with the size and
+SHA-256 of every file, is written last, and only then is the directory renamed into place. So:
+
+- a directory named ``step_*`` without a readable manifest, or whose files do not match the
+  manifest's sizes and checksums, is torn or corrupt and is never loaded;
+- ``latest_complete(ROOT)`` returns the newest checkpoint that verifies, falling back to older ones;
+- the manifest is JSON: step, consumed samples (the data position), seed, RNG, the plan that wrote it
+  are readable without torch (the controller uses them).
+
+The torch side (gathering shards, writing and loading tensors) is ``checkpoint_io``.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+from sailor_hpc.core.atomic import atomic_write_text
+from sailor_hpc.core.errors import SailorError
+
+FORMAT = "sailor-hpc-checkpoint"
+VERSION = 1
+MANIFEST = "manifest.json"
+_STEP_RE = re.compile(r"^step_(\d{8})$")
+
+
+class CheckpointError(SailorError):
+    """A checkpoint that must not be loaded (torn, corrupt, wrong format)."""
+
+
+def step_dir(root: str | Path, step: int) -> Path:
+    return Path(root) / f"step_{step:08d}"
+
+
+def tmp_dir(root: str | Path, step: int) -> Path:
+    return Path(root) / f".tmp-step_{step:08d}"
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def read_manifest(path: str | Path) -> dict[str, Any]:
+    """The manifest of checkpoint directory ``path`` (no file checks; see :func:`verify`)."""
+    mpath = Path(path) / MANIFEST
+    try:
+        data = json.loads(mpath.read_text())
+    except FileNotFoundError:
+        raise CheckpointError("checkpoint has no manifest (torn write?)", file=mpath) from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"manifest is not valid JSON: {exc}", file=mpath) from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("version") != VERSION:
+        raise CheckpointError(f"not a {FORMAT} v{VERSION} manifest", file=mpath)
+    for key in ("step", "consumed_samples", "files", "params"):
+        if key not in data:
+            raise CheckpointError(f"manifest lacks {key!r}", file=mpath, field=key)
+    return data
+
+
+def verify(path: str | Path, deep: bool = True) -> dict[str, Any]:
+    """Return the manifest if every listed file exists with its size (and, ``deep``, its checksum)."""
+    path = Path(path)
+    manifest = read_manifest(path)
+    for name, meta in manifest["files"].items():
+        f = path / name
+        if not f.is_file():
+            raise CheckpointError("file listed in the manifest is missing", file=f)
+        if f.stat().st_size != meta["bytes"]:
+            raise CheckpointError(f"size {f.stat().st_size} != {meta['bytes']} in the manifest", file=f)
+        if deep and sha256_file(f) != meta["sha256"]:
+            raise CheckpointError("checksum does not match the manifest", file=f)
+    missing = {m["file"] for m in manifest["params"].values()} - set(manifest["files"])
+    if missing:
+        raise CheckpointError(f"parameters point to unlisted files {sorted(missing)}", file=path / MANIFEST)
+    return manifest
+
+
+def candidates(root: str | Path) -> list[Path]:
+    """``step_*`` directories under ``root``, newest first (complete or not)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_RE.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def latest_complete(root: str | Path, deep: bool = True) -> Path | None:
+    """The newest checkpoint under ``root`` that verifies, or None; torn/corrupt ones are skipped."""
+    for path in candidates(root):
+        try:
+            verify(path, deep=deep)
+        except CheckpointError:
+            continue
+        return path
+    return None
+
+
+def resolve(path: str | Path, deep: bool = True) -> Path:
+    """``path`` itself if it is a checkpoint, else the newest complete one under it."""
+    path = Path(path)
+    if (path / MANIFEST).exists() or _STEP_RE.match(path.name):
+        verify(path, deep=deep)
+        return path
+    found = latest_complete(path, deep=deep)
+    if found is None:
+        raise CheckpointError("no complete checkpoint found", file=path,
+                              fix="train without --load, or point --load at a directory with step_* checkpoints")
+    return found
+
+
+def start_tmp(root: str | Path, step: int) -> Path:
+    """A fresh temporary directory for the checkpoint of ``step`` (a stale one from a killed run is removed)."""
+    tmp = tmp_dir(root, step)
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def write_file(path: Path, data: bytes) -> dict[str, Any]:
+    """Write one checkpoint file (fsynced) and return its manifest entry (size, checksum)."""
+    with open(path, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    return {"bytes": len(data), "sha256": sha256_bytes(data)}
+
+
+def _commit(tmp: Path, final: Path) -> None:
+    """The commit point: the directory appears under its final name, complete."""
+    os.replace(tmp, final)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def publish(tmp: Path, manifest: dict[str, Any]) -> Path:
+    """Write the manifest into ``tmp`` and rename ``tmp`` to its final ``step_*`` name (the commit point)."""
+    manifest = {"format": FORMAT, "version": VERSION, **manifest}
+    atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    _fsync_dir(tmp)
+    final = step_dir(tmp.parent, manifest["step"])
+    if final.exists():  # the same step saved again: move the old one aside first
+        trash = tmp.parent / f".old-{final.name}"
+        if trash.exists():
+            shutil.rmtree(trash)
+        os.replace(final, trash)
+        _commit(tmp, final)
+        shutil.rmtree(trash)
+    else:
+        _commit(tmp, final)
+    _fsync_dir(tmp.parent)
+    return final
+
+
+def prune(root: str | Path, keep: int) -> list[Path]:
+    """Delete all but the ``keep`` newest complete checkpoints (never the only complete one)."""
+    complete = [p for p in candidates(root) if _quick_ok(p)]
+    doomed = complete[max(keep, 1):]
+    for p in doomed:
+        shutil.rmtree(p, ignore_errors=True)
+    return doomed
+
+
+def _quick_ok(path: Path) -> bool:
+    try:
+        verify(path, deep=False)
+    except CheckpointError:
+        return False
+    return True

@@ -1,0 +1,178 @@
+"""Bandwidth fits: how long a message of a given size takes on a link.
+
+Sailor fits measured bandwidth (GB/s) as a quadratic in u = log2(message bytes / 1e6). The fit is only
+trustworthy inside the measured range of message sizes, and a quadratic can turn negative outside it,
+so sizes are clamped to the fitted range before evaluating (a quirk of Sailor we do not inherit), and
+the result is clamped to ``[1 MB/s, max observed]``.
+
+Inside the range a least-squares quadratic still bends down at the small end (Clariden's GH-96 fit is
+negative below ~100 kB), which would make a 20 kB message take longer than a 1 MB one. A link cannot do
+that (the small message could be padded), so a transfer takes at most as long as any larger message:
+:meth:`NetworkFit.transfer_time` is the fit's time made non-decreasing in size, which turns the bent-down
+end into the latency floor the measurements imply (tens of microseconds on Clariden).
+"""
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+from functools import cached_property
+
+from sailor_hpc.core.errors import SailorError
+from sailor_hpc.core.fields import Fields
+
+DEFAULT_MIN_BYTES = 2**16
+DEFAULT_MAX_BYTES = 2**30
+_MIN_BANDWIDTH = 1e6  # bytes/s floor so a bad fit can never yield zero or negative bandwidth
+_GRID_PER_OCTAVE = 8  # message sizes per doubling on which the monotone envelope is tabulated
+
+
+@dataclass(frozen=True)
+class NetworkFit:
+    """Aggregate bandwidth of one link kind, as a quadratic fit or a constant."""
+
+    coeffs: tuple[float, float, float] | None = None  # GB/s = a*u^2 + b*u + c
+    constant_gbps: float | None = None
+    max_gbps: float | None = None  # highest bandwidth observed (GB/s = 1e9 B/s)
+    min_bytes: float = DEFAULT_MIN_BYTES
+    max_bytes: float = DEFAULT_MAX_BYTES
+
+    def fitted_bandwidth(self, nbytes: float) -> float:
+        """Bytes per second the quadratic gives at ``nbytes`` (clamped to the range and the peak)."""
+        if self.constant_gbps is not None:
+            return self.constant_gbps * 1e9
+        assert self.coeffs is not None
+        x = min(max(nbytes, self.min_bytes), self.max_bytes)
+        u = math.log2(x / 1e6)
+        a, b, c = self.coeffs
+        bw = (a * u * u + b * u + c) * 1e9
+        if self.max_gbps is not None:
+            bw = min(bw, self.max_gbps * 1e9)
+        return max(bw, _MIN_BANDWIDTH)
+
+    def _fitted_time(self, nbytes: float) -> float:
+        return min(max(nbytes, self.min_bytes), self.max_bytes) / self.fitted_bandwidth(nbytes)
+
+    @cached_property
+    def _envelope(self) -> tuple[list[float], list[float]]:
+        """Sizes on a log grid over the range and, per size, the least time of any size at or above it."""
+        octaves = math.log2(self.max_bytes / self.min_bytes)
+        n = max(2, int(math.ceil(octaves * _GRID_PER_OCTAVE)) + 1)
+        sizes = [self.min_bytes * 2 ** (octaves * i / (n - 1)) for i in range(n)]
+        times = [self._fitted_time(x) for x in sizes]
+        for i in range(n - 2, -1, -1):
+            times[i] = min(times[i], times[i + 1])
+        return sizes, times
+
+    def transfer_time(self, nbytes: float) -> float:
+        """Seconds to move ``nbytes`` over the link (0 for an empty message).
+
+        Below the range: the smallest message's time (latency-bound); above it: the edge bandwidth;
+        inside it: the fit's time, but never more than that of a larger message.
+        """
+        if nbytes <= 0:
+            return 0.0
+        if self.constant_gbps is not None:
+            return nbytes / (self.constant_gbps * 1e9)
+        if nbytes >= self.max_bytes:
+            return nbytes / self.fitted_bandwidth(self.max_bytes)
+        sizes, times = self._envelope
+        i = bisect.bisect_left(sizes, nbytes)
+        return min(self._fitted_time(nbytes), times[i])
+
+    def bandwidth(self, nbytes: float) -> float:
+        """Effective bytes per second for a message of ``nbytes`` (size / :meth:`transfer_time`)."""
+        nbytes = max(nbytes, 1.0)
+        return nbytes / self.transfer_time(nbytes)
+
+    @property
+    def peak_bytes_per_s(self) -> float:
+        if self.max_gbps is not None:
+            return self.max_gbps * 1e9
+        return self.fitted_bandwidth(self.max_bytes)
+
+    def to_dict(self) -> dict[str, object]:
+        if self.constant_gbps is not None:
+            return {"constant_gbps": self.constant_gbps}
+        d: dict[str, object] = {"coeffs": list(self.coeffs or ())}
+        if self.max_gbps is not None:
+            d["max_gbps"] = self.max_gbps
+        if (self.min_bytes, self.max_bytes) != (DEFAULT_MIN_BYTES, DEFAULT_MAX_BYTES):
+            d["range_bytes"] = [self.min_bytes, self.max_bytes]
+        return d
+
+    @classmethod
+    def from_sailor(cls, entry: list) -> NetworkFit:
+        """Sailor's ``[[a, b, c], max_bytes_per_s]`` entry."""
+        (a, b, c), max_bps = entry
+        return cls(coeffs=(float(a), float(b), float(c)), max_gbps=float(max_bps) / 1e9)
+
+    @classmethod
+    def parse(cls, f: Fields) -> NetworkFit:
+        coeffs = f.opt("coeffs", list)
+        constant = f.opt("constant_gbps", float)
+        max_gbps = f.opt("max_gbps", float)
+        rng = f.opt("range_bytes", list, [DEFAULT_MIN_BYTES, DEFAULT_MAX_BYTES])
+        f.done()
+        if (coeffs is None) == (constant is None):
+            raise f.error(None, "needs exactly one of coeffs = [a, b, c] or constant_gbps = <GB/s>")
+        if coeffs is not None and (len(coeffs) != 3 or not all(isinstance(c, (int, float)) and not isinstance(c, bool)
+                                                               and math.isfinite(c) for c in coeffs)):
+            raise f.error("coeffs", f"must be three numbers [a, b, c] (GB/s = a*u^2 + b*u + c), got {coeffs!r}")
+        if constant is not None and constant <= 0:
+            raise f.error("constant_gbps", f"must be positive, got {constant}")
+        if max_gbps is not None and max_gbps <= 0:
+            raise f.error("max_gbps", f"must be positive, got {max_gbps}")
+        if (len(rng) != 2 or not all(isinstance(r, (int, float)) and not isinstance(r, bool) for r in rng)
+                or not 0 < rng[0] < rng[1] < math.inf):
+            raise f.error("range_bytes", f"must be [min, max] message bytes with 0 < min < max, got {rng!r}")
+        if coeffs is not None:
+            a, b, c = (float(x) for x in coeffs)
+            lo, hi = math.log2(rng[0] / 1e6), math.log2(rng[1] / 1e6)
+            if max(a * u * u + b * u + c for u in (lo + (hi - lo) * i / 64 for i in range(65))) <= 0:
+                raise f.error("coeffs", f"{coeffs!r} gives no positive bandwidth over range_bytes {rng!r}",
+                              fix="give the fit of measured GB/s over log2(message MB), or constant_gbps")
+        return cls(coeffs=tuple(float(c) for c in coeffs) if coeffs else None, constant_gbps=constant,
+                   max_gbps=max_gbps, min_bytes=float(rng[0]), max_bytes=float(rng[1]))
+
+
+@dataclass(frozen=True)
+class LinkTable:
+    """Fits of one link kind keyed by k, the number of GPUs sending at once (aggregate bandwidth)."""
+
+    fits: dict[int, NetworkFit]
+
+    def for_senders(self, k: int) -> NetworkFit:
+        """The fit measured with k senders, else the nearest measured k below (then above)."""
+        if k in self.fits:
+            return self.fits[k]
+        lower = [j for j in self.fits if j <= k]
+        return self.fits[max(lower)] if lower else self.fits[min(self.fits)]
+
+    def slowest(self, other: LinkTable) -> LinkTable:
+        """Of two tables, the one whose peak bandwidth is lower (Sailor's rule for mixed links)."""
+        mine = max(f.peak_bytes_per_s for f in self.fits.values())
+        theirs = max(f.peak_bytes_per_s for f in other.fits.values())
+        return self if mine <= theirs else other
+
+    def to_dict(self) -> dict[str, object]:
+        return {str(k): fit.to_dict() for k, fit in sorted(self.fits.items())}
+
+    @classmethod
+    def parse(cls, f: Fields) -> LinkTable:
+        fits = {}
+        for key, value in f.data.items():
+            f.seen.add(key)
+            if not (str(key).isascii() and str(key).isdigit()) or int(key) <= 0:
+                raise f.error(str(key), "keys must be the number of GPUs sending at once (\"1\", \"2\", ...)")
+            fits[int(key)] = NetworkFit.parse(f.sub(str(key), value))
+        if not fits:
+            raise f.error(None, "is empty", fix="give at least one fit, e.g. \"1\" = { constant_gbps = 10 }")
+        return cls(fits)
+
+
+def require_table(table: LinkTable | None, what: str, file: object | None) -> LinkTable:
+    if table is None:
+        raise SailorError(f"no {what} bandwidth in the site config", file=file, field=what,
+                          fix="add a fit (coeffs or constant_gbps) or measure one with `sailor-hpc profile`")
+    return table

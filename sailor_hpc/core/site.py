@@ -1,0 +1,311 @@
+"""Site configs: the partitions of a SLURM site, their GPUs, network and cost (``site_configs/*.toml``).
+
+A site is read with :func:`load_site` (TOML via tomllib) and validated field by field; every error
+names the file and the field. The README documents the format; ``site_configs/`` has examples.
+"""
+from __future__ import annotations
+
+import re
+import tomllib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sailor_hpc.core.errors import SailorError
+from sailor_hpc.core.fields import Fields, read_text
+from sailor_hpc.core.network import LinkTable, NetworkFit, require_table
+from sailor_hpc.core.sbatch_values import constraint, parse_sbatch_option, slurm_word
+
+SITE_SCHEMA_VERSION = 1
+GIB = 1024**3
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_WALLTIME = re.compile(r"^(?:(\d+)-)?(\d+):(\d{2}):(\d{2})$|^(\d+)$")
+
+
+def parse_walltime(text: str) -> int:
+    """Slurm time (``D-HH:MM:SS``, ``HH:MM:SS`` or minutes) in seconds."""
+    m = _WALLTIME.match(text)
+    if not m:
+        raise ValueError(text)
+    if m.group(5) is not None:
+        return int(m.group(5)) * 60
+    days = int(m.group(1) or 0)
+    return ((days * 24 + int(m.group(2))) * 60 + int(m.group(3))) * 60 + int(m.group(4))
+
+
+@dataclass(frozen=True)
+class GpuType:
+    name: str  # the key used in profile archives (e.g. "A100-40")
+    memory_bytes: int
+    aliases: tuple[str, ...] = ()
+    peak_tflops: float | None = None
+
+
+@dataclass(frozen=True)
+class Partition:
+    name: str
+    gpu_type: str
+    nodes: int
+    gpus_per_node: int
+    gres: str  # Slurm gres name, e.g. "gpu:a100"
+    cpus_per_node: int
+    memory_per_node_mb: int
+    max_nodes_per_job: int
+    cost_per_gpu_hour: float
+    max_walltime: str | None = None
+    intra_node: LinkTable | None = None
+    inter_node: LinkTable | None = None
+    # Coefficient of variation of one replica's compute time from node to node. Replicas that meet in
+    # a gradient all-reduce wait for the slowest, so the wait grows with their number (the simulator's
+    # straggler term). 0 = not measured: no wait modelled.
+    replica_jitter: float = 0.0
+
+    @property
+    def total_gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def max_walltime_s(self) -> int | None:
+        return None if self.max_walltime is None else parse_walltime(self.max_walltime)
+
+
+@dataclass(frozen=True)
+class SlurmDefaults:
+    account: str = ""
+    qos: str = ""
+    constraint: str = ""
+    extra_sbatch: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Site:
+    name: str
+    partitions: tuple[Partition, ...]
+    gpu_types: dict[str, GpuType]
+    cost_unit: str = "GPU-hours"
+    between: dict[frozenset[str], LinkTable] = field(default_factory=dict)
+    slurm: SlurmDefaults = SlurmDefaults()
+    prelude: tuple[str, ...] = ()
+    archive: str = ""  # path of the shared profile archive ("" = embedded default)
+    source: str | None = None  # file it was read from
+
+    def partition(self, name: str) -> Partition:
+        for p in self.partitions:
+            if p.name == name:
+                return p
+        raise SailorError(f"no partition {name!r} in site {self.name!r}", file=self.source, field="partitions",
+                          fix=f"use one of {', '.join(p.name for p in self.partitions)}")
+
+    def gpu(self, name: str) -> GpuType:
+        """A GPU type by name or alias."""
+        for g in self.gpu_types.values():
+            if name == g.name or name in g.aliases:
+                return g
+        raise SailorError(f"unknown GPU type {name!r}", file=self.source, field="gpu_types",
+                          fix=f"declare it under [gpu_types] or use one of {', '.join(self.gpu_types)}")
+
+    def partitions_with_gpu(self, gpu_type: str) -> list[Partition]:
+        name = self.gpu(gpu_type).name
+        return [p for p in self.partitions if p.gpu_type == name]
+
+    def intra_node_fit(self, partition: str, senders: int) -> NetworkFit:
+        p = self.partition(partition)
+        return require_table(p.intra_node, f"partitions[{p.name}].network.intra_node", self.source).for_senders(senders)
+
+    def inter_node_table(self, a: str, b: str) -> LinkTable:
+        """Link between nodes of partitions a and b (same partition: its inter-node network)."""
+        if a == b:
+            p = self.partition(a)
+            return require_table(p.inter_node, f"partitions[{p.name}].network.inter_node", self.source)
+        explicit = self.between.get(frozenset((a, b)))
+        if explicit is not None:
+            return explicit
+        # no measured cross-partition link: the slower of the two partitions' own networks
+        return self.inter_node_table(a, a).slowest(self.inter_node_table(b, b))
+
+    def inter_node_fit(self, a: str, b: str, senders: int) -> NetworkFit:
+        return self.inter_node_table(a, b).for_senders(senders)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The TOML document this site would be written as (used by ``site show --json``)."""
+        doc: dict[str, Any] = {"schema_version": SITE_SCHEMA_VERSION, "name": self.name, "cost_unit": self.cost_unit}
+        doc["slurm"] = {"account": self.slurm.account, "qos": self.slurm.qos, "constraint": self.slurm.constraint,
+                        "extra_sbatch": list(self.slurm.extra_sbatch)}
+        doc["environment"] = {"prelude": list(self.prelude)}
+        doc["profiles"] = {"archive": self.archive}
+        doc["gpu_types"] = {g.name: {"memory_gib": g.memory_bytes / GIB, "aliases": list(g.aliases),
+                                     **({"peak_tflops": g.peak_tflops} if g.peak_tflops else {})}
+                            for g in self.gpu_types.values()}
+        parts = []
+        for p in self.partitions:
+            d: dict[str, Any] = {k: getattr(p, k) for k in (
+                "name", "gpu_type", "gres", "nodes", "gpus_per_node", "cpus_per_node", "memory_per_node_mb",
+                "max_nodes_per_job", "cost_per_gpu_hour")}
+            if p.max_walltime:
+                d["max_walltime"] = p.max_walltime
+            if p.replica_jitter:
+                d["replica_jitter"] = p.replica_jitter
+            net = {k: getattr(p, k).to_dict() for k in ("intra_node", "inter_node") if getattr(p, k)}
+            if net:
+                d["network"] = net
+            parts.append(d)
+        doc["partitions"] = parts
+        if self.between:
+            doc["network"] = {"between": [{"partitions": sorted(k), "links": t.to_dict()}
+                                          for k, t in sorted(self.between.items(), key=lambda kv: sorted(kv[0]))]}
+        return doc
+
+
+def _parse_gpu_types(f: Fields) -> dict[str, GpuType]:
+    out: dict[str, GpuType] = {}
+    for name, value in f.data.items():
+        f.seen.add(name)
+        if not _NAME.match(name):  # it names HDF5 groups in the shared profile archive and Slurm gres
+            raise f.error(name, f"{name!r} is not a valid GPU type name",
+                          fix="letters, digits, '_', '-', '.' (e.g. \"A100-40\"); put other spellings in aliases")
+        g = f.sub(name, value)
+        mem = g.req("memory_gib", float)
+        if mem <= 0:
+            raise g.error("memory_gib", f"must be positive, got {mem}")
+        aliases = g.opt("aliases", list, [])
+        peak = g.opt("peak_tflops", float)
+        g.done()
+        if not all(isinstance(a, str) for a in aliases):
+            raise g.error("aliases", "must be a list of strings")
+        out[name] = GpuType(name=name, memory_bytes=int(mem * GIB), aliases=tuple(aliases), peak_tflops=peak)
+    _check_aliases(f, out)
+    return out
+
+
+def _check_aliases(f: Fields, gpu_types: dict[str, GpuType]) -> None:
+    """Every name a GPU type answers to must mean that type only. :meth:`Site.gpu` and a partition's
+    ``gpu_type`` take the first type that answers, so an alias shared by two types, or equal to another
+    type's name, would silently give a plan or partition the other GPU's memory and profiles."""
+    owner = {name: name for name in gpu_types}  # names first: an alias may not take one, declared before or after
+    for g in gpu_types.values():
+        for alias in g.aliases:
+            other = owner.setdefault(alias, g.name)
+            if other != g.name:
+                what = "the name" if other == alias else "an alias"
+                raise f.error(f"{g.name}.aliases", f"alias {alias!r} of {g.name!r} is already {what} of GPU type "
+                              f"{other!r}", fix=f"remove {alias!r} from one of the two, or rename it")
+
+
+def _parse_partition(f: Fields, gpu_types: dict[str, GpuType]) -> Partition:
+    name = f.req("name", str)
+    if not _NAME.match(name):
+        raise f.error("name", f"{name!r} is not a valid Slurm partition name", fix="letters, digits, '_', '-', '.'")
+    gpu = f.req("gpu_type", str)
+    matches = [g.name for g in gpu_types.values() if gpu == g.name or gpu in g.aliases]
+    if not matches:
+        raise f.error("gpu_type", f"GPU type {gpu!r} is not declared",
+                      fix=f"add [gpu_types.\"{gpu}\"] with memory_gib, or use one of {', '.join(gpu_types) or '(none)'}")
+    nodes = f.positive("nodes")
+    gres = f.opt("gres", str, "gpu")
+    if not re.match(r"^[A-Za-z0-9_]+(:[A-Za-z0-9_.-]+)?$", gres):
+        raise f.error("gres", f"{gres!r} is not a Slurm gres name", fix='e.g. "gpu" or "gpu:a100"')
+    walltime = f.opt("max_walltime", str)
+    if walltime is not None:
+        try:
+            parse_walltime(walltime)
+        except ValueError:
+            raise f.error("max_walltime", f"{walltime!r} is not a Slurm time",
+                          fix='use "D-HH:MM:SS", "HH:MM:SS" or minutes') from None
+    cost = f.opt("cost_per_gpu_hour", float, 1.0)
+    if cost < 0:
+        raise f.error("cost_per_gpu_hour", f"must be >= 0, got {cost}")
+    jitter = f.opt("replica_jitter", float, 0.0)
+    if not 0.0 <= jitter < 0.5:
+        raise f.error("replica_jitter", f"must be a fraction in [0, 0.5), got {jitter}",
+                      fix="give the coefficient of variation of a replica's step time, e.g. 0.013 for 1.3 %")
+    net = f.opt("network", dict, {})
+    nf = f.sub("network", net)
+    intra = nf.opt("intra_node", dict)
+    inter = nf.opt("inter_node", dict)
+    nf.done()
+    part = Partition(
+        name=name, gpu_type=matches[0], nodes=nodes, gpus_per_node=f.positive("gpus_per_node"), gres=gres,
+        cpus_per_node=f.positive("cpus_per_node", 1), memory_per_node_mb=f.positive("memory_per_node_mb", 1),
+        max_nodes_per_job=f.positive("max_nodes_per_job", nodes), cost_per_gpu_hour=cost, max_walltime=walltime,
+        replica_jitter=jitter, intra_node=LinkTable.parse(nf.sub("intra_node", intra)) if intra is not None else None,
+        inter_node=LinkTable.parse(nf.sub("inter_node", inter)) if inter is not None else None,
+    )
+    f.done()
+    if part.max_nodes_per_job > part.nodes:
+        raise f.error("max_nodes_per_job", f"{part.max_nodes_per_job} exceeds the partition's {part.nodes} nodes")
+    return part
+
+
+def _parse_slurm(f: Fields) -> SlurmDefaults:
+    """The ``[slurm]`` defaults, checked with the job header's own rules (:mod:`sailor_hpc.core.sbatch_values`)
+    now: every job of the site writes them into its ``#SBATCH`` lines, so a bad one is the site's error,
+    reported by ``site validate``, not a surprise of the first render."""
+    def checked(key: str, check: Callable[..., str]) -> str:
+        value = f.opt(key, str, "")
+        return check(value, f.name(key), file=f.file) if value else value
+
+    account, qos = checked("account", slurm_word), checked("qos", slurm_word)
+    feature = checked("constraint", constraint)
+    extra = f.opt("extra_sbatch", list, [])
+    for i, opt in enumerate(extra):
+        parse_sbatch_option(opt, f.name(f"extra_sbatch[{i}]"), file=f.file)
+    f.done()
+    return SlurmDefaults(account=account, qos=qos, constraint=feature, extra_sbatch=tuple(extra))
+
+
+def load_site_dict(data: dict[str, Any], source: object | None = None) -> Site:
+    """Validate a parsed site document (TOML tables) and build a :class:`Site`."""
+    f = Fields(data, file=source, path="")
+    version = f.opt("schema_version", int, SITE_SCHEMA_VERSION)
+    if version != SITE_SCHEMA_VERSION:
+        raise f.error("schema_version", f"version {version} is not supported",
+                      fix=f"this sailor-hpc reads schema_version = {SITE_SCHEMA_VERSION}")
+    name = f.req("name", str)
+    if not _NAME.match(name):
+        raise f.error("name", f"{name!r} is not a valid site name", fix="letters, digits, '_', '-', '.'")
+    gpu_types = _parse_gpu_types(f.sub("gpu_types", f.req("gpu_types", dict)))
+    raw_parts = f.req("partitions", list)
+    if not raw_parts:
+        raise f.error("partitions", "is empty", fix="add at least one [[partitions]] table")
+    parts = tuple(_parse_partition(f.sub(f"partitions[{i}]", p), gpu_types) for i, p in enumerate(raw_parts))
+    seen: set[str] = set()
+    for i, p in enumerate(parts):
+        if p.name in seen:
+            raise f.error(f"partitions[{i}].name", f"partition {p.name!r} is declared twice")
+        seen.add(p.name)
+    defaults = _parse_slurm(f.sub("slurm", f.opt("slurm", dict, {})))
+    env = f.sub("environment", f.opt("environment", dict, {}))
+    prelude = env.opt("prelude", list, [])
+    env.done()
+    if not all(isinstance(line, str) for line in prelude):
+        raise f.error("environment.prelude", "must be a list of shell lines (strings)")
+    prof = f.sub("profiles", f.opt("profiles", dict, {}))
+    archive = prof.opt("archive", str, "")
+    prof.done()
+    if archive and source is not None and not Path(archive).is_absolute():
+        archive = str((Path(str(source)).parent / archive).resolve())
+    between: dict[frozenset[str], LinkTable] = {}
+    net = f.sub("network", f.opt("network", dict, {}))
+    for i, entry in enumerate(net.opt("between", list, [])):
+        b = net.sub(f"between[{i}]", entry)
+        pair = b.req("partitions", list)
+        if len(pair) != 2 or not all(isinstance(p, str) and p in seen for p in pair) or pair[0] == pair[1]:
+            raise b.error("partitions", f"must name two different declared partitions, got {pair!r}")
+        between[frozenset(pair)] = LinkTable.parse(b.sub("links", b.req("links", dict)))
+        b.done()
+    net.done()
+    cost_unit = f.opt("cost_unit", str, "GPU-hours")
+    f.done()
+    return Site(name=name, partitions=parts, gpu_types=gpu_types, cost_unit=cost_unit, between=between,
+                slurm=defaults, prelude=tuple(prelude), archive=archive, source=None if source is None else str(source))
+
+
+def load_site(path: str | Path) -> Site:
+    """Read and validate a site TOML file."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(read_text(path, missing_fix="pass the path of a site TOML (see site_configs/)"))
+    except tomllib.TOMLDecodeError as exc:
+        raise SailorError(f"not valid TOML: {exc}", file=path, fix="fix the TOML syntax") from None
+    return load_site_dict(data, source=path)

@@ -1,0 +1,194 @@
+"""The resize scenario on the real local Slurm cluster, shared by tests/controller and benchmarks/resize_latency.
+
+tiny-gpt, global batch 64, at most 2 GPUs (2 CPU ranks): the planner then picks 1 A100 + 1 V100 when
+one A100 GPU is idle, 2 V100 when none is, and 2 A100 when two are (see test_policy.py). Blocker jobs
+(``sleep``, never requeued) shape what is idle; ``scontrol update nodename=... state=down|resume`` makes
+the allocation change. The controller runs as ``sailor-hpc run`` in a subprocess, as a user would run it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sailor_hpc.controller.journal import read_journal
+from tests.data.tiny_archive import write_tiny_archive
+
+REPO = Path(__file__).resolve().parents[2]
+LOCAL_LAB = REPO / "site_configs" / "local-lab.toml"
+MODEL, GBS = "tiny-gpt", 64
+ADAM = ["--adam-eps", "1e-5"]  # see tests/megatron_patch/test_exactness.py: exactness tests Adam with eps 1e-5
+
+
+def build_inputs(root: Path) -> tuple[str, Path]:
+    """The dataset (the project's shipped text) and the tiny-gpt profile archive."""
+    data = root / "data" / "shipped"
+    proc = subprocess.run([sys.executable, "-m", "megatron_patch.data", str(data)], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return str(data), write_tiny_archive(root / "tiny.h5")
+
+
+def start_reference(root: Path, data: str, steps: int) -> subprocess.Popen:
+    """The single-process reference run of the same global steps (megatron_patch.reference), in the background;
+    it also keeps the step before the last (a negative control: one step apart is far above the tolerance)."""
+    from megatron_patch import local
+    out = open(root / "reference.log", "w")
+    return subprocess.Popen([sys.executable, "-m", "megatron_patch.reference", "--model", MODEL, "--data", data,
+                             "--global-batch", str(GBS), "--steps", str(steps), "--snapshots", f"{steps - 1},{steps}",
+                             "--out", str(root / "ref"), *ADAM],
+                            cwd=REPO, env=local.rank_env(0, 1, local.free_port()), stdout=out, stderr=subprocess.STDOUT)
+
+
+@dataclass
+class Scenario:
+    cluster: Any  # tests.slurm.cluster.SlurmCluster
+    root: Path
+    data: str
+    archive: Path
+    steps: int = 60
+    save_interval: int = 5
+    poll_s: float = 0.5
+    blockers: list[str] = field(default_factory=list)
+    downed: set[str] = field(default_factory=set)
+    proc: subprocess.Popen | None = None
+    outputs: list[Path] = field(default_factory=list)
+
+    @property
+    def env(self) -> dict[str, str]:
+        env = dict(self.cluster.env)
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+        env["SAILOR_HPC_STATE_DIR"] = str(self.root / "job-records")
+        env["OMP_NUM_THREADS"] = "1"
+        return env
+
+    @property
+    def save(self) -> Path:
+        return self.root / "ckpt"
+
+    @property
+    def run_dir(self) -> Path:
+        return self.root / "run"
+
+    # ------------------------------------------------------------------------------------------ the cluster
+
+    def slurm(self, *args: str) -> str:
+        proc = self.cluster.run(list(args))
+        assert proc.returncode == 0, f"{' '.join(args)}: {proc.stderr}"
+        return proc.stdout
+
+    def blocker(self, node: str, gpus: int) -> str:
+        """A job holding ``gpus`` GPUs of ``node`` (never requeued: a lost node ends it)."""
+        part = node.split("-")[0]
+        job = self.cluster.sbatch(["-p", part, "-w", node, f"--gres=gpu:{part}:{gpus}", "--no-requeue", "-o", "/dev/null",
+                                   "-J", f"blocker-{node}", "--wrap", "sleep 3000"])
+        self.blockers.append(job)
+        deadline = time.monotonic() + 60
+        while self.cluster.job_states(job) != ["RUNNING"]:
+            assert time.monotonic() < deadline, f"blocker {job} on {node} did not start"
+            time.sleep(0.2)
+        return job
+
+    def set_node(self, node: str, state: str) -> float:
+        """``scontrol update nodename=NODE state=down|drain|resume``; returns the wall time it took effect."""
+        taken = state in ("down", "drain")
+        self.slurm("scontrol", "update", f"nodename={node}", f"state={state}", *(["reason=resize-test"] if taken else []))
+        t = time.time()
+        (self.downed.add if taken else self.downed.discard)(node)
+        return t
+
+    def cleanup(self) -> None:
+        """Stop the controller, cancel the run's jobs and the blockers, bring nodes back (idempotent)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+        names = self.cluster.run(["squeue", "-h", "-o", "%i %j"]).stdout.split("\n")
+        prefix = self._job_prefix()
+        ours = {parts[0].split("+")[0] for parts in map(str.split, names)
+                if len(parts) == 2 and prefix and parts[1].startswith(prefix)}
+        for job in [*ours, *self.blockers]:
+            self.cluster.run(["scancel", job])
+        for job in ours:  # gone before the caller removes the directories its ranks write to
+            self.cluster.wait_job(job, timeout=120)
+        for node in list(self.downed):
+            self.set_node(node, "resume")
+
+    def _job_prefix(self) -> str | None:
+        spec = self.run_dir / "run.json"
+        return f"sailor-{json.loads(spec.read_text())['run_id']}-" if spec.exists() else None
+
+    # --------------------------------------------------------------------------------------- the controller
+
+    def command(self, resume: bool = False) -> list[str]:
+        if resume:
+            return ["sailor-hpc", "run", "--resume", str(self.run_dir)]
+        return ["sailor-hpc", "run", "--site", str(LOCAL_LAB), "--profiles", str(self.archive), "--model", MODEL,
+                "--objective", "throughput", "--gbs", str(GBS), "--max-gpus", "2", "--max-stages", "2",
+                "--data", self.data, "--save", str(self.save), "--run-dir", str(self.run_dir),
+                "--steps", str(self.steps), "--save-interval", str(self.save_interval), "--poll", str(self.poll_s),
+                "--replan-interval", "1", "--min-gain", "10%", "--time", "00:30:00", "--backoff", "2",
+                *[f"--train-arg={a}" for a in ADAM]]
+
+    def start_controller(self, resume: bool = False) -> subprocess.Popen:
+        out = self.root / f"controller-{len(self.outputs)}.out"
+        self.outputs.append(out)
+        self.proc = subprocess.Popen(self.command(resume), cwd=self.cluster.shared, env=self.env,
+                                     stdout=open(out, "w"), stderr=subprocess.STDOUT)
+        return self.proc
+
+    def kill_controller(self) -> float:
+        """SIGKILL: no goodbye record, lock released by the kernel."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+        return time.time()
+
+    def records(self) -> list[dict[str, Any]]:
+        return read_journal(self.run_dir / "journal.jsonl")
+
+    def controller_output(self) -> str:
+        return "".join(f"--- {p.name}\n{p.read_text()}" for p in self.outputs if p.exists())
+
+    def wait_for(self, what: str, pred: Callable[[dict[str, Any]], bool], timeout: float = 120.0) -> dict[str, Any]:
+        """The first journal record matching ``pred`` (waits; fails early if the controller died)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for rec in self.records():
+                if pred(rec):
+                    return rec
+            if self.proc is not None and self.proc.poll() is not None:
+                raise AssertionError(f"controller exited {self.proc.returncode} before {what}:\n{self.controller_output()}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no {what} after {timeout} s:\n{self.controller_output()}")
+            time.sleep(0.1)
+
+    def wait_exit(self, timeout: float = 240.0) -> int:
+        assert self.proc is not None
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"controller still running after {timeout} s:\n{self.controller_output()}") from None
+
+
+def kind(k: str, **match: Any) -> Callable[[dict[str, Any]], bool]:
+    """A journal predicate: record kind ``k`` whose fields equal ``match``."""
+    return lambda r: r["kind"] == k and all(r.get(key) == v for key, v in match.items())
+
+
+def step_events(log: Path) -> list[dict[str, Any]]:
+    """The runtime's JSON records in a job log."""
+    out = []
+    for line in log.read_text(errors="replace").splitlines():
+        if line.startswith("{"):
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass
+    return out

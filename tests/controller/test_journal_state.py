@@ -1,0 +1,183 @@
+"""The journal (atomic appends, torn last line), the state folded from it, the run spec and directory."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sailor_hpc.controller.journal import Journal, read_journal
+from sailor_hpc.controller.spec import RunSpec
+from sailor_hpc.controller.state import RunDir, fold, job_name
+from sailor_hpc.core.errors import SailorError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def spec(**kw) -> RunSpec:
+    base = dict(run_id="r1", site="/site.toml", model="tiny-gpt", objective="throughput", data="/data", save="/ckpt",
+                steps=60, gbs=64)
+    return RunSpec(**{**base, **kw})
+
+
+def test_appends_survive_a_torn_last_line(tmp_path: Path):
+    path = tmp_path / "journal.jsonl"
+    j = Journal(path, clock=lambda: 100.0)
+    j.append("run_started", run_id="r1")
+    j.append("plan", available={"a100": 1})
+    with open(path, "a") as fh:  # a controller killed in the middle of a write
+        fh.write('{"seq": 2, "t": 101.0, "kind": "submit_int')
+    assert [r["kind"] for r in read_journal(path)] == ["run_started", "plan"]  # readers skip the torn tail
+    j2 = Journal(path, clock=lambda: 102.0)  # the next writer cuts it off and continues the sequence
+    assert j2.repaired
+    j2.append("controller_started", resumed=True)
+    recs = read_journal(path)
+    assert [(r["seq"], r["kind"]) for r in recs] == [(0, "run_started"), (1, "plan"), (2, "controller_started")]
+    assert path.read_text().endswith("\n") and len(path.read_text().splitlines()) == 3
+
+
+def test_a_corrupted_record_names_the_file_and_line(tmp_path: Path):
+    path = tmp_path / "journal.jsonl"
+    path.write_text('{"seq": 0, "t": 1, "kind": "run_started"}\nnot json\n{"seq": 2, "t": 1, "kind": "x"}\n')
+    with pytest.raises(SailorError) as err:
+        read_journal(path)
+    assert err.value.file == str(path) and "line 2" in err.value.message
+
+
+def test_concurrent_reader_never_sees_half_a_record(tmp_path: Path):
+    """A writer process appends 300 records while this process reads: every read parses completely."""
+    path = tmp_path / "journal.jsonl"
+    code = ("import sys; from sailor_hpc.controller.journal import Journal\n"
+            "j = Journal(sys.argv[1])\n"
+            "for i in range(300): j.append('checkpoint', step=i, pad='x' * 5000)\n")
+    writer = subprocess.Popen([sys.executable, "-c", code, str(path)], cwd=REPO)
+    counts = []
+    while writer.poll() is None:
+        recs = read_journal(path)
+        assert [r["step"] for r in recs] == list(range(len(recs)))
+        counts.append(len(recs))
+    assert writer.returncode == 0
+    assert len(read_journal(path)) == 300 and any(0 < c < 300 for c in counts)
+
+
+def _story(j: Journal) -> None:
+    j.append("run_started", run_id="r1")
+    j.append("controller_started", resumed=False)
+    j.append("plan", available={"a100": 1, "v100": 8}, gpus={"a100": 1, "v100": 1})
+    j.append("submit_intent", attempt=1, job_name=job_name("r1", 1), plan_file="p1", script="s1", reason="start",
+             gpus={"a100": 1, "v100": 1}, throughput=26.0, cost_per_hour=1.5)
+    j.append("submitted", attempt=1, job_id="13", log="/logs/13.out")
+    j.append("job_running", attempt=1, job_id="13", nodes=["a100-1", "v100-1"])
+    j.append("first_step", attempt=1, job_id="13", step=1, loaded_step=0)
+    j.append("checkpoint", attempt=1, step=10, consumed_samples=640, path="/ckpt/step_00000010")
+    j.append("node_lost", attempt=1, job_id="13", nodes={"a100-1": "down"})
+
+
+def test_fold_tells_where_the_run_stands(tmp_path: Path):
+    t = iter(range(1000, 2000))
+    j = Journal(tmp_path / "journal.jsonl", clock=lambda: float(next(t)))
+    _story(j)
+    st = fold(read_journal(j.path))
+    cur = st.current
+    assert cur is not None and cur.number == 1 and cur.job_id == "13" and cur.nodes == ["a100-1", "v100-1"]
+    assert cur.lost_nodes == {"a100-1": "down"} and st.trigger == ("node_lost", 1008.0)
+    assert st.checkpoint["step"] == 10 and st.baseline == {"a100": 1, "v100": 8}
+    j.append("job_stopped", attempt=1, job_id="13", state="PENDING", reason="node_lost")
+    j.append("job_gone", attempt=1, job_id="13", state="CANCELLED")
+    st = fold(read_journal(j.path))
+    assert st.current is None and st.trigger == ("node_lost", 1008.0)  # the first change is what counts
+    j.append("submit_intent", attempt=2, job_name=job_name("r1", 2), plan_file="p2", script="s2", reason="node_lost",
+             trigger="node_lost", trigger_t=1008.0, gpus={"v100": 2}, throughput=13.8, cost_per_hour=1.0)
+    st = fold(read_journal(j.path))
+    assert st.current.number == 2 and st.current.job_id is None  # the intent is known before sbatch answers
+    assert st.trigger is None and st.restarts == 1
+    # a job that fails before its first step counts; the next first step resets the count
+    j.append("submitted", attempt=2, job_id="15", log="/logs/15.out")
+    j.append("job_gone", attempt=2, job_id="15", state="FAILED")
+    j.append("failure", attempt=2, reason="failed (FAILED)")
+    j.append("backoff", seconds=30, until=5000.0)
+    st = fold(read_journal(j.path))
+    assert st.failures_in_a_row == 1 and st.backoff_until == 5000.0 and st.current is None
+
+
+def test_the_running_controller_and_a_resumed_one_agree(tmp_path: Path):
+    """apply() record by record (the live controller) == fold() of the file (a resumed one)."""
+    from sailor_hpc.controller.state import RunState, apply
+    j = Journal(tmp_path / "journal.jsonl", clock=lambda: 1.0)
+    live = RunState()
+    _story(j)
+    for rec in j.records:
+        apply(live, rec)
+    assert live == fold(read_journal(j.path))
+
+
+def test_spec_round_trip_and_refusals(tmp_path: Path):
+    s = spec(train_args=("--adam-eps", "1e-5"), max_gpus=2)
+    s.write(tmp_path / "run.json")
+    assert RunSpec.read(tmp_path / "run.json") == s
+    data = json.loads((tmp_path / "run.json").read_text())
+    (tmp_path / "bad.json").write_text(json.dumps({**data, "colour": "red"}))
+    with pytest.raises(SailorError, match="unknown keys"):
+        RunSpec.read(tmp_path / "bad.json")
+    (tmp_path / "bad.json").write_text(json.dumps({k: v for k, v in data.items() if k != "steps"}))
+    with pytest.raises(SailorError, match="missing keys"):
+        RunSpec.read(tmp_path / "bad.json")
+    with pytest.raises(SailorError) as err:
+        spec(train_args=("--steps=5",))
+    assert err.value.field == "--train-arg"
+    with pytest.raises(SailorError):
+        spec(objective="speed")
+    with pytest.raises(SailorError):
+        spec(steps=0)
+
+
+def test_run_dir_is_created_once_and_locked_once(tmp_path: Path):
+    rd = RunDir.create(tmp_path / "run", spec())
+    with pytest.raises(SailorError, match="already holds a controlled run"):
+        RunDir.create(tmp_path / "run", spec())
+    with pytest.raises(SailorError, match="not a run directory"):
+        RunDir.existing(tmp_path)
+    assert not rd.controller_alive()
+    code = ("import sys, time; from sailor_hpc.controller.state import RunDir\n"
+            "with RunDir(sys.argv[1]).lock():\n    print('locked', flush=True); time.sleep(30)\n")
+    holder = subprocess.Popen([sys.executable, "-c", code, str(rd.path)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        assert rd.controller_alive()
+        with pytest.raises(SailorError, match="another controller is running this run"):
+            with rd.lock():
+                pass
+    finally:
+        holder.kill()
+        holder.wait()
+    with rd.lock():  # the kernel released the killed holder's lock
+        pass
+
+
+def test_restarts_that_advance_the_checkpoint_do_not_use_up_the_limit(tmp_path: Path):
+    """A long run that saves on every time limit keeps going; jobs that fail without progress count."""
+    j = Journal(tmp_path / "journal.jsonl", clock=lambda: 1.0)
+
+    def attempt(n: int, reason: str, checkpoint: int | None) -> None:
+        j.append("submit_intent", attempt=n, job_name=job_name("r1", n), plan_file=f"p{n}", script=f"s{n}",
+                 reason=reason, gpus={"v100": 2}, throughput=1.0, cost_per_hour=1.0)
+        j.append("submitted", attempt=n, job_id=str(10 + n), log="/l")
+        if checkpoint is not None:
+            j.append("checkpoint", attempt=n, step=checkpoint, consumed_samples=checkpoint * 8, path=f"/ck/{checkpoint}")
+        j.append("job_gone", attempt=n, job_id=str(10 + n), state="COMPLETED")
+
+    attempt(1, "start", 50)
+    for n in range(2, 15):  # 13 time limits, each saved a newer checkpoint
+        attempt(n, "signal_saved", 50 * n)
+    st = fold(read_journal(j.path))
+    assert st.restarts == 13 and st.restarts_without_progress == 0
+    attempt(15, "failed (FAILED)", None)
+    attempt(16, "idle_gpus", None)  # a resize is a choice, not a restart
+    attempt(17, "failed (FAILED)", None)
+    st = fold(read_journal(j.path))
+    assert st.restarts == 15 and st.restarts_without_progress == 2
+    # a checkpoint noticed only after its job ended (saved on Slurm's SIGTERM) is still that job's progress
+    j.append("checkpoint", attempt=None, step=999, consumed_samples=1, path="/ck/999")
+    assert fold(read_journal(j.path)).restarts_without_progress == 0
