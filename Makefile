@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip -q --disable-pip-version-check
 DEMO_OUT ?= demo-out
 
-.PHONY: demo test install install-test slurm-install bench clean
+.PHONY: demo test lint install install-test slurm-install bench clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,11 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed-test
 	-bash tests/slurm/install.sh
 	$(PY) -m pytest -q tests
+
+# style and types (CI runs it before the tests): ruff everywhere, mypy on the login-node layers
+lint: $(VENV)/.installed-test
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 bench: $(VENV)/.installed-test
 	for b in benchmarks/*.py; do $(PY) $$b || exit 1; done

@@ -26,7 +26,7 @@ from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.models import get_model
 from sailor_hpc.core.placement import place_plan
 from sailor_hpc.core.plan import Pipeline, Plan, Stage, validate_plan
-from sailor_hpc.core.site import Site
+from sailor_hpc.core.site import Partition, Site
 from simulator import SimResult, StageEvaluator, simulate
 from simulator.network import Endpoint
 
@@ -95,7 +95,11 @@ class SearchSettings:
     beam: int = 24
     simulate_top: int = 12
     simulate_limit: int = 240  # plans simulated at most while bounds reject the best-estimated ones
+    plans_per_template_set: int = 3  # results sharing one template set, once simulate_top are simulated
     max_stages: int = 16
+    flush_cut: int = 6  # templates kept by the flush-only ranking, in multiples of templates_per_partition
+    tail_copies: int = 8  # copies per template at most in an allocation's sync-tail estimate (Tails)
+    solo_tail_copies: int = 4  # the same for the template ranking's quick estimate
 
 
 def default_available(site: Site) -> dict[str, int]:
@@ -114,76 +118,131 @@ def search(site: Site, archive: ProfileArchive, request: PlanRequest, *, setting
     """Best plans for ``request`` on ``site``, best first (raises SailorError when none is feasible)."""
     t0 = time.perf_counter()
     settings = settings or SearchSettings()
-    model = get_model(request.model)
-    gbs = request.global_batch_size
-    ev = StageEvaluator(archive, site, model, dtype=request.dtype)
-    capacity = default_available(site)
-    available = request.available or capacity
-    for name in available:
-        site.partition(name)  # unknown partition names are errors
-    per_part: list[list[Option]] = []
-    priced_out = False  # a partition the cost budget buys no GPU of
-    tails = Tails(ev, request)
-    quick_tails = Tails(ev, request, copies=4, cross_nodes=False)
-
-    def alone(t: Template, gpus: int, with_tail: bool = True) -> float:
-        """Seconds per sample of this template on ``gpus`` GPUs of its partition alone."""
-        n = max(1, min(gpus // t.gpus, gbs // t.mbs))
-        m = math.ceil(gbs / (t.mbs * n))
-        tail = quick_tails(((t, n),)) if with_tail else 0.0
-        return (t.speed().time(m) + tail) / (n * m * t.mbs)
-
-    for part in site.partitions:
-        gpus = available.get(part.name, 0)
-        if request.constraints.max_gpus is not None:
-            gpus = min(gpus, request.constraints.max_gpus)
-        if request.constraints.max_cost_per_hour is not None and part.cost_per_gpu_hour > 0:
-            # no more GPUs than the budget buys: templates are ranked on the GPUs they may really get
-            gpus = min(gpus, int(request.constraints.max_cost_per_hour / part.cost_per_gpu_hour + 1e-9))
-            if gpus <= 0:
-                priced_out = True
-        gpus = min(gpus, capacity[part.name])
-        if gpus <= 0 or (model.name, part.gpu_type) not in archive.compute:
-            continue
-        points = archive.compute_points(model.name, part.gpu_type)
-        mbs_values = sorted({b for b, _ in points if b <= gbs})
-        tps = sorted({t for _, t in points if t <= part.gpus_per_node and model.num_heads % t == 0})
-        builder = TemplateBuilder(ev, part, tps, request.max_stages or settings.max_stages, gbs)
-        usable = [m for m in mbs_values if any((m, t) in points for t in tps)]
-        templates = []
-        for mbs in usable:
-            builder.tps = sorted(t for t in tps if (mbs, t) in points)
-            templates += build_templates(builder, [mbs], sailor_shape=request.space == "sailor",
-                                         keep=settings.templates_per_partition,
-                                         exhaustive_limit=settings.exhaustive_templates // max(1, len(usable)))
-        # rank templates by what they achieve alone on this partition (flush at the micro-batch count
-        # that the partition's GPUs leave them, plus their sync tail): the bubble and the sync matter
-        # as much as the steady-state period
-        templates = [t for t in templates if t.gpus <= gpus]
-        # first cut on flush alone (cheap), then the sync tail decides among the survivors
-        templates.sort(key=lambda t: (alone(t, gpus, with_tail=False), t.gpus, t.key))
-        templates = templates[:6 * settings.templates_per_partition] + [
-            t for t in templates[6 * settings.templates_per_partition:]
-            if t is next(x for x in templates if x.mbs == t.mbs and x.num_stages == t.num_stages)]
-        templates.sort(key=lambda t: (alone(t, gpus), t.gpus, t.key))
-        options = [(t, n) for t in templates for n in copy_counts(gpus // t.gpus, gbs // t.mbs)]
-        if len(options) > settings.exhaustive_options:
-            keep = templates[:settings.templates_per_partition]
-            keep += [t for t in templates if t not in keep and t is next(x for x in templates if x.mbs == t.mbs)]
-            options = [(t, n) for t in keep for n in copy_counts(gpus // t.gpus, gbs // t.mbs)]
-        if options:
-            per_part.append(options)
+    ev = StageEvaluator(archive, site, get_model(request.model), dtype=request.dtype)
+    per_part, priced_out = _options_per_partition(ev, archive, request, settings)
     if not per_part:
-        if priced_out:
-            raise _infeasible(request, site, {}, [], 0)
-        raise SailorError(f"no partition of site {site.name!r} can run {model.name}", file=site.source,
-                          field="partitions", fix="check the available GPUs and that the archive has profiles "
-                                                  f"of {model.name} for the site's GPU types (sailor-hpc profiles list)")
-    allocations, scored = _combine(per_part, request, site, tails, progress, settings)
+        raise _no_partition(request, site, priced_out)
+    allocations, scored = _combine(per_part, request, site, Tails(ev, request, copies=settings.tail_copies),
+                                   progress, settings)
     best, simulated, rejected, fitting = _simulate_best(site, archive, request, allocations, settings)
     if not best:
         raise _infeasible(request, site, rejected, fitting, scored)
     return SearchResult(request, best, time.perf_counter() - t0, scored, simulated, rejected, fitting)
+
+
+def _options_per_partition(ev: StageEvaluator, archive: ProfileArchive, request: PlanRequest,
+                           settings: SearchSettings) -> tuple[list[list[Option]], bool]:
+    """Step 1: each partition's (template, copies) options, and whether the cost budget buys no GPU of
+    some partition (which then explains an empty result)."""
+    site = ev.site
+    capacity = default_available(site)
+    available = request.available or capacity
+    for name in available:
+        site.partition(name)  # unknown partition names are errors
+    solo = SoloTime(ev, request, settings)
+    per_part: list[list[Option]] = []
+    priced_out = False
+    for part in site.partitions:
+        gpus, priced = _partition_gpus(part, available.get(part.name, 0), capacity[part.name], request)
+        priced_out |= priced
+        if gpus <= 0 or (ev.model.name, part.gpu_type) not in archive.compute:
+            continue
+        templates = _rank_templates(_partition_templates(ev, archive, part, request, settings), gpus, solo, settings)
+        options = _partition_options(templates, gpus, request.global_batch_size, settings)
+        if options:
+            per_part.append(options)
+    return per_part, priced_out
+
+
+def _partition_gpus(part: Partition, available: int, capacity: int, request: PlanRequest) -> tuple[int, bool]:
+    """GPUs of ``part`` a plan may use under the request's constraints, and whether the cost budget alone
+    leaves none (no more GPUs than the budget buys: templates are ranked on the GPUs they may really get)."""
+    c = request.constraints
+    gpus = available if c.max_gpus is None else min(available, c.max_gpus)
+    priced_out = False
+    if c.max_cost_per_hour is not None and part.cost_per_gpu_hour > 0:
+        gpus = min(gpus, int(c.max_cost_per_hour / part.cost_per_gpu_hour + 1e-9))
+        priced_out = gpus <= 0
+    return min(gpus, capacity), priced_out
+
+
+def _partition_templates(ev: StageEvaluator, archive: ProfileArchive, part: Partition, request: PlanRequest,
+                         settings: SearchSettings) -> list[Template]:
+    """The pipeline shapes of ``part`` at every profiled micro-batch size and TP degree that fits a node."""
+    model, gbs = ev.model, request.global_batch_size
+    points = archive.compute_points(model.name, part.gpu_type)
+    tps = sorted({t for _, t in points if t <= part.gpus_per_node and model.num_heads % t == 0})
+    usable = [m for m in sorted({b for b, _ in points if b <= gbs}) if any((m, t) in points for t in tps)]
+    builder = TemplateBuilder(ev, part, tps, request.max_stages or settings.max_stages, gbs)
+    templates: list[Template] = []
+    for mbs in usable:
+        builder.tps = sorted(t for t in tps if (mbs, t) in points)
+        templates += build_templates(builder, [mbs], sailor_shape=request.space == "sailor",
+                                     keep=settings.templates_per_partition,
+                                     exhaustive_limit=settings.exhaustive_templates // max(1, len(usable)))
+    return templates
+
+
+def _first_of_each(templates: list[Template], key: Callable[[Template], tuple]) -> list[Template]:
+    """The first (best-ranked) template of each ``key`` group, in ranking order."""
+    seen: set[tuple] = set()
+    out = []
+    for t in templates:
+        if key(t) not in seen:
+            seen.add(key(t))
+            out.append(t)
+    return out
+
+
+def _rank_templates(templates: list[Template], gpus: int, solo: SoloTime, settings: SearchSettings) -> list[Template]:
+    """Templates that fit in ``gpus``, best first by what they achieve alone on the partition (flush at the
+    micro-batch count its GPUs leave them, plus their sync tail): the bubble and the sync matter as much as
+    the steady-state period. A first cut on flush alone (cheap) keeps ``flush_cut`` x templates_per_partition
+    and the best of each (mbs, stages) shape; then the sync tail decides among the survivors."""
+    fitting = [t for t in templates if t.gpus <= gpus]
+    fitting.sort(key=lambda t: (solo(t, gpus, with_tail=False), t.gpus, t.key))
+    cut = settings.flush_cut * settings.templates_per_partition
+    kept = fitting[:cut] + [t for t in _first_of_each(fitting, lambda t: (t.mbs, t.num_stages)) if t not in fitting[:cut]]
+    kept.sort(key=lambda t: (solo(t, gpus), t.gpus, t.key))
+    return kept
+
+
+def _partition_options(templates: list[Template], gpus: int, gbs: int, settings: SearchSettings) -> list[Option]:
+    """(template, copies) options of a partition: every one while few, else the best templates and the best
+    of each micro-batch size."""
+    def options(ts: list[Template]) -> list[Option]:
+        return [(t, n) for t in ts for n in copy_counts(gpus // t.gpus, gbs // t.mbs)]
+
+    out = options(templates)
+    if len(out) > settings.exhaustive_options:
+        keep = templates[:settings.templates_per_partition]
+        keep += [t for t in _first_of_each(templates, lambda t: (t.mbs,)) if t not in keep]
+        out = options(keep)
+    return out
+
+
+def _no_partition(request: PlanRequest, site: Site, priced_out: bool) -> SailorError:
+    if priced_out:
+        return _infeasible(request, site, {}, [], 0)
+    model = get_model(request.model).name
+    return SailorError(f"no partition of site {site.name!r} can run {model}", file=site.source,
+                       field="partitions", fix="check the available GPUs and that the archive has profiles "
+                                               f"of {model} for the site's GPU types (sailor-hpc profiles list)")
+
+
+class SoloTime:
+    """Seconds per sample of a template on ``gpus`` GPUs of its partition alone (the template ranking), with
+    a quick sync-tail estimate (few copies, not crossing nodes: no cheap plan takes a whole partition)."""
+
+    def __init__(self, ev: StageEvaluator, request: PlanRequest, settings: SearchSettings) -> None:
+        self.gbs = request.global_batch_size
+        self.tails = Tails(ev, request, copies=settings.solo_tail_copies, cross_nodes=False)
+
+    def __call__(self, t: Template, gpus: int, with_tail: bool = True) -> float:
+        n = max(1, min(gpus // t.gpus, self.gbs // t.mbs))
+        m = math.ceil(self.gbs / (t.mbs * n))
+        tail = self.tails(((t, n),)) if with_tail else 0.0
+        return (t.speed().time(m) + tail) / (n * m * t.mbs)
 
 
 def _gpu_cost(site: Site, options: tuple[Option, ...]) -> tuple[int, float]:
@@ -276,7 +335,7 @@ def _combine(per_part: list[list[Option]], request: PlanRequest, site: Site, tai
     total = sum(len(o) for o in per_part) * (settings.beam + 1) + 1
     done = 0
     for k, options in enumerate(per_part):
-        nxt: list[tuple[Allocation | None, tuple[Option, ...]]] = []
+        nxt: list[tuple[Allocation, tuple[Option, ...]]] = []
         for partial in beam:
             for opt in [None, *options]:
                 combo = partial if opt is None else partial + (opt,)
@@ -330,9 +389,10 @@ def _simulate_best(site: Site, archive: ProfileArchive, request: PlanRequest, al
         if not exhaustive and simulated >= settings.simulate_limit:
             break
         family = tuple(t.key for t, _ in alloc.options)
-        # at most 3 plans per template set among the results, once enough are simulated; plans a bound
+        # few plans per template set among the results, once enough are simulated; plans a bound
         # rejects do not count (their siblings with fewer copies may meet it)
-        if not exhaustive and per_set.get(family, 0) >= 3 and simulated >= settings.simulate_top:
+        if (not exhaustive and per_set.get(family, 0) >= settings.plans_per_template_set
+                and simulated >= settings.simulate_top):
             continue
         try:
             plan = place_plan(to_plan(alloc, request), site)

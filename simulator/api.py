@@ -258,7 +258,7 @@ class StageEvaluator:
             act = vals[inv.reshape(-1)].reshape(n, P - 1)
         sched = pipeline_schedule(F, Bw, act, act, m)
         return BatchScores(flush=sched.finish, update=U, time_s=(sched.finish + U).max(axis=1),
-                           steady_period=sched.steady_period, memory=mem_total, fits=fits.all(axis=1))
+                           steady_period=sched.steady_period, memory=mem_total, fits=np.asarray(fits.all(axis=1)))
 
 
 @dataclass(frozen=True)

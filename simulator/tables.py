@@ -202,7 +202,8 @@ class ProfileTables:
             return 0.0, 0.0
         alone = times[measured, :2].sum(axis=0)
         chain = np.array([float(prov["stack_fwd_s"]), float(prov["stack_bwd_s"])])
-        return tuple(float(x) for x in (alone - chain) / (n - 1))
+        fwd, bwd = (alone - chain) / (n - 1)
+        return float(fwd), float(bwd)
 
     def update_seconds(self, table: ComputeTable, first, last, optimizer: str = "adam"):
         """Optimizer step of a stage: the profiled (Adam) step scaled by the stage's share of parameters

@@ -17,12 +17,44 @@ import json
 import os
 import time
 from collections.abc import Callable
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 from sailor_hpc.core.errors import SailorError
 
 Record = dict[str, Any]
+
+
+class Kind(StrEnum):
+    """Every kind of journal record. A record's ``kind`` is stored as its string value, so the journal stays
+    plain JSON; a typo in the controller is an AttributeError here instead of a record nobody reads."""
+
+    ADOPTED = "adopted"
+    BACKOFF = "backoff"
+    BASELINE = "baseline"
+    CANCEL = "cancel"
+    CHECKPOINT = "checkpoint"
+    CONTROLLER_STARTED = "controller_started"
+    CONTROLLER_STOPPED = "controller_stopped"
+    DECISION = "decision"
+    ERROR = "error"
+    FAILURE = "failure"
+    FINISHED = "finished"
+    FIRST_STEP = "first_step"
+    GAVE_UP = "gave_up"
+    IDLE_GPUS = "idle_gpus"
+    JOB_GONE = "job_gone"
+    JOB_RUNNING = "job_running"
+    JOB_STOPPED = "job_stopped"
+    NO_PLAN = "no_plan"
+    NODE_LOST = "node_lost"
+    PLAN = "plan"
+    RECOVERY = "recovery"
+    RUN_STARTED = "run_started"
+    SIGNAL_SENT = "signal_sent"
+    SUBMIT_INTENT = "submit_intent"
+    SUBMITTED = "submitted"
 
 
 def _parse(text: str, path: Path) -> tuple[list[Record], int]:
@@ -80,9 +112,9 @@ class Journal:
             return True
         return False
 
-    def append(self, kind: str, **data: Any) -> Record:
+    def append(self, kind: Kind, **data: Any) -> Record:
         """Write one record (durably) and return it."""
-        rec: Record = {"seq": self._next, "t": round(self.clock(), 3), "kind": kind, **data}
+        rec: Record = {"seq": self._next, "t": round(self.clock(), 3), "kind": Kind(kind), **data}
         line = (json.dumps(rec, sort_keys=True, default=str) + "\n").encode()
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:

@@ -44,7 +44,7 @@ from sailor_hpc.controller.events import (
     node_states,
     own_gpus,
 )
-from sailor_hpc.controller.journal import Record
+from sailor_hpc.controller.journal import Kind, Record
 from sailor_hpc.controller.planning import Planned, plan_on
 from sailor_hpc.controller.policy import Score, Verdict, judge, plan_shape, restart_cost
 from sailor_hpc.controller.progress import LogTail
@@ -117,7 +117,7 @@ class Controller:
                     self.reconcile()
                 return self.loop()
             except KeyboardInterrupt:
-                self.note("controller_stopped", reason="interrupted; the job keeps running (sailor-hpc run --resume)")
+                self.note(Kind.CONTROLLER_STOPPED, reason="interrupted; the job keeps running (sailor-hpc run --resume)")
                 return EXIT_INTERRUPTED
 
     def begin(self) -> None:
@@ -126,8 +126,8 @@ class Controller:
         self.state = fold(self.journal.records)
         resumed = bool(self.journal.records)
         if not resumed:
-            self.note("run_started", run_id=self.spec.run_id, spec=self.spec.to_dict())
-        self.note("controller_started", pid=os.getpid(), host=socket.gethostname(), resumed=resumed,
+            self.note(Kind.RUN_STARTED, run_id=self.spec.run_id, spec=self.spec.to_dict())
+        self.note(Kind.CONTROLLER_STARTED, pid=os.getpid(), host=socket.gethostname(), resumed=resumed,
                   repaired_torn_line=self.journal.repaired)
 
     def loop(self) -> int:
@@ -144,7 +144,7 @@ class Controller:
                     self.watch(cur)
                 self._said.pop("error", None)
             except SailorError as exc:  # Slurm briefly unreachable, sbatch refusing: journal once, retry
-                self.note_once("error", str(exc), where="controller loop")
+                self.note_once(Kind.ERROR, str(exc), where="controller loop")
             if cur is not None and self.state.current is None and self.state.backoff_until is None:
                 continue  # the job is gone: plan and submit the next one now, not a poll later
             if not (self.state.finished or self.state.gave_up):
@@ -159,9 +159,9 @@ class Controller:
         if cur is not None and cur.job_id is None:
             jid = slurm_ops.find_job_by_name(self.spec.run_id, cur.job_name, self.env, cur.intent_t)
             if jid is not None:
-                self.note("adopted", attempt=cur.number, job_id=jid, log=str(self._log_of(jid)))
+                self.note(Kind.ADOPTED, attempt=cur.number, job_id=jid, log=str(self._log_of(jid)))
             else:
-                self.note("job_gone", attempt=cur.number, job_id=None, state="NOT_SUBMITTED")
+                self.note(Kind.JOB_GONE, attempt=cur.number, job_id=None, state="NOT_SUBMITTED")
         self._cancel_strays()
 
     def _cancel_strays(self) -> None:
@@ -169,8 +169,8 @@ class Controller:
         for base, info in slurm_ops.owned_jobs(self.spec.run_id, self.env).items():
             if info["state"] in FINAL_STATES or (cur is not None and base == cur.job_id):
                 continue
-            self.note("cancel", job_id=base, reason=f"{info['name']} is not the run's current job")
-            self.note("job_gone", job_id=base, state=slurm_ops.cancel_and_wait(base, self.env))
+            self.note(Kind.CANCEL, job_id=base, reason=f"{info['name']} is not the run's current job")
+            self.note(Kind.JOB_GONE, job_id=base, state=slurm_ops.cancel_and_wait(base, self.env))
 
     def _log_of(self, job_id: str) -> Path:
         return log_path(job_id, self.env)
@@ -227,7 +227,7 @@ class Controller:
             return
         manifest = read_manifest(path)
         if self.state.checkpoint is None or manifest["step"] > self.state.checkpoint["step"]:
-            self.note("checkpoint", attempt=cur.number if cur else None, step=manifest["step"],
+            self.note(Kind.CHECKPOINT, attempt=cur.number if cur else None, step=manifest["step"],
                       consumed_samples=manifest.get("consumed_samples"), path=str(path))
 
     def _checkpoint_step(self) -> int:
@@ -239,10 +239,10 @@ class Controller:
         st, spec = self.state, self.spec
         self._checkpoint(None)
         if self._checkpoint_step() >= spec.steps:
-            self.note("finished", step=self._checkpoint_step(), checkpoint=st.checkpoint["path"])  # type: ignore[index]
+            self.note(Kind.FINISHED, step=self._checkpoint_step(), checkpoint=st.checkpoint["path"])  # type: ignore[index]
             return
         if st.next_reason != RESIZE_REASON and st.restarts_without_progress >= spec.max_restarts and st.attempts:
-            self.note("gave_up", reason=f"all {spec.max_restarts} restarts used without a new checkpoint")
+            self.note(Kind.GAVE_UP, reason=f"all {spec.max_restarts} restarts used without a new checkpoint")
             return
         if st.backoff_until is not None and self.clock() < st.backoff_until:
             return
@@ -250,9 +250,9 @@ class Controller:
         try:
             planned = plan_on(spec, self.site, self.archive, obs.free)
         except SailorError as exc:  # nothing free that fits (or the constraints exclude all): wait
-            self.note_once("no_plan", str(exc), available=obs.available)
+            self.note_once(Kind.NO_PLAN, str(exc), available=obs.available)
             return
-        self._said.pop("no_plan", None)
+        self._said.pop(Kind.NO_PLAN, None)
         self._cancel_strays()
         self.submit(planned, obs)
 
@@ -265,22 +265,22 @@ class Controller:
         try:
             plan_path, script = slurm_ops.prepare_attempt(self.rundir, spec, self.site, planned.plan, number, name)
         except SailorError as exc:  # rendering is deterministic: the spec (time limit, options) must change
-            self.note("gave_up", reason=f"the job script cannot be rendered: {exc}")
+            self.note(Kind.GAVE_UP, reason=f"the job script cannot be rendered: {exc}")
             return
-        self.note("plan", reason=reason, available=obs.available, planner_available=planned.available,
+        self.note(Kind.PLAN, reason=reason, available=obs.available, planner_available=planned.available,
                   plan_file=str(plan_path), **planned.summary())
-        self.note("submit_intent", attempt=number, job_name=name, plan_file=str(plan_path), script=str(script),
+        self.note(Kind.SUBMIT_INTENT, attempt=number, job_name=name, plan_file=str(plan_path), script=str(script),
                   reason=reason, trigger=trigger[0] if trigger else None, trigger_t=trigger[1] if trigger else None,
                   gpus=planned.summary()["gpus"], throughput=planned.score.throughput,
                   cost_per_hour=planned.score.cost_per_hour)
         rec = slurm_ops.submit(script, plan_path, spec, self.env)
-        self.note("submitted", attempt=number, job_id=rec.job_id, log=rec.log)
+        self.note(Kind.SUBMITTED, attempt=number, job_id=rec.job_id, log=rec.log)
 
     # ------------------------------------------------------------------------------- watching the job
 
     def watch(self, cur: Attempt) -> None:
         if cur.job_id is None:  # sbatch failed (Slurm unreachable, or refusing): retry after a back-off
-            self.note("job_gone", attempt=cur.number, job_id=None, state="NOT_SUBMITTED")
+            self.note(Kind.JOB_GONE, attempt=cur.number, job_id=None, state="NOT_SUBMITTED")
             self._failed(cur, "not submitted")
             return
         obs = self.observe(cur)
@@ -290,16 +290,16 @@ class Controller:
         job = obs.job
         running = job is not None and _all_running(job)
         if running and cur.running_t is None:
-            self.note("job_running", attempt=cur.number, job_id=cur.job_id, nodes=obs.job_nodes)
+            self.note(Kind.JOB_RUNNING, attempt=cur.number, job_id=cur.job_id, nodes=obs.job_nodes)
         self._first_step(cur, tail)
         self._checkpoint(cur)
         if job is None or not job.known and job.state != "LOST":
             return  # not visible yet (just submitted)
         lost = lost_nodes(sorted(set(cur.nodes) | set(obs.job_nodes)), obs.lost, cur.lost_nodes)
         if lost:
-            rec = self.note("node_lost", attempt=cur.number, job_id=cur.job_id, nodes=lost)
+            rec = self.note(Kind.NODE_LOST, attempt=cur.number, job_id=cur.job_id, nodes=lost)
             if running and draining_only(lost) and cur.stop is None:
-                self.note("decision", attempt=cur.number, action="checkpoint", trigger="node_lost",
+                self.note(Kind.DECISION, attempt=cur.number, action="checkpoint", trigger=Kind.NODE_LOST,
                           trigger_t=rec["t"], reason="a node of the job drains: checkpoint and move")
                 self._stop(cur, "node draining")
                 return
@@ -327,12 +327,12 @@ class Controller:
         if tail is None or cur.first_step_t is not None or tail.progress.first_step is None:
             return
         p = tail.progress
-        rec = self.note("first_step", attempt=cur.number, job_id=cur.job_id, step=p.first_step,
+        rec = self.note(Kind.FIRST_STEP, attempt=cur.number, job_id=cur.job_id, step=p.first_step,
                         loaded_step=p.loaded_step or 0, consumed_samples=p.loaded_consumed or 0)
         if cur.trigger_t is not None:
             queue = (cur.running_t - cur.submitted_t) if cur.running_t and cur.submitted_t else None
             down = rec["t"] - cur.trigger_t
-            self.note("recovery", attempt=cur.number, trigger=cur.trigger, trigger_t=cur.trigger_t,
+            self.note(Kind.RECOVERY, attempt=cur.number, trigger=cur.trigger, trigger_t=cur.trigger_t,
                       submitted_t=cur.submitted_t, running_t=cur.running_t, first_step_t=rec["t"],
                       queue_wait_s=queue, downtime_s=down, recovery_s=down - (queue or 0.0))
 
@@ -340,25 +340,25 @@ class Controller:
         try:
             slurm_ops.request_checkpoint(cur.job_id, self.env)  # type: ignore[arg-type]
         except SailorError as exc:  # gone meanwhile: the next poll sees it stopped
-            self.note_once("error", str(exc), where="checkpoint signal")
+            self.note_once(Kind.ERROR, str(exc), where="checkpoint signal")
             return
-        self.note("signal_sent", attempt=cur.number, job_id=cur.job_id, signal="USR1", reason=reason)
+        self.note(Kind.SIGNAL_SENT, attempt=cur.number, job_id=cur.job_id, signal="USR1", reason=reason)
 
     def _consider_resize(self, cur: Attempt, obs: Observation, tail: LogTail | None) -> None:
         st, spec = self.state, self.spec
         more = idle_increase(st.baseline, obs.available)
         if not more:
             if any(obs.available.get(p, 0) < n for p, n in st.baseline.items()):
-                self.note("baseline", available=obs.available)  # fewer free now: a later return counts
+                self.note(Kind.BASELINE, available=obs.available)  # fewer free now: a later return counts
             return
         if st.last_replan_t is not None and obs.t - st.last_replan_t < spec.replan_interval_s:
             return
-        rec = self.note("idle_gpus", attempt=cur.number, change={p: list(v) for p, v in more.items()},
+        rec = self.note(Kind.IDLE_GPUS, attempt=cur.number, change={p: list(v) for p, v in more.items()},
                         available=obs.available)
         try:
             planned = plan_on(spec, self.site, self.archive, obs.free)
         except SailorError as exc:
-            self.note("baseline", available=obs.available, note=str(exc))
+            self.note(Kind.BASELINE, available=obs.available, note=str(exc))
             return
         step = (tail.progress.last_step if tail is not None else None) or self._checkpoint_step()
         remaining = max(0, spec.steps - step) * spec.gbs
@@ -368,14 +368,14 @@ class Controller:
         else:
             verdict = judge(spec.objective, Score(cur.throughput, cur.cost_per_hour), planned.score, remaining,
                             restart_s, spec.min_gain)
-        self.note("decision", attempt=cur.number, action="resize" if verdict.resize else "keep",
-                  trigger="idle_gpus", trigger_t=rec["t"], candidate=planned.summary(),
+        self.note(Kind.DECISION, attempt=cur.number, action="resize" if verdict.resize else "keep",
+                  trigger=Kind.IDLE_GPUS, trigger_t=rec["t"], candidate=planned.summary(),
                   current={"gpus": cur.gpus, "throughput": cur.throughput, "cost_per_hour": cur.cost_per_hour},
                   restart_cost_s=restart_s, remaining_samples=remaining, step=step, **verdict.to_dict())
         if verdict.resize:
             self._stop(cur, "resize")
         else:
-            self.note("baseline", available=obs.available)
+            self.note(Kind.BASELINE, available=obs.available)
 
     # --------------------------------------------------------------------------------- the job ended
 
@@ -385,35 +385,35 @@ class Controller:
         if job.state == "FAILED" and not any(c.exit_code for c in job.components):
             job = self._with_exit_codes(cur, job)
         if cur.stopped is None:
-            self.note("job_stopped", attempt=cur.number, job_id=cur.job_id, state=job.state,
+            self.note(Kind.JOB_STOPPED, attempt=cur.number, job_id=cur.job_id, state=job.state,
                       reason=why or _classify(cur, job, prog),
                       step=prog.last_step if prog else None,
                       exit_codes=[c.exit_code for c in job.components if c.exit_code])
         final = job.state if job.final else None
         if final is None:
-            self.note("cancel", job_id=cur.job_id, reason="what is left of the stopped job")
+            self.note(Kind.CANCEL, job_id=cur.job_id, reason="what is left of the stopped job")
             final = slurm_ops.cancel_and_wait(cur.job_id, self.env)  # type: ignore[arg-type]
         if tail is not None:
             tail.poll()  # its last words: saved, done, error
         self._checkpoint(cur)
-        self.note("job_gone", attempt=cur.number, job_id=cur.job_id, state=final)
+        self.note(Kind.JOB_GONE, attempt=cur.number, job_id=cur.job_id, state=final)
         if self._checkpoint_step() >= self.spec.steps:
-            self.note("finished", step=self._checkpoint_step(), checkpoint=self.state.checkpoint["path"])  # type: ignore[index]
+            self.note(Kind.FINISHED, step=self._checkpoint_step(), checkpoint=self.state.checkpoint["path"])  # type: ignore[index]
             return
         bad_input = any(c.exit_code.startswith("2:") for c in job.components if c.exit_code)
         if bad_input and prog is not None and prog.errors:
-            self.note("gave_up", reason="the training refused its input: " + " | ".join(prog.errors[-3:]))
+            self.note(Kind.GAVE_UP, reason="the training refused its input: " + " | ".join(prog.errors[-3:]))
             return
         if cur.first_step_t is None and cur.stop is None and not cur.lost_nodes:
             self._failed(cur, (cur.stopped or {}).get("reason", final))
 
     def _failed(self, cur: Attempt, reason: str) -> None:
         """A job that never trained a step: wait longer after each such failure in a row before the next."""
-        self.note("failure", attempt=cur.number, reason=reason)
+        self.note(Kind.FAILURE, attempt=cur.number, reason=reason)
         k = self.state.failures_in_a_row
         wait = min(self.spec.backoff_max_s, self.spec.backoff_s * 2 ** (k - 1)) if k > 0 else 0.0
         if wait > 0:
-            self.note("backoff", seconds=wait, until=self.clock() + wait)
+            self.note(Kind.BACKOFF, seconds=wait, until=self.clock() + wait)
 
     def _with_exit_codes(self, cur: Attempt, job: JobStatus, tries: int = 10, poll_s: float = 0.5) -> JobStatus:
         """Slurm can show a job FAILED before its accounting holds the exit codes, which tell a training
@@ -447,7 +447,7 @@ def _classify(cur: Attempt, job: JobStatus, prog: Any) -> str:
     if cur.stop is not None:
         return str(cur.stop.get("reason", "asked to stop"))
     if cur.lost_nodes:
-        return "node_lost"
+        return Kind.NODE_LOST
     if job.state == "COMPLETED":
         return "completed"
     if prog is not None and prog.signal_step is not None:
@@ -455,7 +455,7 @@ def _classify(cur: Attempt, job: JobStatus, prog: Any) -> str:
     if job.state in ("PENDING", "REQUEUED", "REQUEUE_HOLD"):
         return "requeued"
     if job.state == "NODE_FAIL":
-        return "node_lost"
+        return Kind.NODE_LOST
     if job.state in ("TIMEOUT", "PREEMPTED"):
         return job.state.lower()
     return f"failed ({job.state})"

@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sailor_hpc.controller.journal import Journal, Record, read_journal
+from sailor_hpc.controller.journal import Journal, Kind, Record, read_journal
 from sailor_hpc.controller.spec import RunSpec
 from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.locking import file_lock
 
 #: the reason of a job submitted because more GPUs made a better plan worth its restart
-RESIZE_REASON = "idle_gpus"
+RESIZE_REASON = Kind.IDLE_GPUS
 
 
 def job_name(run_id: str, attempt: int) -> str:
@@ -199,16 +199,16 @@ class RunState:
 def apply(state: RunState, rec: Record) -> None:
     """Advance ``state`` by one journal record (the one place that gives records their meaning)."""
     kind, t = rec["kind"], float(rec["t"])
-    att = state.attempt(rec["attempt"]) if rec.get("attempt") is not None and kind != "submit_intent" else None
-    if kind == "run_started":
+    att = state.attempt(rec["attempt"]) if rec.get("attempt") is not None and kind != Kind.SUBMIT_INTENT else None
+    if kind == Kind.RUN_STARTED:
         state.run_id = rec.get("run_id")
-    elif kind == "controller_started":
+    elif kind == Kind.CONTROLLER_STARTED:
         state.controller_starts += 1
-    elif kind == "plan":
+    elif kind == Kind.PLAN:
         state.baseline = {k: int(v) for k, v in rec.get("available", {}).items()}
-    elif kind == "baseline":
+    elif kind == Kind.BASELINE:
         state.baseline = {k: int(v) for k, v in rec["available"].items()}
-    elif kind == "submit_intent":
+    elif kind == Kind.SUBMIT_INTENT:
         state.attempts.append(Attempt(
             number=rec["attempt"], job_name=rec["job_name"], plan_file=rec["plan_file"], script=rec["script"],
             reason=rec["reason"], trigger=rec.get("trigger"), trigger_t=rec.get("trigger_t"),
@@ -216,54 +216,54 @@ def apply(state: RunState, rec: Record) -> None:
             cost_per_hour=float(rec.get("cost_per_hour", 0.0)), intent_t=t))
         state.trigger = None
         state.backoff_until = None
-    elif kind in ("submitted", "adopted"):
+    elif kind in (Kind.SUBMITTED, Kind.ADOPTED):
         assert att is not None
         att.job_id = str(rec["job_id"])
         att.log = rec.get("log") or att.log
-        att.submitted_t = att.submitted_t or (t if kind == "submitted" else att.intent_t)
-    elif kind == "job_running":
+        att.submitted_t = att.submitted_t or (t if kind == Kind.SUBMITTED else att.intent_t)
+    elif kind == Kind.JOB_RUNNING:
         assert att is not None
         att.running_t = att.running_t or t
         att.nodes = sorted(set(att.nodes) | set(rec.get("nodes", [])))
-    elif kind == "first_step":
+    elif kind == Kind.FIRST_STEP:
         assert att is not None
         att.first_step_t = att.first_step_t or t
         att.start_step = rec.get("loaded_step", 0)
         state.failures_in_a_row = 0
-    elif kind == "recovery":
+    elif kind == Kind.RECOVERY:
         assert att is not None
         att.recovery = {k: v for k, v in rec.items() if k not in ("seq", "kind")}
         state.recoveries.append(att.recovery)
-    elif kind == "checkpoint":
+    elif kind == Kind.CHECKPOINT:
         state.checkpoint = {"step": rec["step"], "consumed_samples": rec.get("consumed_samples"), "path": rec.get("path")}
         if state.attempts:  # one job at a time: a new checkpoint is the latest job's (also if seen after it ended)
             state.attempts[-1].advanced = True
-    elif kind == "node_lost":
+    elif kind == Kind.NODE_LOST:
         assert att is not None
         att.lost_nodes.update(rec["nodes"])
-        state.trigger = state.trigger or ("node_lost", t)
-    elif kind == "idle_gpus":
+        state.trigger = state.trigger or (Kind.NODE_LOST, t)
+    elif kind == Kind.IDLE_GPUS:
         state.last_replan_t = t
-    elif kind == "decision":
+    elif kind == Kind.DECISION:
         if rec["action"] in ("resize", "checkpoint"):
             state.trigger = (rec.get("trigger", rec["action"]), float(rec.get("trigger_t", t)))
-    elif kind == "signal_sent":
+    elif kind == Kind.SIGNAL_SENT:
         assert att is not None
         att.stop = {k: v for k, v in rec.items() if k not in ("seq", "kind", "attempt")}
-    elif kind == "job_stopped":
+    elif kind == Kind.JOB_STOPPED:
         assert att is not None
         att.stopped = {k: v for k, v in rec.items() if k not in ("seq", "kind", "attempt")}
         state.trigger = state.trigger or (rec.get("reason", "stopped"), t)
-    elif kind == "job_gone" and att is not None:  # without an attempt: a stray job of the run, cancelled
+    elif kind == Kind.JOB_GONE and att is not None:  # without an attempt: a stray job of the run, cancelled
         att.gone = True
         att.end_state = rec.get("state")
-    elif kind == "failure":
+    elif kind == Kind.FAILURE:
         state.failures_in_a_row += 1
-    elif kind == "backoff":
+    elif kind == Kind.BACKOFF:
         state.backoff_until = float(rec["until"])
-    elif kind == "finished":
+    elif kind == Kind.FINISHED:
         state.finished = {k: v for k, v in rec.items() if k not in ("seq", "kind")}
-    elif kind == "gave_up":
+    elif kind == Kind.GAVE_UP:
         state.gave_up = rec.get("reason", "gave up")
 
 

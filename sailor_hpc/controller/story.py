@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sailor_hpc.controller.journal import Record
+from sailor_hpc.controller.journal import Kind, Record
 from sailor_hpc.controller.state import RunState
 
 
@@ -18,58 +18,58 @@ def describe(rec: Record) -> str:
     """One line saying what the record means."""
     k = rec["kind"]
     a = f"attempt {rec['attempt']}: " if "attempt" in rec else ""
-    if k == "run_started":
+    if k == Kind.RUN_STARTED:
         return f"run {rec.get('run_id')} started"
-    if k == "controller_started":
+    if k == Kind.CONTROLLER_STARTED:
         return f"controller pid {rec.get('pid')} on {rec.get('host')}" + (" resumed the run" if rec.get("resumed") else "")
-    if k == "controller_stopped":
+    if k == Kind.CONTROLLER_STOPPED:
         return f"controller stopped: {rec.get('reason')}"
-    if k == "plan":
+    if k == Kind.PLAN:
         return (f"planned ({rec.get('reason')}) on free {_gpus(rec.get('available'))}: {_gpus(rec.get('gpus'))}, "
                 f"{rec.get('throughput', 0):.2f} samples/s, {rec.get('cost_per_hour', 0):.2f}/h")
-    if k == "no_plan":
+    if k == Kind.NO_PLAN:
         return f"no plan possible now: {rec.get('message')}"
-    if k == "submit_intent":
+    if k == Kind.SUBMIT_INTENT:
         return f"{a}submitting {rec.get('job_name')} ({rec.get('reason')})"
-    if k == "submitted":
+    if k == Kind.SUBMITTED:
         return f"{a}job {rec.get('job_id')} submitted, log {rec.get('log')}"
-    if k == "adopted":
+    if k == Kind.ADOPTED:
         return f"{a}found its job {rec.get('job_id')} in Slurm (submitted before the controller restarted)"
-    if k == "job_running":
+    if k == Kind.JOB_RUNNING:
         return f"{a}job running on {', '.join(rec.get('nodes', []))}"
-    if k == "first_step":
+    if k == Kind.FIRST_STEP:
         return f"{a}first step {rec.get('step')} (resumed from step {rec.get('loaded_step')})"
-    if k == "recovery":
+    if k == Kind.RECOVERY:
         return (f"{a}recovered from {rec.get('trigger')} in {rec.get('recovery_s', 0):.1f} s "
                 f"(+ {rec.get('queue_wait_s') or 0:.1f} s queue wait)")
-    if k == "checkpoint":
+    if k == Kind.CHECKPOINT:
         return f"checkpoint of step {rec.get('step')} complete ({rec.get('consumed_samples')} samples consumed)"
-    if k == "node_lost":
+    if k == Kind.NODE_LOST:
         return f"{a}node(s) of the job lost: " + ", ".join(f"{n} {s}" for n, s in rec.get("nodes", {}).items())
-    if k == "idle_gpus":
+    if k == Kind.IDLE_GPUS:
         ch = ", ".join(f"{p} {b}->{n}" for p, (b, n) in rec.get("change", {}).items())
         return f"{a}more GPUs free for the run: {ch}"
-    if k == "decision":
+    if k == Kind.DECISION:
         return f"{a}{rec.get('action')}: {rec.get('reason')}"
-    if k == "baseline":
+    if k == Kind.BASELINE:
         return f"free GPUs for the run now {_gpus(rec.get('available'))}"
-    if k == "signal_sent":
+    if k == Kind.SIGNAL_SENT:
         return f"{a}asked job {rec.get('job_id')} to checkpoint and stop (SIG{rec.get('signal')}, {rec.get('reason')})"
-    if k == "job_stopped":
+    if k == Kind.JOB_STOPPED:
         return f"{a}job {rec.get('job_id')} stopped running ({rec.get('state')}, {rec.get('reason')}) at step {rec.get('step')}"
-    if k == "cancel":
+    if k == Kind.CANCEL:
         return f"cancelling job {rec.get('job_id')}: {rec.get('reason')}"
-    if k == "job_gone":
+    if k == Kind.JOB_GONE:
         return f"{a}job {rec.get('job_id')} gone ({rec.get('state')})"
-    if k == "failure":
+    if k == Kind.FAILURE:
         return f"{a}failed without training a step ({rec.get('reason')})"
-    if k == "backoff":
+    if k == Kind.BACKOFF:
         return f"backing off {rec.get('seconds', 0):.0f} s before the next job"
-    if k == "finished":
+    if k == Kind.FINISHED:
         return f"finished: step {rec.get('step')} checkpointed at {rec.get('checkpoint')}"
-    if k == "gave_up":
+    if k == Kind.GAVE_UP:
         return f"gave up: {rec.get('reason')}"
-    if k == "error":
+    if k == Kind.ERROR:
         return f"error ({rec.get('where')}): {rec.get('message')}"
     return k
 

@@ -339,7 +339,8 @@ class _Reader:
             for gpu, points in self.groups(gpus):
                 for name, ds in self.datasets(points):
                     match = _POINT_NAME.match(name)
-                    self.require(match is not None, ds, "is not named mbs<B>_tp<T>")
+                    if match is None:
+                        raise self.error(ds.name, "is not named mbs<B>_tp<T>")
                     status = self.text(ds, "status", "ok")
                     self.require(status in ("ok", "failed"), ds, f"status {status!r} is neither 'ok' nor 'failed'")
                     times = self.numbers(ds, (None, 3), "fwd, bwd, update seconds per layer")
@@ -352,7 +353,8 @@ class _Reader:
         for model, tables in self.groups(self.group(self.h5, "memory")):
             for name, ds in self.datasets(tables):
                 match = _TP_NAME.match(name)
-                self.require(match is not None, ds, "is not named tp<T>")
+                if match is None:
+                    raise self.error(ds.name, "is not named tp<T>")
                 table = self.numbers(ds, (None, len(MEMORY_COLUMNS)), ", ".join(MEMORY_COLUMNS) + " per layer")
                 self.require(bool(np.isfinite(table).all() and (table >= 0).all()), ds,
                              "has negative or missing (NaN) values")
@@ -376,9 +378,10 @@ class _Reader:
                 self.require(bool(np.isfinite(coeffs).all()), ds, "has missing (NaN) fit coefficients")
                 kind = self.text(ds, "kind")
                 self.require(kind in ("intra", "inter"), ds, f"kind {kind!r} is neither 'intra' nor 'inter'")
-                senders = self.number(ds, "senders", int)
+                senders = int(self.number(ds, "senders", int))
                 self.require(senders >= 1, ds, f"senders {senders} is not positive")
-                fit = NetworkFit(coeffs=tuple(float(c) for c in coeffs), max_gbps=self.number(ds, "max_gbps") or None,
+                a, b, c = (float(x) for x in coeffs)
+                fit = NetworkFit(coeffs=(a, b, c), max_gbps=self.number(ds, "max_gbps") or None,
                                  min_bytes=self.number(ds, "min_bytes"), max_bytes=self.number(ds, "max_bytes"))
                 yield NetworkEntry(site, kind, self.text(ds, "a"), self.text(ds, "b"), senders, fit, self.provenance(ds))
 

@@ -132,7 +132,7 @@ class NetworkFit:
             if max(a * u * u + b * u + c for u in (lo + (hi - lo) * i / 64 for i in range(65))) <= 0:
                 raise f.error("coeffs", f"{coeffs!r} gives no positive bandwidth over range_bytes {rng!r}",
                               fix="give the fit of measured GB/s over log2(message MB), or constant_gbps")
-        return cls(coeffs=tuple(float(c) for c in coeffs) if coeffs else None, constant_gbps=constant,
+        return cls(coeffs=(a, b, c) if coeffs is not None else None, constant_gbps=constant,
                    max_gbps=max_gbps, min_bytes=float(rng[0]), max_bytes=float(rng[1]))
 
 
