@@ -79,7 +79,6 @@ def role_record(role: Role, env: DistEnv) -> dict[str, Any]:
 
 
 def _peak_memory(device: Any) -> int:
-
     import torch
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
@@ -87,7 +86,6 @@ def _peak_memory(device: Any) -> int:
 
 
 def train(args: argparse.Namespace, plan: Plan, env: DistEnv, role: Role) -> int:
-
     for signum in (signal.SIGUSR1, signal.SIGTERM):  # before anything slow: the default action kills
         signal.signal(signum, _on_signal)
     warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|TransformerEngine).*")

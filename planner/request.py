@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from sailor_hpc.core.errors import SailorError
+from sailor_hpc.core.precision import DTYPES
 
 OBJECTIVES = ("throughput", "cost")
 
@@ -26,7 +27,7 @@ class PlanRequest:
     constraints: Constraints = Constraints()
     available: dict[str, int] = field(default_factory=dict)  # partition -> GPUs that may be used
     seq_len: int | None = None
-    dtype: str = "fp32"
+    dtype: str = "fp32"  # or "auto": the best the available GPU types train in and the archive has profiles of
     max_stages: int | None = None
     top_k: int = 5
     space: str = "full"  # "full", "sailor" (Sailor's plan shape) or "homogeneous" (one partition)
@@ -37,5 +38,7 @@ class PlanRequest:
                               fix=f"use one of {', '.join(OBJECTIVES)}")
         if self.global_batch_size <= 0:
             raise SailorError("must be positive", field="--gbs")
+        if self.dtype not in (*DTYPES, "auto"):
+            raise SailorError(f"unknown dtype {self.dtype!r}", field="--dtype", fix=f"use auto or one of {', '.join(DTYPES)}")
         if self.space not in ("full", "sailor", "homogeneous"):
             raise SailorError(f"unknown search space {self.space!r}", field="space")

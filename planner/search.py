@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from planner.balance import Share, balance
 from planner.request import PlanRequest
@@ -26,6 +26,7 @@ from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.models import get_model
 from sailor_hpc.core.placement import place_plan
 from sailor_hpc.core.plan import Pipeline, Plan, Stage, validate_plan
+from sailor_hpc.core.precision import PREFERENCE
 from sailor_hpc.core.site import Partition, Site
 from simulator import SimResult, StageEvaluator, simulate
 from simulator.network import Endpoint
@@ -116,6 +117,8 @@ def copy_counts(max_copies: int, micro_batches: int) -> list[int]:
 def search(site: Site, archive: ProfileArchive, request: PlanRequest, *, settings: SearchSettings | None = None,
            progress: Progress | None = None) -> SearchResult:
     """Best plans for ``request`` on ``site``, best first (raises SailorError when none is feasible)."""
+    if request.dtype == "auto":
+        return _search_dtypes(site, archive, request, settings, progress)
     t0 = time.perf_counter()
     settings = settings or SearchSettings()
     ev = StageEvaluator(archive, site, get_model(request.model), dtype=request.dtype)
@@ -128,6 +131,44 @@ def search(site: Site, archive: ProfileArchive, request: PlanRequest, *, setting
     if not best:
         raise _infeasible(request, site, rejected, fitting, scored)
     return SearchResult(request, best, time.perf_counter() - t0, scored, simulated, rejected, fitting)
+
+
+def candidate_dtypes(site: Site, archive: ProfileArchive, request: PlanRequest) -> list[str]:
+    """The dtypes, best first (:data:`PREFERENCE`), that some partition the request may use trains in and
+    has compute profiles of: a plan's dtype is then the best its GPUs support, never a guess from another's."""
+    model = get_model(request.model).name
+    usable = [p for p in site.partitions if (request.available or default_available(site)).get(p.name, 0) > 0]
+    return [d for d in PREFERENCE
+            if any(d in site.gpu(p.gpu_type).dtypes and archive.has_compute(model, p.gpu_type, d) for p in usable)]
+
+
+def _search_dtypes(site: Site, archive: ProfileArchive, request: PlanRequest, settings: SearchSettings | None,
+                   progress: Progress | None) -> SearchResult:
+    """``--dtype auto``: search each candidate dtype and keep the best plans of all (a mix of GPU types may
+    plan faster in fp16 than its bf16 part alone)."""
+    dtypes = candidate_dtypes(site, archive, request) or ["fp32"]  # none: fp32's search explains what is missing
+    results: list[SearchResult] = []
+    first_error: SailorError | None = None
+    for dtype in dtypes:
+        try:
+            results.append(search(site, archive, replace(request, dtype=dtype), settings=settings, progress=progress))
+        except SailorError as exc:
+            first_error = first_error or exc
+    if not results:
+        assert first_error is not None
+        raise first_error
+    merged = sorted((c for r in results for c in r.candidates), key=_ranking(request))
+    return SearchResult(request, merged, sum(r.search_time_s for r in results),
+                        sum(r.allocations_scored for r in results), sum(r.plans_simulated for r in results),
+                        {k: sum(r.rejected.get(k, 0) for r in results) for r in results for k in r.rejected},
+                        [c for r in results for c in r.simulated])
+
+
+def _ranking(request: PlanRequest) -> Callable[[Candidate], tuple[float, float]]:
+    """Best first: throughput (then cost per hour), or cost per sample (then throughput)."""
+    if request.objective == "throughput":
+        return lambda x: (-x.throughput, x.result.cost_per_hour)
+    return lambda x: (x.result.cost_per_iteration / request.global_batch_size, -x.throughput)
 
 
 def _options_per_partition(ev: StageEvaluator, archive: ProfileArchive, request: PlanRequest,
@@ -145,7 +186,8 @@ def _options_per_partition(ev: StageEvaluator, archive: ProfileArchive, request:
     for part in site.partitions:
         gpus, priced = _partition_gpus(part, available.get(part.name, 0), capacity[part.name], request)
         priced_out |= priced
-        if gpus <= 0 or (ev.model.name, part.gpu_type) not in archive.compute:
+        if (gpus <= 0 or request.dtype not in site.gpu(part.gpu_type).dtypes
+                or not archive.has_compute(ev.model.name, part.gpu_type, request.dtype)):
             continue
         templates = _rank_templates(_partition_templates(ev, archive, part, request, settings), gpus, solo, settings)
         options = _partition_options(templates, gpus, request.global_batch_size, settings)
@@ -170,7 +212,7 @@ def _partition_templates(ev: StageEvaluator, archive: ProfileArchive, part: Part
                          settings: SearchSettings) -> list[Template]:
     """The pipeline shapes of ``part`` at every profiled micro-batch size and TP degree that fits a node."""
     model, gbs = ev.model, request.global_batch_size
-    points = archive.compute_points(model.name, part.gpu_type)
+    points = archive.compute_points(model.name, part.gpu_type, request.dtype)
     tps = sorted({t for _, t in points if t <= part.gpus_per_node and model.num_heads % t == 0})
     usable = [m for m in sorted({b for b, _ in points if b <= gbs}) if any((m, t) in points for t in tps)]
     builder = TemplateBuilder(ev, part, tps, request.max_stages or settings.max_stages, gbs)
@@ -225,9 +267,10 @@ def _no_partition(request: PlanRequest, site: Site, priced_out: bool) -> SailorE
     if priced_out:
         return _infeasible(request, site, {}, [], 0)
     model = get_model(request.model).name
-    return SailorError(f"no partition of site {site.name!r} can run {model}", file=site.source,
-                       field="partitions", fix="check the available GPUs and that the archive has profiles "
-                                               f"of {model} for the site's GPU types (sailor-hpc profiles list)")
+    return SailorError(f"no partition of site {site.name!r} can run {model} in {request.dtype}", file=site.source,
+                       field="partitions", fix="check the available GPUs, that their GPU types train in "
+                                               f"{request.dtype} and that the archive has {request.dtype} profiles "
+                                               f"of {model} for them (sailor-hpc profiles list), or use --dtype auto")
 
 
 class SoloTime:
@@ -416,9 +459,7 @@ def _simulate_best(site: Site, archive: ProfileArchive, request: PlanRequest, al
             continue
         per_set[family] = per_set.get(family, 0) + 1
         out.append(Candidate(plan, res))
-    key = ((lambda x: (-x.throughput, x.result.cost_per_hour)) if request.objective == "throughput"
-           else (lambda x: (x.result.cost_per_iteration / request.global_batch_size, -x.throughput)))
-    out.sort(key=key)
+    out.sort(key=_ranking(request))
     return out, simulated, rejected, fitting
 
 

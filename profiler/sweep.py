@@ -50,7 +50,7 @@ from sailor_hpc.core.archive import (
 from sailor_hpc.core.atomic import atomic_write_text
 from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.models import get_model
-from sailor_hpc.core.plan import DTYPES
+from sailor_hpc.core.precision import DTYPES
 from sailor_hpc.core.site import Site
 from sailor_hpc.slurm.status import JobStatus, poll_jobs
 from sailor_hpc.slurm.submit import cancel_job
@@ -154,6 +154,11 @@ def check_config(cfg: SweepConfig) -> None:
         cfg.site.partition(name)
     if cfg.dtype not in DTYPES:
         raise SailorError(f"unknown dtype {cfg.dtype!r}", field="--dtype", fix=f"use one of {', '.join(DTYPES)}")
+    for name in cfg.part_names if not cfg.cpu else ():  # a CPU runs every dtype
+        gpu = cfg.site.gpu(cfg.site.partition(name).gpu_type)
+        if cfg.dtype not in gpu.dtypes:
+            raise SailorError(f"{gpu.name} (partition {name!r}) does not train in {cfg.dtype}", field="--dtype",
+                              fix=f"profile it in {' or '.join(gpu.dtypes)}, or leave the partition out (--partitions)")
     for flag, values in (("--mbs", cfg.mbs), ("--tp", cfg.tp), ("--net-senders", cfg.senders)):
         if not values or any(v <= 0 for v in values):
             raise SailorError(f"needs positive integers, got {list(values)}", field=flag)
@@ -229,8 +234,8 @@ def mark_done(cfg: SweepConfig, units: Sequence[Unit], archive: ProfileArchive) 
         if u.status != "pending":
             continue
         if u.point is not None:
-            e = archive.compute.get((spec.name, u.point.gpu_key), {}).get((u.point.mbs, u.point.tp))
-            if e is not None and e.dtype == cfg.dtype:
+            e = archive.compute.get((spec.name, u.point.gpu_key, cfg.dtype), {}).get((u.point.mbs, u.point.tp))
+            if e is not None:
                 u.status, u.reason = "ok", "in the archive already"
         elif u.link is not None and _network_path(cfg, u.link) in have_net:
             u.status, u.reason = "ok", "in the archive already"

@@ -120,7 +120,7 @@ class ProfileTables:
     def __init__(self, archive: ProfileArchive, model: ModelSpec) -> None:
         self.archive = archive
         self.model = model
-        self._compute: dict[tuple[str, int, int, bool], ComputeTable] = {}
+        self._compute: dict[tuple[str, int, int, str, bool], ComputeTable] = {}
         self._memory: dict[int, MemoryTable] = {}
 
     @property
@@ -130,26 +130,19 @@ class ProfileTables:
     # ------------------------------------------------------------------ compute
     def compute(self, gpu: str, mbs: int, tp: int, dtype: str = "fp32", chain_timing: bool = False) -> ComputeTable:
         """``chain_timing``: charge the point's chain timing per layer boundary (else isolated sums)."""
-        key = (gpu, mbs, tp, chain_timing)
+        key = (gpu, mbs, tp, dtype, chain_timing)
         table = self._compute.get(key)
         if table is None:
-            table = self._compute[key] = self._build_compute(gpu, mbs, tp, chain_timing)
-        if table.dtype != dtype:
-            raise SailorError(
-                f"the profile of {self.model.name} on {gpu} at micro-batch {mbs}, TP {tp} was measured in "
-                f"{table.dtype}, the plan trains in {dtype}", file=self.archive.where,
-                field=f"compute/{self.model.name}/{gpu}/mbs{mbs}_tp{tp}",
-                fix=f"profile {dtype} (`sailor-hpc profile --model {self.model.name} --dtype {dtype}`) "
-                    f"or plan in {table.dtype}")
+            table = self._compute[key] = self._build_compute(gpu, mbs, tp, dtype, chain_timing)
         return table
 
-    def _build_compute(self, gpu: str, mbs: int, tp: int, chain_timing: bool) -> ComputeTable:
+    def _build_compute(self, gpu: str, mbs: int, tp: int, dtype: str, chain_timing: bool) -> ComputeTable:
         name = self.model.name
-        points = self.archive.compute_points(name, gpu)
+        points = self.archive.compute_points(name, gpu, dtype)  # only this dtype's times: never another's
         entry = points.get((mbs, tp))
-        where = f"compute/{name}/{gpu}/mbs{mbs}_tp{tp}"
+        where = f"compute/{name}/{gpu}/mbs{mbs}_tp{tp}" + ("" if dtype == "fp32" else f"_{dtype}")
         if entry is None:
-            failed = self.archive.failed.get((name, gpu), {}).get((mbs, tp))
+            failed = self.archive.failed.get((name, gpu, dtype), {}).get((mbs, tp))
             if failed is not None:
                 raise SailorError(f"profiling {name} on {gpu} at micro-batch {mbs}, TP {tp} failed: "
                                   f"{failed.reason or 'no reason recorded'}", file=self.archive.where, field=where,
@@ -157,7 +150,7 @@ class ProfileTables:
             have = ", ".join(f"mbs{b}/tp{t}" for b, t in sorted(points))
             raise SailorError(f"no profile of {name} on {gpu} at micro-batch {mbs}, TP {tp} (have {have})",
                               file=self.archive.where, field=where,
-                              fix=f"run `sailor-hpc profile --model {name} --mbs {mbs} --tp {tp}` on a {gpu} "
+                              fix=f"run `sailor-hpc profile --model {name} --mbs {mbs} --tp {tp} --dtype {dtype}` on a {gpu} "
                                   "partition, or use a profiled point")
         times = np.asarray(entry.times, dtype=np.float64)
         if times.ndim != 2 or times.shape[0] != self.num_layers or times.shape[1] < 3:
@@ -171,7 +164,7 @@ class ProfileTables:
                               field=where, fix="re-profile this point")
         fwd, bwd = times[:, 0].copy(), times[:, 1].copy()
         for (b, t), other in points.items():
-            if t == tp and b > mbs and other.dtype == entry.dtype:
+            if t == tp and b > mbs:
                 larger = np.asarray(other.times, dtype=np.float64)
                 if larger.shape == times.shape and np.isfinite(larger).all():
                     np.minimum(fwd, larger[:, 0], out=fwd)

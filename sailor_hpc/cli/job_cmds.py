@@ -149,7 +149,6 @@ def status_cmd(ctx: click.Context, job_id: str | None, as_json: bool) -> None:
     `sailor-hpc run` given its run directory."""
 
     if job_id is not None and Path(job_id).is_dir():
-
         ctx.invoke(run_status, run_dir=Path(job_id), events=True, as_json=as_json)
         return
     if job_id is not None:

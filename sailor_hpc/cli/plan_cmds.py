@@ -10,6 +10,7 @@ from sailor_hpc.cli.output import echo_json, json_option, table
 from sailor_hpc.cli.planning import run_planner
 from sailor_hpc.core.plan import Plan
 from sailor_hpc.core.plan_io import load_plan
+from sailor_hpc.core.precision import DTYPES
 from sailor_hpc.core.site import load_site
 
 
@@ -34,6 +35,9 @@ def describe_plan(plan: Plan) -> str:
 @click.option("--gbs", type=int, default=None, help="Global batch size (default: 1024).")
 @click.option("--seq-len", type=int, default=None,
               help="Sequence length (default and only value: the model's, at which it is profiled).")
+@click.option("--dtype", type=click.Choice(["auto", *DTYPES]), default="auto", show_default=True,
+              help="Training precision; auto: the best the GPU types train in (bf16, then fp16, then fp32) among "
+                   "those the archive has profiles of.")
 @click.option("--objective", type=click.Choice(["throughput", "cost"]), default="throughput", show_default=True,
               help="Rank plans by samples per second, or by cost per sample.")
 @click.option("--max-cost-per-hour", type=float, default=None, help="In the site's cost unit.")

@@ -28,7 +28,6 @@ def parse_available(spec: str, site: Site) -> dict[str, int]:
     if spec == "site":
         return {}
     if spec == "live":
-
         live = live_availability()
         return {p.name: live.get(p.name, {}).get("nodes_idle", 0) * p.gpus_per_node for p in site.partitions}
     out: dict[str, int] = {}
@@ -70,22 +69,21 @@ def check_options(model_name: str, seq_len: int | None) -> None:
 
 
 def run_planner(site_file: Path, model_name: str, *, archive_path: Path | None, gbs: int | None,
-                seq_len: int | None, objective: str, max_cost_per_hour: float | None,
+                seq_len: int | None, dtype: str, objective: str, max_cost_per_hour: float | None,
                 max_cost_per_iteration: float | None, min_throughput: float | None, max_gpus: int | None,
                 available: str, space: str, top_k: int, output: Path | None, pareto: Path | None,
                 sbatch_out: Path | None, data: str | None, save: str | None, steps: int, as_json: bool) -> None:
-
     site = load_site(site_file)
     check_options(model_name, seq_len)
     if sbatch_out is not None:
-
         check_training_args(data, save, steps)  # before the search, not after it (plan has no --dry-run)
     with in_plan_terms("--archive", field="--profiles",
                        fix="pass --profiles FILE, set SAILOR_PROFILES, or reinstall to get the embedded default"):
         archive = open_archive(archive_path, site)
     request = PlanRequest(model=model_name, global_batch_size=DEFAULT_GBS if gbs is None else gbs, objective=objective,
                           constraints=Constraints(max_cost_per_hour, max_cost_per_iteration, min_throughput, max_gpus),
-                          available=parse_available(available, site), seq_len=seq_len, space=space, top_k=top_k)
+                          available=parse_available(available, site), seq_len=seq_len, dtype=dtype, space=space,
+                          top_k=top_k)
     bar = _ProgressBar() if not as_json and sys.stderr.isatty() else None
     try:
         result = search(site, archive, request, progress=bar)
@@ -96,7 +94,6 @@ def run_planner(site_file: Path, model_name: str, *, archive_path: Path | None, 
     if sbatch_out is not None and output is None:
         output = sbatch_out.with_name(f"{sbatch_out.stem}.plan.json")
     if sbatch_out is not None:
-
         assert output is not None
         with removed_on_error(output):  # the script cannot be rendered: no plan file left behind for it either
             best.plan.save(output)
@@ -105,7 +102,6 @@ def run_planner(site_file: Path, model_name: str, *, archive_path: Path | None, 
     elif output is not None:
         best.plan.save(output)
     if pareto is not None:
-
         plot_pareto(result, pareto, site.cost_unit)
     shown = result.candidates[:top_k]
     if as_json:

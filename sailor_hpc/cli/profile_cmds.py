@@ -95,7 +95,6 @@ def profile_cmd(site_file: Path, model: str, partitions: str | None, mbs: str, t
                       points_per_job=points_per_job, timeout_s=timeout_s, lost_after_s=lost_after, resume=resume)
     report = run_sweep(cfg)
     if write_site is not None:
-
         measured = measured_site(site, read_archive(report.archive), cpu=cpu)
         atomic_write_text(write_site, dump_toml(measured.to_dict(), header_comments=[
             f"site {site.name} with the network fits measured by `sailor-hpc profile` into {report.archive}"]))

@@ -11,6 +11,7 @@ from sailor_hpc.cli.app import main
 from sailor_hpc.cli.output import echo_json, json_option, table
 from sailor_hpc.core.archive import open_archive, read_archive
 from sailor_hpc.core.models import get_model
+from sailor_hpc.core.precision import DTYPES
 from sailor_hpc.core.sailor_compat.profiles import import_sailor
 
 if TYPE_CHECKING:
@@ -46,16 +47,15 @@ def import_sailor_cmd(directory: Path, archive: Path, as_json: bool) -> None:
 
 
 def _open(archive: Path | None):
-
     return read_archive(archive) if archive else open_archive()
 
 
-def _pair_row(model: str, gpu: str, points: Points, failed: Points) -> dict[str, Any]:
-    """One (model, GPU) pair of ``profiles list``: measured points, and the failed ones with their reasons,
+def _pair_row(model: str, gpu: str, dtype: str, points: Points, failed: Points) -> dict[str, Any]:
+    """One (model, GPU, dtype) profile of ``profiles list``: measured points, and the failed ones with their reasons,
     so a pair whose every point failed still shows that profiling was tried, and why it failed."""
     grid = {**failed, **points}
     status = "ok" if not failed else ("failed" if not points else "partly failed")
-    return {"model": model, "gpu": gpu, "status": status, "mbs": sorted({b for b, _ in grid}),
+    return {"model": model, "gpu": gpu, "dtype": dtype, "status": status, "mbs": sorted({b for b, _ in grid}),
             "tp": sorted({t for _, t in grid}), "points": len(points), "failed": len(failed),
             "failed_points": [{"mbs": b, "tp": t, "reason": e.reason} for (b, t), e in sorted(failed.items())],
             "source": next(iter(grid.values())).provenance.get("source", "")}
@@ -71,42 +71,44 @@ def _reasons(row: dict[str, Any], width: int = 80) -> str:
 @archive_option
 @json_option
 def list_cmd(archive: Path | None, as_json: bool) -> None:
-    """List (model, GPU) pairs with their profiled micro-batch sizes and TP degrees (failed ones included)."""
+    """List (model, GPU, dtype) profiles with their micro-batch sizes and TP degrees (failed ones included)."""
     a = _open(archive)
-    rows = [_pair_row(model, gpu, a.compute.get((model, gpu), {}), a.failed.get((model, gpu), {}))
-            for model, gpu in sorted(set(a.compute) | set(a.failed))]
+    rows = [_pair_row(model, gpu, dtype, a.compute.get((model, gpu, dtype), {}), a.failed.get((model, gpu, dtype), {}))
+            for model, gpu, dtype in sorted(set(a.compute) | set(a.failed))]
     if as_json:
         echo_json({"archive": a.where, "profiles": rows, "memory": {m: sorted(t) for m, t in a.memory.items()},
                    "overhead": sorted(a.overhead), "network": {s: len(v) for s, v in a.network.items()}})
         return
     click.echo(f"archive: {a.where}")
-    click.echo(table(("model", "gpu", "mbs", "tp", "points", "failed", "status", "why failed"),
-                     [(r["model"], r["gpu"], ",".join(map(str, r["mbs"])), ",".join(map(str, r["tp"])), r["points"],
+    click.echo(table(("model", "gpu", "dtype", "mbs", "tp", "points", "failed", "status", "why failed"),
+                     [(r["model"], r["gpu"], r["dtype"], ",".join(map(str, r["mbs"])), ",".join(map(str, r["tp"])), r["points"],
                        r["failed"], r["status"], _reasons(r) or "-") for r in rows]))
 
 
 @profiles.command("show")
 @click.argument("model")
 @click.argument("gpu")
+@click.option("--dtype", type=click.Choice(DTYPES), default="fp32", show_default=True)
 @archive_option
 @json_option
-def show_cmd(model: str, gpu: str, archive: Path | None, as_json: bool) -> None:
-    """Per-(mbs, TP) totals of one model on one GPU type, with provenance."""
+def show_cmd(model: str, gpu: str, dtype: str, archive: Path | None, as_json: bool) -> None:
+    """Per-(mbs, TP) totals of one model on one GPU type in one dtype, with provenance."""
 
     a = _open(archive)
     name = get_model(model).name
-    failed_only = (name, gpu) in a.failed and (name, gpu) not in a.compute
-    points = {} if failed_only else a.compute_points(name, gpu)  # a pair never profiled is an error
+    key = (name, gpu, dtype)
+    failed_only = key in a.failed and key not in a.compute
+    points = {} if failed_only else a.compute_points(name, gpu, dtype)  # a profile never taken is an error
     rows = []
     for (mbs, tp), e in sorted(points.items()):
         rows.append({"mbs": mbs, "tp": tp, "fwd_s": float(np.sum(e.times[:, 0])), "bwd_s": float(np.sum(e.times[:, 1])),
                      "update_s": float(np.max(e.times[:, 2])), "layers": int(e.times.shape[0]),
                      "provenance": e.provenance})
-    failed = [{"mbs": b, "tp": t, "reason": e.reason} for (b, t), e in sorted(a.failed.get((name, gpu), {}).items())]
+    failed = [{"mbs": b, "tp": t, "reason": e.reason} for (b, t), e in sorted(a.failed.get(key, {}).items())]
     if as_json:
-        echo_json({"model": name, "gpu": gpu, "points": rows, "failed": failed})
+        echo_json({"model": name, "gpu": gpu, "dtype": dtype, "points": rows, "failed": failed})
         return
-    click.echo(f"{name} on {gpu} ({a.where}); whole-model seconds per micro-batch")
+    click.echo(f"{name} on {gpu} in {dtype} ({a.where}); whole-model seconds per micro-batch")
     click.echo(table(("mbs", "tp", "fwd s", "bwd s", "update s", "layers", "source"),
                      [(r["mbs"], r["tp"], r["fwd_s"], r["bwd_s"], r["update_s"], r["layers"],
                        r["provenance"].get("source", "")[:40]) for r in rows]))

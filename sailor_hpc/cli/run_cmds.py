@@ -26,12 +26,13 @@ from sailor_hpc.controller.story import ATTEMPT_HEADER, attempt_rows, describe
 from sailor_hpc.core.archive import open_archive
 from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.models import get_model
+from sailor_hpc.core.precision import DTYPES
 from sailor_hpc.core.site import load_site
 
 _FILE = click.Path(dir_okay=False, path_type=Path)
 _DIR = click.Path(file_okay=False, path_type=Path)
 #: options that describe a new run; --resume reads them from run.json instead
-_RUN_OPTIONS = ("site_file", "model", "data", "save", "run_dir", "profiles", "gbs", "seq_len", "steps", "objective",
+_RUN_OPTIONS = ("site_file", "model", "data", "save", "run_dir", "profiles", "gbs", "seq_len", "dtype", "steps", "objective",
                 "max_cost_per_hour", "max_cost_per_iteration", "min_throughput", "max_gpus", "max_stages", "min_gain",
                 "restart_cost", "max_restarts", "backoff", "poll", "replan_interval", "save_interval", "time_limit",
                 "signal_grace", "python", "train_arg", "extra_sbatch")
@@ -70,7 +71,8 @@ def new_run(opts: dict[str, Any]) -> Path:
     save = Path(opts["save"]).absolute()
     spec = RunSpec(run_id=new_run_id(), site=str(site_path), model=get_model(opts["model"]).name,
                    objective=opts["objective"], data=data, save=str(save), steps=opts["steps"], gbs=opts["gbs"],
-                   profiles=profiles, seq_len=opts.get("seq_len"), max_cost_per_hour=opts.get("max_cost_per_hour"),
+                   profiles=profiles, seq_len=opts.get("seq_len"), dtype=opts.get("dtype") or "auto",
+                   max_cost_per_hour=opts.get("max_cost_per_hour"),
                    max_cost_per_iteration=opts.get("max_cost_per_iteration"),
                    min_throughput=opts.get("min_throughput"), max_gpus=opts.get("max_gpus"),
                    max_stages=opts.get("max_stages"), min_gain=parse_gain(opts["min_gain"]),
@@ -113,6 +115,9 @@ def drive(run_dir: Path) -> int:
 @click.option("--profiles", type=_FILE, default=None,
               help="Profile archive (default: $SAILOR_PROFILES, the site's, then the embedded one).")
 @click.option("--seq-len", type=int, default=None, help="Sequence length (default: the model's).")
+@click.option("--dtype", type=click.Choice(["auto", *DTYPES]), default="auto", show_default=True,
+              help="Training precision; auto: the best the GPU types train in (bf16, then fp16, then fp32) among "
+                   "those the archive has profiles of.")
 @click.option("--max-cost-per-hour", type=float, default=None)
 @click.option("--max-cost-per-iteration", type=float, default=None)
 @click.option("--min-throughput", type=float, default=None, help="Samples per second.")

@@ -21,7 +21,6 @@ profiles_option = click.option("--profiles", "profiles", type=click.Path(dir_oka
 
 
 def _archive(profiles: Path | None, site):
-
     return open_archive(profiles, site)
 
 

@@ -17,6 +17,7 @@ from typing import Any
 from planner import search
 from sailor_hpc.controller.policy import Score
 from sailor_hpc.controller.spec import RunSpec
+from sailor_hpc.core.archive import ProfileArchive
 from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.plan import Plan
 from sailor_hpc.core.site import Site
@@ -85,7 +86,7 @@ def partitions_for_time(time_limit: str | None, site: Site) -> set[str]:
     return allowed
 
 
-def plan_on(spec: RunSpec, site: Site, archive: Any, free: FreeByNode) -> Planned:
+def plan_on(spec: RunSpec, site: Site, archive: ProfileArchive, free: FreeByNode) -> Planned:
     """The planner's best plan for the run on the free GPUs ``free``, placeable now, on partitions that
     admit the run's time limit."""
 

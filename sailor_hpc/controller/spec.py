@@ -19,6 +19,7 @@ from typing import Any
 from planner import Constraints, PlanRequest
 from sailor_hpc.core.atomic import atomic_write_text
 from sailor_hpc.core.errors import SailorError
+from sailor_hpc.core.precision import DTYPES
 
 SPEC_FORMAT = "sailor-hpc-run"
 SPEC_VERSION = 1
@@ -44,6 +45,7 @@ class RunSpec:
     gbs: int  # global batch size
     profiles: str | None = None  # archive; None: $SAILOR_PROFILES, the site's, then the embedded one
     seq_len: int | None = None
+    dtype: str = "auto"  # the plan's precision, or auto: re-chosen at every re-plan (checkpoints keep fp32 masters)
     max_cost_per_hour: float | None = None
     max_cost_per_iteration: float | None = None
     min_throughput: float | None = None
@@ -70,6 +72,8 @@ class RunSpec:
         def bad(field: str, message: str, fix: str | None = None) -> SailorError:
             return SailorError(message, file=source, field=field, fix=fix)
 
+        if self.dtype not in ("auto", *DTYPES):
+            raise bad("--dtype", f"unknown dtype {self.dtype!r}", f"use auto or one of {', '.join(DTYPES)}")
         if self.objective not in ("throughput", "cost"):
             raise bad("--objective", f"unknown objective {self.objective!r}", "use throughput or cost")
         for name in ("steps", "gbs", "max_restarts", "save_interval"):
@@ -134,10 +138,9 @@ class RunSpec:
             raise SailorError(f"not valid JSON: {exc}", file=path) from None
         return cls.from_dict(data, source=str(path))
 
-    def plan_request(self, available: dict[str, int]) -> Any:
+    def plan_request(self, available: dict[str, int]) -> PlanRequest:
         """The planner's request for this run on ``available`` GPUs per partition."""
-
         return PlanRequest(model=self.model, global_batch_size=self.gbs, objective=self.objective,
                            constraints=Constraints(self.max_cost_per_hour, self.max_cost_per_iteration,
                                                    self.min_throughput, self.max_gpus),
-                           available=dict(available), seq_len=self.seq_len, max_stages=self.max_stages, top_k=1)
+                           available=dict(available), seq_len=self.seq_len, dtype=self.dtype, max_stages=self.max_stages, top_k=1)

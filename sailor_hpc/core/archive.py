@@ -3,8 +3,11 @@
 Layout (version 1; attributes in brackets)::
 
     / [format="sailor-hpc-profiles", version=1]
-    /compute/<model>/<gpu>/mbs<B>_tp<T>   float64 (L, 3): fwd, bwd, optimizer-update seconds per pipeline
-                                          layer for one micro-batch of B on one GPU of a TP-T group
+    /compute/<model>/<gpu>/mbs<B>_tp<T>[_<dtype>]
+                                          float64 (L, 3): fwd, bwd, optimizer-update seconds per pipeline
+                                          layer for one micro-batch of B on one GPU of a TP-T group, in
+                                          ``dtype`` (the name has no suffix for fp32: archives written
+                                          before other dtypes were profiled read unchanged)
                                           [status="ok"|"failed", reason, dtype, provenance]
     /memory/<model>/tp<T>                 float64 (L, 4): params, act_output, act_input (elements per TP
                                           rank) and act_mem_bytes (retained activation bytes at mbs 1)
@@ -51,6 +54,8 @@ from sailor_hpc.core.atomic import atomic_path  # noqa: E402
 from sailor_hpc.core.errors import SailorError  # noqa: E402
 from sailor_hpc.core.locking import file_lock  # noqa: E402
 from sailor_hpc.core.network import NetworkFit  # noqa: E402
+from sailor_hpc.core.precision import DTYPES  # noqa: E402
+from sailor_hpc.core.site import Site  # noqa: E402
 
 ARCHIVE_FORMAT = "sailor-hpc-profiles"
 ARCHIVE_VERSION = 1
@@ -84,7 +89,12 @@ class ComputeEntry:
 
     @property
     def path(self) -> str:
-        return f"compute/{self.model}/{self.gpu}/mbs{self.mbs}_tp{self.tp}"
+        suffix = "" if self.dtype == "fp32" else f"_{self.dtype}"
+        return f"compute/{self.model}/{self.gpu}/mbs{self.mbs}_tp{self.tp}{suffix}"
+
+    @property
+    def key(self) -> ComputeKey:
+        return (self.model, self.gpu, self.dtype)
 
 
 @dataclass
@@ -127,14 +137,16 @@ class NetworkEntry:
 
 
 Entry = ComputeEntry | MemoryEntry | OverheadEntry | NetworkEntry
+ComputeKey = tuple[str, str, str]  # (model, GPU type, dtype): one profile; its points are keyed (mbs, tp)
 
 
 @dataclass
 class ProfileArchive:
     """An archive's content in memory (archives are small: a few MB for every model and GPU)."""
 
-    compute: dict[tuple[str, str], dict[tuple[int, int], ComputeEntry]] = field(default_factory=dict)
-    failed: dict[tuple[str, str], dict[tuple[int, int], ComputeEntry]] = field(default_factory=dict)
+    # a profile per (model, GPU type, dtype): the simulator never takes one dtype's times for another's
+    compute: dict[ComputeKey, dict[tuple[int, int], ComputeEntry]] = field(default_factory=dict)
+    failed: dict[ComputeKey, dict[tuple[int, int], ComputeEntry]] = field(default_factory=dict)
     memory: dict[str, dict[int, MemoryEntry]] = field(default_factory=dict)
     overhead: dict[str, OverheadEntry] = field(default_factory=dict)
     network: dict[str, list[NetworkEntry]] = field(default_factory=dict)
@@ -142,16 +154,30 @@ class ProfileArchive:
 
     # ------------------------------------------------------------------ queries
     def models(self) -> list[str]:
-        return sorted({m for m, _ in self.compute} | set(self.memory))
+        return sorted({m for m, _, _ in self.compute} | set(self.memory))
 
-    def gpus(self, model: str) -> list[str]:
-        return sorted(g for m, g in self.compute if m == model)
+    def gpus(self, model: str, dtype: str | None = None) -> list[str]:
+        """GPU types with a compute profile of ``model`` (in ``dtype``, or in any)."""
+        return sorted({g for m, g, d in self.compute if m == model and dtype in (None, d)})
 
-    def compute_points(self, model: str, gpu: str) -> dict[tuple[int, int], ComputeEntry]:
-        """(mbs, tp) -> entry of every measured point; raises if the pair was never profiled."""
+    def dtypes(self, model: str, gpu: str) -> list[str]:
+        """The dtypes ``model`` was profiled in on ``gpu``."""
+        return sorted(d for m, g, d in self.compute if (m, g) == (model, gpu))
+
+    def has_compute(self, model: str, gpu: str, dtype: str = "fp32") -> bool:
+        return (model, gpu, dtype) in self.compute
+
+    def compute_points(self, model: str, gpu: str, dtype: str = "fp32") -> dict[tuple[int, int], ComputeEntry]:
+        """(mbs, tp) -> entry of every measured point; raises if the triple was never profiled."""
         try:
-            return self.compute[(model, gpu)]
+            return self.compute[(model, gpu, dtype)]
         except KeyError:
+            other = self.dtypes(model, gpu)
+            if other:
+                raise SailorError(f"{model} on {gpu} is profiled in {', '.join(other)}, not {dtype}", file=self.where,
+                                  field=f"compute/{model}/{gpu}",
+                                  fix=f"profile {dtype} (`sailor-hpc profile --model {model} --dtype {dtype}`) "
+                                      f"or plan in {' or '.join(other)} (--dtype)") from None
             have = ", ".join(self.gpus(model)) or "none"
             raise SailorError(f"no compute profile for model {model} on {gpu} (profiled GPUs: {have})",
                               file=self.where, field=f"compute/{model}/{gpu}",
@@ -212,7 +238,7 @@ class ProfileArchive:
     # ------------------------------------------------------------------ building
     def add(self, entry: Entry, *, override: bool = True) -> None:
         if isinstance(entry, ComputeEntry):
-            key = (entry.model, entry.gpu)
+            key = entry.key
             good, bad = self.compute.setdefault(key, {}), self.failed.setdefault(key, {})
             point = (entry.mbs, entry.tp)
             if not override and (point in good or point in bad):
@@ -241,7 +267,7 @@ class ProfileArchive:
 
 # ---------------------------------------------------------------------- reading
 
-_POINT_NAME = re.compile(r"^mbs([1-9][0-9]*)_tp([1-9][0-9]*)$")
+_POINT_NAME = re.compile(r"^mbs([1-9][0-9]*)_tp([1-9][0-9]*)(?:_([a-z0-9]+))?$")
 _TP_NAME = re.compile(r"^tp([1-9][0-9]*)$")
 _REPAIR = ("delete the entry (h5py: `del f[{path!r}]`) and profile it again, or re-create the archive with "
            "`sailor-hpc profiles import-sailor` / `sailor-hpc profile`")
@@ -340,14 +366,18 @@ class _Reader:
                 for name, ds in self.datasets(points):
                     match = _POINT_NAME.match(name)
                     if match is None:
-                        raise self.error(ds.name, "is not named mbs<B>_tp<T>")
+                        raise self.error(ds.name, "is not named mbs<B>_tp<T> or mbs<B>_tp<T>_<dtype>")
+                    dtype = self.text(ds, "dtype", "fp32")
+                    self.require(dtype in DTYPES, ds, f"dtype {dtype!r} is none of {', '.join(DTYPES)}")
+                    # an unsuffixed name holds fp32, or a point written before the suffix existed
+                    self.require(match[3] in (None, dtype), ds, f"is named for {match[3]} but holds {dtype} times")
                     status = self.text(ds, "status", "ok")
                     self.require(status in ("ok", "failed"), ds, f"status {status!r} is neither 'ok' nor 'failed'")
                     times = self.numbers(ds, (None, 3), "fwd, bwd, update seconds per layer")
                     self.require(status == "failed" or bool(np.isfinite(times).all() and (times >= 0).all()), ds,
                                  "a measured point has negative or missing (NaN) seconds")
                     yield ComputeEntry(model, gpu, int(match[1]), int(match[2]), times, self.provenance(ds), status,
-                                       self.text(ds, "reason", ""), self.text(ds, "dtype", "fp32"))
+                                       self.text(ds, "reason", ""), dtype)
 
     def memory(self) -> Iterator[MemoryEntry]:
         for model, tables in self.groups(self.group(self.h5, "memory")):
@@ -426,7 +456,7 @@ def read_archive(*paths: str | os.PathLike[str]) -> ProfileArchive:
     return archive
 
 
-def resolve_archive_paths(explicit: str | os.PathLike[str] | None = None, site: Any | None = None) -> list[Path]:
+def resolve_archive_paths(explicit: str | os.PathLike[str] | None = None, site: Site | None = None) -> list[Path]:
     """Where to read profiles from: --archive, else $SAILOR_PROFILES, else the site's shared archive;
     the embedded Sailor profiles always come last, so planning works before anyone profiles."""
     chosen = explicit or os.environ.get("SAILOR_PROFILES") or (site.archive if site is not None else "")
@@ -436,7 +466,7 @@ def resolve_archive_paths(explicit: str | os.PathLike[str] | None = None, site: 
     return paths
 
 
-def open_archive(explicit: str | os.PathLike[str] | None = None, site: Any | None = None) -> ProfileArchive:
+def open_archive(explicit: str | os.PathLike[str] | None = None, site: Site | None = None) -> ProfileArchive:
     paths = resolve_archive_paths(explicit, site)
     if not paths:
         raise SailorError("no profile archive", field="--archive",

@@ -21,11 +21,11 @@ from sailor_hpc.core.atomic import atomic_write_text
 from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.fields import Fields
 from sailor_hpc.core.models import ModelSpec, get_model
+from sailor_hpc.core.precision import DTYPES
 from sailor_hpc.core.site import Site
 
 PLAN_FORMAT = "sailor-hpc-plan"
 PLAN_VERSION = 1
-DTYPES = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adam", "sgd")
 # how a plan gets placements: place_plan, which `simulate`, `sbatch` and `submit` run on a plan without them
 PLACE_FIX = ("give every stage a placement, or none and let sailor-hpc place the plan (`sailor-hpc simulate`, "
@@ -252,6 +252,11 @@ def _validate_on_site(plan: Plan, site: Site, err: Callable[..., SailorError], c
                 gpu = site.gpu(s.gpu_type)
             except SailorError as exc:
                 raise err(f"{sw}.gpu_type", exc.message, exc.fix) from None
+            if plan.dtype not in gpu.dtypes:
+                raise err("dtype", f"{gpu.name} ({sw}) does not train in {plan.dtype} (it trains in "
+                                   f"{', '.join(gpu.dtypes)})",
+                          f"plan in {' or '.join(d for d in gpu.dtypes if d != 'fp32') or 'fp32'} (--dtype), "
+                          f"or list {plan.dtype} under dtypes of [gpu_types.\"{gpu.name}\"] if it does")
             if s.partition is None:
                 if check_placement:
                     raise err(f"{sw}.partition", "is missing", "name the partition the stage runs on")

@@ -15,6 +15,7 @@ from typing import Any
 from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.fields import Fields, read_text
 from sailor_hpc.core.network import LinkTable, NetworkFit, require_table
+from sailor_hpc.core.precision import DTYPES, default_dtypes
 from sailor_hpc.core.sbatch_values import constraint, parse_sbatch_option, slurm_word
 
 SITE_SCHEMA_VERSION = 1
@@ -40,6 +41,7 @@ class GpuType:
     memory_bytes: int
     aliases: tuple[str, ...] = ()
     peak_tflops: float | None = None
+    dtypes: tuple[str, ...] = DTYPES  # what it trains in (site's `dtypes`, else from its name)
 
 
 @dataclass(frozen=True)
@@ -135,7 +137,8 @@ class Site:
         doc["environment"] = {"prelude": list(self.prelude)}
         doc["profiles"] = {"archive": self.archive}
         doc["gpu_types"] = {g.name: {"memory_gib": g.memory_bytes / GIB, "aliases": list(g.aliases),
-                                     **({"peak_tflops": g.peak_tflops} if g.peak_tflops else {})}
+                                     **({"peak_tflops": g.peak_tflops} if g.peak_tflops else {}),
+                                     **({"dtypes": list(g.dtypes)} if g.dtypes != default_dtypes(g.name) else {})}
                             for g in self.gpu_types.values()}
         parts = []
         for p in self.partitions:
@@ -170,10 +173,15 @@ def _parse_gpu_types(f: Fields) -> dict[str, GpuType]:
             raise g.error("memory_gib", f"must be positive, got {mem}")
         aliases = g.opt("aliases", list, [])
         peak = g.opt("peak_tflops", float)
+        dtypes = g.opt("dtypes", list, list(default_dtypes(name)))
         g.done()
         if not all(isinstance(a, str) for a in aliases):
             raise g.error("aliases", "must be a list of strings")
-        out[name] = GpuType(name=name, memory_bytes=int(mem * GIB), aliases=tuple(aliases), peak_tflops=peak)
+        if not dtypes or any(d not in DTYPES for d in dtypes):
+            raise g.error("dtypes", f"must list some of {', '.join(DTYPES)}, got {dtypes!r}",
+                          fix=f"e.g. dtypes = {list(default_dtypes(name))!r}")
+        out[name] = GpuType(name=name, memory_bytes=int(mem * GIB), aliases=tuple(aliases), peak_tflops=peak,
+                            dtypes=tuple(d for d in DTYPES if d in dtypes))
     _check_aliases(f, out)
     return out
 

@@ -21,7 +21,6 @@ import re
 import shlex
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.sbatch_values import (
@@ -37,6 +36,7 @@ from sailor_hpc.core.sbatch_values import (
     parse_sbatch_option,
     slurm_word,
 )
+from sailor_hpc.core.site import Site
 
 __all__ = ["CONSTRAINT", "FORBIDDEN_SBATCH", "JOB_WIDE_SBATCH", "SBATCH_OPTION", "SLURM_WORD", "SbatchOption",
            "constraint", "job_id", "job_name", "no_control_chars", "parse_sbatch_option", "python_exe", "q",
@@ -93,7 +93,7 @@ def q(value: str) -> str:
     return shlex.quote(value)
 
 
-def site_sbatch_options(site: Any, extra_sbatch: Sequence[str] = ()) -> list[SbatchOption]:
+def site_sbatch_options(site: Site, extra_sbatch: Sequence[str] = ()) -> list[SbatchOption]:
     """Every option the site and the caller add to a job's header, checked and under sbatch's full names:
     the site's ``[slurm]`` account, QOS and constraint, its ``extra_sbatch``, then the caller's options.
     A refusal names the site file's field or the ``--extra-sbatch`` flag. Training jobs and profiling

@@ -156,7 +156,7 @@ def test_failed_points_are_recorded_not_dropped(tmp_path: Path) -> None:
                        status="failed", reason="CUDA out of memory")
     write_entries(path, [bad])
     archive = read_archive(path)
-    assert archive.failed[("tiny-gpt", "V100-16")][(8, 1)].reason == "CUDA out of memory"
+    assert archive.failed[("tiny-gpt", "V100-16", "fp32")][(8, 1)].reason == "CUDA out of memory"
     with pytest.raises(SailorError, match="no compute profile"):
         archive.compute_points("tiny-gpt", "V100-16")
     # a later failure of a point another job measured (a lost job, a second partition of the same GPU

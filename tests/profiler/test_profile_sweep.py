@@ -55,8 +55,8 @@ def test_cpu_sweep_fills_the_archive_and_the_simulator_reads_it(slurm_cluster, p
     a = read_archive(tmp_path / "cpu.h5")
     parts = _node_partitions(slurm_cluster)
     # compute: every point, under the cpu- keys only (never the GPU type names of the published profiles)
-    assert sorted(a.compute) == [("tiny-gpt", "cpu-A100-40"), ("tiny-gpt", "cpu-V100-16")] and not a.failed
-    for (_model, gpu), points in a.compute.items():
+    assert sorted(a.compute) == [("tiny-gpt", "cpu-A100-40", "fp32"), ("tiny-gpt", "cpu-V100-16", "fp32")] and not a.failed
+    for (_model, gpu, _dtype), points in a.compute.items():
         assert sorted(points) == [(1, 1), (1, 2), (2, 1), (2, 2)]
         for e in points.values():
             assert e.times.shape == (L, 3) and np.isfinite(e.times).all() and (e.times > 0).all()
@@ -92,7 +92,7 @@ def test_cpu_sweep_fills_the_archive_and_the_simulator_reads_it(slurm_cluster, p
         {"micro_batch_size": 1, "num_micro_batches": 4, "stages": [{"layers": [0, 5], "tp": 1, "gpu_type": "cpu-A100-40"}]}]})
     result = simulate(plan, site, a)
     assert result.iteration_time_s > 0 and result.fits
-    point = a.compute[("tiny-gpt", "cpu-V100-16")][(2, 2)]
+    point = a.compute[("tiny-gpt", "cpu-V100-16", "fp32")][(2, 2)]
     v, prov = point.times, point.provenance
     first = result.stages[0]
     assert first.fwd_s == pytest.approx(v[0:3, 0].sum()) and first.bwd_s == pytest.approx(v[0:3, 1].sum())
@@ -139,7 +139,7 @@ def test_cancelled_profiling_jobs_are_reported_failed_and_resume_completes(slurm
         assert f"failed: {unit}: job " in err and "CANCELLED" in err, (unit, err)
     assert "--resume" in out
     a = read_archive(tmp_path / "cpu.h5")
-    failed = {(gpu, pt): e.reason for (_, gpu), pts in a.failed.items() for pt, e in pts.items()}
+    failed = {(gpu, pt): e.reason for (_, gpu, _), pts in a.failed.items() for pt, e in pts.items()}
     assert set(failed) == {(g, (b, 1)) for g in ("cpu-A100-40", "cpu-V100-16") for b in (4, 8)} and not a.compute
     assert all("CANCELLED" in r for r in failed.values())
     state = json.loads((tmp_path / "jobs" / "sweep-state.json").read_text())
@@ -151,7 +151,7 @@ def test_cancelled_profiling_jobs_are_reported_failed_and_resume_completes(slurm
     report = json.loads(proc.stdout)
     assert report["complete"] and report["counts"] == {"ok": 7}
     a = read_archive(tmp_path / "cpu.h5")
-    assert not a.failed and sorted(a.compute) == [("tiny-gpt", "cpu-A100-40"), ("tiny-gpt", "cpu-V100-16")]
+    assert not a.failed and sorted(a.compute) == [("tiny-gpt", "cpu-A100-40", "fp32"), ("tiny-gpt", "cpu-V100-16", "fp32")]
     for points in a.compute.values():  # one job array per partition and TP degree, an element per point
         assert sorted(points) == [(4, 1), (8, 1)]
         assert len({(e.provenance["array_job"], e.provenance["array_task"]) for e in points.values()}) == 2
@@ -188,6 +188,6 @@ def test_jobs_record_their_overhead_even_when_the_driver_dies(slurm_cluster, pro
         time.sleep(0.5)
     assert not _sweep_jobs(slurm_cluster)
     a = read_archive(tmp_path / "cpu.h5")
-    assert sorted(a.compute) == [("tiny-gpt", "cpu-A100-40"), ("tiny-gpt", "cpu-V100-16")]
+    assert sorted(a.compute) == [("tiny-gpt", "cpu-A100-40", "fp32"), ("tiny-gpt", "cpu-V100-16", "fp32")]
     assert {g: set(e.by_tp) for g, e in a.overhead.items()} == {"cpu-A100-40": {1}, "cpu-V100-16": {1}}
     assert all(b > 0 for e in a.overhead.values() for b in e.by_tp.values())

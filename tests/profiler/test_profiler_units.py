@@ -374,8 +374,8 @@ def test_a_failure_on_one_tp_rank_fails_that_point_on_every_rank_and_the_job_goe
     assert not alive, "a rank still waits for the failed one"
     assert [p.exitcode for p in ranks] == [0, 0]
     a = read_archive(archive)
-    assert sorted(a.compute[("tiny-gpt", "cpu-A100-40")]) == [(1, 2), (4, 2)]
-    (failed,) = a.failed[("tiny-gpt", "cpu-A100-40")].values()
+    assert sorted(a.compute[("tiny-gpt", "cpu-A100-40", "fp32")]) == [(1, 2), (4, 2)]
+    (failed,) = a.failed[("tiny-gpt", "cpu-A100-40", "fp32")].values()
     assert (failed.mbs, failed.tp) == (2, 2)
     assert failed.reason.startswith("micro-batch 2: rank 1: RuntimeError: injected failure"), failed.reason
     assert 2 in a.memory["tiny-gpt"] and a.overhead["cpu-A100-40"].by_tp[2] > 0

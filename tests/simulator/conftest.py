@@ -26,7 +26,7 @@ TINY_OUT = np.full(TINY_L, 2048.0)  # elements of each layer's output
 OVERHEAD = 1e9
 TINY_SITE = {
     "name": "tiny", "cost_unit": "GPU-hours",
-    "gpu_types": {"G1": {"memory_gib": 1.0}, "G2": {"memory_gib": 2.0}},
+    "gpu_types": {"G1": {"memory_gib": 1.0, "dtypes": ["fp32", "bf16", "fp16"]}, "G2": {"memory_gib": 2.0}},
     "partitions": [
         {"name": "p1", "gpu_type": "G1", "nodes": 4, "gpus_per_node": 4, "cost_per_gpu_hour": 2.0,
          "network": {"intra_node": {"1": {"constant_gbps": 100.0}},

@@ -172,7 +172,9 @@ def test_recompute_adds_a_forward_to_every_backward(tiny_site, tiny):
     (tiny_plan(Pipeline(1, 2, (Stage(0, 2, 1, "G1"), Stage(4, 5, 1, "G1")))), "layer 3 is missing"),
     (tiny_plan(Pipeline(1, 2, (Stage(0, 5, 1, "H100"),))), "unknown GPU type"),
     (tiny_plan(Pipeline(4, 2, (Stage(0, 5, 1, "G1"),))), "no profile of tiny-gpt on G1 at micro-batch 4"),
-    (tiny_plan(Pipeline(1, 2, (Stage(0, 5, 1, "G1"),)), dtype="bf16"), "measured in fp32"),
+    (tiny_plan(Pipeline(1, 2, (Stage(0, 5, 1, "G1"),)), dtype="bf16"), "profiled in fp32, not bf16"),
+    (tiny_plan(Pipeline(1, 2, (Stage(0, 5, 1, "G2"),)), dtype="bf16"), r"G2 \(pipelines\[0\].stages\[0\]\) does not "
+                                                                    "train in bf16"),
     (tiny_plan(Pipeline(1, 2, (Stage(0, 5, 1, "G1"),)), seq_len=64), "sequence length"),
     (tiny_plan(Pipeline(1, 2, (Stage(0, 5, 8, "G1"),))), "TP 8"),
 ])

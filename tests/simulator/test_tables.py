@@ -14,7 +14,7 @@ from tests.simulator.conftest import TINY_FWD, TINY_PARAMS, TINY_UPDATE, tiny_ar
 def test_prefix_sums_equal_direct_sums(sailor_archive):
     t = ProfileTables(sailor_archive, get_model("OPT-350M"))
     c = t.compute("GH-96", 8, 4)
-    raw = sailor_archive.compute[("OPT-350M", "GH-96")][(8, 4)].times
+    raw = sailor_archive.compute[("OPT-350M", "GH-96", "fp32")][(8, 4)].times
     for a, b in [(0, 25), (0, 4), (5, 11), (19, 25), (7, 7)]:
         assert c.fwd(a, b) == pytest.approx(raw[a:b + 1, 0].sum(), rel=1e-12)
         assert c.bwd(a, b) == pytest.approx(raw[a:b + 1, 1].sum(), rel=1e-12)
@@ -71,7 +71,7 @@ def test_a_layer_never_takes_longer_on_fewer_samples():
     """A point slower than a larger micro-batch's point of the same layer is noise: the table keeps the
     running minimum over the larger profiled sizes (per layer, forward and backward apart)."""
     archive = tiny_archive()
-    noisy = archive.compute[("tiny-gpt", "G1")][(1, 1)].times.copy()
+    noisy = archive.compute[("tiny-gpt", "G1", "fp32")][(1, 1)].times.copy()
     noisy[5, 0] = 0.050  # head forward at mbs 1 slower than at mbs 2 (0.008)
     noisy[2, 1] = 0.030  # a block's backward too (mbs 2: 0.040 -> kept, it is larger)
     archive.add(ComputeEntry("tiny-gpt", "G1", 1, 1, noisy, {"source": "test"}))
@@ -83,12 +83,12 @@ def test_a_layer_never_takes_longer_on_fewer_samples():
 
 def test_sailor_profile_is_monotone_in_micro_batch_size(sailor_archive):
     t = ProfileTables(sailor_archive, get_model("OPT-350M"))
-    sizes = sorted(b for b, tp in sailor_archive.compute[("OPT-350M", "GH-96")] if tp == 4)
+    sizes = sorted(b for b, tp in sailor_archive.compute[("OPT-350M", "GH-96", "fp32")] if tp == 4)
     for small, large in zip(sizes, sizes[1:]):
         a, b = t.compute("GH-96", small, 4), t.compute("GH-96", large, 4)
         for x, y in ((a.cum_fwd, b.cum_fwd), (a.cum_bwd, b.cum_bwd)):
             assert (np.diff(x) <= np.diff(y) + 1e-12).all()  # cumsum round-off
-    raw = sailor_archive.compute[("OPT-350M", "GH-96")][(1, 4)].times
+    raw = sailor_archive.compute[("OPT-350M", "GH-96", "fp32")][(1, 4)].times
     assert t.compute("GH-96", 1, 4).fwd(0, 25) < raw[:, 0].sum()  # the published mbs-1 point is not monotone
 
 
@@ -96,7 +96,7 @@ def test_chain_timing_turns_into_a_saving_per_layer_boundary():
     """A point whose measured layers (embedding, blocks 1-2, head: 4 layers) ran as one chain 3 ms faster
     forward and 1.5 ms slower backward than alone: 1 ms saved / 0.5 ms lost per boundary in any stage."""
     archive = tiny_archive()
-    base = archive.compute[("tiny-gpt", "G1")][(1, 1)]
+    base = archive.compute[("tiny-gpt", "G1", "fp32")][(1, 1)]
     measured = [0, 1, 2, 5]
     fwd_alone, bwd_alone = TINY_FWD[measured].sum(), 2 * TINY_FWD[measured].sum()
     prov = {"source": "test", "stack_layers": 4, "stack_fwd_s": fwd_alone - 0.003, "stack_bwd_s": bwd_alone + 0.0015}
