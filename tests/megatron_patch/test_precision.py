@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -22,12 +23,17 @@ from tests.megatron_patch.conftest import ADAM, GLOBAL_BATCH, MODEL, Env, add_pl
 torch = pytest.importorskip("torch")
 
 BF16_STEPS = 50
-# Tolerance: one bf16 unit of relative resolution (8 significant bits, 2**-8 = 3.9e-3) per step. bf16's
-# rounding of weights and activations differs from fp32's at every layer and the trajectories drift
-# through 50 Adam steps; measured worst gap 7.4e-4 (5x inside). A looser 2e-2 would not
-# catch a real fault: weighting the two pipelines 1/2 : 1/2 instead of by samples departs by 1.1e-2 (measured),
-# and the negative control below checks that it fails this tolerance.
-BF16_REL_TOL = 2.0 ** -8
+# bf16 keeps 8 significant bits (2**-8 = 3.9e-3 relative). Its rounding of weights and activations differs
+# from fp32's at every layer, and how much that moves a batch's loss depends on the batch: measured over
+# 50 steps (the dataset is built from the repository's files, so it changes with them), the typical step
+# is 2e-4 apart (median) while single batches reached 3.5e-2 (a batch whose fp32 loss dips and bf16's
+# does not; the fp32 run of the same plan is within 1e-5 there, so it is bf16, not the runtime). Hence
+# two bounds: the median step within 2**-10 (a quarter of bf16's resolution) and every step within 1e-1
+# (no divergence). Weighting the pipelines 1/2 : 1/2 instead of by samples, the negative control, has a
+# median gap of 3.8e-3 and fails the first; a flat per-step 2e-2 would have failed bf16 and passed it.
+BF16_MEDIAN_TOL = 2.0 ** -10
+BF16_STEP_TOL = 1e-1
+FP32_TOL = 1e-5  # fp32 run of the same plan, relative, every step (measured 3e-6: 50 steps of fp32 drift)
 
 PLAN_2 = Plan(MODEL, GLOBAL_BATCH, (Pipeline(2, 3, (Stage(0, 5, 1, "A100-40"),)),
                                     Pipeline(1, 2, (Stage(0, 5, 1, "A100-40"),))))
@@ -114,39 +120,38 @@ def _losses(results: list, steps: int) -> list[float]:
     return [by_step[s].pop() for s in range(1, steps + 1)]
 
 
-def _bf16_gap(env: Env, ref: list[float], name: str, *extra: str) -> float:
-    got = _losses(launch(env, "2-bf16", BF16_STEPS, env.root / name, *extra), BF16_STEPS)
+def _gaps(env: Env, ref: list[float], plan: str, name: str, *extra: str) -> list[float]:
+    """Per-step relative loss gaps of ``plan`` trained ``BF16_STEPS`` steps against the fp32 reference."""
+    got = _losses(launch(env, plan, BF16_STEPS, env.root / name, *extra), BF16_STEPS)
     rel = [abs(a - b) / b for a, b in zip(got, ref)]
     print(f"{name} vs fp32 reference over {BF16_STEPS} steps: loss {got[0]:.4f} -> {got[-1]:.4f} "
-          f"(ref {ref[0]:.4f} -> {ref[-1]:.4f}); max relative gap {max(rel):.2e} at step {rel.index(max(rel)) + 1}")
-    return max(rel)
+          f"(ref {ref[0]:.4f} -> {ref[-1]:.4f}); relative gap median {statistics.median(rel):.2e}, "
+          f"max {max(rel):.2e} at step {rel.index(max(rel)) + 1}")
+    return rel
 
 
 @pytest.fixture(scope="module")
-def bf16_env(runtime_env: Env) -> Env:
+def precision_env(runtime_env: Env) -> Env:
     from dataclasses import replace
-    add_plan(runtime_env, "2-bf16", replace(PLAN_2, dtype="bf16"))
+    for dtype in ("fp32", "bf16", "fp16"):
+        add_plan(runtime_env, f"2-{dtype}", replace(PLAN_2, dtype=dtype))
     return runtime_env
 
 
-def test_bf16_two_rank_plan_follows_fp32_reference(bf16_env: Env, ref50: list[float]) -> None:
+def test_bf16_two_rank_plan_follows_fp32_reference(precision_env: Env, ref50: list[float]) -> None:
     assert ref50[-1] < ref50[0] - 0.5  # the reference learns, so the curves are compared where it matters
-    assert _bf16_gap(bf16_env, ref50, "bf16") <= BF16_REL_TOL
+    assert max(_gaps(precision_env, ref50, "2-fp32", "fp32-50")) <= FP32_TOL  # the plan itself is exact
+    rel = _gaps(precision_env, ref50, "2-bf16", "bf16-50")
+    assert statistics.median(rel) <= BF16_MEDIAN_TOL and max(rel) <= BF16_STEP_TOL
 
 
-def test_bf16_negative_control_wrong_weighting_leaves_tolerance(bf16_env: Env, ref50: list[float]) -> None:
+def test_bf16_negative_control_wrong_weighting_leaves_tolerance(precision_env: Env, ref50: list[float]) -> None:
     """Pipelines averaged 1/2 : 1/2 instead of 6/8 : 2/8 samples: the same comparison must fail."""
-    assert _bf16_gap(bf16_env, ref50, "bf16-uniform", "--grad-weighting", "uniform") > BF16_REL_TOL
+    rel = _gaps(precision_env, ref50, "2-bf16", "bf16-uniform", "--grad-weighting", "uniform")
+    assert statistics.median(rel) > BF16_MEDIAN_TOL
 
 
 # ------------------------------------------------------------------ fp16 loss scaling
-
-@pytest.fixture(scope="module")
-def fp16_env(runtime_env: Env) -> Env:
-    from dataclasses import replace
-    add_plan(runtime_env, "2-fp16", replace(PLAN_2, dtype="fp16"))
-    return runtime_env
-
 
 def _state(ckpt: Path) -> dict:
     from megatron_patch.checkpoint_io import CheckpointReader
@@ -157,9 +162,9 @@ def _same(a: dict, b: dict) -> bool:
     return all(torch.equal(a[n][k], b[n][k]) for n in a for k in a[n])
 
 
-def test_fp16_forced_overflow_is_skipped_everywhere_and_resumes_exactly(fp16_env: Env, ref50: list[float]) -> None:
-    root = fp16_env.root / "fp16"
-    logs = launch(fp16_env, "2-fp16", 4, root, "--save-interval", "1", "--keep", "10", "--inject-overflow", "1:2")
+def test_fp16_forced_overflow_is_skipped_everywhere_and_resumes_exactly(precision_env: Env, ref50: list[float]) -> None:
+    root = precision_env.root / "fp16"
+    logs = launch(precision_env, "2-fp16", 4, root, "--save-interval", "1", "--keep", "10", "--inject-overflow", "1:2")
     for r in logs:  # the overflow is on rank 1 only; both ranks skip and back off
         ev = events(r, "step")
         assert [e["skipped"] for e in ev] == [False, True, False, False], r.rank
@@ -172,14 +177,14 @@ def test_fp16_forced_overflow_is_skipped_everywhere_and_resumes_exactly(fp16_env
     assert m2["adam_steps"] == 1 and m3["adam_steps"] == 2
     assert m2["loss_scale"] == {"scale": 2.0 ** 15, "good_steps": 0}
     assert m3["loss_scale"] == {"scale": 2.0 ** 15, "good_steps": 1}
-    resumed = fp16_env.root / "fp16-resumed"
-    launch(fp16_env, "2-fp16", 4, resumed, "--load", str(step_dir(root, 2)))
+    resumed = precision_env.root / "fp16-resumed"
+    launch(precision_env, "2-fp16", 4, resumed, "--load", str(step_dir(root, 2)))
     assert _same(_state(step_dir(resumed, 4)), _state(step_dir(root, 4)))
 
 
-def test_fp16_real_overflow_backs_off_until_steps_pass(fp16_env: Env) -> None:
+def test_fp16_real_overflow_backs_off_until_steps_pass(precision_env: Env) -> None:
     """A scale of 2**20 overflows fp16 in the backward itself (no injection) until it has halved enough."""
-    logs = launch(fp16_env, "2-fp16", 8, fp16_env.root / "fp16-big", "--initial-loss-scale", str(2.0 ** 20))
+    logs = launch(precision_env, "2-fp16", 8, precision_env.root / "fp16-big", "--initial-loss-scale", str(2.0 ** 20))
     ev = [events(r, "step") for r in logs]
     assert [e["skipped"] for e in ev[0]] == [e["skipped"] for e in ev[1]]
     skipped = [e["skipped"] for e in ev[0]]
