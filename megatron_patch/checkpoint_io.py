@@ -102,6 +102,7 @@ def save(trainer: Trainer, root: str, keep: int = 3) -> str:
             "vocab_size": vocab, "dtype": t.plan.dtype, "plan": t.plan.to_dict(),
             "megatron_core": megatron_version(), "torch": torch.__version__,
             "rng": {"torch_cpu": rng_to_json()}, "files": all_files, "params": all_params,
+            "loss_scale": t.scaler.state() if t.scaler is not None else None,  # fp16; equal on all ranks
         }
         final = str(ck.publish(tmp, manifest))
         ck.prune(root, keep)
@@ -169,6 +170,8 @@ def load(trainer: Trainer, path: str, *, missing_ok: bool = False) -> str | None
         full = reader.tensors(name)
         shard = {k: shard_of(_pad(full[k], info), info, t.role.tp, t.role.tp_rank).to(t.device) for k in FIELDS}
         t.optimizer.load_state(name, shard["param"], shard["exp_avg"], shard["exp_avg_sq"], int(m["adam_steps"]))
+    if t.scaler is not None and m.get("loss_scale"):  # else (fp32/bf16 checkpoint): the initial scale
+        t.scaler.load(m["loss_scale"])
     t.step = int(m["step"])
     t.consumed_samples = int(m["consumed_samples"])
     rng_from_json(m["rng"]["torch_cpu"])

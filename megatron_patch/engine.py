@@ -4,10 +4,13 @@ A training step is:
 
 1. megatron's non-interleaved 1F1B schedule (``forward_backward_pipelining_without_interleaving``)
    over this pipeline's micro-batches, with the plan's stage-boundary communicator (P4/P5);
-2. the per-layer, per-TP-chunk, sample-weighted gradient sync (``grad_sync``);
-3. one scalar all-reduce over all ranks carrying the gradient norm, the weighted loss and the
-   "stop" flag (a signal reached some rank), so every rank clips, logs and stops alike;
-4. Adam on the local shards.
+   Gradients accumulate over micro-batches in fp32 ``main_grad`` buffers (``main_grad``); fp16
+   scales the loss first (``precision.LossScaler``);
+2. the per-layer, per-TP-chunk, sample-weighted gradient sync (``grad_sync``) of the ``main_grad``s;
+3. fp16: unscale and look for inf/nan; one scalar all-reduce over all ranks carrying the gradient
+   norm, the weighted loss, the "stop" flag (a signal reached some rank) and the overflow flag, so
+   every rank clips, logs, skips and stops alike;
+4. Adam on the local shards (skipped on an fp16 overflow; the loss scale halves).
 """
 from __future__ import annotations
 
@@ -24,10 +27,12 @@ from megatron_patch.data import GlobalSamples
 from megatron_patch.grad_sync import GradSync
 from megatron_patch.groups import create_groups, group, singleton_collection
 from megatron_patch.layout import param_layout
+from megatron_patch.main_grad import attach_main_grads
 from megatron_patch.model import build_stage_module, padded_vocab_size
 from megatron_patch.optimizer import StageOptimizer, clip_coefficient
 from megatron_patch.options import TrainOptions
 from megatron_patch.p2p import HeteroP2PCommunicator, StageGroup
+from megatron_patch.precision import LossScaler, configure_tf32
 from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.models import ModelSpec
 from sailor_hpc.core.plan import Plan
@@ -42,6 +47,8 @@ class StepResult:
     stop: bool  # some rank asked to stop (signal)
     seconds: float
     sync_seconds: float
+    skipped: bool = False  # fp16 overflow on some rank: no optimizer step
+    loss_scale: float = 1.0
 
 
 class Trainer:
@@ -67,9 +74,7 @@ class Trainer:
         if samples.seq_len != self.seq_len:
             raise SailorError(f"data samples have {samples.seq_len} tokens, the plan trains {self.seq_len}",
                               field="seq_len")
-        if plan.dtype == "fp16":
-            raise SailorError("fp16 training needs loss scaling, which megatron_patch does not implement",
-                              field="dtype", fix="use bf16 (or fp32)")
+        self.tf32 = configure_tf32(self.device, plan.dtype, opts.tf32)
         self.patches = patch.apply(cpu=self.device.type == "cpu")
         patch.seed_model_parallel_rng(opts.seed, self.role.tp_rank)
 
@@ -83,10 +88,14 @@ class Trainer:
         self.module = build_stage_module(self.spec, self.role.first_layer, self.role.last_layer,
                                          pg_collection=self.pgc, dtype=plan.dtype, padded_vocab=self.padded_vocab,
                                          device=self.device, seed=opts.seed, recompute=plan.recompute,
-                                         te={"auto": None, "local": False, "te": True}[opts.layer_spec])
+                                         te=opts.layer_spec == "te")
         self.p2p = HeteroP2PCommunicator(table[self.role.pipeline], self.role.stage, self.role.tp_rank,
                                          self.module.config, self.device)
         self.params = self.module.canonical_params()
+        attach_main_grads(self.params)
+        self.scaler = LossScaler(opts.loss_scale) if plan.dtype == "fp16" else None
+        if self.scaler is not None:
+            self.module.config.grad_scale_func = self.scaler.scale_loss  # megatron's schedule applies it
         self.sync = GradSync(plan, self.layout, opts.weighting)
         self.optimizer = StageOptimizer(self.params, self.infos, opts.adam)
         self.pipe = plan.pipelines[self.role.pipeline]
@@ -137,16 +146,25 @@ class Trainer:
         grads = self.optimizer.main_grads()
         self.sync.run(grads)
         t2 = time.perf_counter()
+        if self.scaler is not None and self.opts.inject_overflow == (self.rank, self.step + 1):
+            next(iter(grads.values())).view(-1)[0] = float("inf")
+        overflow = self.scaler.unscale(grads.values()) if self.scaler is not None else False
         local_loss = 0.0
         if self.role.is_last_stage and self.role.tp_rank == 0:
             local_loss = self.weight * sum(float(x["loss"]) for x in losses) / len(losses)
-        vec = torch.tensor([self.sync.owned_sq_norm(grads), local_loss, float(stop_requested)],
+        vec = torch.tensor([self.sync.owned_sq_norm(grads), local_loss, float(stop_requested), float(overflow)],
                            dtype=torch.float64, device=self.device)
         dist.all_reduce(vec)
-        grad_norm = math.sqrt(float(vec[0]))
-        self.optimizer.step(clip_coefficient(grad_norm, self.opts.adam.clip_grad))
+        skipped = bool(vec[3] > 0)
+        grad_norm = math.sqrt(float(vec[0])) if not skipped else float("nan")
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        if not skipped:
+            self.optimizer.step(clip_coefficient(grad_norm, self.opts.adam.clip_grad))
+        if self.scaler is not None:
+            self.scaler.update(skipped)
         self.optimizer.zero_grad()
-        self.step += 1
+        self.step += 1  # a skipped step still consumes its batch (as Megatron's)
         self.consumed_samples += self.plan.global_batch_size
         return StepResult(step=self.step, loss=float(vec[1]), grad_norm=grad_norm, stop=bool(vec[2] > 0),
-                          seconds=time.perf_counter() - t0, sync_seconds=t2 - t1)
+                          seconds=time.perf_counter() - t0, sync_seconds=t2 - t1, skipped=skipped,
+                          loss_scale=scale)

@@ -28,7 +28,15 @@ import time
 import warnings
 from typing import Any
 
-from megatron_patch.options import TrainOptions, adam_from_args, add_adam_args
+from megatron_patch.options import (
+    LAYER_SPECS,
+    TrainOptions,
+    adam_from_args,
+    add_adam_args,
+    add_precision_args,
+    check_layer_spec,
+    precision_from_args,
+)
 from sailor_hpc.core.dist_env import EXIT_BAD_INPUT, EXIT_DONE, EXIT_SAVED_ON_SIGNAL, DistEnv, read_env
 from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.plan import Plan
@@ -59,8 +67,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=1234)
     add_adam_args(ap)
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    ap.add_argument("--layer-spec", choices=("auto", "local", "te"), default="auto",
-                    help="megatron layer spec: local modules, TransformerEngine, or TE when installed on GPU")
+    ap.add_argument("--layer-spec", choices=LAYER_SPECS, default="local",
+                    help="megatron layer spec: local modules with SDPA attention (auto = local; te is refused)")
+    add_precision_args(ap)
     ap.add_argument("--grad-weighting", choices=("samples", "uniform"), default="samples",
                     help=argparse.SUPPRESS)  # "uniform" is wrong on purpose: the tests' negative control
     ap.add_argument("--timeout-min", type=float, default=30.0, help="collective timeout (minutes)")
@@ -112,10 +121,11 @@ def train(args: argparse.Namespace, plan: Plan, env: DistEnv, role: Role) -> int
     base = {"rank": role.rank, "pipeline": role.pipeline, "stage": role.stage, "tp_rank": role.tp_rank}
     emit({"event": "start", **role_record(role, env), "device": str(device), "plan_gpus": plan.num_gpus})
     opts = TrainOptions(adam=adam_from_args(args), seed=args.seed, weighting=args.grad_weighting,
-                        layer_spec=args.layer_spec)
+                        layer_spec=args.layer_spec, **precision_from_args(args))
     trainer = Trainer(plan, GlobalSamples(args.data, plan.sequence_length, args.seed), opts, device)
     emit({"event": "ready", **base, "megatron_core": patch.megatron_version(), "patches": trainer.patches,
-          "params": sum(p.numel() for p in trainer.params.values()), "sync_groups": trainer.sync.num_groups})
+          "params": sum(p.numel() for p in trainer.params.values()), "sync_groups": trainer.sync.num_groups,
+          "tf32": trainer.tf32})
     resume = args.load is None and args.auto_resume and bool(args.save)
     if args.load or resume:
         t0 = time.perf_counter()
@@ -134,7 +144,9 @@ def train(args: argparse.Namespace, plan: Plan, env: DistEnv, role: Role) -> int
     start_step = trainer.step
     while trainer.step < args.steps:
         res = trainer.train_step(stop_requested=bool(_STOP))
-        emit({"event": "step", **base, "step": res.step, "loss": res.loss, "grad_norm": res.grad_norm,
+        emit({"event": "step", **base, "step": res.step, "loss": res.loss,
+              "grad_norm": None if res.skipped else res.grad_norm,
+              "skipped": res.skipped, "loss_scale": res.loss_scale,
               "iter_s": res.seconds, "sync_s": res.sync_seconds, "mem_bytes": _peak_memory(device),
               "consumed_samples": trainer.consumed_samples})
         if res.stop and trainer.step < args.steps:
@@ -154,6 +166,7 @@ def train(args: argparse.Namespace, plan: Plan, env: DistEnv, role: Role) -> int
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
+        check_layer_spec(args.layer_spec)
         env = read_env()
         plan = load_plan(args.plan, model=args.model)
         role = role_of(plan, env.rank, env.world_size)

@@ -5,7 +5,7 @@ split (``get_transformer_layer_offset``) and ties the final norm to the output l
 gives every stage an arbitrary range of *pipeline layers* (0 = embedding, 1..T = blocks, then the
 tail; Llama's final norm is a layer of its own). A stage here is a list of pipeline-layer modules,
 each made of the megatron-core modules GPTModel uses (``LanguageModelEmbedding``,
-``TransformerLayer`` from the local or TransformerEngine layer spec with its *global* layer number,
+``TransformerLayer`` from the local layer spec, SDPA attention, with its *global* layer number,
 the spec's norm, ``ColumnParallelLinear``), with the same parameter names, so a stage holding every
 layer at TP=1 is a GPTModel (``tests/megatron_patch`` checks that the losses agree).
 
@@ -14,6 +14,7 @@ under torchrun with a TP group).
 """
 from __future__ import annotations
 
+import importlib.util
 import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from megatron_patch.layout import (
     params_of_layers,
     shard_of,
 )
+from megatron_patch.options import check_layer_spec
 from megatron_patch.patch import cross_entropy
 from sailor_hpc.core.models import ModelSpec
 
@@ -41,12 +43,27 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 VOCAB_DIVISOR = 128  # megatron's make_vocab_size_divisible_by default
 
 
-def te_available() -> bool:
-    try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
-        return False
-    return torch.cuda.is_available()
+def _importable(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def fusions(arch: Arch, cuda: bool) -> dict[str, bool]:
+    """megatron's kernel fusions this device can run: all off on the CPU (they are CUDA/jit kernels).
+
+    persist_layer_norm needs apex's FusedLayerNorm, masked softmax fusion megatron's compiled softmax
+    kernels (only the unfused DotProductAttention uses it; SDPA replaces it), rope fusion TE's kernel.
+    gradient_accumulation_fusion stays off: it writes the weight gradient into ``main_grad`` itself
+    and needs apex, while megatron_patch.main_grad accumulates through hooks.
+    """
+    if not cuda:
+        return dict(bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
+                    bias_dropout_fusion=False, apply_rope_fusion=False)
+    return dict(
+        bias_activation_fusion=arch.activation == "swiglu" or (arch.activation == "gelu" and arch.bias),
+        masked_softmax_fusion=_importable("scaled_upper_triang_masked_softmax_cuda"),
+        persist_layer_norm=arch.norm == "LayerNorm" and _importable("apex"),
+        bias_dropout_fusion=True,
+        apply_rope_fusion=arch.position == "rope" and _importable("transformer_engine"))
 
 
 def transformer_config(spec: ModelSpec, *, tp: int, dtype: torch.dtype, cuda: bool, recompute: bool = False) -> Any:
@@ -60,8 +77,7 @@ def transformer_config(spec: ModelSpec, *, tp: int, dtype: torch.dtype, cuda: bo
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
         hidden_dropout=0.0, attention_dropout=0.0,  # exact across layouts: no layout-dependent RNG streams
         normalization=a.norm, add_bias_linear=a.bias, gated_linear_unit=a.glu, activation_func=act,
-        bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
-        bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
+        **fusions(a, cuda), gradient_accumulation_fusion=False,
         use_cpu_initialization=not cuda, perform_initialization=False,
         params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, pipeline_dtype=dtype,
         deallocate_pipeline_outputs=True, batch_p2p_comm=True, batch_p2p_sync=False,
@@ -69,30 +85,19 @@ def transformer_config(spec: ModelSpec, *, tp: int, dtype: torch.dtype, cuda: bo
     )
 
 
-def layer_spec(spec: ModelSpec, te: bool) -> Any:
-    from megatron.core.models.gpt.gpt_layer_specs import (
-        get_gpt_layer_local_spec,
-        get_gpt_layer_with_transformer_engine_spec,
-    )
-    norm = arch_of(spec).norm
-    if te:
-        return get_gpt_layer_with_transformer_engine_spec()
-    return get_gpt_layer_local_spec(normalization=norm)
+ATTENTIONS = ("sdpa", "megatron")  # megatron's unfused DotProductAttention: the tests' comparison only
 
 
-# TransformerEngine fuses the pre-attention/pre-MLP norms into the next linear; canonical names are the
-# local spec's (= GPTModel with the local spec), so TE names are renamed (untested: no TE/GPU here).
-_TE_RENAMES = (("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"),
-               ("self_attention.linear_qkv.layer_norm_bias", "input_layernorm.bias"),
-               ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"),
-               ("mlp.linear_fc1.layer_norm_bias", "pre_mlp_layernorm.bias"))
-
-
-def _canonical_local_name(local: str) -> str:
-    for te_name, name in _TE_RENAMES:
-        if local == te_name:
-            return name
-    return local
+def layer_spec(spec: ModelSpec, attention: str = "sdpa") -> Any:
+    """megatron's local GPT layer spec, with SDPA as its core attention (megatron_patch.attention)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    if attention not in ATTENTIONS:
+        raise ValueError(f"attention must be one of {ATTENTIONS}")
+    out = get_gpt_layer_local_spec(normalization=arch_of(spec).norm)
+    if attention == "sdpa":
+        from megatron_patch.attention import SdpaAttention
+        out.submodules.self_attention.submodules.core_attention = SdpaAttention
+    return out
 
 
 @dataclass
@@ -141,7 +146,7 @@ class BlockLayer(torch.nn.Module):
         self.layer = build_module(layer_spec, config=ctx.config, layer_number=index, pg_collection=ctx.pg_collection)
 
     def local_params(self) -> dict[str, torch.nn.Parameter]:
-        return {_canonical_local_name(n): p for n, p in self.layer.named_parameters()}
+        return dict(self.layer.named_parameters())
 
     def _run(self, h: torch.Tensor, mask: torch.Tensor, rotary: torch.Tensor | None) -> torch.Tensor:
         return self.layer(hidden_states=h, attention_mask=mask, rotary_pos_emb=rotary)[0]
@@ -155,13 +160,13 @@ class BlockLayer(torch.nn.Module):
 class FinalNormLayer(torch.nn.Module):
     """The final norm (megatron's ``decoder.final_layernorm``)."""
 
-    def __init__(self, ctx: StageContext, te: bool) -> None:
+    def __init__(self, ctx: StageContext) -> None:
         super().__init__()
         from megatron.core.transformer.spec_utils import build_module
         self.index = final_norm_layer(ctx.spec)
         self.prefix = "decoder.final_layernorm."
-        if te:
-            from megatron.core.extensions.transformer_engine import TENorm as norm_cls
+        if ctx.config.persist_layer_norm:  # apex's, as the blocks' norms (torch's refuses the flag)
+            from megatron.core.fusions.fused_layer_norm import FusedLayerNorm as norm_cls
         else:
             from megatron.core.transformer.torch_norm import WrappedTorchNorm as norm_cls
         self.norm = build_module(norm_cls, config=ctx.config, hidden_size=ctx.spec.hidden_size,
@@ -206,7 +211,7 @@ class OutputLayer(torch.nn.Module):
 class StageModule(torch.nn.Module):
     """Pipeline layers ``first..last`` of a model on one TP rank; forward as megatron's schedule expects."""
 
-    def __init__(self, ctx: StageContext, first: int, last: int, te: bool, recompute: bool) -> None:
+    def __init__(self, ctx: StageContext, first: int, last: int, recompute: bool) -> None:
         super().__init__()
         from megatron.core.transformer.enums import ModelType
         spec = ctx.spec
@@ -216,14 +221,14 @@ class StageModule(torch.nn.Module):
         self.first_layer, self.last_layer = first, last
         self.input_tensor: torch.Tensor | None = None
         layers: list[torch.nn.Module] = []
-        block_spec = layer_spec(spec, te) if first <= spec.num_layers and last >= 1 else None
+        block_spec = layer_spec(spec) if first <= spec.num_layers and last >= 1 else None
         for i in range(first, last + 1):
             if i == 0:
                 layers.append(EmbeddingLayer(ctx))
             elif i <= spec.num_layers:
                 layers.append(BlockLayer(ctx, i, block_spec, recompute))
             elif i == final_norm_layer(spec):
-                layers.append(FinalNormLayer(ctx, te))
+                layers.append(FinalNormLayer(ctx))
             if i == head_layer(spec):
                 layers.append(OutputLayer(ctx, shares_embedding=spec.tied_embeddings and first == 0))
         self.layers = torch.nn.ModuleList(layers)
@@ -305,14 +310,17 @@ def canonical_init(info: ParamInfo, seed: int, vocab_size: int) -> torch.Tensor:
 def build_stage_module(spec: ModelSpec, first_layer: int, last_layer: int, *, tp_group: Any = None,
                        pg_collection: Any = None, dtype: str | torch.dtype = "fp32",
                        padded_vocab: int | None = None, device: str | torch.device | None = None,
-                       seed: int | None = 1234, te: bool | None = None, recompute: bool = False) -> StageModule:
+                       seed: int | None = 1234, te: bool = False, recompute: bool = False) -> StageModule:
     """Build pipeline layers ``first_layer..last_layer`` of ``spec`` on this process.
 
     ``tp_group`` is this stage's TP group (None: a TP group of this process alone, the profiler's
     single-process case; torch.distributed must be initialised either way). ``seed`` gives the
     canonical layout-independent initialisation; ``None`` leaves a fast random init (profiling).
+    ``te=True`` (TransformerEngine's layer spec) is refused: it is untested here.
     """
     from megatron_patch.groups import singleton_collection
+    if te:
+        check_layer_spec("te")
     dt = DTYPES[dtype] if isinstance(dtype, str) else dtype
     dev = torch.device(device) if device is not None else torch.device(
         f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
@@ -321,11 +329,10 @@ def build_stage_module(spec: ModelSpec, first_layer: int, last_layer: int, *, tp
     tp_group = pg_collection.tp
     tp, tp_rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
     padded = padded_vocab or padded_vocab_size(spec, (tp,))
-    use_te = te_available() if te is None else te
     config = transformer_config(spec, tp=tp, dtype=dt, cuda=dev.type == "cuda")
     ctx = StageContext(spec=spec, arch=arch_of(spec), config=config, tp_group=tp_group,
                        pg_collection=pg_collection, tp=tp, tp_rank=tp_rank, padded_vocab=padded, device=dev)
-    module = StageModule(ctx, first_layer, last_layer, te=use_te, recompute=recompute).to(dev)
+    module = StageModule(ctx, first_layer, last_layer, recompute=recompute).to(dev)
     if dt != torch.float32:
         module.to(dtype=dt)  # as megatron's Float16Module: every float parameter and buffer (norms too)
     layout = {p.name: p for p in params_of_layers(param_layout(spec, padded), first_layer, last_layer)}

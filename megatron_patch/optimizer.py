@@ -3,7 +3,13 @@
 Adam is elementwise, so Adam on TP shards equals Adam on the full tensors once the gradients are
 synchronised; the global gradient-norm clip needs one scalar all-reduce (done by the engine). Weight
 decay is decoupled (AdamW, as Megatron's Adam) and skips biases and norms. In bf16 the model keeps
-bf16 parameters and the optimizer fp32 masters, as Megatron's mixed-precision optimizer does.
+bf16 parameters and the optimizer fp32 masters, as Megatron's mixed-precision optimizer does. The
+gradient is ``p.main_grad`` (fp32, accumulated by ``megatron_patch.main_grad``) where a parameter has
+one, else ``p.grad`` (the profiler steps without the hooks).
+
+torch's AdamW runs fused (one kernel for all tensors) on CUDA and multi-tensor (foreach) elsewhere;
+on the CPU the foreach update equals the single-tensor one within fp32 rounding, and the reference
+uses the same :func:`adamw` (tests/megatron_patch compare parameters to 1e-6).
 """
 from __future__ import annotations
 
@@ -12,9 +18,10 @@ from collections import OrderedDict
 import torch
 
 from megatron_patch.layout import ParamInfo
+from megatron_patch.main_grad import zero_main_grads
 from megatron_patch.options import AdamConfig
 
-__all__ = ["AdamConfig", "StageOptimizer", "clip_coefficient"]  # AdamConfig re-exported (profiler uses it)
+__all__ = ["AdamConfig", "StageOptimizer", "adamw", "clip_coefficient"]  # AdamConfig re-exported (profiler uses it)
 
 
 class StageOptimizer:
@@ -32,36 +39,38 @@ class StageOptimizer:
         no_decay = [self.master[n] for n in params if not infos[n].decay]
         groups = [g for g in ({"params": decay, "weight_decay": cfg.weight_decay},
                               {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
-        self.adam = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=False)
+        self.adam = adamw(groups, cfg, next(iter(params.values())).device if params else torch.device("cpu"))
 
     def main_grads(self) -> OrderedDict[str, torch.Tensor]:
-        """fp32 gradients by name (zeros where a parameter got none), ready for the sync."""
+        """fp32 gradients by name, ready for the sync: ``p.main_grad``, else made from ``p.grad``
+        (zeros where a parameter got none). The masters' ``.grad`` are these tensors."""
         out: OrderedDict[str, torch.Tensor] = OrderedDict()
         for name, p in self.params.items():
-            m = self.master[name]
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            if self.mixed:
-                m.grad = p.grad.float()
-            out[name] = m.grad
+            g = getattr(p, "main_grad", None)
+            if g is None:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                g = p.grad.float() if self.mixed else p.grad
+            self.master[name].grad = g
+            out[name] = g
         return out
 
     def step(self, clip_coef: float) -> None:
-        if clip_coef < 1.0:
-            for m in self.master.values():
-                m.grad.mul_(clip_coef)
+        for name, p in self.params.items():  # read main_grad itself (the sync may have replaced it)
+            if getattr(p, "main_grad", None) is not None:
+                self.master[name].grad = p.main_grad
+        grads = [m.grad for m in self.master.values() if m.grad is not None]
+        if clip_coef < 1.0 and grads:
+            torch._foreach_mul_(grads, clip_coef)
         self.adam.step()
         if self.mixed:
             with torch.no_grad():
-                for name, p in self.params.items():
-                    p.copy_(self.master[name])
+                torch._foreach_copy_(list(self.params.values()), list(self.master.values()))
 
     def zero_grad(self) -> None:
-        for p in self.params.values():
-            p.grad = None
-        if self.mixed:
-            for m in self.master.values():
-                m.grad = None
+        zero_main_grads(self.params)
+        for m in self.master.values():
+            m.grad = None
 
     # -- state by canonical name (what the checkpoint stores)
     def state_of(self, name: str) -> dict[str, torch.Tensor]:
@@ -84,8 +93,16 @@ class StageOptimizer:
             if self.mixed:
                 self.params[name].copy_(param)
         if steps > 0:
-            self.adam.state[m] = {"step": torch.tensor(float(steps)), "exp_avg": exp_avg.to(m).clone(),
+            fused = self.adam.defaults.get("fused")  # fused Adam keeps its step count on the device
+            step = torch.tensor(float(steps), device=m.device if fused else "cpu")
+            self.adam.state[m] = {"step": step, "exp_avg": exp_avg.to(m).clone(),
                                   "exp_avg_sq": exp_avg_sq.to(m).clone()}
+
+
+def adamw(groups: list[dict], cfg: AdamConfig, device: torch.device) -> torch.optim.AdamW:
+    """torch's AdamW, fused on CUDA, foreach elsewhere (the runtime's and the reference's)."""
+    fast = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **fast)
 
 
 def clip_coefficient(grad_norm: float, clip: float) -> float:

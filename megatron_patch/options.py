@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
+from sailor_hpc.core.errors import SailorError
+
 
 @dataclass(frozen=True)
 class AdamConfig:
@@ -17,11 +19,41 @@ class AdamConfig:
 
 
 @dataclass(frozen=True)
+class LossScaleConfig:
+    """fp16's dynamic loss scale (torch GradScaler's rule): halve on an overflow, double after
+    ``growth_interval`` steps without one."""
+
+    initial: float = 2.0 ** 16
+    growth_interval: int = 1000
+    min_scale: float = 1.0
+
+
+@dataclass(frozen=True)
 class TrainOptions:
     adam: AdamConfig = field(default_factory=AdamConfig)
     seed: int = 1234
     weighting: str = "samples"  # "uniform" only for the tests' negative control
-    layer_spec: str = "auto"  # "local", "te" (TransformerEngine) or "auto" (te when installed and on GPU)
+    layer_spec: str = "local"  # megatron's local modules (+ SDPA); "te" is refused (check_layer_spec)
+    tf32: bool = True  # fp32 plans on CUDA: TF32 tensor-core matmuls/convolutions
+    loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
+    inject_overflow: tuple[int, int] | None = None  # (rank, step): the tests' forced fp16 overflow
+
+    def __post_init__(self) -> None:
+        check_layer_spec(self.layer_spec)
+
+
+LAYER_SPECS = ("auto", "local", "te")
+
+
+def check_layer_spec(name: str) -> None:
+    """Refuse TransformerEngine's layer spec: its parameter names and numerics are untested here."""
+    if name == "te":
+        raise SailorError("--layer-spec te (TransformerEngine) is not supported: megatron_patch has never run or "
+                          "tested TE's layer spec", field="--layer-spec",
+                          fix="use --layer-spec local (megatron's local modules with SDPA attention and the "
+                              "fusions the GPU supports)")
+    if name not in LAYER_SPECS:
+        raise SailorError(f"unknown layer spec {name!r}", field="--layer-spec", fix="use --layer-spec local")
 
 
 def add_adam_args(ap: argparse.ArgumentParser) -> None:
@@ -31,6 +63,25 @@ def add_adam_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--weight-decay", type=float, default=d.weight_decay)
     ap.add_argument("--clip-grad", type=float, default=d.clip_grad, help="global grad-norm clip (0: off)")
     ap.add_argument("--adam-eps", type=float, default=d.eps)
+
+
+def add_precision_args(ap: argparse.ArgumentParser) -> None:
+    """TF32 and fp16 loss-scale options (the plan's ``dtype`` picks fp32/bf16/fp16)."""
+    d = LossScaleConfig()
+    ap.add_argument("--no-tf32", action="store_true", help="fp32 plans on CUDA: no TF32 matmuls (exact fp32)")
+    ap.add_argument("--initial-loss-scale", type=float, default=d.initial, help="fp16: first dynamic loss scale")
+    ap.add_argument("--loss-scale-window", type=int, default=d.growth_interval,
+                    help="fp16: double the loss scale after this many steps without overflow")
+    ap.add_argument("--min-loss-scale", type=float, default=d.min_scale)
+    ap.add_argument("--inject-overflow", default=None, help=argparse.SUPPRESS)  # "RANK:STEP", tests only
+
+
+def precision_from_args(args: argparse.Namespace) -> dict[str, object]:
+    """TrainOptions fields from :func:`add_precision_args`' options."""
+    inject = tuple(int(x) for x in args.inject_overflow.split(":")) if args.inject_overflow else None
+    return dict(tf32=not args.no_tf32, inject_overflow=inject,
+                loss_scale=LossScaleConfig(initial=args.initial_loss_scale, growth_interval=args.loss_scale_window,
+                                           min_scale=args.min_loss_scale))
 
 
 def adam_from_args(args: argparse.Namespace) -> AdamConfig:

@@ -4,8 +4,10 @@ The heterogeneous runtime is checked against this. It shares only the starting p
 initialisation) and the data (global sample indices) with the runtime: no pipeline, no micro-batches,
 no TP, no gradient sync, no vocabulary padding; megatron's ``GPTModel`` with its own loss
 (``compute_language_model_loss`` -> ``vocab_parallel_cross_entropy`` at TP 1), ``torch.optim.AdamW``
-and ``torch.nn.utils.clip_grad_norm_``. It needs ``torch.distributed`` initialised with one process
-(megatron's layers call collectives on their size-1 groups) and runs on the CPU.
+and ``torch.nn.utils.clip_grad_norm_``. It uses the runtime's core attention (SDPA: its equality with
+megatron's DotProductAttention is tested on its own) and the runtime's AdamW flavour (foreach). It
+needs ``torch.distributed`` initialised with one process (megatron's layers call collectives on their
+size-1 groups) and runs on the CPU.
 """
 from __future__ import annotations
 
@@ -24,15 +26,18 @@ from megatron_patch.data import GlobalSamples
 from megatron_patch.layout import arch_of, param_layout
 from megatron_patch.local import free_port
 from megatron_patch.model import canonical_init, layer_spec, transformer_config
+from megatron_patch.optimizer import adamw
 from megatron_patch.options import TrainOptions, adam_from_args, add_adam_args
 from sailor_hpc.core.models import ModelSpec, get_model
 
 
-def gpt_model(spec: ModelSpec, seed: int) -> torch.nn.Module:
-    """megatron-core's GPTModel at TP 1 (local layer spec, unpadded vocabulary), canonically initialised."""
+def gpt_model(spec: ModelSpec, seed: int, attention: str = "sdpa") -> torch.nn.Module:
+    """megatron-core's GPTModel at TP 1 (local layer spec, unpadded vocabulary), canonically initialised.
+
+    Its core attention is the runtime's (SDPA) unless ``attention="megatron"`` (DotProductAttention)."""
     from megatron.core.models.gpt import GPTModel
     a = arch_of(spec)
-    model = GPTModel(transformer_config(spec, tp=1, dtype=torch.float32, cuda=False), layer_spec(spec, te=False),
+    model = GPTModel(transformer_config(spec, tp=1, dtype=torch.float32, cuda=False), layer_spec(spec, attention),
                      vocab_size=spec.vocab_size, max_sequence_length=spec.seq_len,
                      share_embeddings_and_output_weights=spec.tied_embeddings, position_embedding_type=a.position,
                      rotary_base=a.rotary_base)
@@ -63,9 +68,8 @@ class ReferenceTrainer:
         c = opts.adam
         decay = [p for n, p in self.params.items() if self.infos[n].decay]
         no_decay = [p for n, p in self.params.items() if not self.infos[n].decay]
-        self.optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": c.weight_decay},
-                                            {"params": no_decay, "weight_decay": 0.0}],
-                                           lr=c.lr, betas=(c.beta1, c.beta2), eps=c.eps, foreach=False)
+        self.optimizer = adamw([{"params": decay, "weight_decay": c.weight_decay},
+                                {"params": no_decay, "weight_decay": 0.0}], c, torch.device("cpu"))
         self.step = 0
         self.consumed_samples = 0
 

@@ -55,6 +55,7 @@ import torch.distributed as dist
 
 from megatron_patch import patch
 from megatron_patch.layout import local_shape, param_layout, params_of_layers
+from megatron_patch.main_grad import attach_main_grads
 from megatron_patch.model import (
     BlockLayer,
     EmbeddingLayer,
@@ -215,6 +216,8 @@ class LayerProfiler:
             self.stages.append(_Stage(build_stage_module(spec, T + 1, L - 1, **common), spec))
         self.measured = [l for st in self.stages for l in sorted(st.by_layer)]
         infos = {p.name: p for p in param_layout(spec, self.padded)}
+        for st in self.stages:  # the runtime's fp32 gradient accumulation: its add and its 4 bytes/param are timed
+            attach_main_grads(st.module.canonical_params())
         self.optimizers = [StageOptimizer(st.module.canonical_params(), infos, AdamConfig()) for st in self.stages]
 
     def _stage_of(self, layer: int) -> _Stage:

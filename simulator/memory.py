@@ -11,7 +11,7 @@ peak = model state + optimizer temporaries + gradient-reduction buffer
   fp32   16    12    weights 4 + grads 4 + Adam m, v 8 (SGD: one momentum buffer 4)
   bf16   18    14    weights 2 + fp32 main grads 4 (megatron accumulates bf16 grads in fp32)
                      + fp32 master weights 4 + states
-  fp16   16    12    weights 2 + grads 2 + fp32 master weights 4 + states
+  fp16   18    14    as bf16: megatron_patch accumulates fp16 grads in fp32 main grads too
   =====  ====  ====  ====================================================================
 
 * Optimizer temporaries: torch's multi-tensor (foreach) Adam materialises ``sqrt(v)`` for all
@@ -47,8 +47,8 @@ import numpy as np
 from simulator.tables import DTYPE_BYTES, MemoryTable
 
 STATE_BYTES = {("fp32", "adam"): 16, ("fp32", "sgd"): 12, ("bf16", "adam"): 18, ("bf16", "sgd"): 14,
-               ("fp16", "adam"): 16, ("fp16", "sgd"): 12}
-GRAD_BYTES = {"fp32": 4, "bf16": 4, "fp16": 2}  # element size of the gradients that are all-reduced
+               ("fp16", "adam"): 18, ("fp16", "sgd"): 14}
+GRAD_BYTES = {"fp32": 4, "bf16": 4, "fp16": 4}  # element size of the gradients that are all-reduced
 OPTIMIZER_TEMP_BYTES = {"adam": 4, "sgd": 0}  # per parameter, fp32 (master) precision
 DEFAULT_BUCKET_ELEMS = 500_000_000  # DeepSpeed's allreduce_bucket_size
 ALLOCATOR_SLACK = 0.05  # share of the activation terms the caching allocator holds but cannot reuse

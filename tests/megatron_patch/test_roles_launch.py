@@ -51,11 +51,12 @@ def test_env_from_slurm_and_torchrun() -> None:
         read_env({"SLURM_PROCID": "4", "SLURM_NTASKS": "4"})
 
 
-def _dry_run(plan_path: str, rank: int, world: int) -> subprocess.CompletedProcess:
+def _dry_run(plan_path: str, rank: int, world: int, *extra: str) -> subprocess.CompletedProcess:
     # torch is made unimportable: the dry run must not need it (login nodes, the het-job test)
+    argv = ["--plan", plan_path, "--model", "tiny-gpt", "--steps", "1", "--dry-run", *extra]
     code = ("import sys; sys.modules['torch'] = None\n"
             "from megatron_patch.launch import main\n"
-            f"raise SystemExit(main(['--plan', {plan_path!r}, '--model', 'tiny-gpt', '--steps', '1', '--dry-run']))")
+            f"raise SystemExit(main({argv!r}))")
     env = local.rank_env(0, 1, 0)
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k)
@@ -82,3 +83,11 @@ def test_dry_run_with_the_wrong_number_of_tasks_is_bad_input(tmp_path) -> None:
     res = _dry_run(str(path), 0, 5)
     assert res.returncode == EXIT_BAD_INPUT
     assert "plan uses 4 GPUs" in res.stderr
+
+
+def test_transformer_engine_layer_spec_is_refused_before_anything_starts(tmp_path) -> None:
+    path = tmp_path / "plan.json"
+    PLAN.save(path)
+    res = _dry_run(str(path), 0, 4, "--layer-spec", "te")
+    assert res.returncode == EXIT_BAD_INPUT
+    assert "--layer-spec te" in res.stderr and "--layer-spec local" in res.stderr
