@@ -68,6 +68,9 @@ CATALOG: tuple[ModelSpec, ...] = (
               tied_embeddings=False, aliases=("LLAMA-3-8", "llama-3-8b")),
     ModelSpec("OPT-30B", num_layers=48, hidden_size=7168, num_heads=56, ffn_hidden_size=28672,
               vocab_size=50272, seq_len=2048, family="opt", aliases=("OPT-30", "opt-30b")),
+    # GPT-3 XL's shape (Brown et al. 2020): the ~1B model of benchmarks/gpu_check.sh
+    ModelSpec("GPT-1.3B", num_layers=24, hidden_size=2048, num_heads=16, ffn_hidden_size=8192,
+              vocab_size=50257, seq_len=2048, family="gpt", aliases=("gpt-1.3b", "gpt3-xl")),
     ModelSpec("tiny-gpt", num_layers=4, hidden_size=64, num_heads=4, ffn_hidden_size=256,
               vocab_size=256, seq_len=32, family="gpt", aliases=("tiny",)),
 )
