@@ -82,7 +82,8 @@ def rank_main() -> None:
     archive.add(OverheadEntry("CPU", {1: resident_bytes()}, base))
     rows = []
     for b in SIZES:
-        predicted = {label: simulate(plans[b], site, archive, options=SimOptions(chain_timing=chain)).iteration_time_s
+        predicted = {label: simulate(plans[b], site, archive,
+                                     options=SimOptions.megatron_patch(chain_timing=chain)).iteration_time_s
                      for label, chain in (("layers", False), ("chain", True))}
         rows.append({"mbs": b, "measured_s": statistics.median(measured[b]), **{f"{k}_s": v for k, v in predicted.items()},
                      "layer_sum_s": float(times[b][:, :2].sum()), "stack_s": sum(stacks[b]),

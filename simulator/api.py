@@ -37,6 +37,20 @@ class SimOptions:
     # (benchmarks/simulator_vs_runtime.py) it moves predictions away from the measured runtime, and it
     # has not been checked on a GPU yet, where it is meant to capture launch overlap.
     chain_timing: bool = False
+    # megatron_patch's gradient sync: size-capped buckets started during the last micro-batch's backward
+    # (simulator.iteration), the buckets being the fp32 main grads themselves (no extra flattened buffer)
+    overlap_grad_sync: bool = False
+    overlap_bucket_bytes: float = 40 * 2**20  # the runtime's --grad-bucket-mb default
+    extra_reduce_buffer: bool = True  # DeepSpeed flattens each bucket into a buffer of its own
+
+    @classmethod
+    def megatron_patch(cls, **changes: Any) -> SimOptions:
+        """The runtime this project trains with (the defaults model the DeepSpeed runs Sailor measured)."""
+        return cls(**{"overlap_grad_sync": True, "extra_reduce_buffer": False, **changes})
+
+    @property
+    def reduce_buffer_elems(self) -> int:
+        return self.bucket_elems if self.extra_reduce_buffer else 0
 
 
 @dataclass(frozen=True)
@@ -123,7 +137,7 @@ class StageEvaluator:
                             mbs=cost.mbs, micro_batches=micro_batches, dtype=self.dtype, optimizer=self.optimizer,
                             recompute=self.recompute, input_bytes=cost.in_bytes,
                             overhead=self.archive.overhead_bytes(cost.gpu, cost.tp),
-                            bucket_elems=self.options.bucket_elems, allocator_slack=self.options.allocator_slack)
+                            bucket_elems=self.options.reduce_buffer_elems, allocator_slack=self.options.allocator_slack)
 
     def capacity(self, gpu: str) -> int:
         return self.site.gpu(gpu).memory_bytes
@@ -168,10 +182,13 @@ class StageEvaluator:
 
     # ------------------------------------------------------------------ whole iterations
     def collectives(self, costs: Sequence[Sequence[StageCost]], ends: Sequence[Sequence[Endpoint]]) -> list[Collective]:
-        """Tied-embedding all-reduces, then one gradient all-reduce per segment (see :mod:`simulator.iteration`)."""
-        out: list[Collective] = []
+        """Tied-embedding all-reduces, then one gradient all-reduce per segment (see :mod:`simulator.iteration`);
+        with ``overlap_grad_sync``, per bucket of each segment, last layers first, then the tied ones."""
+        tied: list[Collective] = []
+        grads: list[Collective] = []
         L = self.model.num_pipeline_layers
         elem = GRAD_BYTES[self.dtype]
+        overlap = self.options.overlap_grad_sync
         if self.model.tied_embeddings:
             for i, c in enumerate(costs):
                 if len(c) < 2:
@@ -179,13 +196,42 @@ class StageEvaluator:
                 first, last = c[0], c[-1]
                 nbytes = self.memory_table(last.tp).params(L - 1, L - 1) * elem  # what the last stage holds
                 secs = self.allreduce([ends[i][0], ends[i][-1]], [nbytes * last.tp / first.tp, nbytes], elem)
-                out.append(Collective("tied", ((i, 0), (i, len(c) - 1)), secs, 0, L - 1))
+                # the head's gradient comes first in the last stage's backward, the embedding's last in the first's
+                lead: tuple[float, ...] = (0.0, self._backward_below(last, L - 1)) if overlap else ()
+                tied.append(Collective("tied", ((i, 0), (i, len(c) - 1)), secs, 0, L - 1, lead=lead))
         if len(costs) > 1:
             for lo, hi, holders in gradient_segments([[(x.first, x.last) for x in c] for c in costs]):
                 eps = [ends[i][s] for i, s in holders]
-                per_gpu = [self.memory_table(costs[i][s].tp).params(lo, hi) * elem for i, s in holders]
-                out.append(Collective("grads", holders, self.allreduce(eps, per_gpu, elem), lo, hi,
-                                      skew=self.replica_jitter(eps) * expected_max_normal(len(holders))))
+                skew = self.replica_jitter(eps) * expected_max_normal(len(holders))
+                for blo, bhi in self._buckets(lo, hi, [costs[i][s].tp for i, s in holders]) if overlap else [(lo, hi)]:
+                    per_gpu = [self.memory_table(costs[i][s].tp).params(blo, bhi) * elem for i, s in holders]
+                    lead = tuple(self._backward_below(costs[i][s], blo) for i, s in holders) if overlap else ()
+                    grads.append(Collective("grads", holders, self.allreduce(eps, per_gpu, elem), blo, bhi,
+                                            skew=skew, lead=lead))
+        if overlap:  # one global order, as the runtime launches its buckets: backward order, last layers first
+            return sorted(grads, key=lambda c: -c.last_layer) + tied
+        return tied + grads
+
+    def _backward_below(self, cost: StageCost, layer: int) -> float:
+        """Seconds of the stage's last backward still to run once ``layer``'s gradients are complete."""
+        if layer <= cost.first:
+            return 0.0
+        return self.stage(cost.gpu, cost.tp, cost.mbs, cost.first, layer - 1).bwd_s
+
+    def _buckets(self, lo: int, hi: int, tps: Sequence[int]) -> list[tuple[int, int]]:
+        """Layer runs of ``lo..hi``, from the last layer down, whose gradients fill one bucket of
+        ``overlap_bucket_bytes`` on the holder with the most bytes per GPU (a larger layer is a bucket alone)."""
+        cap, elem = self.options.overlap_bucket_bytes, GRAD_BYTES[self.dtype]
+        tables = [self.memory_table(tp) for tp in set(tps)]
+        out: list[tuple[int, int]] = []
+        top, size = hi, 0.0
+        for layer in range(hi, lo - 1, -1):
+            nbytes = max(t.params(layer, layer) for t in tables) * elem
+            if size and size + nbytes > cap:
+                out.append((layer + 1, top))
+                top, size = layer, 0.0
+            size += nbytes
+        out.append((lo, top))
         return out
 
     def iteration(self, costs: Sequence[Sequence[StageCost]], ends: Sequence[Sequence[Endpoint]],
@@ -241,7 +287,8 @@ class StageEvaluator:
                                micro_batches=mcol[sel], dtype=self.dtype, optimizer=self.optimizer,
                                recompute=self.recompute, input_bytes=inp,
                                overhead=self.archive.overhead_bytes(table.gpu, tp),
-                               bucket_elems=self.options.bucket_elems, allocator_slack=self.options.allocator_slack)
+                               bucket_elems=self.options.reduce_buffer_elems,
+                               allocator_slack=self.options.allocator_slack)
             mem_total[sel] = mem.total
             fits[sel] = mem.total <= self.capacity(gpu)
         act = np.zeros((n, max(P - 1, 0)))

@@ -17,10 +17,16 @@ normals] * span`` after the mean arrival, where span is the compute since those 
 Clariden the measured gradient-reduction times of Sailor's runs (``red_grads``) show this wait: 1-2 %
 of the iteration, growing with H, in both models' runs.
 
-Nothing overlaps with compute except what the schedule allows naturally: a late stage of a pipeline
-finishes its cool-down earlier than stage 0 and starts reducing while stage 0 still computes. The
-iteration ends when the last GPU ends its optimizer step (the grad-norm all-reduce and the next
-iteration's first exchange make every GPU wait for it).
+Under DeepSpeed nothing overlaps with compute except what the schedule allows naturally: a late stage
+of a pipeline finishes its cool-down earlier than stage 0 and starts reducing while stage 0 still
+computes. megatron_patch overlaps more (``SimOptions.overlap_grad_sync``): its gradients go in size-capped
+buckets whose all-reduce starts, in one global order, as soon as the last micro-batch's backward has
+produced them, so a collective carries each holder's *lead*: how long before that holder's flush its
+part is ready (the backward of the stage's layers below the bucket). A GPU runs one collective at a time
+(one communication stream), in the given order, and its optimizer step waits for its flush and its last
+collective. With every lead 0 this is the DeepSpeed order above. The iteration ends when the last GPU
+ends its optimizer step (the grad-norm all-reduce and the next iteration's first exchange make every
+GPU wait for it).
 """
 from __future__ import annotations
 
@@ -43,6 +49,7 @@ class Collective:
     first_layer: int
     last_layer: int
     skew: float = 0.0  # straggler wait per second of compute since the holders last met (jitter * E[max])
+    lead: tuple[float, ...] = ()  # per holder: seconds before its flush that its part is ready (empty: 0)
 
 
 @cache
@@ -76,16 +83,18 @@ def last_met(history: Sequence[tuple[frozenset, float]], ranks: Sequence) -> flo
 def finish_iteration(flush: dict[StageKey, float], collectives: Sequence[Collective],
                      update: dict[StageKey, float]) -> IterationEnd:
     """Run the collectives in the given (global) order, then each stage's optimizer step."""
-    ready = dict(flush)
+    comm_free: dict[StageKey, float] = {}  # when each stage's communication stream is next free
     met: list[tuple[frozenset, float]] = []  # (ranks, end) of every collective so far
     starts = []
     for c in collectives:
-        arrive = max(ready[h] for h in c.holders)
+        lead = c.lead or (0.0,) * len(c.holders)
+        arrive = max(max(flush[h] - lag, comm_free.get(h, 0.0)) for h, lag in zip(c.holders, lead))
         start = arrive + c.skew * (arrive - last_met(met, c.holders))
         starts.append(start)
         for h in c.holders:
-            ready[h] = start + c.seconds
+            comm_free[h] = start + c.seconds
         met.append((frozenset(c.holders), start + c.seconds))
+    ready = {k: max(t, comm_free.get(k, t)) for k, t in flush.items()}
     ends = {k: ready[k] + update[k] for k in ready}
     return IterationEnd(time_s=max(ends.values()), collective_start=tuple(starts), stage_sync_end=dict(ready),
                         stage_end=ends)
