@@ -39,10 +39,14 @@ class StageOptimizer:
         out: OrderedDict[str, torch.Tensor] = OrderedDict()
         for name, p in self.params.items():
             m = self.master[name]
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            if self.mixed:
-                m.grad = p.grad.float()
+            main_grad = getattr(p, "main_grad", None)  # the engine's synced fp32 gradient (grad_buckets)
+            if main_grad is not None:
+                m.grad = main_grad
+            else:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                if self.mixed:
+                    m.grad = p.grad.float()
             out[name] = m.grad
         return out
 

@@ -22,6 +22,7 @@ class TrainOptions:
     seed: int = 1234
     weighting: str = "samples"  # "uniform" only for the tests' negative control
     layer_spec: str = "auto"  # "local", "te" (TransformerEngine) or "auto" (te when installed and on GPU)
+    grad_bucket_mb: float = 40.0  # gradient all-reduce bucket cap (MB of fp32), as Megatron's DDP; <= 0: one
 
 
 def add_adam_args(ap: argparse.ArgumentParser) -> None:
