@@ -74,7 +74,6 @@ class GradBuckets:
         """``buckets``: the plan's, in launch order (``grad_sync.plan_buckets``); groups already created."""
         self.rank = dist.get_rank()
         self.infos = infos
-        self.params = params
         self.num_micro_batches = num_micro_batches
         self.order: list[_Local] = []
         self.owned: list[Piece] = []  # pieces this rank counts in the global norm
