@@ -85,12 +85,12 @@ def launch_args(env: Env, plan: str, steps: int, save: Path, *extra: str) -> lis
 
 def launch(env: Env, plan: str, steps: int, save: Path, *extra: str, expect: int | None = 0,
            program: list[str] | None = None, extra_env: dict[str, str] | None = None,
-           grace: float = 20) -> list[local.RankResult]:
+           grace: float = 20, timeout: float = 300) -> list[local.RankResult]:
     """Train ``plan`` with local gloo ranks (one per GPU of the plan); each must exit with ``expect``."""
     argv = launch_args(env, plan, steps, save, *extra)
     if program is not None:
         argv = [*program, *argv[2:]]
-    results = local.run(argv, load_plan(env.plans[plan]).num_gpus, extra_env, timeout=300, grace=grace)
+    results = local.run(argv, load_plan(env.plans[plan]).num_gpus, extra_env, timeout=timeout, grace=grace)
     for r in results if expect is not None else ():
         assert r.returncode == expect, f"rank {r.rank} exited {r.returncode}:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
     return results
