@@ -74,12 +74,12 @@ def role_record(role: Role, env: DistEnv) -> dict[str, Any]:
 
 
 def _peak_memory(device: Any) -> int:
-    import resource
-
     import torch
+
+    from megatron_patch.memory import peak_rss
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    return peak_rss()
 
 
 def train(args: argparse.Namespace, plan: Plan, env: DistEnv, role: Role) -> int:

@@ -16,9 +16,10 @@ import torch.distributed as dist
 
 from megatron_patch import patch
 from megatron_patch.data import GlobalSamples
-from megatron_patch.options import TrainOptions, adam_from_args, add_adam_args
+from megatron_patch.init_weights import canonical_init
 from megatron_patch.layout import arch_of, param_layout
-from megatron_patch.model import layer_spec, canonical_init, transformer_config
+from megatron_patch.model import layer_spec, transformer_config
+from megatron_patch.options import TrainOptions, adam_from_args, add_adam_args
 from sailor_hpc.models import ModelSpec
 
 
