@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_patch import checkpoint as ck
+from megatron_patch.data import ORDER
 from megatron_patch.layout import ParamInfo, full_of, local_shape, shard_of
 from megatron_patch.patch import megatron_version
 
@@ -111,7 +112,7 @@ def save(trainer: "Trainer", root: str, keep: int = 3) -> str:
             all_params.update(p)
         manifest = {
             "step": t.step, "consumed_samples": t.consumed_samples, "global_batch_size": t.plan.global_batch_size,
-            "adam_steps": t.optimizer.adam_steps(), "seed": t.opts.seed, "model": t.spec.name,
+            "adam_steps": t.optimizer.adam_steps(), "seed": t.opts.seed, "data_order": ORDER, "model": t.spec.name,
             "vocab_size": vocab, "dtype": t.plan.dtype, "plan": t.plan.to_dict(),
             "megatron_core": megatron_version(), "torch": torch.__version__,
             "rng": {"torch_cpu": rng_to_json()}, "files": all_files, "params": all_params,
@@ -192,6 +193,11 @@ def load(trainer: "Trainer", path: str, *, missing_ok: bool = False) -> str | No
         raise ck.CheckpointError(f"checkpoint was trained with --seed {m['seed']}, this run has --seed {t.opts.seed}",
                                  file=reader.path, fix=f"resume with --seed {m['seed']} (another seed would repeat "
                                                        "and skip samples of the current epoch)")
+    if m.get("data_order", "numpy-permutation") != ORDER:  # written before the order became a function
+        raise ck.CheckpointError(f"checkpoint's sample order is {m.get('data_order', 'numpy-permutation')!r}, this "
+                                 f"runtime's is {ORDER!r}", file=reader.path,
+                                 fix="finish the run with the megatron_patch that wrote it, or start a new run "
+                                     "(resuming would repeat and skip samples of the current epoch)")
     for name, shard in reader.shards((t.infos[n] for n in t.params), t.role.tp, t.role.tp_rank):
         shard = {k: v.to(t.device) for k, v in shard.items()}
         t.optimizer.load_state(name, shard["param"], shard["exp_avg"], shard["exp_avg_sq"], int(m["adam_steps"]))
