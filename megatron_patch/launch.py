@@ -21,13 +21,13 @@ import argparse
 import datetime
 import json
 import os
-import resource
 import signal
 import sys
 import time
 import warnings
 from typing import Any
 
+from megatron_patch.memory import peak_rss
 from megatron_patch.options import (
     LAYER_SPECS,
     TrainOptions,
@@ -91,9 +91,10 @@ def role_record(role: Role, env: DistEnv) -> dict[str, Any]:
 
 def _peak_memory(device: Any) -> int:
     import torch
+
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    return peak_rss()
 
 
 def train(args: argparse.Namespace, plan: Plan, env: DistEnv, role: Role) -> int:

@@ -114,3 +114,17 @@ def max_diff(ckpt: Path, ref_file: Path) -> dict[str, float]:
 @pytest.fixture(scope="session")
 def ref_file(runtime_env: Env) -> Callable[[int], Path]:
     return lambda step: runtime_env.ref / f"ref_step_{step}.pt"
+
+
+def memory_growth(setup: str, measured: str, timeout: float = 300) -> dict[str, int]:
+    """How a fresh Python process's memory grows while running ``measured`` (after ``setup``), in bytes.
+
+    ``peak``: highest RSS above the RSS before (the high-water mark is reset after ``setup``), file pages
+    of memory maps included; ``private``: anonymous RSS after minus before (what ``measured`` keeps
+    materialised itself; its temporaries are gone)."""
+    code = (setup + "\nfrom megatron_patch import memory as _m\n_m.reset_peak()\n_b, _p = _m.rss(), _m.private_rss()\n"
+            + measured + "\nprint(_m.peak_rss() - _b, _m.private_rss() - _p)")
+    res = python("-c", code, timeout=timeout)
+    assert res.returncode == 0, res.stderr[-3000:]
+    peak, private = map(int, res.stdout.strip().splitlines()[-1].split())
+    return {"peak": peak, "private": private}
