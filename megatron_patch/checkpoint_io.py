@@ -4,19 +4,23 @@ Ownership: pipeline layer ``l`` is written by pipeline ``l % num_pipelines`` (sp
 by TP rank 0 of the stage holding it, after gathering the stage's TP shards; every tensor therefore
 has exactly one writer. Tensors are stored full, fp32 (the optimizer's master copy) and with the real
 vocabulary only (padding rows are zero by construction, P6), so any plan, or a single process, can
-slice what it needs. Loading reads only the files of this rank's layers.
+slice what it needs. Loading reads only the files of this rank's layers, and of those only the pages
+of this rank's TP shard: files are memory-mapped (``torch.load(mmap=True)``) and read one at a time,
+so a rank's resume memory is its shards plus at most one layer's shard pages, not its layers in full.
 """
 from __future__ import annotations
 
 import base64
 import io
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_patch.layout import ParamInfo, full_of, shard_of
+from megatron_patch.data import ORDER
+from megatron_patch.layout import ParamInfo, full_of, local_shape, shard_of
 from megatron_patch.patch import megatron_version
 from sailor_hpc.core import checkpoint as ck
 
@@ -38,12 +42,22 @@ def _trim(t: torch.Tensor, info: ParamInfo, vocab: int) -> torch.Tensor:
     return t if info.vocab_dim is None else t.narrow(info.vocab_dim, 0, vocab)
 
 
-def _pad(t: torch.Tensor, info: ParamInfo) -> torch.Tensor:
+def stored_shard(t: torch.Tensor, info: ParamInfo, tp: int, tp_rank: int) -> torch.Tensor:
+    """TP rank ``tp_rank``'s shard of a stored tensor (real vocabulary only) in the plan's padded layout.
+
+    Copies only the shard's elements (of a memory-mapped ``t``, only their pages are read); padding
+    rows are zeros, created here rather than by padding the full tensor first."""
     if info.vocab_dim is None or t.shape[info.vocab_dim] == info.shape[info.vocab_dim]:
-        return t
-    pad = list(t.shape)
-    pad[info.vocab_dim] = info.shape[info.vocab_dim] - t.shape[info.vocab_dim]
-    return torch.cat([t, torch.zeros(pad, dtype=t.dtype)], dim=info.vocab_dim)
+        return shard_of(t, info, tp, tp_rank)
+    if info.vocab_dim != info.shard_dim or info.parts != 1:
+        raise ValueError(f"{info.name}: a padded vocabulary must be the (single-part) shard dim")
+    d = info.vocab_dim
+    out = torch.zeros(local_shape(info, tp), dtype=t.dtype)
+    start = tp_rank * out.shape[d]
+    real = max(0, min(out.shape[d], t.shape[d] - start))
+    if real:
+        out.narrow(d, 0, real).copy_(t.narrow(d, start, real))
+    return out
 
 
 def rng_to_json() -> str:
@@ -98,7 +112,7 @@ def save(trainer: Trainer, root: str, keep: int = 3) -> str:
             all_params.update(p)
         manifest = {
             "step": t.step, "consumed_samples": t.consumed_samples, "global_batch_size": t.plan.global_batch_size,
-            "adam_steps": t.optimizer.adam_steps(), "seed": t.opts.seed, "model": t.spec.name,
+            "adam_steps": t.optimizer.adam_steps(), "seed": t.opts.seed, "data_order": ORDER, "model": t.spec.name,
             "vocab_size": vocab, "dtype": t.plan.dtype, "plan": t.plan.to_dict(),
             "megatron_core": megatron_version(), "torch": torch.__version__,
             "rng": {"torch_cpu": rng_to_json()}, "files": all_files, "params": all_params,
@@ -112,28 +126,43 @@ def save(trainer: Trainer, root: str, keep: int = 3) -> str:
 
 
 class CheckpointReader:
-    """Reads a verified checkpoint's tensors by Megatron name (one file per layer, cached)."""
+    """Reads a verified checkpoint's tensors by Megatron name, one memory-mapped layer file at a time.
+
+    Tensors are views of the mapped file: pages are read when touched, and released with the file,
+    which is when another file is opened (one open file: a reader never holds a stage's layers)."""
 
     def __init__(self, path: str, deep: bool = True) -> None:
         self.path = ck.resolve(path, deep=deep)
         self.manifest = ck.read_manifest(self.path)
-        self._files: dict[str, dict[str, dict[str, torch.Tensor]]] = {}
+        self._open: tuple[str, dict[str, dict[str, torch.Tensor]]] | None = None
 
     def names(self) -> list[str]:
         return list(self.manifest["params"])
 
-    def tensors(self, name: str) -> dict[str, torch.Tensor]:
-        """``{"param", "exp_avg", "exp_avg_sq"}`` full fp32 tensors (real vocabulary only)."""
+    def file_of(self, name: str) -> str:
         try:
-            fname = self.manifest["params"][name]["file"]
+            return self.manifest["params"][name]["file"]
         except KeyError:
             raise ck.CheckpointError(f"checkpoint has no parameter {name!r}", file=self.path) from None
-        if fname not in self._files:
-            self._files[fname] = torch.load(self.path / fname, map_location="cpu", weights_only=True)
-        return self._files[fname][name]
+
+    def tensors(self, name: str) -> dict[str, torch.Tensor]:
+        """``{"param", "exp_avg", "exp_avg_sq"}`` full fp32 tensors (real vocabulary only), memory-mapped."""
+        fname = self.file_of(name)
+        if self._open is None or self._open[0] != fname:
+            self._open = None  # release the previous file's mapping first
+            self._open = (fname, torch.load(self.path / fname, map_location="cpu", weights_only=True, mmap=True))
+        return self._open[1][name]
+
+    def shards(self, infos: Iterable[ParamInfo], tp: int,
+               tp_rank: int) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
+        """``(name, {field: TP shard})`` for ``infos``, file by file (each file mapped once, then released)."""
+        for info in sorted(infos, key=lambda i: self.file_of(i.name)):
+            full = self.tensors(info.name)
+            yield info.name, {k: stored_shard(full[k], info, tp, tp_rank) for k in FIELDS}
+        self._open = None
 
     def full_state(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Every parameter, full: what a single process needs."""
+        """Every parameter, full (memory-mapped, every file stays mapped): what a single process needs."""
         return {n: self.tensors(n) for n in self.names()}
 
 
@@ -165,10 +194,13 @@ def load(trainer: Trainer, path: str, *, missing_ok: bool = False) -> str | None
         raise ck.CheckpointError(f"checkpoint was trained with --seed {m['seed']}, this run has --seed {t.opts.seed}",
                                  file=reader.path, fix=f"resume with --seed {m['seed']} (another seed would repeat "
                                                        "and skip samples of the current epoch)")
-    for name in t.params:
-        info = t.infos[name]
-        full = reader.tensors(name)
-        shard = {k: shard_of(_pad(full[k], info), info, t.role.tp, t.role.tp_rank).to(t.device) for k in FIELDS}
+    if m.get("data_order", "numpy-permutation") != ORDER:  # written before the order became a function
+        raise ck.CheckpointError(f"checkpoint's sample order is {m.get('data_order', 'numpy-permutation')!r}, this "
+                                 f"runtime's is {ORDER!r}", file=reader.path,
+                                 fix="finish the run with the megatron_patch that wrote it, or start a new run "
+                                     "(resuming would repeat and skip samples of the current epoch)")
+    for name, shard in reader.shards((t.infos[n] for n in t.params), t.role.tp, t.role.tp_rank):
+        shard = {k: v.to(t.device) for k, v in shard.items()}
         t.optimizer.load_state(name, shard["param"], shard["exp_avg"], shard["exp_avg_sq"], int(m["adam_steps"]))
     if t.scaler is not None and m.get("loss_scale"):  # else (fp32/bf16 checkpoint): the initial scale
         t.scaler.load(m["loss_scale"])

@@ -3,14 +3,18 @@
 A training step is:
 
 1. megatron's non-interleaved 1F1B schedule (``forward_backward_pipelining_without_interleaving``)
-   over this pipeline's micro-batches, with the plan's stage-boundary communicator (P4/P5);
-   Gradients accumulate over micro-batches in fp32 ``main_grad`` buffers (``main_grad``); fp16
-   scales the loss first (``precision.LossScaler``);
-2. the per-layer, per-TP-chunk, sample-weighted gradient sync (``grad_sync``) of the ``main_grad``s;
-3. fp16: unscale and look for inf/nan; one scalar all-reduce over all ranks carrying the gradient
-   norm, the weighted loss, the "stop" flag (a signal reached some rank) and the overflow flag, so
-   every rank clips, logs, skips and stops alike;
+   over this pipeline's micro-batches, with the plan's stage-boundary communicator (P4/P5).
+   Gradients accumulate over micro-batches in fp32 ``main_grad`` buffers that are slices of the
+   gradient buckets (``grad_buckets`` on ``main_grad``); during the last micro-batch's backward the
+   buckets start their all-reduces. fp16 scales the loss first (``precision.LossScaler``);
+2. the rest of the per-layer, per-TP-chunk, sample-weighted gradient sync (``grad_sync``): the
+   buckets not launched yet, and the wait for all of them;
+3. fp16: unscale the synced fp32 gradients and look for inf/nan; one scalar all-reduce over all
+   ranks carrying the gradient norm, the weighted loss, the "stop" flag (a signal reached some rank)
+   and the overflow flag, so every rank clips, logs, skips and stops alike;
 4. Adam on the local shards (skipped on an fp16 overflow; the loss scale halves).
+
+Every process group the plan needs is created up front, in one call (:func:`plan_groups`).
 """
 from __future__ import annotations
 
@@ -24,10 +28,10 @@ import torch.distributed as dist
 
 from megatron_patch import patch
 from megatron_patch.data import GlobalSamples
-from megatron_patch.grad_sync import GradSync
-from megatron_patch.groups import create_groups, group, singleton_collection
+from megatron_patch.grad_buckets import GradBuckets
+from megatron_patch.grad_sync import RankSet, plan_buckets, rank_sets
+from megatron_patch.groups import P2P, create_keyed, group, singleton_collection
 from megatron_patch.layout import param_layout
-from megatron_patch.main_grad import attach_main_grads
 from megatron_patch.model import build_stage_module, padded_vocab_size
 from megatron_patch.optimizer import StageOptimizer, clip_coefficient
 from megatron_patch.options import TrainOptions
@@ -46,9 +50,19 @@ class StepResult:
     grad_norm: float
     stop: bool  # some rank asked to stop (signal)
     seconds: float
-    sync_seconds: float
+    sync_seconds: float  # waiting for the gradient sync after the backward (the part not overlapped)
     skipped: bool = False  # fp16 overflow on some rank: no optimizer step
     loss_scale: float = 1.0
+
+
+def plan_groups(plan: Plan, sets: list[RankSet]) -> list[tuple[str, tuple[int, ...]]]:
+    """Every (kind, ranks) group a plan trains with: TP groups, groups of one, gradient rank sets, and
+    one P2P group per pipeline of several stages. Identical on all ranks (they create them together)."""
+    table = stage_rank_table(plan)
+    keys = [("", ranks) for row in table for ranks in row] + [("", (r,)) for r in range(plan.num_gpus)]
+    keys += [("", s.ranks) for s in sets if len(s.ranks) > 1]
+    keys += [(P2P, tuple(r for ranks in row for r in ranks)) for row in table if len(row) > 1]
+    return keys
 
 
 class Trainer:
@@ -79,26 +93,29 @@ class Trainer:
         patch.seed_model_parallel_rng(opts.seed, self.role.tp_rank)
 
         table = stage_rank_table(plan)
-        create_groups(ranks for row in table for ranks in row)
-        self.pgc = singleton_collection(group(self.role.stage_ranks),
-                                        StageGroup(self.role.stage, self.role.num_stages))
         self.padded_vocab = padded_vocab_size(self.spec, plan.tp_degrees())
         self.layout = param_layout(self.spec, self.padded_vocab)
         self.infos = {p.name: p for p in self.layout}
+        sets = rank_sets(plan, self.layout, opts.weighting)
+        create_keyed(plan_groups(plan, sets))
+        self.pgc = singleton_collection(group(self.role.stage_ranks),
+                                        StageGroup(self.role.stage, self.role.num_stages))
         self.module = build_stage_module(self.spec, self.role.first_layer, self.role.last_layer,
                                          pg_collection=self.pgc, dtype=plan.dtype, padded_vocab=self.padded_vocab,
                                          device=self.device, seed=opts.seed, recompute=plan.recompute,
                                          te=opts.layer_spec == "te")
+        pipe_ranks = [r for ranks in table[self.role.pipeline] for r in ranks]
         self.p2p = HeteroP2PCommunicator(table[self.role.pipeline], self.role.stage, self.role.tp_rank,
-                                         self.module.config, self.device)
+                                         self.module.config, self.device,
+                                         group(pipe_ranks, P2P) if self.role.num_stages > 1 else None)
         self.params = self.module.canonical_params()
-        attach_main_grads(self.params)
         self.scaler = LossScaler(opts.loss_scale) if plan.dtype == "fp16" else None
         if self.scaler is not None:
             self.module.config.grad_scale_func = self.scaler.scale_loss  # megatron's schedule applies it
-        self.sync = GradSync(plan, self.layout, opts.weighting)
-        self.optimizer = StageOptimizer(self.params, self.infos, opts.adam)
         self.pipe = plan.pipelines[self.role.pipeline]
+        self.sync = GradBuckets(plan_buckets(sets, self.layout, opts.grad_bucket_mb), self.params, self.infos,
+                                self.pipe.num_micro_batches, self.device)
+        self.optimizer = StageOptimizer(self.params, self.infos, opts.adam)
         self.sample_offset = sum(p.samples for p in plan.pipelines[:self.role.pipeline])
         self.weight = self.pipe.samples / plan.global_batch_size
         self.step = 0
@@ -143,16 +160,16 @@ class Trainer:
             micro_batch_size=self.pipe.micro_batch_size, forward_only=False,
             p2p_communicator=self.p2p, pg_collection=self.pgc)
         t1 = time.perf_counter()
-        grads = self.optimizer.main_grads()
-        self.sync.run(grads)
+        self.sync.finish()
         t2 = time.perf_counter()
+        grads = self.optimizer.main_grads()  # every p.main_grad, synced; the masters' .grad
         if self.scaler is not None and self.opts.inject_overflow == (self.rank, self.step + 1):
             next(iter(grads.values())).view(-1)[0] = float("inf")
         overflow = self.scaler.unscale(grads.values()) if self.scaler is not None else False
         local_loss = 0.0
         if self.role.is_last_stage and self.role.tp_rank == 0:
             local_loss = self.weight * sum(float(x["loss"]) for x in losses) / len(losses)
-        vec = torch.tensor([self.sync.owned_sq_norm(grads), local_loss, float(stop_requested), float(overflow)],
+        vec = torch.tensor([self.sync.owned_sq_norm(), local_loss, float(stop_requested), float(overflow)],
                            dtype=torch.float64, device=self.device)
         dist.all_reduce(vec)
         skipped = bool(vec[3] > 0)

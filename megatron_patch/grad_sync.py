@@ -1,4 +1,4 @@
-"""Gradient synchronisation per layer and per TP chunk across every holder, weighted by samples.
+"""What the gradient sync sums: per layer and per TP chunk across every holder, weighted by samples.
 
 Each pipeline's loss is the mean over its own samples (megatron's schedule divides by its micro-batch
 count). The global loss is the mean over all samples, so pipeline ``p``'s gradient enters with weight
@@ -12,25 +12,29 @@ embedding split over its first and last stage), with TP degrees ``t_h``:
 - replicated (norms, row-parallel biases, position embeddings): every TP rank of every holder has
   the same gradient; all of them sum ``w_p / t_h * grad``, so every replica ends bit-identical.
 
-Pieces that go to the same set of ranks share one flat buffer and one all-reduce ("bucket"). Every
-rank derives the same bucket list from the plan and runs its buckets in one global order (sorted
-rank tuples), which cannot deadlock. After the sync every holder of a chunk has the same values, so
-the global gradient norm counts each chunk once, on its *owner* (first member).
+Pieces that go to the same set of ranks form a :class:`RankSet` (one process group). A rank set is
+cut into size-capped :class:`Bucket` s, filled in reverse layout order (the order the backward
+produces gradients), so a bucket's all-reduce can start while earlier layers still run backward.
+Every rank derives the same buckets from the plan alone and launches its own in one global order
+(:func:`plan_buckets`), a subsequence of one total order on all buckets: members of a group
+issue its collectives in the same order whatever their backward order, and no two groups can wait
+on each other in a cycle (NCCL's rule for several communicators). After the sync every holder of a
+chunk has the same values, so the global gradient norm counts each chunk once, on its *owner*
+(first member).
+
+This module is plan arithmetic only; ``grad_buckets`` runs it on a rank.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 
-import torch
-import torch.distributed as dist
-
-from megatron_patch.groups import create_groups, group
-from megatron_patch.layout import ParamInfo, chunk_views
+from megatron_patch.layout import ParamInfo
 from sailor_hpc.core.plan import Plan
 from sailor_hpc.core.roles import stage_rank_table
 
 WEIGHTINGS = ("samples", "uniform")  # "uniform" (1/num_pipelines) exists as the tests' negative control
+DEFAULT_BUCKET_MB = 40.0  # as Megatron's DDP (40 MB of fp32 gradients per bucket)
 
 
 @dataclass(frozen=True)
@@ -50,12 +54,39 @@ class Piece:
     local: int
     n_local: int
     scale: float  # weight this rank applies before the sum
+    numel: int  # elements of the chunk (equal on every holder)
+
+    @property
+    def whole(self) -> bool:
+        """The piece is the rank's whole local tensor (its gradient can live in the bucket)."""
+        return self.n_local == 1
 
 
 @dataclass
-class Bucket:
+class RankSet:
+    """Every piece summed over exactly ``ranks`` (one process group)."""
+
     ranks: tuple[int, ...]
     pieces: list[Piece] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Bucket ``index`` of rank set ``ranks``: one flat all-reduce of ``numel`` fp32 elements.
+
+    ``pieces`` holds every member's pieces, slot by slot: a slot (parameter, chunk) has one piece per
+    member and occupies the same ``numel`` elements at the same offset in every member's buffer.
+    ``ready`` is the backward position (reverse layout order) of its last slot: the launch-order key.
+    """
+
+    ranks: tuple[int, ...]
+    index: int
+    pieces: tuple[Piece, ...]
+    numel: int
+    ready: int
+
+    def own(self, rank: int) -> list[Piece]:
+        return [p for p in self.pieces if p.rank == rank]
 
 
 def holders(plan: Plan, info: ParamInfo, weighting: str = "samples") -> list[Holder]:
@@ -72,77 +103,62 @@ def holders(plan: Plan, info: ParamInfo, weighting: str = "samples") -> list[Hol
     return out
 
 
-def build_buckets(plan: Plan, layout: list[ParamInfo], weighting: str = "samples") -> list[Bucket]:
-    """The whole sync as buckets (identical on every rank), in execution order."""
-    by_ranks: dict[tuple[int, ...], Bucket] = {}
+def rank_sets(plan: Plan, layout: list[ParamInfo], weighting: str = "samples") -> list[RankSet]:
+    """The whole sync by rank set (identical on every rank), sorted by rank tuple."""
+    by_ranks: dict[tuple[int, ...], RankSet] = {}
     for info in layout:
         hs = holders(plan, info, weighting)
+        numel = math.prod(info.shape)
         if info.shard_dim is None:
-            members = [Piece(info.name, 0, r, 0, 1, h.weight / len(h.ranks)) for h in hs for r in h.ranks]
-            _add(by_ranks, members)
+            _add(by_ranks, [Piece(info.name, 0, r, 0, 1, h.weight / len(h.ranks), numel) for h in hs for r in h.ranks])
             continue
         n = math.lcm(*(len(h.ranks) for h in hs))
         for c in range(n):
             members = []
             for h in hs:
                 per = n // len(h.ranks)
-                members.append(Piece(info.name, c, h.ranks[c // per], c % per, per, h.weight))
+                members.append(Piece(info.name, c, h.ranks[c // per], c % per, per, h.weight, numel // n))
             _add(by_ranks, members)
     return [by_ranks[k] for k in sorted(by_ranks)]
 
 
-def _add(by_ranks: dict[tuple[int, ...], Bucket], members: list[Piece]) -> None:
+def _add(by_ranks: dict[tuple[int, ...], RankSet], members: list[Piece]) -> None:
     key = tuple(sorted(p.rank for p in members))
-    by_ranks.setdefault(key, Bucket(key)).pieces.extend(members)
+    by_ranks.setdefault(key, RankSet(key)).pieces.extend(members)
 
 
-class GradSync:
-    """This rank's share of the sync: run it on the local (main) gradients after the backward passes."""
+def split(rank_set: RankSet, backward_pos: dict[str, int], cap: int) -> list[Bucket]:
+    """Cut a rank set into buckets of at least ``cap`` elements (the last one smaller; ``cap <= 0``: one).
 
-    def __init__(self, plan: Plan, layout: list[ParamInfo], weighting: str = "samples") -> None:
-        self.rank = dist.get_rank()
-        self.infos = {p.name: p for p in layout}
-        buckets = build_buckets(plan, layout, weighting)
-        create_groups(b.ranks for b in buckets if len(b.ranks) > 1)
-        self.mine: list[tuple[tuple[int, ...], list[Piece]]] = []
-        self.owned: list[Piece] = []  # pieces this rank counts in the global norm
-        for b in buckets:
-            own = [p for p in b.pieces if p.rank == self.rank]
-            if own:
-                self.mine.append((b.ranks, own))
-            first_of: dict[tuple[str, int], int] = {}
-            for p in b.pieces:
-                first_of.setdefault((p.name, p.chunk), p.rank)
-            self.owned += [p for p in own if first_of[(p.name, p.chunk)] == self.rank]
-        self.num_groups = sum(1 for ranks, _ in self.mine if len(ranks) > 1)
+    Slots go in backward order (``backward_pos``: 0 = the parameter whose gradient comes first), as
+    Megatron's DDP fills its buckets; a slot is never split.
+    """
+    slots: dict[tuple[str, int], list[Piece]] = {}
+    for p in rank_set.pieces:
+        slots.setdefault((p.name, p.chunk), []).append(p)
+    order = sorted(slots, key=lambda k: (backward_pos[k[0]], k[1]))
+    out: list[Bucket] = []
+    current: list[tuple[str, int]] = []
+    numel = 0
 
-    def _views(self, grads: dict[str, torch.Tensor], p: Piece) -> list[torch.Tensor]:
-        return chunk_views(grads[p.name], self.infos[p.name], p.n_local, p.local)
+    def close() -> None:
+        pieces = tuple(p for k in current for p in slots[k])
+        out.append(Bucket(rank_set.ranks, len(out), pieces, numel, backward_pos[current[-1][0]]))
 
-    def run(self, grads: dict[str, torch.Tensor]) -> None:
-        """Replace every local gradient by the weighted sum over its holders (in place)."""
-        pending = []
-        for ranks, pieces in self.mine:
-            views = [v for p in pieces for v in self._views(grads, p)]
-            scales = [p.scale for p in pieces for _ in self._views(grads, p)]
-            if len(ranks) == 1:
-                for v, s in zip(views, scales):
-                    if s != 1.0:
-                        v.mul_(s)
-                continue
-            flat = torch.cat([v.reshape(-1) * s for v, s in zip(views, scales)])
-            pending.append((dist.all_reduce(flat, group=group(ranks), async_op=True), flat, views))
-        for work, flat, views in pending:
-            work.wait()
-            offset = 0
-            for v in views:
-                v.copy_(flat[offset:offset + v.numel()].view_as(v))
-                offset += v.numel()
+    for k in order:
+        current.append(k)
+        numel += slots[k][0].numel
+        if 0 < cap <= numel:
+            close()
+            current, numel = [], 0
+    if current:
+        close()
+    return out
 
-    def owned_sq_norm(self, grads: dict[str, torch.Tensor]) -> float:
-        """Sum of squares of the gradient chunks this rank owns (after :meth:`run`)."""
-        views = [v for p in self.owned for v in self._views(grads, p)]
-        if not views:
-            return 0.0
-        norms = torch.stack(torch._foreach_norm(views)).double()  # fp32 per piece, as clip_grad_norm_
-        return float(norms.pow(2).sum())
+
+def plan_buckets(sets: list[RankSet], layout: list[ParamInfo], bucket_mb: float = DEFAULT_BUCKET_MB) -> list[Bucket]:
+    """Every bucket of the plan in the one global launch order (each rank launches its own in it)."""
+    backward_pos = {info.name: len(layout) - 1 - i for i, info in enumerate(layout)}
+    cap = int(bucket_mb * 1e6) // 4  # fp32 elements
+    buckets = [b for s in sets for b in split(s, backward_pos, cap)]
+    return sorted(buckets, key=lambda b: (b.ready, b.ranks, b.index))

@@ -1,13 +1,20 @@
 """Process groups built from the plan (patch P1: no global, homogeneous parallel_state).
 
-Groups are identified by their sorted rank tuple. torch names a new group by a per-process counter
-(and even ``use_local_synchronization`` hashes the ranks *with* the number of groups the process made
-before), so every rank must create every group, members or not, in the same order: callers pass the
-same global list on every rank and groups are created in sorted order. Only members build a gloo/NCCL
-communicator; the others just advance the counter.
+Groups are identified by a kind and their sorted rank tuple. torch names a new group by a
+per-process counter (and even ``use_local_synchronization`` hashes the ranks *with* the number of
+groups the process made before), and NCCL creates a group's communicator by splitting the world's,
+a collective of all ranks: so every rank creates every group, members or not, in the same order.
+:func:`create_groups` sorts what it is given; the trainer passes everything a plan needs in one
+call before anything communicates (``engine.plan_groups``), and with ``init_process_group(device_id=...)``
+NCCL communicators are then built eagerly there, not lazily inside the first send (where a plan whose
+one-stage pipeline never sends would leave the others waiting for it).
 
-A process creates a rank set once and reuses it for every later plan (the cache, including "not a
-member", is identical on all ranks, so they skip the same sets).
+Kinds keep communication that may be in flight at the same time apart: ``P2P`` groups carry the
+stage-boundary sends of one pipeline, while the gradient buckets of the same ranks may be all-reducing
+(on NCCL, a bucket queued before a send on the same communicator would block the send's receiver).
+
+A process creates a (kind, rank set) once and reuses it for every later plan (the cache, including
+"not a member", is identical on all ranks, so they skip the same sets).
 """
 from __future__ import annotations
 
@@ -16,25 +23,32 @@ from typing import Any
 
 import torch.distributed as dist
 
-_CACHE: dict[tuple[int, ...], Any] = {}
+P2P = "p2p"  # a pipeline's stage-boundary sends and receives
+_CACHE: dict[tuple[str, tuple[int, ...]], Any] = {}
 
 
-def create_groups(rank_sets: Iterable[Iterable[int]]) -> None:
+def create_groups(rank_sets: Iterable[Iterable[int]], kind: str = "") -> None:
     """Collective: create (once) every group of ``rank_sets``; every rank passes the same sets."""
-    me = dist.get_rank()
-    for ranks in sorted({tuple(sorted(r)) for r in rank_sets}):
-        if ranks in _CACHE:
+    create_keyed((kind, r) for r in rank_sets)
+
+
+def create_keyed(keys: Iterable[tuple[str, Iterable[int]]]) -> None:
+    """Collective: create (once) the groups of ``(kind, ranks)`` keys, in one sorted order."""
+    me, world = dist.get_rank(), dist.get_world_size()
+    for key in sorted({(kind, tuple(sorted(r))) for kind, r in keys}):
+        if key in _CACHE:
             continue
-        if len(ranks) == dist.get_world_size():
-            _CACHE[ranks] = dist.group.WORLD
+        kind, ranks = key
+        if kind == "" and len(ranks) == world:
+            _CACHE[key] = dist.group.WORLD
         else:
             g = dist.new_group(list(ranks))
-            _CACHE[ranks] = g if me in ranks else None
+            _CACHE[key] = g if me in ranks else None
 
 
-def group(ranks: Iterable[int]) -> Any:
+def group(ranks: Iterable[int], kind: str = "") -> Any:
     """The group of exactly these ranks (created before by :func:`create_groups`)."""
-    key = tuple(sorted(ranks))
+    key = (kind, tuple(sorted(ranks)))
     if _CACHE.get(key) is None:
         raise KeyError(f"process group {key} was not created, or rank {dist.get_rank()} is not in it")
     return _CACHE[key]

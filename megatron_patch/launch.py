@@ -21,13 +21,13 @@ import argparse
 import datetime
 import json
 import os
-import resource
 import signal
 import sys
 import time
 import warnings
 from typing import Any
 
+from megatron_patch.memory import peak_rss
 from megatron_patch.options import (
     LAYER_SPECS,
     TrainOptions,
@@ -70,6 +70,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--layer-spec", choices=LAYER_SPECS, default="local",
                     help="megatron layer spec: local modules with SDPA attention (auto = local; te is refused)")
     add_precision_args(ap)
+    ap.add_argument("--grad-bucket-mb", type=float, default=TrainOptions().grad_bucket_mb,
+                    help="cap of a gradient all-reduce bucket in MB of fp32 (<= 0: one bucket per rank set)")
     ap.add_argument("--grad-weighting", choices=("samples", "uniform"), default="samples",
                     help=argparse.SUPPRESS)  # "uniform" is wrong on purpose: the tests' negative control
     ap.add_argument("--timeout-min", type=float, default=30.0, help="collective timeout (minutes)")
@@ -89,9 +91,10 @@ def role_record(role: Role, env: DistEnv) -> dict[str, Any]:
 
 def _peak_memory(device: Any) -> int:
     import torch
+
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    return peak_rss()
 
 
 def train(args: argparse.Namespace, plan: Plan, env: DistEnv, role: Role) -> int:
@@ -117,15 +120,17 @@ def train(args: argparse.Namespace, plan: Plan, env: DistEnv, role: Role) -> int
     os.environ.setdefault("MASTER_ADDR", env.master_addr)
     os.environ.setdefault("MASTER_PORT", str(env.master_port))
     dist.init_process_group("nccl" if cuda else "gloo", rank=env.rank, world_size=env.world_size,
-                            timeout=datetime.timedelta(minutes=args.timeout_min))
+                            timeout=datetime.timedelta(minutes=args.timeout_min),
+                            device_id=device if cuda else None)  # NCCL: communicators built eagerly
     base = {"rank": role.rank, "pipeline": role.pipeline, "stage": role.stage, "tp_rank": role.tp_rank}
     emit({"event": "start", **role_record(role, env), "device": str(device), "plan_gpus": plan.num_gpus})
     opts = TrainOptions(adam=adam_from_args(args), seed=args.seed, weighting=args.grad_weighting,
-                        layer_spec=args.layer_spec, **precision_from_args(args))
+                        layer_spec=args.layer_spec, grad_bucket_mb=args.grad_bucket_mb,
+                        **precision_from_args(args))
     trainer = Trainer(plan, GlobalSamples(args.data, plan.sequence_length, args.seed), opts, device)
     emit({"event": "ready", **base, "megatron_core": patch.megatron_version(), "patches": trainer.patches,
           "params": sum(p.numel() for p in trainer.params.values()), "sync_groups": trainer.sync.num_groups,
-          "tf32": trainer.tf32})
+          "sync_buckets": len(trainer.sync.order), "tf32": trainer.tf32})
     resume = args.load is None and args.auto_resume and bool(args.save)
     if args.load or resume:
         t0 = time.perf_counter()

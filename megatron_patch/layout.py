@@ -142,7 +142,7 @@ def shard_of(full: torch.Tensor, info: ParamInfo, tp: int, tp_rank: int) -> torc
     """TP rank ``tp_rank``'s slice of a canonical full tensor (a copy)."""
     if info.shard_dim is None:
         return full.clone()
-    return torch.cat(chunk_views(full, info, tp, tp_rank), dim=info.shard_dim).clone()
+    return torch.cat(chunk_views(full, info, tp, tp_rank), dim=info.shard_dim)  # cat copies
 
 
 def full_of(shards: list[torch.Tensor], info: ParamInfo) -> torch.Tensor:

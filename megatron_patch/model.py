@@ -15,7 +15,6 @@ under torchrun with a TP group).
 from __future__ import annotations
 
 import importlib.util
-import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -24,16 +23,16 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatron_patch.attention import SdpaAttention
+from megatron_patch.init_weights import init_shard
 from megatron_patch.layout import (
     Arch,
-    ParamInfo,
     arch_of,
     final_norm_layer,
     head_layer,
     local_shape,
     param_layout,
     params_of_layers,
-    shard_of,
 )
 from megatron_patch.options import check_layer_spec
 from megatron_patch.patch import cross_entropy
@@ -95,7 +94,6 @@ def layer_spec(spec: ModelSpec, attention: str = "sdpa") -> Any:
         raise ValueError(f"attention must be one of {ATTENTIONS}")
     out = get_gpt_layer_local_spec(normalization=arch_of(spec).norm)
     if attention == "sdpa":
-        from megatron_patch.attention import SdpaAttention
         out.submodules.self_attention.submodules.core_attention = SdpaAttention
     return out
 
@@ -286,27 +284,6 @@ def padded_vocab_size(spec: ModelSpec, tp_degrees: tuple[int, ...], divisor: int
     return spec.padded_vocab_size(tuple(tp_degrees), divisor)
 
 
-def init_seed(seed: int, name: str) -> int:
-    """Per-parameter seed: the same canonical tensor whatever the layout or construction order."""
-    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
-
-
-def canonical_init(info: ParamInfo, seed: int, vocab_size: int) -> torch.Tensor:
-    """The canonical fp32 initial value (Megatron's init: normal(0, 0.02), scaled for output layers)."""
-    if info.init_std is None:
-        return torch.full(info.shape, info.init_value, dtype=torch.float32)
-    shape = list(info.shape)
-    if info.vocab_dim is not None:
-        shape[info.vocab_dim] = vocab_size  # padded rows stay zero: they are never used (P6)
-    g = torch.Generator().manual_seed(init_seed(seed, info.name))
-    t = torch.empty(shape, dtype=torch.float32).normal_(0.0, info.init_std, generator=g)
-    if info.vocab_dim is not None and vocab_size < info.shape[info.vocab_dim]:
-        pad = list(info.shape)
-        pad[info.vocab_dim] -= vocab_size
-        t = torch.cat([t, torch.zeros(pad)], dim=info.vocab_dim)
-    return t
-
-
 def build_stage_module(spec: ModelSpec, first_layer: int, last_layer: int, *, tp_group: Any = None,
                        pg_collection: Any = None, dtype: str | torch.dtype = "fp32",
                        padded_vocab: int | None = None, device: str | torch.device | None = None,
@@ -348,5 +325,5 @@ def build_stage_module(spec: ModelSpec, first_layer: int, last_layer: int, *, tp
             if seed is None:
                 p.normal_(0.0, 0.02) if info.init_std is not None else p.fill_(info.init_value)
             else:
-                p.copy_(shard_of(canonical_init(info, seed, spec.vocab_size), info, tp, tp_rank))
+                p.copy_(init_shard(info, seed, spec.vocab_size, tp, tp_rank))  # this rank's shard only
     return module

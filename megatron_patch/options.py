@@ -34,6 +34,7 @@ class TrainOptions:
     seed: int = 1234
     weighting: str = "samples"  # "uniform" only for the tests' negative control
     layer_spec: str = "local"  # megatron's local modules (+ SDPA); "te" is refused (check_layer_spec)
+    grad_bucket_mb: float = 40.0  # gradient all-reduce bucket cap (MB of fp32), as Megatron's DDP; <= 0: one
     tf32: bool = True  # fp32 plans on CUDA: TF32 tensor-core matmuls/convolutions
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     inject_overflow: tuple[int, int] | None = None  # (rank, step): the tests' forced fp16 overflow

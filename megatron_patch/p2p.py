@@ -9,7 +9,10 @@ sequence parallelism), so any TP rank can serve any rank of the neighbour stage:
 So a sender serves every neighbour rank that maps to it (a TP1 -> TP2 boundary sends twice, a TP2 ->
 TP1 boundary once from TP rank 0). Everything else of megatron's ``P2PCommunicator`` (the
 send/recv entry points the 1F1B schedule calls) is inherited unchanged; only ``_communicate``, which
-talks to the neighbours, is replaced.
+talks to the neighbours, is replaced. The sends and receives run in the pipeline's own ``groups.P2P``
+group, never in the world group: on NCCL a batched send in the world group needs a communicator of
+all ranks, which ranks of a one-stage pipeline never join (a hang), and a group of its own keeps the
+sends apart from the gradient buckets all-reducing meanwhile.
 """
 from __future__ import annotations
 
@@ -53,13 +56,15 @@ class HeteroP2PCommunicator(P2PCommunicator):
     """megatron's P2PCommunicator with neighbours from the plan instead of one pp group (P4)."""
 
     def __init__(self, stage_ranks: list[tuple[int, ...]], stage: int, tp_rank: int, config: Any,
-                 device: torch.device) -> None:
+                 device: torch.device, group: Any = None) -> None:
+        """``group``: the pipeline's P2P group (every rank of ``stage_ranks``; None for one stage)."""
         # P2PCommunicator.__init__ derives prev/next from a real pp group; there is none here.
         self.pp_group = StageGroup(stage, len(stage_ranks))
         self.config = config
         self.virtual_pipeline_model_parallel_size = None
         self.device = device
         self.peers = neighbours(stage_ranks, stage, tp_rank)
+        self.group = group
 
     def _communicate(self, *, tensor_send_next: torch.Tensor | None, tensor_send_prev: torch.Tensor | None,
                      recv_prev: bool, recv_next: bool, tensor_shape: Any,
@@ -73,13 +78,13 @@ class HeteroP2PCommunicator(P2PCommunicator):
         recv_prev_t = buffer() if recv_prev else None
         recv_next_t = buffer() if recv_next else None
         if tensor_send_prev is not None:
-            ops += [dist.P2POp(dist.isend, tensor_send_prev, r) for r in self.peers["send_prev"]]
+            ops += [dist.P2POp(dist.isend, tensor_send_prev, r, self.group) for r in self.peers["send_prev"]]
         if recv_prev_t is not None:
-            ops.append(dist.P2POp(dist.irecv, recv_prev_t, self.peers["recv_prev"]))
+            ops.append(dist.P2POp(dist.irecv, recv_prev_t, self.peers["recv_prev"], self.group))
         if tensor_send_next is not None:
-            ops += [dist.P2POp(dist.isend, tensor_send_next, r) for r in self.peers["send_next"]]
+            ops += [dist.P2POp(dist.isend, tensor_send_next, r, self.group) for r in self.peers["send_next"]]
         if recv_next_t is not None:
-            ops.append(dist.P2POp(dist.irecv, recv_next_t, self.peers["recv_next"]))
+            ops.append(dist.P2POp(dist.irecv, recv_next_t, self.peers["recv_next"], self.group))
         if ops:
             for req in dist.batch_isend_irecv(ops):
                 req.wait()

@@ -208,13 +208,23 @@ class _CpuTorch:
         return on_cpu
 
 
-def _install_cpu_torch() -> None:
-    proxy = _CpuTorch()
-    for name in CPU_MODULES:
+def cpu_torch_in(modules: tuple[str, ...]) -> None:
+    """Give ``modules`` the P7 ``torch`` proxy (idempotent). Benchmarks use it for megatron modules
+    the runtime does not run (its DDP and optimizer)."""
+    for name in modules:
         mod = importlib.import_module(name)
+        if isinstance(getattr(mod, "torch", None), _CpuTorch):
+            continue
         if getattr(mod, "torch", None) is not torch:
             raise RuntimeError(f"{name}.torch is not torch: megatron-core changed, re-check patch P7")
-        mod.torch = proxy
+        mod.torch = _PROXY
+
+
+_PROXY = _CpuTorch()
+
+
+def _install_cpu_torch() -> None:
+    cpu_torch_in(CPU_MODULES)
 
 
 # ---------------------------------------------------------------- P8: RNG tracker on the CPU generator

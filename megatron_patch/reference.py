@@ -23,9 +23,10 @@ import torch.distributed as dist
 
 from megatron_patch import patch
 from megatron_patch.data import GlobalSamples
+from megatron_patch.init_weights import canonical_init
 from megatron_patch.layout import arch_of, param_layout
 from megatron_patch.local import free_port
-from megatron_patch.model import canonical_init, layer_spec, transformer_config
+from megatron_patch.model import layer_spec, transformer_config
 from megatron_patch.optimizer import adamw
 from megatron_patch.options import TrainOptions, adam_from_args, add_adam_args
 from sailor_hpc.core.models import ModelSpec, get_model

@@ -85,12 +85,12 @@ def launch_args(env: Env, plan: str, steps: int, save: Path, *extra: str) -> lis
 
 def launch(env: Env, plan: str, steps: int, save: Path, *extra: str, expect: int | None = 0,
            program: list[str] | None = None, extra_env: dict[str, str] | None = None,
-           grace: float = 20) -> list[local.RankResult]:
+           grace: float = 20, timeout: float = 300) -> list[local.RankResult]:
     """Train ``plan`` with local gloo ranks (one per GPU of the plan); each must exit with ``expect``."""
     argv = launch_args(env, plan, steps, save, *extra)
     if program is not None:
         argv = [*program, *argv[2:]]
-    results = local.run(argv, load_plan(env.plans[plan]).num_gpus, extra_env, timeout=300, grace=grace)
+    results = local.run(argv, load_plan(env.plans[plan]).num_gpus, extra_env, timeout=timeout, grace=grace)
     for r in results if expect is not None else ():
         assert r.returncode == expect, f"rank {r.rank} exited {r.returncode}:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
     return results
@@ -114,3 +114,17 @@ def max_diff(ckpt: Path, ref_file: Path) -> dict[str, float]:
 @pytest.fixture(scope="session")
 def ref_file(runtime_env: Env) -> Callable[[int], Path]:
     return lambda step: runtime_env.ref / f"ref_step_{step}.pt"
+
+
+def memory_growth(setup: str, measured: str, timeout: float = 300) -> dict[str, int]:
+    """How a fresh Python process's memory grows while running ``measured`` (after ``setup``), in bytes.
+
+    ``peak``: highest RSS above the RSS before (the high-water mark is reset after ``setup``), file pages
+    of memory maps included; ``private``: anonymous RSS after minus before (what ``measured`` keeps
+    materialised itself; its temporaries are gone)."""
+    code = (setup + "\nfrom megatron_patch import memory as _m\n_m.reset_peak()\n_b, _p = _m.rss(), _m.private_rss()\n"
+            + measured + "\nprint(_m.peak_rss() - _b, _m.private_rss() - _p)")
+    res = python("-c", code, timeout=timeout)
+    assert res.returncode == 0, res.stderr[-3000:]
+    peak, private = map(int, res.stdout.strip().splitlines()[-1].split())
+    return {"peak": peak, "private": private}

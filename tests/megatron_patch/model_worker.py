@@ -18,8 +18,9 @@ warnings.filterwarnings("ignore")
 
 from megatron_patch import patch  # noqa: E402
 from megatron_patch.groups import create_groups, group, singleton_collection  # noqa: E402
+from megatron_patch.init_weights import canonical_init  # noqa: E402
 from megatron_patch.layout import arch_of, param_layout, shard_of  # noqa: E402
-from megatron_patch.model import build_stage_module, canonical_init  # noqa: E402
+from megatron_patch.model import build_stage_module  # noqa: E402
 from megatron_patch.reference import gpt_model  # noqa: E402
 from sailor_hpc.core.models import ModelSpec, get_model  # noqa: E402
 

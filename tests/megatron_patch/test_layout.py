@@ -8,10 +8,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from megatron_patch.grad_sync import build_buckets, holders  # noqa: E402
+from megatron_patch.grad_sync import holders, plan_buckets, rank_sets  # noqa: E402
 from megatron_patch.layout import ParamInfo, chunk_views, full_of, param_layout, shard_of  # noqa: E402
 from sailor_hpc.core.models import get_model  # noqa: E402
 from sailor_hpc.core.plan import Pipeline, Plan, Stage  # noqa: E402
+from tests.megatron_patch.conftest import PLANS  # noqa: E402
+from tests.megatron_patch.test_no_deadlock import SHAPES  # noqa: E402
 
 
 def test_swiglu_fc1_shards_are_gate_and_up_slices() -> None:
@@ -51,7 +53,7 @@ def test_sync_plan_by_hand_for_a_tp_mismatch_and_a_tied_embedding() -> None:
     emb = info["embedding.word_embeddings.weight"]
     hs = holders(plan, emb)
     assert [(h.pipeline, h.ranks, h.weight) for h in hs] == [(0, (0, 1), 0.75), (0, (2,), 0.75), (1, (3,), 0.25)]
-    buckets = {b.ranks: b for b in build_buckets(plan, layout)}
+    buckets = {b.ranks: b for b in rank_sets(plan, layout)}
     # tied embedding, lcm(2, 1, 1) = 2 chunks: chunk 0 on ranks {0, 2, 3}, chunk 1 on {1, 2, 3}
     for c, ranks in ((0, (0, 2, 3)), (1, (1, 2, 3))):
         pieces = [p for p in buckets[ranks].pieces if p.name == emb.name and p.chunk == c]
@@ -70,3 +72,35 @@ def test_sync_plan_by_hand_for_a_tp_mismatch_and_a_tied_embedding() -> None:
         for c in range(n):
             expect = len(holders(plan, p)) if p.shard_dim is not None else sum(len(h.ranks) for h in holders(plan, p))
             assert len(seen[(p.name, c)]) == expect
+
+
+def _plans() -> list[Plan]:
+    return [*PLANS.values(), *SHAPES.values()]
+
+
+@pytest.mark.parametrize("mb", [0.0, 0.002, 40.0])
+def test_buckets_cover_each_rank_set_once_in_backward_order(mb: float) -> None:
+    """Buckets partition every rank set; each member sees the same slots at the same offsets."""
+    layout = param_layout(get_model("tiny-gpt"), 256)
+    for plan in _plans():
+        sets = rank_sets(plan, layout)
+        buckets = plan_buckets(sets, layout, mb)
+        for s in sets:
+            mine = sorted((b for b in buckets if b.ranks == s.ranks), key=lambda b: b.index)
+            assert sorted(mine, key=lambda b: (b.ready, b.index)) == mine  # launch order keeps index order
+            assert sorted((p.name, p.chunk, p.rank) for b in mine for p in b.pieces) == \
+                sorted((p.name, p.chunk, p.rank) for p in s.pieces)
+            for b in mine:
+                sizes = {r: sum(p.numel for p in b.own(r)) for r in b.ranks}
+                assert set(sizes.values()) == {b.numel}
+                slots = {r: [(p.name, p.chunk) for p in b.own(r)] for r in b.ranks}
+                assert len({tuple(v) for v in slots.values()}) == 1
+            if mb == 0.0:
+                assert len(mine) == 1
+        if mb == 0.002:
+            assert len(buckets) > 3 * len(sets)  # the tests' small cap does make many buckets
+        cap = int(mb * 1e6) // 4
+        for b in buckets:  # only a rank set's last bucket may be under the cap
+            last = max(x.index for x in buckets if x.ranks == b.ranks)
+            assert cap <= 0 or b.index == last or b.numel >= cap
+

@@ -190,5 +190,9 @@ def test_fp16_real_overflow_backs_off_until_steps_pass(precision_env: Env) -> No
     skipped = [e["skipped"] for e in ev[0]]
     first_ok = skipped.index(False)
     print(f"initial scale 2**20: {first_ok} steps skipped, then scale {ev[0][first_ok]['loss_scale']:.0f}")
-    assert first_ok >= 1 and not any(skipped[first_ok:])
+    assert first_ok >= 1 and skipped.count(False) >= len(skipped) // 2
     assert [e["loss_scale"] for e in ev[0][:first_ok + 1]] == [2.0 ** (20 - k) for k in range(first_ok + 1)]
+    # later steps may overflow again at the lowered scale (the data is the project's own sources, so it
+    # changes with every commit); whatever happens, the scale follows the rule: halve on a skip, else keep
+    scales = [e["loss_scale"] for e in ev[0]]
+    assert all(b == (a / 2 if s else a) for a, b, s in zip(scales, scales[1:], skipped))
