@@ -84,7 +84,15 @@ def _cpu_clip(parameters: Any, max_norm: float, total_norm: float, use_decoupled
 
 
 def _megatron(spec: ModelSpec, world: int, samples: Any) -> Callable[[], float]:
-    """megatron-core's own homogeneous data-parallel training step (DDP with overlapped grad reduce)."""
+    """megatron-core's own homogeneous data-parallel training step, on the CPU in fp32 with SDPA (as ours)."""
+    return megatron_core_step(spec, world, samples, mbs=micro_batch_size(spec.seq_len), micro=MICRO)
+
+
+def megatron_core_step(spec: ModelSpec, world: int, samples: Any, *, mbs: int, micro: int, device: str = "cpu",
+                       dtype: str = "fp32", attention: str = "sdpa") -> Callable[[], float]:
+    """megatron-core's own homogeneous data-parallel training step (DDP with overlapped grad reduce, fp32
+    gradient reduction, its mixed-precision optimizer for bf16/fp16); ``attention="megatron"``: its own local
+    spec's attention. The process group must be initialised."""
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -95,25 +103,30 @@ def _megatron(spec: ModelSpec, world: int, samples: Any) -> Callable[[], float]:
     from megatron_patch import patch
     from megatron_patch.reference import gpt_model
     parallel_state.initialize_model_parallel(1, 1)  # the homogeneous grid: DP = world
-    patch.apply(cpu=True)
-    patch.cpu_torch_in(MEGATRON_CPU_MODULES)
-    import megatron.core.optimizer.optimizer as moptimizer
-    moptimizer.clip_grad_by_total_norm_fp32 = _cpu_clip
+    cpu = device == "cpu"
+    if cpu:
+        patch.apply(cpu=True)
+        patch.cpu_torch_in(MEGATRON_CPU_MODULES)
+        import megatron.core.optimizer.optimizer as moptimizer
+        moptimizer.clip_grad_by_total_norm_fp32 = _cpu_clip
     patch.seed_model_parallel_rng(SEED, 0)
-    model = gpt_model(spec, SEED)
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    model = gpt_model(spec, SEED, attention, dtype=torch_dtype, cuda=not cpu)
     config = model.config
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(overlap_grad_reduce=True,
-                                                                         use_distributed_optimizer=False), model)
+                                                                         use_distributed_optimizer=False,
+                                                                         grad_reduce_in_fp32=True), model)
     c = AdamConfig()
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=c.lr, weight_decay=c.weight_decay,
                                                  adam_beta1=c.beta1, adam_beta2=c.beta2, adam_eps=c.eps,
-                                                 clip_grad=c.clip_grad), [ddp])
+                                                 clip_grad=c.clip_grad, bf16=dtype == "bf16", fp16=dtype == "fp16",
+                                                 params_dtype=torch_dtype), [ddp])
     config.no_sync_func = ddp.no_sync
     config.finalize_model_grads_func = finalize_model_grads
     forward_backward = get_forward_backward_func()
-    seq, mbs, rank = spec.seq_len, micro_batch_size(spec.seq_len), dist.get_rank()
-    pos = torch.arange(seq).unsqueeze(0).expand(mbs, seq)
-    mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), 1)[None, None]
+    seq, rank, dev = spec.seq_len, dist.get_rank(), torch.device(device)
+    pos = torch.arange(seq, device=dev).unsqueeze(0).expand(mbs, seq)
+    mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=dev), 1)[None, None]
     consumed = 0
 
     def forward_step(data_iterator: Any, m: Any) -> tuple[torch.Tensor, Callable]:
@@ -124,13 +137,13 @@ def _megatron(spec: ModelSpec, world: int, samples: Any) -> Callable[[], float]:
     def step() -> float:
         """One step; returns this rank's mean loss (the global one is the mean over ranks)."""
         nonlocal consumed
-        data = samples.batch(consumed + rank * mbs * MICRO, mbs * MICRO)
+        data = samples.batch(consumed + rank * mbs * micro, mbs * micro).to(dev)
         ddp.zero_grad_buffer()
         opt.zero_grad()
         losses = forward_backward(forward_step_func=forward_step, data_iterator=iter(data.split(mbs)), model=[ddp],
-                                  num_microbatches=MICRO, seq_length=seq, micro_batch_size=mbs, forward_only=False)
+                                  num_microbatches=micro, seq_length=seq, micro_batch_size=mbs, forward_only=False)
         opt.step()
-        consumed += world * mbs * MICRO
+        consumed += world * mbs * micro
         return sum(float(x["loss"]) for x in losses) / len(losses)
     return step
 

@@ -32,13 +32,15 @@ from megatron_patch.options import TrainOptions, adam_from_args, add_adam_args
 from sailor_hpc.core.models import ModelSpec, get_model
 
 
-def gpt_model(spec: ModelSpec, seed: int, attention: str = "sdpa") -> torch.nn.Module:
+def gpt_model(spec: ModelSpec, seed: int, attention: str = "sdpa", *, dtype: torch.dtype = torch.float32,
+              cuda: bool = False) -> torch.nn.Module:
     """megatron-core's GPTModel at TP 1 (local layer spec, unpadded vocabulary), canonically initialised.
 
-    Its core attention is the runtime's (SDPA) unless ``attention="megatron"`` (DotProductAttention)."""
+    Its core attention is the runtime's (SDPA) unless ``attention="megatron"`` (DotProductAttention).
+    ``dtype``/``cuda``: megatron's own mixed-precision GPU model (the GPU check's baseline)."""
     from megatron.core.models.gpt import GPTModel
     a = arch_of(spec)
-    model = GPTModel(transformer_config(spec, tp=1, dtype=torch.float32, cuda=False), layer_spec(spec, attention),
+    model = GPTModel(transformer_config(spec, tp=1, dtype=dtype, cuda=cuda), layer_spec(spec, attention),
                      vocab_size=spec.vocab_size, max_sequence_length=spec.seq_len,
                      share_embeddings_and_output_weights=spec.tied_embeddings, position_embedding_type=a.position,
                      rotary_base=a.rotary_base)
