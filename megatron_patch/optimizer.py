@@ -42,7 +42,7 @@ class StageOptimizer:
         self.adam = adamw(groups, cfg, next(iter(params.values())).device if params else torch.device("cpu"))
 
     def main_grads(self) -> OrderedDict[str, torch.Tensor]:
-        """fp32 gradients by name, ready for the sync: ``p.main_grad``, else made from ``p.grad``
+        """fp32 gradients by name, as the sync left them: ``p.main_grad``, else made from ``p.grad``
         (zeros where a parameter got none). The masters' ``.grad`` are these tensors."""
         out: OrderedDict[str, torch.Tensor] = OrderedDict()
         for name, p in self.params.items():
