@@ -19,7 +19,7 @@ bytes), and the permutation is a function of the index rather than an int64 arra
 
 The tokenizer is bytes (token = byte value, end-of-document = 0), so every catalog model's vocabulary
 (>= 256) can train on it. ``python -m megatron_patch.data PREFIX [FILES...]`` builds a dataset from
-the given text files, or from the text the project ships (its Python and Markdown sources).
+the given text files, or from the text the project ships (Sailor's published data, which never changes).
 """
 from __future__ import annotations
 
@@ -32,9 +32,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import megatron_patch
-import sailor_hpc
 from sailor_hpc.core.errors import SailorError
+from sailor_hpc.core.sailor_compat import SAILOR_DATA
 
 EOD = 0
 ORDER = "feistel-v1"  # the sample permutation's name, stored in checkpoints (another order would skip samples)
@@ -64,11 +63,10 @@ def build_dataset(prefix: str | Path, texts: Iterable[str]) -> Path:
 
 
 def shipped_texts() -> list[str]:
-    """The project's own Python and Markdown sources, in a fixed order (deterministic)."""
-    files: list[Path] = []
-    for pkg in (sailor_hpc, megatron_patch):
-        root = Path(pkg.__file__).parent
-        files += sorted(p for p in root.rglob("*") if p.suffix in (".py", ".md"))
+    """Sailor's published data shipped with the package (JSON, CSV, README, LICENSE; 1.5 MB), in a fixed
+    order: a corpus that never changes with the code (the project's own sources did, and every edit
+    changed what the tests and demos trained on)."""
+    files = sorted(p for p in SAILOR_DATA.rglob("*") if p.is_file())
     return [p.read_text(encoding="utf-8", errors="replace") for p in files]
 
 
@@ -175,7 +173,7 @@ class GlobalSamples:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m megatron_patch.data", description=__doc__.split("\n")[0])
     ap.add_argument("prefix", help="output prefix (writes PREFIX.bin and PREFIX.idx)")
-    ap.add_argument("files", nargs="*", help="text files (default: the project's shipped sources)")
+    ap.add_argument("files", nargs="*", help="text files (default: the Sailor data the package ships)")
     args = ap.parse_args(argv)
     texts = [Path(f).read_text(encoding="utf-8", errors="replace") for f in args.files] or shipped_texts()
     build_dataset(args.prefix, texts)
