@@ -12,13 +12,12 @@ sync) every trainable parameter has ``p.main_grad``, fp32, p's shape; ``p.grad``
 """
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
-__all__ = ["attach_main_grads", "main_grads", "zero_main_grads"]
+__all__ = ["attach_main_grads", "zero_main_grads"]
 
 
 def attach_main_grads(params: Mapping[str, torch.nn.Parameter], views: Mapping[str, torch.Tensor] | None = None,
@@ -50,11 +49,6 @@ def _accumulator(name: str, on_accumulated: Callable[[str], None] | None) -> Cal
         if on_accumulated is not None:
             on_accumulated(name)
     return hook
-
-
-def main_grads(params: Mapping[str, torch.nn.Parameter]) -> OrderedDict[str, torch.Tensor]:
-    """name -> ``p.main_grad`` for the parameters that have one."""
-    return OrderedDict((n, p.main_grad) for n, p in params.items() if getattr(p, "main_grad", None) is not None)
 
 
 def zero_main_grads(params: Mapping[str, torch.nn.Parameter]) -> None:

@@ -56,9 +56,6 @@ class StageOptimizer:
         return out
 
     def step(self, clip_coef: float) -> None:
-        for name, p in self.params.items():  # read main_grad itself (the sync may have replaced it)
-            if getattr(p, "main_grad", None) is not None:
-                self.master[name].grad = p.main_grad
         grads = [m.grad for m in self.master.values() if m.grad is not None]
         if clip_coef < 1.0 and grads:
             torch._foreach_mul_(grads, clip_coef)

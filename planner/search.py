@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -108,6 +109,11 @@ def default_available(site: Site) -> dict[str, int]:
     return {p.name: min(p.nodes, p.max_nodes_per_job) * p.gpus_per_node for p in site.partitions}
 
 
+def usable_gpus(site: Site, request: PlanRequest) -> dict[str, int]:
+    """GPUs per partition the request may use: what it names, else every GPU a job may take."""
+    return request.available or default_available(site)
+
+
 def copy_counts(max_copies: int, micro_batches: int) -> list[int]:
     """n = ceil(M / m) for m = 1..M: the fewest pipelines that give each micro-batch count m."""
     values = sorted({math.ceil(micro_batches / m) for m in range(1, micro_batches + 1)})
@@ -137,7 +143,8 @@ def candidate_dtypes(site: Site, archive: ProfileArchive, request: PlanRequest) 
     """The dtypes, best first (:data:`PREFERENCE`), that some partition the request may use trains in and
     has compute profiles of: a plan's dtype is then the best its GPUs support, never a guess from another's."""
     model = get_model(request.model).name
-    usable = [p for p in site.partitions if (request.available or default_available(site)).get(p.name, 0) > 0]
+    available = usable_gpus(site, request)
+    usable = [p for p in site.partitions if available.get(p.name, 0) > 0]
     return [d for d in PREFERENCE
             if any(d in site.gpu(p.gpu_type).dtypes and archive.has_compute(model, p.gpu_type, d) for p in usable)]
 
@@ -160,7 +167,7 @@ def _search_dtypes(site: Site, archive: ProfileArchive, request: PlanRequest, se
     merged = sorted((c for r in results for c in r.candidates), key=_ranking(request))
     return SearchResult(request, merged, sum(r.search_time_s for r in results),
                         sum(r.allocations_scored for r in results), sum(r.plans_simulated for r in results),
-                        {k: sum(r.rejected.get(k, 0) for r in results) for r in results for k in r.rejected},
+                        dict(sum((Counter(r.rejected) for r in results), Counter())),
                         [c for r in results for c in r.simulated])
 
 
@@ -177,7 +184,7 @@ def _options_per_partition(ev: StageEvaluator, archive: ProfileArchive, request:
     some partition (which then explains an empty result)."""
     site = ev.site
     capacity = default_available(site)
-    available = request.available or capacity
+    available = usable_gpus(site, request)
     for name in available:
         site.partition(name)  # unknown partition names are errors
     solo = SoloTime(ev, request, settings)

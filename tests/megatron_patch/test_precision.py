@@ -48,7 +48,7 @@ def _bf16_grads(n: int, size: int) -> list[torch.Tensor]:
 
 
 def test_main_grad_accumulates_micro_batches_in_fp32() -> None:
-    from megatron_patch.main_grad import attach_main_grads, main_grads, zero_main_grads
+    from megatron_patch.main_grad import attach_main_grads, zero_main_grads
     n, size = 64, 4096
     grads = _bf16_grads(n, size)
     hooked = torch.nn.Parameter(torch.zeros(size, dtype=torch.bfloat16))
@@ -59,7 +59,7 @@ def test_main_grad_accumulates_micro_batches_in_fp32() -> None:
         ((hooked.float() * g.float()).sum() + (plain.float() * g.float()).sum()).backward()
     exact = torch.stack([g.double() for g in grads]).sum(0)
     bound = n * 2.0 ** -24 * torch.stack([g.double().abs() for g in grads]).sum(0)  # fp32 summation bound
-    main = main_grads({"w": hooked})["w"]
+    main = hooked.main_grad
     assert main.dtype == torch.float32 and hooked.grad is None and ready == ["w"] * n
     assert bool(((main.double() - exact).abs() <= bound).all())
     fp32_err = float((main.double() - exact).abs().max())
@@ -67,7 +67,7 @@ def test_main_grad_accumulates_micro_batches_in_fp32() -> None:
     print(f"max |error| of {n} micro-batch sums: fp32 main_grad {fp32_err:.2e}, bf16 accumulation {bf16_err:.2e}")
     assert bf16_err > 1000 * fp32_err
     zero_main_grads({"w": hooked})
-    assert float(main.abs().max()) == 0.0 and main_grads({"w": hooked})["w"] is main
+    assert float(main.abs().max()) == 0.0 and hooked.main_grad is main
 
 
 def test_main_grad_is_autograd_accumulation_in_fp32() -> None:
