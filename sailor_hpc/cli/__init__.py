@@ -3,7 +3,16 @@
 Each command group lives in its own module and registers itself on :data:`main`
 (:mod:`sailor_hpc.cli.app`); importing this package registers them all.
 """
-from sailor_hpc.cli import job_cmds, plan_cmds, profile_cmds, profiles_cmds, run_cmds, simulate_cmds, site_cmds  # noqa: F401  (registration)
+from sailor_hpc.cli import (  # noqa: F401  (registration)
+    job_cmds,
+    model_cmds,
+    plan_cmds,
+    profile_cmds,
+    profiles_cmds,
+    run_cmds,
+    simulate_cmds,
+    site_cmds,
+)
 from sailor_hpc.cli.app import main
 
 __all__ = ["main"]

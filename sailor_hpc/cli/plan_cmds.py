@@ -29,7 +29,7 @@ def describe_plan(plan: Plan) -> str:
 
 @main.group(name="plan", invoke_without_command=True)
 @click.option("--site", "site_file", type=click.Path(dir_okay=False, path_type=Path), help="Site TOML.")
-@click.option("--model", "model_name", help="Model (catalog name or Sailor alias).")
+@click.option("--model", "model_name", help="Model (catalog name or Sailor alias; `sailor-hpc models` lists them).")
 @click.option("--profiles", "archive_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Profile archive (default: $SAILOR_PROFILES, the site's, then the embedded one).")
 @click.option("--gbs", type=int, default=None, help="Global batch size (default: 1024).")

@@ -34,7 +34,7 @@ def _names(text: str | None) -> tuple[str, ...]:
 
 @main.command("profile")
 @click.option("--site", "site_file", type=click.Path(dir_okay=False, path_type=Path), required=True)
-@click.option("--model", required=True, help="Model to profile (catalog name).")
+@click.option("--model", required=True, help="Model to profile (catalog name; `sailor-hpc models` lists them).")
 @click.option("--partitions", default=None, help="Comma-separated partitions (default: all of the site).")
 @click.option("--mbs", default="1,2,4,8", show_default=True, help="Micro-batch sizes.")
 @click.option("--tp", default="1,2,4", show_default=True, help="TP degrees (those that fit a node).")

@@ -5,6 +5,12 @@ A model is cut into *pipeline layers*, the unit a plan assigns to stages (Sailor
 its profiles stay usable): layer 0 is the embedding, layers 1..T the transformer blocks, then the
 model's tail (final norm + LM head + loss; Llama keeps the final RMSNorm as its own layer, as in
 Sailor's profiles).
+
+Names are keys (profile archive, Sailor's data, plans), so they stay; what the runtime builds from an
+entry is said by :attr:`ModelSpec.display_name` and :attr:`ModelSpec.architecture`. The ``opt`` and
+``gpt-neo`` entries are pre-LN GPTs of those models' shapes, not OPT (post-LN, embedding projection) or
+GPT-Neo (local attention): published weights of those models do not load into them. ``llama`` is
+Llama's architecture, and exchanges weights with Hugging Face (``megatron_patch.hf_llama``).
 """
 from __future__ import annotations
 
@@ -12,6 +18,17 @@ import math
 from dataclasses import dataclass, field
 
 from sailor_hpc.core.errors import SailorError
+
+_SHAPE_ONLY = ("opt", "gpt-neo")  # families the runtime trains as a pre-LN GPT of their shape
+_ARCHITECTURES = {
+    "gpt": "GPT: pre-LN, LayerNorm, GELU, learned positions, tied embeddings",
+    "opt": "GPT of OPT's shape: pre-LN, LayerNorm, ReLU, learned positions, tied embeddings "
+           "(not OPT's post-LN with embedding projection)",
+    "gpt-neo": "GPT of GPT-Neo's shape: pre-LN, LayerNorm, GELU, learned positions, global attention in "
+               "every block (not GPT-Neo's alternating local attention)",
+    "llama": "Llama: pre-RMSNorm, SwiGLU, RoPE, grouped-query attention, untied head, no biases "
+             "(Hugging Face import/export)",
+}
 
 
 @dataclass(frozen=True)
@@ -30,6 +47,16 @@ class ModelSpec:
     tail_layers: int = 1  # pipeline layers after the blocks
     tied_embeddings: bool = True
     aliases: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def display_name(self) -> str:
+        """What the runtime trains under this name: "GPT (OPT-350M shape)" where it is not the real one."""
+        return f"GPT ({self.name} shape)" if self.family in _SHAPE_ONLY else self.name
+
+    @property
+    def architecture(self) -> str:
+        """One line on the network the runtime builds (listings, ``--model`` help)."""
+        return _ARCHITECTURES[self.family]
 
     @property
     def num_pipeline_layers(self) -> int:
@@ -73,6 +100,10 @@ CATALOG: tuple[ModelSpec, ...] = (
               vocab_size=50257, seq_len=2048, family="gpt", aliases=("gpt-1.3b", "gpt3-xl")),
     ModelSpec("tiny-gpt", num_layers=4, hidden_size=64, num_heads=4, ffn_hidden_size=256,
               vocab_size=256, seq_len=32, family="gpt", aliases=("tiny",)),
+    # a Llama small enough for CPU tests of the Hugging Face round trip (4 query heads over 2 KV groups)
+    ModelSpec("tiny-llama", num_layers=2, hidden_size=64, num_heads=4, ffn_hidden_size=96,
+              vocab_size=256, seq_len=32, family="llama", num_kv_heads=2, tail_layers=2,
+              tied_embeddings=False),
 )
 
 _BY_KEY = {key.lower(): m for m in CATALOG for key in (m.name, *m.aliases)}

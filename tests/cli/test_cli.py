@@ -169,3 +169,13 @@ def test_import_sailor_refuses_malformed_json_naming_file_and_field(tmp_path: Pa
         assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
         assert f"{root / where}: {field + ': ' if field else ''}" in out.stderr and words in out.stderr, out.stderr
         assert not archive.exists()  # nothing of a malformed directory is imported
+
+
+def test_models_names_each_entry_for_what_the_runtime_builds() -> None:
+    rows = {r["name"]: r for r in json.loads(cli("models", "--json").stdout)}
+    # keys stay (profiles, plans, Sailor's data use them); what is built is said beside them
+    assert rows["OPT-350M"]["model"] == "GPT (OPT-350M shape)" and "post-LN" in rows["OPT-350M"]["architecture"]
+    assert rows["GPT-Neo-2.7B"]["model"] == "GPT (GPT-Neo-2.7B shape)" and "OPT-350" in rows["OPT-350M"]["aliases"]
+    assert rows["Llama-3-8B"]["model"] == "Llama-3-8B" and rows["tiny-llama"]["kv_heads"] == 2
+    text = cli("models").stdout
+    assert "GPT (OPT-350M shape)" in text and "local attention" in text
