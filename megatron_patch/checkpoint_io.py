@@ -145,13 +145,25 @@ class CheckpointReader:
         except KeyError:
             raise ck.CheckpointError(f"checkpoint has no parameter {name!r}", file=self.path) from None
 
+    @property
+    def fresh_optimizer(self) -> bool:
+        """Weights without Adam state (an import, ``megatron_patch.hf_llama``): Adam starts afresh."""
+        return self.manifest.get("optimizer_state", True) is False
+
     def tensors(self, name: str) -> dict[str, torch.Tensor]:
-        """``{"param", "exp_avg", "exp_avg_sq"}`` full fp32 tensors (real vocabulary only), memory-mapped."""
+        """``{"param", "exp_avg", "exp_avg_sq"}`` full fp32 tensors (real vocabulary only), memory-mapped.
+
+        A checkpoint without optimizer state gives zero moments (with ``adam_steps`` 0: Adam's initial
+        state, so resuming equals a fresh start from these weights), as stride-0 views of one zero."""
         fname = self.file_of(name)
         if self._open is None or self._open[0] != fname:
             self._open = None  # release the previous file's mapping first
             self._open = (fname, torch.load(self.path / fname, map_location="cpu", weights_only=True, mmap=True))
-        return self._open[1][name]
+        entry = self._open[1][name]
+        if self.fresh_optimizer:
+            zeros = torch.zeros((), dtype=entry["param"].dtype).expand(entry["param"].shape)
+            return {"param": entry["param"], "exp_avg": zeros, "exp_avg_sq": zeros}
+        return entry
 
     def shards(self, infos: Iterable[ParamInfo], tp: int,
                tp_rank: int) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
@@ -206,5 +218,6 @@ def load(trainer: Trainer, path: str, *, missing_ok: bool = False) -> str | None
         t.scaler.load(m["loss_scale"])
     t.step = int(m["step"])
     t.consumed_samples = int(m["consumed_samples"])
-    rng_from_json(m["rng"]["torch_cpu"])
+    if "rng" in m:  # an imported checkpoint has none: the RNG stays as a fresh start seeds it
+        rng_from_json(m["rng"]["torch_cpu"])
     return arg

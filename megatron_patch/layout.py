@@ -28,6 +28,7 @@ class Arch:
     activation: str  # "gelu", "relu" or "swiglu"
     bias: bool
     rotary_base: int = 10000
+    norm_eps: float = 1e-5  # LayerNorm / RMSNorm epsilon (Llama 3's rms_norm_eps; Hugging Face checks it)
 
     @property
     def glu(self) -> bool:

@@ -80,7 +80,7 @@ def transformer_config(spec: ModelSpec, *, tp: int, dtype: torch.dtype, cuda: bo
         use_cpu_initialization=not cuda, perform_initialization=False,
         params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, pipeline_dtype=dtype,
         deallocate_pipeline_outputs=True, batch_p2p_comm=True, batch_p2p_sync=False,
-        recompute_granularity=None, layernorm_epsilon=1e-5,
+        recompute_granularity=None, layernorm_epsilon=a.norm_eps,
     )
 
 

@@ -4,6 +4,7 @@ Each command group lives in its own module and registers itself on :data:`main`
 (:mod:`sailor_hpc.cli.app`); importing this package registers them all.
 """
 from sailor_hpc.cli import (  # noqa: F401  (registration)
+    checkpoint_cmds,
     job_cmds,
     model_cmds,
     plan_cmds,
