@@ -179,3 +179,15 @@ def test_models_names_each_entry_for_what_the_runtime_builds() -> None:
     assert rows["Llama-3-8B"]["model"] == "Llama-3-8B" and rows["tiny-llama"]["kv_heads"] == 2
     text = cli("models").stdout
     assert "GPT (OPT-350M shape)" in text and "local attention" in text
+
+
+def test_checkpoint_commands_on_a_login_node_without_torch(tmp_path: Path) -> None:
+    code = ("import sys; sys.modules['torch'] = None  # as if torch were not installed\n"
+            "from sailor_hpc.cli import main\n"
+            "main(sys.argv[1:])")
+    run = lambda *a: subprocess.run([sys.executable, "-c", code, *a], capture_output=True, text=True,  # noqa: E731
+                                    timeout=120)
+    assert run("checkpoint", "--help").returncode == 0
+    out = run("checkpoint", "export", str(tmp_path / "ckpt"), "--to", "hf", str(tmp_path / "out"))
+    assert out.returncode == 2 and "needs torch" in out.stderr and "sailor-hpc[runtime]" in out.stderr
+    assert not (tmp_path / "out").exists()
