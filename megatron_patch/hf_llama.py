@@ -63,7 +63,7 @@ _TOP = {"embedding.word_embeddings.weight": "model.embed_tokens.weight",
 
 def require_llama(spec: ModelSpec, where: object | None = None) -> None:
     if spec.family != "llama":
-        raise SailorError(f"{spec.name} is a {spec.display_name}, not a Llama: only Llama-architecture models "
+        raise SailorError(f"{spec.name} is not a Llama ({spec.architecture}): only Llama-architecture models "
                           "exchange weights with Hugging Face", file=where, field="model",
                           fix="use a Llama model of the catalog (sailor-hpc models)")
 

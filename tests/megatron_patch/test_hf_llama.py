@@ -185,7 +185,7 @@ def test_export_and_import_refuse_to_overwrite_or_convert_a_gpt(tmp_path: Path) 
     gpt = ck.publish(ck.start_tmp(tmp_path / "gpt", 3), {"step": 3, "consumed_samples": 0, "model": "tiny-gpt",
                                                         "files": {}, "params": {}})
     res = _cli("checkpoint", "export", str(gpt), "--to", "hf", str(tmp_path / "gpt_hf"))
-    assert res.exit_code == 2 and "tiny-gpt is a tiny-gpt, not a Llama" in res.output
+    assert res.exit_code == 2 and "model: tiny-gpt is not a Llama (GPT: pre-LN" in res.output
     assert not (tmp_path / "gpt_hf").exists() and not list(tmp_path.glob(".gpt_hf*"))
     res = _cli("checkpoint", "export", str(tmp_path / "ckpt"), "--to", "hf", str(tmp_path / "bf16"), "--dtype", "bf16")
     assert res.exit_code == 0 and json.loads((tmp_path / "bf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
