@@ -191,11 +191,11 @@ class DataBlend:
 
     @classmethod
     def parse(cls, tokens: Sequence[str] | str, field: str = "--data") -> DataBlend:
-        """A single prefix, or ``W1 P1 W2 P2 ...``. A string is split on whitespace unless it is one
-        prefix that is not a blend (a path with spaces stays one prefix)."""
+        """A single prefix, or ``W1 P1 W2 P2 ...``. A string of several words starting with a number is a
+        blend (split on whitespace), any other string one prefix (a path with spaces stays whole)."""
         if isinstance(tokens, str):
             words = tokens.split()
-            tokens = words if len(words) > 1 and len(words) % 2 == 0 and all(map(_is_weight, words[::2])) else [tokens]
+            tokens = words if len(words) > 1 and _is_weight(words[0]) else [tokens]
         tokens = list(tokens)
         if len(tokens) == 1:
             if not tokens[0].strip():
