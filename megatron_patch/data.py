@@ -17,9 +17,15 @@ Memory: nothing per rank grows with the dataset. Document starts come from the i
 bytes), and the permutation is a function of the index rather than an int64 array of every sample
 (146 M samples of a 300 G-token corpus at 2048 tokens were 1.2 GB per rank, per cached epoch).
 
+A run reads a blend of datasets (:class:`BlendedSamples`: which dataset a global index goes to is
+itself a function of the index) cut into train/valid/test by documents (:func:`split_samples`,
+Megatron's split rule); before training, :func:`check_vocab` refuses a token id the model has no
+embedding row for.
+
 The tokenizer is bytes (token = byte value, end-of-document = 0), so every catalog model's vocabulary
 (>= 256) can train on it. ``python -m megatron_patch.data PREFIX [FILES...]`` builds a dataset from
-the given text files, or from the text the project ships (Sailor's published data, which never changes).
+the given text or .jsonl files, or from the text the project ships (Sailor's published data, which
+never changes).
 """
 from __future__ import annotations
 
