@@ -15,7 +15,7 @@ from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.training import FLAGS, DataBlend, launch_args
 
 DATA_HELP = ("Dataset prefix (PREFIX.bin/.idx) the ranks train on, or a blend of prefixes with weights as one "
-             "argument: '0.7 PREFIX_A 0.3 PREFIX_B' (Megatron's --data-path).")
+             "argument: '0.7 PREFIX_A 0.3 PREFIX_B' (as Megatron's data path).")
 
 
 def training_options(f: Any) -> Any:
