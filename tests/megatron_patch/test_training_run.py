@@ -124,3 +124,15 @@ def test_out_of_vocabulary_token_stops_every_rank(runtime_env: Env, tmp_path: Pa
     assert f"{bad}.bin: --data: token id 256 at token 123457" in logs[0].stderr
     assert "vocabulary of 256 ids" in logs[0].stderr
     assert not any(events(r, "step") for r in logs) and not (tmp_path / "ckpt").exists()
+
+
+def test_weight_decay_groups_follow_megatrons_rule() -> None:
+    """Megatron's default groups (``_get_param_groups``): no decay where ``name.endswith(".bias")`` or the
+    parameter is 1-D (norms), decay elsewhere (embeddings and matrices), for every catalog model."""
+    pytest.importorskip("torch")
+    from megatron_patch.layout import param_layout
+    from sailor_hpc.core.models import CATALOG
+
+    for spec in CATALOG:
+        for info in param_layout(spec, spec.vocab_size):
+            assert info.decay == (not info.name.endswith(".bias") and len(info.shape) > 1), (spec.name, info.name)
