@@ -12,7 +12,10 @@ A training step is:
 3. fp16: unscale the synced fp32 gradients and look for inf/nan; one scalar all-reduce over all
    ranks carrying the gradient norm, the weighted loss, the "stop" flag (a signal reached some rank)
    and the overflow flag, so every rank clips, logs, skips and stops alike;
-4. Adam on the local shards (skipped on an fp16 overflow; the loss scale halves).
+4. Adam on the local shards at the schedule's learning rate for the samples consumed so far
+   (skipped on an fp16 overflow; the loss scale halves).
+
+:meth:`Trainer.evaluate` runs the same schedule forward only over the valid samples.
 
 Every process group the plan needs is created up front, in one call (:func:`plan_groups`).
 """

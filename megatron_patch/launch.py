@@ -126,7 +126,11 @@ def checked_data(args: argparse.Namespace, plan: Plan, rank: int) -> dict[str, A
     dist.broadcast_object_list(verdict, src=0)
     if verdict[0] is not None:
         raise verdict[0]
-    return build_samples(blend, plan.sequence_length, args.seed, parse_split(args.split))
+    data = build_samples(blend, plan.sequence_length, args.seed, parse_split(args.split))
+    if args.eval_interval and data["valid"] is None:  # found now, not at the first evaluation
+        raise SailorError(f"--split {args.split} leaves no document of the data for validation", field="--split",
+                          fix="give the valid split more weight, or drop --eval-interval")
+    return data
 
 
 def train(args: argparse.Namespace, plan: Plan, env: DistEnv, role: Role) -> int:
