@@ -11,7 +11,8 @@ constant / linear / cosine decay to ``min_lr``) evaluated at the *consumed sampl
 Megatron does (it counts warm-up and decay in samples; ``--lr-*-iters`` are multiplied by the global
 batch). Being a pure function of ``consumed_samples``, which the checkpoint stores, a resumed or resized
 run continues the schedule exactly; the resolved schedule is also stored, to refuse a resume with
-another one.
+another one. One difference from Megatron, on purpose: an fp16 step skipped for an overflow still
+advances the schedule (Megatron holds it back), so the rate needs no counter beside the data position.
 """
 from __future__ import annotations
 
