@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 
 from sailor_hpc.core.checkpoint import step_dir
-from tests.megatron_patch.conftest import ADAM, GLOBAL_BATCH, MODEL, Env, events, launch, max_diff, python
+from sailor_hpc.core.plan import Pipeline, Plan, Stage
+from tests.megatron_patch.conftest import ADAM, GLOBAL_BATCH, MODEL, Env, add_plan, events, launch, max_diff, python
 
 TOL = 1e-6
 CLIP = 0.05
@@ -106,8 +107,10 @@ def test_metrics_file_and_human_lines(run: dict) -> None:
 
 
 def test_resuming_under_another_schedule_is_refused(run: dict, runtime_env: Env, blend: list[str]) -> None:
+    """Checked at load, by every plan alike: one rank shows it."""
+    add_plan(runtime_env, "one", Plan(MODEL, GLOBAL_BATCH, (Pipeline(GLOBAL_BATCH, 1, (Stage(0, 5, 1, "A100-40"),)),)))
     opts = [*OPTS[:OPTS.index("--lr-decay-iters")], "--lr-decay-iters", "9", *OPTS[OPTS.index("--lr-decay-iters") + 2:]]
-    logs = launch(runtime_env, "B", STEPS + 1, runtime_env.root / "elsewhere", "--load", str(run["root"]), *blend,
+    logs = launch(runtime_env, "one", STEPS + 1, runtime_env.root / "elsewhere", "--load", str(run["root"]), *blend,
                   *opts, expect=2)
     assert "another learning-rate schedule (decay 64 -> 72" in logs[0].stderr
 
