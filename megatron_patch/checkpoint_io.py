@@ -117,6 +117,8 @@ def save(trainer: Trainer, root: str, keep: int = 3) -> str:
             "megatron_core": megatron_version(), "torch": torch.__version__,
             "rng": {"torch_cpu": rng_to_json()}, "files": all_files, "params": all_params,
             "loss_scale": t.scaler.state() if t.scaler is not None else None,  # fp16; equal on all ranks
+            # the schedule is a function of consumed_samples; stored to refuse a resume under another one
+            "lr_schedule": t.opts.schedule.to_dict() if t.opts.schedule is not None else None,
         }
         final = str(ck.publish(tmp, manifest))
         ck.prune(root, keep)
@@ -178,6 +180,20 @@ class CheckpointReader:
         return {n: self.tensors(n) for n in self.names()}
 
 
+def _check_schedule(manifest: dict[str, Any], t: Trainer, path: object) -> None:
+    """Refuse to continue a run under another learning-rate schedule (a resume or resize must pass the
+    same schedule options; a checkpoint without one was trained at a constant rate)."""
+    saved = manifest.get("lr_schedule")
+    now = t.opts.schedule.to_dict() if t.opts.schedule is not None else None
+    if saved is None or now is None or saved == now:
+        return
+    diff = ", ".join(f"{k} {saved.get(k)} -> {now.get(k)}" for k in sorted(now) if saved.get(k) != now.get(k))
+    raise ck.CheckpointError(f"checkpoint was trained under another learning-rate schedule ({diff}; warm-up and "
+                             "decay in samples)", file=path,
+                             fix="resume with the run's schedule options (with --lr-decay-iters fixed when --steps "
+                                 "changes), or start a new run")
+
+
 def load(trainer: Trainer, path: str, *, missing_ok: bool = False) -> str | None:
     """Collective: load a checkpoint written under any plan into this trainer's layout.
 
@@ -211,6 +227,7 @@ def load(trainer: Trainer, path: str, *, missing_ok: bool = False) -> str | None
                                  f"runtime's is {ORDER!r}", file=reader.path,
                                  fix="finish the run with the megatron_patch that wrote it, or start a new run "
                                      "(resuming would repeat and skip samples of the current epoch)")
+    _check_schedule(m, t, reader.path)
     for name, shard in reader.shards((t.infos[n] for n in t.params), t.role.tp, t.role.tp_rank):
         shard = {k: v.to(t.device) for k, v in shard.items()}
         t.optimizer.load_state(name, shard["param"], shard["exp_avg"], shard["exp_avg_sq"], int(m["adam_steps"]))

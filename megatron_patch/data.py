@@ -17,16 +17,26 @@ Memory: nothing per rank grows with the dataset. Document starts come from the i
 bytes), and the permutation is a function of the index rather than an int64 array of every sample
 (146 M samples of a 300 G-token corpus at 2048 tokens were 1.2 GB per rank, per cached epoch).
 
+A run reads a blend of datasets (:class:`BlendedSamples`: which dataset a global index goes to is
+itself a function of the index) cut into train/valid/test by documents (:func:`split_samples`,
+Megatron's split rule); before training, :func:`check_vocab` refuses a token id the model has no
+embedding row for.
+
 The tokenizer is bytes (token = byte value, end-of-document = 0), so every catalog model's vocabulary
 (>= 256) can train on it. ``python -m megatron_patch.data PREFIX [FILES...]`` builds a dataset from
-the given text files, or from the text the project ships (Sailor's published data, which never changes).
+the given text or .jsonl files, or from the text the project ships (Sailor's published data, which
+never changes).
 """
 from __future__ import annotations
 
 import argparse
 import bisect
 import functools
+import json
+import os
+import sys
 from collections.abc import Iterable
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +44,7 @@ import torch
 
 from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.sailor_compat import SAILOR_DATA
+from sailor_hpc.core.training import SPLITS, DataBlend, split_bounds
 
 EOD = 0
 ORDER = "feistel-v1"  # the sample permutation's name, stored in checkpoints (another order would skip samples)
@@ -45,20 +56,29 @@ def encode(text: str) -> np.ndarray:
 
 
 def build_dataset(prefix: str | Path, texts: Iterable[str]) -> Path:
-    """Write ``prefix.bin`` / ``prefix.idx`` with megatron-core's IndexedDatasetBuilder (one document per text)."""
+    """Write ``prefix.bin`` / ``prefix.idx`` with megatron-core's IndexedDatasetBuilder (one document per
+    text). Written under temporary names and renamed at the end: a bad document leaves nothing behind."""
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder, get_bin_path, get_idx_path
     prefix = Path(prefix)
     prefix.parent.mkdir(parents=True, exist_ok=True)
-    builder = IndexedDatasetBuilder(get_bin_path(str(prefix)), dtype=np.uint16)
-    n = 0
-    for text in texts:
-        doc = np.concatenate([encode(text), np.array([EOD], dtype=np.uint16)])
-        builder.add_item(torch.from_numpy(doc.astype(np.int32)))
-        builder.end_document()
-        n += 1
-    builder.finalize(get_idx_path(str(prefix)))
-    if n == 0:
-        raise SailorError("no text to build a dataset from", field="texts")
+    tmp = str(prefix.with_name(f".{prefix.name}.tmp{os.getpid()}"))
+    done = {get_bin_path(tmp): get_bin_path(str(prefix)), get_idx_path(tmp): get_idx_path(str(prefix))}
+    try:
+        builder = IndexedDatasetBuilder(get_bin_path(tmp), dtype=np.uint16)
+        n = 0
+        for text in texts:
+            doc = np.concatenate([encode(text), np.array([EOD], dtype=np.uint16)])
+            builder.add_item(torch.from_numpy(doc.astype(np.int32)))
+            builder.end_document()
+            n += 1
+        builder.finalize(get_idx_path(tmp))
+        if n == 0:
+            raise SailorError("no text to build a dataset from", field="texts")
+        for src, dst in done.items():
+            os.replace(src, dst)
+    finally:
+        for src in done:
+            Path(src).unlink(missing_ok=True)
     return prefix
 
 
@@ -114,9 +134,11 @@ class SampleOrder:
 
 
 class GlobalSamples:
-    """Samples of ``seq_len + 1`` tokens by global index, from an indexed dataset."""
+    """Samples of ``seq_len + 1`` tokens by global index, from an indexed dataset, or from its documents
+    ``docs = (first, end)`` only (a train/valid/test split: :func:`split_samples`)."""
 
-    def __init__(self, prefix: str | Path, seq_len: int, seed: int = 1234) -> None:
+    def __init__(self, prefix: str | Path, seq_len: int, seed: int = 1234, docs: tuple[int, int] | None = None,
+                 name: str = "") -> None:
         from megatron.core.datasets.indexed_dataset import IndexedDataset, get_bin_path, get_idx_path
         prefix = str(prefix)
         for path in (get_bin_path(prefix), get_idx_path(prefix)):
@@ -130,22 +152,27 @@ class GlobalSamples:
         self._pointers = index.sequence_pointers  # memory-mapped int64, bytes into .bin
         self._itemsize = int(index.dtype_size)
         count = len(self._pointers)
-        total = 0 if count == 0 else int(self._pointers[-1]) // self._itemsize + int(index.sequence_lengths[-1])
-        if Path(get_bin_path(prefix)).stat().st_size != total * self._itemsize:
+        self._stream = 0 if count == 0 else int(self._pointers[-1]) // self._itemsize + int(index.sequence_lengths[-1])
+        if Path(get_bin_path(prefix)).stat().st_size != self._stream * self._itemsize:
             raise SailorError("the .bin file is not the index's sequences back to back", file=get_bin_path(prefix),
                               fix="rebuild it with megatron's IndexedDatasetBuilder (python -m megatron_patch.data)")
-        self.total_tokens = total
-        self.num_samples = (total - 1) // seq_len
+        self.prefix, self.num_documents = prefix, count
+        first, end = docs if docs is not None else (0, count)
+        self._base = self._start(first) if count else 0  # the split's first token in the stream
+        self.total_tokens = self._start(end) - self._base if count else 0
+        self.num_samples = (self.total_tokens - 1) // seq_len
         if self.num_samples < 1:
-            raise SailorError(f"dataset has {total} tokens, fewer than one sample of {seq_len + 1}",
-                              file=prefix, fix="use more text or a shorter sequence")
+            what = f"the {name} split (documents {first}..{end - 1}) of the dataset" if name else "dataset"
+            raise SailorError(f"{what} has {self.total_tokens} tokens, fewer than one sample of {seq_len + 1}",
+                              file=prefix, fix="use more text, a shorter sequence or another --split")
 
     def _start(self, seq: int) -> int:
         """First token of sequence ``seq`` in the stream (``len`` sequences: the stream's end)."""
-        return self.total_tokens if seq == len(self._pointers) else int(self._pointers[seq]) // self._itemsize
+        return self._stream if seq == len(self._pointers) else int(self._pointers[seq]) // self._itemsize
 
     def _tokens(self, start: int, length: int) -> np.ndarray:
         out = []
+        start += self._base
         # bisect, not np.searchsorted: the mapped pointers are unaligned (after int32 lengths), and numpy
         # would copy all of them to an aligned buffer on every call
         doc = bisect.bisect_right(self._pointers, start * self._itemsize) - 1
@@ -170,15 +197,142 @@ class GlobalSamples:
         return torch.from_numpy(np.stack([self.sample(g) for g in range(start, start + count)]))
 
 
+def check_vocab(prefix: str | Path, vocab_size: int, model: str = "the model") -> int:
+    """Refuse a dataset holding a token id >= ``vocab_size``, naming the file, the first offending id and
+    its position; returns the largest id. At TP 1 such an id is a device-side assert on a GPU, at TP > 1
+    a silently zero embedding row and a wrong loss, so the runtime checks before training: one pass of
+    ``max`` over the memory-mapped tokens, a chunk at a time (memory bounded, any corpus size)."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset, get_bin_path
+    ds = IndexedDataset(str(prefix))
+    path = get_bin_path(str(prefix))
+    tokens = np.memmap(path, dtype=ds.index.dtype, mode="r")
+    chunk, top = 1 << 24, -1
+    for lo in range(0, len(tokens), chunk):
+        part = tokens[lo:lo + chunk]
+        top = max(top, int(part.max()))
+        if top >= vocab_size:
+            pos = lo + int(np.argmax(part >= vocab_size))
+            doc = bisect.bisect_right(ds.index.sequence_pointers, pos * int(ds.index.dtype_size)) - 1
+            raise SailorError(f"token id {int(tokens[pos])} at token {pos} (document {doc}) is outside {model}'s "
+                              f"vocabulary of {vocab_size} ids", file=path, field="--data",
+                              fix="tokenize the text with the model's tokenizer (python -m megatron_patch.data "
+                                  "writes byte ids < 256), or train a model whose vocabulary covers it")
+    return top
+
+
+def split_samples(prefix: str | Path, seq_len: int, seed: int,
+                  split: tuple[float, float, float]) -> dict[str, GlobalSamples | None]:
+    """train/valid/test samples of one dataset: its documents cut by Megatron's split rule (None: empty)."""
+    whole = GlobalSamples(prefix, seq_len, seed)
+    if split[0] == 1.0:  # the whole dataset trains: exactly the samples of a run without --split
+        return {"train": whole, "valid": None, "test": None}
+    bounds = split_bounds(split, whole.num_documents)
+    return {name: GlobalSamples(prefix, seq_len, seed, docs=b, name=name) if b[1] > b[0] else None
+            for name, b in zip(SPLITS, bounds)}
+
+
+class BlendedSamples:
+    """Samples of several datasets interleaved by weight, by global index (Megatron's blend, made a
+    function of the index so every plan reads the same samples and no rank holds a per-sample array).
+
+    The datasets are split off one by one: dataset ``d`` takes share ``p = w_d / (w_d + ... + w_last)``
+    of the indices left, index ``n`` going to it when ``floor((n + 1) p) > floor(n p)`` (Bresenham:
+    after any ``n`` indices it has had ``floor(n p)``, never a sample off its share), as its sample
+    ``floor(n p)``; the others continue with ``n - floor(n p)``. Weights are exact fractions of the
+    decimal text given, so the interleaving does not depend on float rounding.
+    """
+
+    def __init__(self, parts: list[GlobalSamples], fractions: list[Fraction]) -> None:
+        if not parts or len(parts) != len(fractions):
+            raise ValueError("a blend needs one weight per dataset")
+        self.parts = parts
+        self.seq_len = parts[0].seq_len
+        left = sum(fractions)
+        self._shares: list[tuple[int, int]] = []
+        for f in fractions:
+            share = f / left if left else Fraction(1)
+            self._shares.append((share.numerator, share.denominator))
+            left -= f
+
+    def locate(self, g: int) -> tuple[int, int]:
+        """(dataset, its sample index) of blended sample ``g``."""
+        n = g
+        for d, (num, den) in enumerate(self._shares):
+            taken = n * num // den
+            if (n + 1) * num // den > taken:
+                return d, taken
+            n -= taken
+        raise AssertionError("the last share is 1")
+
+    def sample(self, g: int) -> np.ndarray:
+        d, i = self.locate(g)
+        return self.parts[d].sample(i)
+
+    def batch(self, start: int, count: int) -> torch.Tensor:
+        return torch.from_numpy(np.stack([self.sample(g) for g in range(start, start + count)]))
+
+
+Samples = GlobalSamples | BlendedSamples
+
+
+def build_samples(blend: DataBlend, seq_len: int, seed: int, split: tuple[float, float, float],
+                  vocab_size: int | None = None, model: str = "the model") -> dict[str, Samples | None]:
+    """train/valid/test samples of a blend (each dataset split on its own, as Megatron does; a split
+    none of the datasets has is None). ``vocab_size``: check every token first (:func:`check_vocab`).
+    One dataset with weight 1 gives the :class:`GlobalSamples` themselves (the same samples as before
+    blends existed, so older checkpoints resume on the same data)."""
+    for prefix in blend.prefixes:
+        GlobalSamples(prefix, seq_len, seed)  # missing or inconsistent files first, with their own error
+        if vocab_size is not None:
+            check_vocab(prefix, vocab_size, model)
+    per = [split_samples(p, seq_len, seed, split) for p in blend.prefixes]
+    out: dict[str, Samples | None] = {}
+    for name in SPLITS:
+        have = [(parts[name], f) for parts, f in zip(per, blend.fractions()) if parts[name] is not None and f > 0]
+        if not have:
+            out[name] = None
+        elif len(have) == 1 and len(blend.prefixes) == 1:
+            out[name] = have[0][0]
+        else:
+            out[name] = BlendedSamples([s for s, _ in have], [f for _, f in have])
+    return out
+
+
+def read_documents(files: Iterable[str | Path], json_key: str = "text") -> Iterable[str]:
+    """Documents of raw text files: a ``.jsonl`` file holds one per line (its ``json_key`` field, as
+    Megatron's preprocess_data.py reads), any other file is one document."""
+    for f in files:
+        path = Path(f)
+        if path.suffix != ".jsonl":
+            yield path.read_text(encoding="utf-8", errors="replace")
+            continue
+        with path.open(encoding="utf-8", errors="replace") as fh:
+            for n, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    yield json.loads(line)[json_key]
+                except (ValueError, KeyError, TypeError):
+                    raise SailorError(f"line {n} is not a JSON object with a {json_key!r} string", file=path,
+                                      field=json_key, fix="one JSON object per line, or pass --json-key") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m megatron_patch.data", description=__doc__.split("\n")[0])
     ap.add_argument("prefix", help="output prefix (writes PREFIX.bin and PREFIX.idx)")
-    ap.add_argument("files", nargs="*", help="text files (default: the Sailor data the package ships)")
+    ap.add_argument("files", nargs="*", help="raw text files, one document each, or .jsonl files, one document "
+                                             "per line (default: the Sailor data the package ships)")
+    ap.add_argument("--json-key", default="text", help="the field of a .jsonl line that holds the text")
     args = ap.parse_args(argv)
-    texts = [Path(f).read_text(encoding="utf-8", errors="replace") for f in args.files] or shipped_texts()
-    build_dataset(args.prefix, texts)
+    try:
+        texts = read_documents(args.files, args.json_key) if args.files else shipped_texts()
+        build_dataset(args.prefix, texts)
+    except SailorError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     ds = GlobalSamples(args.prefix, seq_len=32)
-    print(f"wrote {args.prefix}.bin/.idx: {len(texts)} documents, {ds.total_tokens} tokens")
+    print(f"wrote {args.prefix}.bin/.idx: {ds.num_documents} documents, {ds.total_tokens} tokens "
+          f"(byte ids, end of document {EOD})")
     return 0
 
 

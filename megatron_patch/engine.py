@@ -12,7 +12,10 @@ A training step is:
 3. fp16: unscale the synced fp32 gradients and look for inf/nan; one scalar all-reduce over all
    ranks carrying the gradient norm, the weighted loss, the "stop" flag (a signal reached some rank)
    and the overflow flag, so every rank clips, logs, skips and stops alike;
-4. Adam on the local shards (skipped on an fp16 overflow; the loss scale halves).
+4. Adam on the local shards at the schedule's learning rate for the samples consumed so far
+   (skipped on an fp16 overflow; the loss scale halves).
+
+:meth:`Trainer.evaluate` runs the same schedule forward only over the valid samples.
 
 Every process group the plan needs is created up front, in one call (:func:`plan_groups`).
 """
@@ -27,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_patch import patch
-from megatron_patch.data import GlobalSamples
+from megatron_patch.data import Samples
 from megatron_patch.grad_buckets import GradBuckets
 from megatron_patch.grad_sync import RankSet, plan_buckets, rank_sets
 from megatron_patch.groups import P2P, create_keyed, group, singleton_collection
@@ -47,6 +50,7 @@ from sailor_hpc.core.roles import Role, role_of, stage_rank_table
 class StepResult:
     step: int  # optimizer steps done after this one
     loss: float  # global weighted loss of the step (mean over all samples)
+    lr: float  # the learning rate of this step (the schedule's, at the samples consumed before it)
     grad_norm: float
     stop: bool  # some rank asked to stop (signal)
     seconds: float
@@ -68,12 +72,15 @@ def plan_groups(plan: Plan, sets: list[RankSet]) -> list[tuple[str, tuple[int, .
 class Trainer:
     """Everything one rank needs to train under ``plan``; every rank of the plan builds one."""
 
-    def __init__(self, plan: Plan, samples: GlobalSamples, opts: TrainOptions = TrainOptions(),
-                 device: torch.device | None = None, spec: ModelSpec | None = None) -> None:
-        """``spec`` overrides the plan's catalog model (benchmarks and tests with other shapes)."""
+    def __init__(self, plan: Plan, samples: Samples, opts: TrainOptions = TrainOptions(),
+                 device: torch.device | None = None, spec: ModelSpec | None = None,
+                 valid: Samples | None = None) -> None:
+        """``spec`` overrides the plan's catalog model (benchmarks and tests with other shapes);
+        ``valid``: the samples :meth:`evaluate` reads."""
         self.plan = plan
         self.spec = spec or plan.model_spec
         self.samples = samples
+        self.valid = valid
         self.opts = opts
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.role: Role = role_of(plan, self.rank, self.world)
@@ -122,12 +129,13 @@ class Trainer:
         self.consumed_samples = 0
 
     # -- data
-    def _micro_batches(self) -> list[dict[str, torch.Tensor]]:
-        """This pipeline's micro-batches of the current global batch (only what this stage reads)."""
+    def _micro_batches(self, source: Samples, first: int) -> list[dict[str, torch.Tensor]]:
+        """This pipeline's micro-batches of the global batch starting at sample ``first`` of ``source``
+        (only what this stage reads)."""
         if not (self.role.is_first_stage or self.role.is_last_stage):
             return [{} for _ in range(self.pipe.num_micro_batches)]
-        start = self.consumed_samples + self.sample_offset
-        data = self.samples.batch(start, self.pipe.samples).to(self.device)
+        start = first + self.sample_offset
+        data = source.batch(start, self.pipe.samples).to(self.device)
         out = []
         for m in range(self.pipe.num_micro_batches):
             chunk = data[m * self.pipe.micro_batch_size:(m + 1) * self.pipe.micro_batch_size]
@@ -149,16 +157,43 @@ class Trainer:
             return loss, {"loss": loss.detach().clone()}  # the schedule divides `loss` in place
         return out, loss_func
 
+    def _pipeline(self, source: Samples, first: int, forward_only: bool) -> list[dict[str, torch.Tensor]]:
+        """megatron's 1F1B over this pipeline's micro-batches; the last stage gets their losses."""
+        from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining_without_interleaving
+        return forward_backward_pipelining_without_interleaving(
+            forward_step_func=self._forward_step, data_iterator=iter(self._micro_batches(source, first)),
+            model=self.module, num_microbatches=self.pipe.num_micro_batches, seq_length=self.seq_len,
+            micro_batch_size=self.pipe.micro_batch_size, forward_only=forward_only,
+            p2p_communicator=self.p2p, pg_collection=self.pgc)
+
+    def _weighted_loss(self, losses: list[dict[str, torch.Tensor]]) -> float:
+        """This rank's share of the global batch's mean loss (non-zero on TP rank 0 of last stages only)."""
+        if not (self.role.is_last_stage and self.role.tp_rank == 0):
+            return 0.0
+        return self.weight * sum(float(x["loss"]) for x in losses) / len(losses)
+
+    # -- evaluation
+    def evaluate(self, iters: int) -> float:
+        """Mean loss of the first ``iters`` global batches of the valid samples (collective; no update).
+
+        The same batches at every evaluation: points of the validation curve compare with each other,
+        and a resumed or resized run evaluates exactly what the uninterrupted one does."""
+        if self.valid is None:
+            raise SailorError("no valid split to evaluate on", field="--split", fix="e.g. --split 949,50,1")
+        self.module.eval()
+        total = 0.0
+        with torch.no_grad():
+            for k in range(iters):
+                total += self._weighted_loss(self._pipeline(self.valid, k * self.plan.global_batch_size, True))
+        vec = torch.tensor([total / iters], dtype=torch.float64, device=self.device)
+        dist.all_reduce(vec)
+        return float(vec[0])
+
     # -- training
     def train_step(self, stop_requested: bool = False) -> StepResult:
-        from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining_without_interleaving
         t0 = time.perf_counter()
         self.module.train()
-        losses = forward_backward_pipelining_without_interleaving(
-            forward_step_func=self._forward_step, data_iterator=iter(self._micro_batches()), model=self.module,
-            num_microbatches=self.pipe.num_micro_batches, seq_length=self.seq_len,
-            micro_batch_size=self.pipe.micro_batch_size, forward_only=False,
-            p2p_communicator=self.p2p, pg_collection=self.pgc)
+        losses = self._pipeline(self.samples, self.consumed_samples, False)
         t1 = time.perf_counter()
         self.sync.finish()
         t2 = time.perf_counter()
@@ -166,22 +201,21 @@ class Trainer:
         if self.scaler is not None and self.opts.inject_overflow == (self.rank, self.step + 1):
             next(iter(grads.values())).view(-1)[0] = float("inf")
         overflow = self.scaler.unscale(grads.values()) if self.scaler is not None else False
-        local_loss = 0.0
-        if self.role.is_last_stage and self.role.tp_rank == 0:
-            local_loss = self.weight * sum(float(x["loss"]) for x in losses) / len(losses)
-        vec = torch.tensor([self.sync.owned_sq_norm(), local_loss, float(stop_requested), float(overflow)],
+        vec = torch.tensor([self.sync.owned_sq_norm(), self._weighted_loss(losses), float(stop_requested),
+                            float(overflow)],
                            dtype=torch.float64, device=self.device)
         dist.all_reduce(vec)
         skipped = bool(vec[3] > 0)
         grad_norm = math.sqrt(float(vec[0])) if not skipped else float("nan")
         scale = self.scaler.scale if self.scaler is not None else 1.0
+        lr = self.opts.lr_at(self.consumed_samples)
         if not skipped:
-            self.optimizer.step(clip_coefficient(grad_norm, self.opts.adam.clip_grad))
+            self.optimizer.step(clip_coefficient(grad_norm, self.opts.adam.clip_grad), lr)
         if self.scaler is not None:
             self.scaler.update(skipped)
         self.optimizer.zero_grad()
         self.step += 1  # a skipped step still consumes its batch (as Megatron's)
         self.consumed_samples += self.plan.global_batch_size
-        return StepResult(step=self.step, loss=float(vec[1]), grad_norm=grad_norm, stop=bool(vec[2] > 0),
+        return StepResult(step=self.step, loss=float(vec[1]), lr=lr, grad_norm=grad_norm, stop=bool(vec[2] > 0),
                           seconds=time.perf_counter() - t0, sync_seconds=t2 - t1, skipped=skipped,
                           loss_scale=scale)

@@ -1,7 +1,8 @@
 """Entry point of the training runtime, one process per GPU (or CPU rank), as the sbatch jobs start it.
 
-    python -m megatron_patch.launch --plan plan.json --model M --data PREFIX --save DIR
+    python -m megatron_patch.launch --plan plan.json --model M --data PREFIX | W1 P1 W2 P2 ... --save DIR
                                     [--load DIR | --auto-resume] --steps N [--dry-run]
+                                    [schedule, --split, --eval-interval/--eval-iters, log options]
 
 - Rank and rendezvous come from torchrun (RANK/WORLD_SIZE/LOCAL_RANK) or Slurm (SLURM_PROCID/
   SLURM_NTASKS/SLURM_LOCALID) plus MASTER_ADDR/MASTER_PORT (``sailor_hpc.core.dist_env``); the rank's role
@@ -12,8 +13,11 @@
   every rank agrees to stop (one all-reduce), a complete checkpoint is written to ``--save`` and the
   processes exit with 75 (``EXIT_SAVED_ON_SIGNAL``); a later job resumes with ``--load DIR`` under
   any plan. Exit codes: 0 done, 75 saved on a signal, 2 bad input, 1 error.
-- Every rank logs JSON lines on stdout: ``start``, ``step`` (loss, grad norm, iteration and sync
-  seconds, peak memory), ``saved``, ``loaded``, ``signal``, ``done``.
+- Every rank logs JSON lines on stdout: ``start``, ``step`` (loss, lr, grad norm, iteration and sync
+  seconds, peak memory), ``eval``, ``saved``, ``loaded``, ``signal``, ``done``. Rank 0 also writes
+  human lines on stderr and a JSON-lines metrics file (``megatron_patch.metrics``).
+- Before training, rank 0 checks every token id of the data against the model's vocabulary (exit 2
+  naming the file, the id and its position).
 """
 from __future__ import annotations
 
@@ -28,20 +32,25 @@ import warnings
 from typing import Any
 
 from megatron_patch.memory import peak_rss
+from megatron_patch.metrics import RunLog, open_tensorboard
 from megatron_patch.options import (
     LAYER_SPECS,
     TrainOptions,
     adam_from_args,
     add_adam_args,
+    add_flags,
     add_precision_args,
     check_layer_spec,
+    check_train_args,
     precision_from_args,
+    schedule_from_args,
 )
 from sailor_hpc.core.dist_env import EXIT_BAD_INPUT, EXIT_DONE, EXIT_SAVED_ON_SIGNAL, DistEnv, read_env
 from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.plan import Plan
 from sailor_hpc.core.plan_io import load_plan
 from sailor_hpc.core.roles import Role, role_of
+from sailor_hpc.core.training import DATA_FLAGS, LOG_FLAGS, DataBlend, eval_due, parse_split
 
 _STOP: list[int] = []  # signals received (set by the handler, read at step boundaries)
 
@@ -55,7 +64,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                  description="Train a plan with the heterogeneous megatron-core runtime.")
     ap.add_argument("--plan", required=True, help="plan JSON (sailor-hpc format)")
     ap.add_argument("--model", required=True, help="model name (must match the plan's)")
-    ap.add_argument("--data", required=False, help="indexed dataset prefix (PREFIX.bin/.idx)")
+    ap.add_argument("--data", required=False, nargs="+",
+                    help="indexed dataset prefix (PREFIX.bin/.idx), or a blend: W1 PREFIX1 W2 PREFIX2 ...")
     ap.add_argument("--save", help="checkpoint root directory")
     ap.add_argument("--load", help="checkpoint directory, or a root whose newest complete checkpoint is loaded")
     ap.add_argument("--auto-resume", action="store_true",
@@ -66,6 +76,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--dry-run", action="store_true", help="print this rank's role as JSON and exit")
     ap.add_argument("--seed", type=int, default=1234)
     add_adam_args(ap)
+    add_flags(ap, DATA_FLAGS + LOG_FLAGS)
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     ap.add_argument("--layer-spec", choices=LAYER_SPECS, default="local",
                     help="megatron layer spec: local modules with SDPA attention (auto = local; te is refused)")
@@ -97,6 +108,31 @@ def _peak_memory(device: Any) -> int:
     return peak_rss()
 
 
+def checked_data(args: argparse.Namespace, plan: Plan, rank: int) -> dict[str, Any]:
+    """Collective: train/valid/test samples of ``--data``, after rank 0 checked every token id against the
+    model's vocabulary (one pass over the corpus, not one per rank); all ranks raise its error alike."""
+    import torch.distributed as dist
+
+    from megatron_patch.data import build_samples, check_vocab
+    blend = DataBlend.parse(args.data)
+    spec = plan.model_spec
+    verdict: list[Any] = [None]
+    if rank == 0:
+        try:
+            for prefix in blend.prefixes:
+                check_vocab(prefix, spec.vocab_size, spec.name)
+        except SailorError as exc:
+            verdict = [exc]
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0] is not None:
+        raise verdict[0]
+    data = build_samples(blend, plan.sequence_length, args.seed, parse_split(args.split))
+    if args.eval_interval and data["valid"] is None:  # found now, not at the first evaluation
+        raise SailorError(f"--split {args.split} leaves no document of the data for validation", field="--split",
+                          fix="give the valid split more weight, or drop --eval-interval")
+    return data
+
+
 def train(args: argparse.Namespace, plan: Plan, env: DistEnv, role: Role) -> int:
     for signum in (signal.SIGUSR1, signal.SIGTERM):  # before anything slow: the default action kills
         signal.signal(signum, _on_signal)
@@ -105,7 +141,6 @@ def train(args: argparse.Namespace, plan: Plan, env: DistEnv, role: Role) -> int
     import torch.distributed as dist
 
     from megatron_patch import checkpoint_io, patch
-    from megatron_patch.data import GlobalSamples
     from megatron_patch.engine import Trainer
 
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
@@ -117,6 +152,8 @@ def train(args: argparse.Namespace, plan: Plan, env: DistEnv, role: Role) -> int
     if args.data is None:
         raise SailorError("--data is required to train", field="--data",
                           fix="build a dataset: python -m megatron_patch.data PREFIX")
+    if args.tensorboard_dir:
+        open_tensorboard(None)
     os.environ.setdefault("MASTER_ADDR", env.master_addr)
     os.environ.setdefault("MASTER_PORT", str(env.master_port))
     dist.init_process_group("nccl" if cuda else "gloo", rank=env.rank, world_size=env.world_size,
@@ -124,13 +161,20 @@ def train(args: argparse.Namespace, plan: Plan, env: DistEnv, role: Role) -> int
                             device_id=device if cuda else None)  # NCCL: communicators built eagerly
     base = {"rank": role.rank, "pipeline": role.pipeline, "stage": role.stage, "tp_rank": role.tp_rank}
     emit({"event": "start", **role_record(role, env), "device": str(device), "plan_gpus": plan.num_gpus})
+    data = checked_data(args, plan, env.rank)
     opts = TrainOptions(adam=adam_from_args(args), seed=args.seed, weighting=args.grad_weighting,
                         layer_spec=args.layer_spec, grad_bucket_mb=args.grad_bucket_mb,
+                        schedule=schedule_from_args(args, plan.global_batch_size, args.steps),
                         **precision_from_args(args))
-    trainer = Trainer(plan, GlobalSamples(args.data, plan.sequence_length, args.seed), opts, device)
+    trainer = Trainer(plan, data["train"], opts, device, valid=data["valid"])
+    metrics = args.metrics_file or (os.path.join(args.save, "metrics.jsonl") if args.save else None)
+    log = RunLog(env.rank == 0, steps=args.steps, tokens_per_step=plan.global_batch_size * trainer.seq_len,
+                 log_interval=args.log_interval, metrics_file=metrics, tensorboard_dir=args.tensorboard_dir,
+                 predicted_s=plan.notes.get("simulator", {}).get("iteration_time_s"))
     emit({"event": "ready", **base, "megatron_core": patch.megatron_version(), "patches": trainer.patches,
           "params": sum(p.numel() for p in trainer.params.values()), "sync_groups": trainer.sync.num_groups,
-          "sync_buckets": len(trainer.sync.order), "tf32": trainer.tf32})
+          "sync_buckets": len(trainer.sync.order), "tf32": trainer.tf32,
+          "valid_samples": data["valid"] is not None})
     resume = args.load is None and args.auto_resume and bool(args.save)
     if args.load or resume:
         t0 = time.perf_counter()
@@ -149,21 +193,29 @@ def train(args: argparse.Namespace, plan: Plan, env: DistEnv, role: Role) -> int
     start_step = trainer.step
     while trainer.step < args.steps:
         res = trainer.train_step(stop_requested=bool(_STOP))
-        emit({"event": "step", **base, "step": res.step, "loss": res.loss,
-              "grad_norm": None if res.skipped else res.grad_norm,
+        grad_norm = None if res.skipped else res.grad_norm
+        emit({"event": "step", **base, "step": res.step, "loss": res.loss, "lr": res.lr, "grad_norm": grad_norm,
               "skipped": res.skipped, "loss_scale": res.loss_scale,
               "iter_s": res.seconds, "sync_s": res.sync_seconds, "mem_bytes": _peak_memory(device),
               "consumed_samples": trainer.consumed_samples})
+        log.train(res.step, res.loss, res.lr, grad_norm, res.seconds, trainer.consumed_samples)
         if res.stop and trainer.step < args.steps:
             emit({"event": "signal", **base, "signals": _STOP, "step": trainer.step})
             save()
+            log.close()
             dist.destroy_process_group()
             return EXIT_SAVED_ON_SIGNAL
+        if eval_due(trainer.step, args.eval_interval, args.steps):
+            t0 = time.perf_counter()
+            loss = trainer.evaluate(args.eval_iters)
+            emit({"event": "eval", **base, "step": trainer.step, "loss": loss, "iters": args.eval_iters})
+            log.evaluation(trainer.step, loss, args.eval_iters, time.perf_counter() - t0)
         if args.save_interval and trainer.step % args.save_interval == 0 and trainer.step < args.steps:
             save()
     if trainer.step != start_step:
         save()
     emit({"event": "done", **base, "step": trainer.step})
+    log.close()
     dist.destroy_process_group()
     return EXIT_DONE
 
@@ -172,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         check_layer_spec(args.layer_spec)
+        check_train_args(args)
         env = read_env()
         plan = load_plan(args.plan, model=args.model)
         role = role_of(plan, env.rank, env.world_size)

@@ -21,7 +21,7 @@ from megatron_patch.layout import ParamInfo
 from megatron_patch.main_grad import zero_main_grads
 from megatron_patch.options import AdamConfig
 
-__all__ = ["AdamConfig", "StageOptimizer", "adamw", "clip_coefficient"]  # AdamConfig re-exported (profiler uses it)
+__all__ = ["AdamConfig", "StageOptimizer", "adamw", "clip_coefficient", "set_lr"]  # AdamConfig re-exported (profiler uses it)
 
 
 class StageOptimizer:
@@ -55,10 +55,12 @@ class StageOptimizer:
             out[name] = g
         return out
 
-    def step(self, clip_coef: float) -> None:
+    def step(self, clip_coef: float, lr: float | None = None) -> None:
+        """Clip by ``clip_coef`` (the engine's, from the global norm) and step at ``lr`` (None: the config's)."""
         grads = [m.grad for m in self.master.values() if m.grad is not None]
         if clip_coef < 1.0 and grads:
             torch._foreach_mul_(grads, clip_coef)
+        set_lr(self.adam, self.cfg.lr if lr is None else lr)
         self.adam.step()
         if self.mixed:
             with torch.no_grad():
@@ -100,6 +102,12 @@ def adamw(groups: list[dict], cfg: AdamConfig, device: torch.device) -> torch.op
     """torch's AdamW, fused on CUDA, foreach elsewhere (the runtime's and the reference's)."""
     fast = {"fused": True} if device.type == "cuda" else {"foreach": True}
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **fast)
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Every group's learning rate (AdamW's decoupled decay is scaled by it too, as in Megatron)."""
+    for g in optimizer.param_groups:
+        g["lr"] = lr
 
 
 def clip_coefficient(grad_norm: float, clip: float) -> float:

@@ -6,16 +6,17 @@ import argparse
 from dataclasses import dataclass, field
 
 from sailor_hpc.core.errors import SailorError
+from sailor_hpc.core.training import DEFAULTS, FLAGS, OPTIMIZER_FLAGS, Flag, LrSchedule, check_values
 
 
 @dataclass(frozen=True)
 class AdamConfig:
-    lr: float = 1e-3
+    lr: float = DEFAULTS["lr"]  # the peak: TrainOptions.schedule gives each step's
     beta1: float = 0.9
     beta2: float = 0.95
-    eps: float = 1e-8
-    weight_decay: float = 0.01
-    clip_grad: float = 1.0  # global gradient-norm clip; 0 disables
+    eps: float = DEFAULTS["adam_eps"]
+    weight_decay: float = DEFAULTS["weight_decay"]
+    clip_grad: float = DEFAULTS["clip_grad"]  # global gradient-norm clip; 0 disables
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,10 @@ class TrainOptions:
     tf32: bool = True  # fp32 plans on CUDA: TF32 tensor-core matmuls/convolutions
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     inject_overflow: tuple[int, int] | None = None  # (rank, step): the tests' forced fp16 overflow
+    schedule: LrSchedule | None = None  # None: adam.lr at every step
+
+    def lr_at(self, consumed_samples: int) -> float:
+        return self.adam.lr if self.schedule is None else self.schedule.lr_at(consumed_samples)
 
     def __post_init__(self) -> None:
         check_layer_spec(self.layer_spec)
@@ -57,13 +62,20 @@ def check_layer_spec(name: str) -> None:
         raise SailorError(f"unknown layer spec {name!r}", field="--layer-spec", fix="use --layer-spec local")
 
 
+def add_flags(ap: argparse.ArgumentParser, flags: tuple[Flag, ...]) -> None:
+    """argparse options of ``sailor_hpc.core.training``'s table (the CLI builds its own from the same)."""
+    for f in flags:
+        ap.add_argument(f.flag, type=f.type, default=f.default, choices=f.choices, help=f.help)
+
+
 def add_adam_args(ap: argparse.ArgumentParser) -> None:
-    """The optimizer options of every CLI that trains (launch, reference, benchmarks)."""
-    d = AdamConfig()
-    ap.add_argument("--lr", type=float, default=d.lr)
-    ap.add_argument("--weight-decay", type=float, default=d.weight_decay)
-    ap.add_argument("--clip-grad", type=float, default=d.clip_grad, help="global grad-norm clip (0: off)")
-    ap.add_argument("--adam-eps", type=float, default=d.eps)
+    """The optimizer and schedule options of every CLI that trains (launch, reference, benchmarks)."""
+    add_flags(ap, OPTIMIZER_FLAGS)
+
+
+def check_train_args(args: argparse.Namespace) -> None:
+    """The table's checks on parsed arguments (bad values: SailorError, exit code 2)."""
+    check_values({f.dest: getattr(args, f.dest) for f in FLAGS if hasattr(args, f.dest)})
 
 
 def add_precision_args(ap: argparse.ArgumentParser) -> None:
@@ -87,3 +99,8 @@ def precision_from_args(args: argparse.Namespace) -> dict[str, object]:
 
 def adam_from_args(args: argparse.Namespace) -> AdamConfig:
     return AdamConfig(lr=args.lr, weight_decay=args.weight_decay, clip_grad=args.clip_grad, eps=args.adam_eps)
+
+
+def schedule_from_args(args: argparse.Namespace, global_batch: int, steps: int) -> LrSchedule:
+    """The run's learning-rate schedule from :func:`add_adam_args`' options (steps: the step to reach)."""
+    return LrSchedule.resolve({f.dest: getattr(args, f.dest) for f in OPTIMIZER_FLAGS}, global_batch, steps)

@@ -22,14 +22,22 @@ import torch
 import torch.distributed as dist
 
 from megatron_patch import patch
-from megatron_patch.data import GlobalSamples
+from megatron_patch.data import Samples, build_samples
 from megatron_patch.init_weights import canonical_init
 from megatron_patch.layout import arch_of, param_layout
 from megatron_patch.local import free_port
 from megatron_patch.model import layer_spec, transformer_config
-from megatron_patch.optimizer import adamw
-from megatron_patch.options import TrainOptions, adam_from_args, add_adam_args
+from megatron_patch.optimizer import adamw, set_lr
+from megatron_patch.options import (
+    TrainOptions,
+    adam_from_args,
+    add_adam_args,
+    add_flags,
+    check_train_args,
+    schedule_from_args,
+)
 from sailor_hpc.core.models import ModelSpec, get_model
+from sailor_hpc.core.training import DATA_FLAGS, DataBlend, eval_due, parse_split
 
 
 def gpt_model(spec: ModelSpec, seed: int, attention: str = "sdpa", *, dtype: torch.dtype = torch.float32,
@@ -55,7 +63,7 @@ def gpt_model(spec: ModelSpec, seed: int, attention: str = "sdpa", *, dtype: tor
 
 
 class ReferenceTrainer:
-    def __init__(self, spec: ModelSpec, samples: GlobalSamples, global_batch: int,
+    def __init__(self, spec: ModelSpec, samples: Samples, global_batch: int,
                  opts: TrainOptions = TrainOptions()) -> None:
         from megatron.core import parallel_state
         if dist.get_world_size() != 1:
@@ -103,11 +111,19 @@ class ReferenceTrainer:
         loss.backward()
         if self.opts.adam.clip_grad > 0:
             torch.nn.utils.clip_grad_norm_(list(self.params.values()), self.opts.adam.clip_grad)
+        set_lr(self.optimizer, self.opts.lr_at(self.consumed_samples))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self.consumed_samples += self.global_batch
         return float(loss)
+
+    def evaluate(self, valid: Samples, iters: int) -> float:
+        """Mean loss of the first ``iters`` global batches of ``valid`` (the runtime's evaluation)."""
+        self.model.eval()
+        with torch.no_grad():
+            return sum(float(self.loss(valid.batch(k * self.global_batch, self.global_batch)))
+                       for k in range(iters)) / iters
 
     def state(self) -> dict[str, dict[str, torch.Tensor]]:
         """name -> {param, exp_avg, exp_avg_sq} (full tensors), as a checkpoint stores them."""
@@ -125,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m megatron_patch.reference", description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True)
-    ap.add_argument("--data", required=True)
+    ap.add_argument("--data", required=True, nargs="+", help="PREFIX, or a blend W1 PREFIX1 W2 PREFIX2 ...")
     ap.add_argument("--global-batch", type=int, required=True)
     ap.add_argument("--seq-len", type=int, default=None)
     ap.add_argument("--steps", type=int, required=True)
@@ -134,27 +150,33 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--load", help="continue from this checkpoint (any plan's)")
     ap.add_argument("--seed", type=int, default=1234)
     add_adam_args(ap)
+    add_flags(ap, DATA_FLAGS)
     args = ap.parse_args(argv)
+    check_train_args(args)
     warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|TransformerEngine).*")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:
         os.environ["MASTER_PORT"] = str(free_port())
     dist.init_process_group("gloo", rank=0, world_size=1)
     spec = get_model(args.model)
-    opts = TrainOptions(adam=adam_from_args(args), seed=args.seed)
-    ref = ReferenceTrainer(spec, GlobalSamples(args.data, args.seq_len or spec.seq_len, args.seed),
-                           args.global_batch, opts)
+    opts = TrainOptions(adam=adam_from_args(args), seed=args.seed,
+                        schedule=schedule_from_args(args, args.global_batch, args.steps))
+    data = build_samples(DataBlend.parse(args.data), args.seq_len or spec.seq_len, args.seed, parse_split(args.split))
+    ref = ReferenceTrainer(spec, data["train"], args.global_batch, opts)
     if args.load:
         ref.load(args.load)
     snaps = {int(s) for s in args.snapshots.split(",") if s} or {args.steps}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    losses = []
+    losses, evals = [], {}
     while ref.step < args.steps:
         losses.append(ref.train_step())
         if ref.step in snaps:
             torch.save(ref.state(), out / f"ref_step_{ref.step}.pt")
+        if eval_due(ref.step, args.eval_interval, args.steps) and data["valid"] is not None:
+            evals[ref.step] = ref.evaluate(data["valid"], args.eval_iters)
     (out / "losses.json").write_text(json.dumps(losses))
+    (out / "eval_losses.json").write_text(json.dumps(evals))
     dist.destroy_process_group()
     return 0
 

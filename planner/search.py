@@ -452,6 +452,8 @@ def _simulate_best(site: Site, archive: ProfileArchive, request: PlanRequest, al
             continue
         res = simulate(plan, site, archive)
         simulated += 1
+        # the runtime logs its measured step time against this prediction
+        plan = replace(plan, notes={**plan.notes, "simulator": {"iteration_time_s": res.iteration_time_s}})
         reason = None
         if res.fits:
             fitting.append(Candidate(plan, res))

@@ -11,6 +11,7 @@ import click
 from sailor_hpc.cli.app import main
 from sailor_hpc.cli.output import echo_json, json_option, table
 from sailor_hpc.cli.run_cmds import status_cmd as run_status
+from sailor_hpc.cli.training_options import DATA_HELP, pop_training_args, training_options
 from sailor_hpc.core.atomic import removed_on_error
 from sailor_hpc.core.site import load_site
 from sailor_hpc.jobs.render import (
@@ -33,7 +34,7 @@ def _job_options(f: Any) -> Any:
         click.argument("plan_file", metavar="PLAN", type=_PATH),
         click.option("--site", "site_file", type=_PATH, required=True, help="Site config TOML."),
         click.option("--model", default=None, help="Model (required for a Sailor plan_config)."),
-        click.option("--data", default=None, help="Dataset prefix (PREFIX.bin/.idx) the ranks train on."),
+        click.option("--data", default=None, help=DATA_HELP),
         click.option("--save", default=None,
                      help="Checkpoint directory (default: <plan stem>-ckpt next to the plan, so a re-rendered job "
                           "resumes from it)."),
@@ -56,7 +57,15 @@ def _job_options(f: Any) -> Any:
     ]
     for opt in reversed(opts):
         f = opt(f)
-    return f
+    return training_options(f)
+
+
+def _with_training_args(kw: dict[str, Any]) -> dict[str, Any]:
+    """The command's arguments with the training options turned into launch arguments (before --train-arg's,
+    which may override them)."""
+    out = dict(kw)
+    out["train_arg"] = (*pop_training_args(out), *kw["train_arg"])
+    return out
 
 
 def _job_dir(script: Path | None, option: str, workdir: str | None) -> Path:
@@ -107,7 +116,7 @@ def _render(plan_file: Path, site_file: Path, model: str | None, data: str | Non
 def sbatch_cmd(output: Path | None, **kw: Any) -> None:
     """Render the (het) sbatch script that trains PLAN on SITE; nothing is submitted."""
 
-    text, _ = _render(**kw, job_dir=_job_dir(output, "-o/--output", kw["workdir"]))
+    text, _ = _render(**_with_training_args(kw), job_dir=_job_dir(output, "-o/--output", kw["workdir"]))
     if output is None:
         click.echo(text, nl=False)
     else:
@@ -126,7 +135,7 @@ def submit_cmd(script_out: Path | None, test_only: bool, as_json: bool, **kw: An
     """Render and submit the job that trains PLAN on SITE; prints the job id."""
 
     script = script_out or kw["plan_file"].with_suffix(".sbatch")
-    text, plan_path = _render(**kw, job_dir=_job_dir(script, "--script", kw["workdir"]))
+    text, plan_path = _render(**_with_training_args(kw), job_dir=_job_dir(script, "--script", kw["workdir"]))
     write_job_script(script, text)
     if test_only:
         answer = check_script(script)

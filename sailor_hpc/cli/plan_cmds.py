@@ -8,6 +8,7 @@ import click
 from sailor_hpc.cli.app import main
 from sailor_hpc.cli.output import echo_json, json_option, table
 from sailor_hpc.cli.planning import run_planner
+from sailor_hpc.cli.training_options import DATA_HELP, pop_training_args, training_options
 from sailor_hpc.core.plan import Plan
 from sailor_hpc.core.plan_io import load_plan
 from sailor_hpc.core.precision import DTYPES
@@ -57,9 +58,10 @@ def describe_plan(plan: Plan) -> str:
 @click.option("--sbatch", "sbatch_out", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write the sbatch script that trains the best plan (the plan goes to -o, "
                    "default <script>.plan.json next to it).")
-@click.option("--data", default=None, help="Dataset prefix for the --sbatch job.")
+@click.option("--data", default=None, help="For the --sbatch job: " + DATA_HELP)
 @click.option("--save", default=None, help="Checkpoint directory for the --sbatch job.")
 @click.option("--steps", type=int, default=100, show_default=True, help="Training steps of the --sbatch job.")
+@training_options
 @json_option
 @click.pass_context
 def plan_group(ctx: click.Context, site_file: Path | None, model_name: str | None, **opts: object) -> None:
@@ -72,7 +74,8 @@ def plan_group(ctx: click.Context, site_file: Path | None, model_name: str | Non
             return
         raise click.UsageError("plan needs both --site and --model")
 
-    run_planner(site_file, model_name, **opts)
+    train_args = pop_training_args(opts)  # checked before the search
+    run_planner(site_file, model_name, train_args=train_args, **opts)
 
 
 @plan_group.command("validate")

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -72,7 +72,8 @@ def run_planner(site_file: Path, model_name: str, *, archive_path: Path | None, 
                 seq_len: int | None, dtype: str, objective: str, max_cost_per_hour: float | None,
                 max_cost_per_iteration: float | None, min_throughput: float | None, max_gpus: int | None,
                 available: str, space: str, top_k: int, output: Path | None, pareto: Path | None,
-                sbatch_out: Path | None, data: str | None, save: str | None, steps: int, as_json: bool) -> None:
+                sbatch_out: Path | None, data: str | None, save: str | None, steps: int, as_json: bool,
+                train_args: Sequence[str] = ()) -> None:
     site = load_site(site_file)
     check_options(model_name, seq_len)
     if sbatch_out is not None:
@@ -97,7 +98,8 @@ def run_planner(site_file: Path, model_name: str, *, archive_path: Path | None, 
         assert output is not None
         with removed_on_error(output):  # the script cannot be rendered: no plan file left behind for it either
             best.plan.save(output)
-            script = render_job_script(best.plan, site, plan_path=output.absolute(), data=data, save=save, steps=steps)
+            script = render_job_script(best.plan, site, plan_path=output.absolute(), data=data, save=save, steps=steps,
+                                       train_args=train_args)
         write_job_script(sbatch_out, script)
     elif output is not None:
         best.plan.save(output)

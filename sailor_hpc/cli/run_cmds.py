@@ -20,6 +20,7 @@ import click
 
 from sailor_hpc.cli.app import main
 from sailor_hpc.cli.output import echo_json, json_option, table
+from sailor_hpc.cli.training_options import DATA_HELP, absolute_blend, pop_training_args, training_options
 from sailor_hpc.controller import Controller, RunDir, RunSpec, fold, new_run_id
 from sailor_hpc.controller.planning import partitions_for_time
 from sailor_hpc.controller.story import ATTEMPT_HEADER, attempt_rows, describe
@@ -28,6 +29,7 @@ from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.models import get_model
 from sailor_hpc.core.precision import DTYPES
 from sailor_hpc.core.site import load_site
+from sailor_hpc.core.training import FLAGS
 
 _FILE = click.Path(dir_okay=False, path_type=Path)
 _DIR = click.Path(file_okay=False, path_type=Path)
@@ -35,7 +37,7 @@ _DIR = click.Path(file_okay=False, path_type=Path)
 _RUN_OPTIONS = ("site_file", "model", "data", "save", "run_dir", "profiles", "gbs", "seq_len", "dtype", "steps", "objective",
                 "max_cost_per_hour", "max_cost_per_iteration", "min_throughput", "max_gpus", "max_stages", "min_gain",
                 "restart_cost", "max_restarts", "backoff", "poll", "replan_interval", "save_interval", "time_limit",
-                "signal_grace", "python", "train_arg", "extra_sbatch")
+                "signal_grace", "python", "train_arg", "extra_sbatch", *(f.dest for f in FLAGS))
 
 
 def parse_gain(text: str) -> float:
@@ -46,13 +48,6 @@ def parse_gain(text: str) -> float:
     except ValueError:
         raise SailorError(f"{text!r} is not a fraction or a percentage", field="--min-gain",
                           fix="e.g. --min-gain 10% or --min-gain 0.1") from None
-
-
-def _data_files_exist(prefix: str) -> None:
-    for suffix in (".bin", ".idx"):
-        if not Path(prefix + suffix).is_file():
-            raise SailorError("indexed dataset file not found", file=prefix + suffix, field="--data",
-                              fix="build one: python -m megatron_patch.data PREFIX")
 
 
 def new_run(opts: dict[str, Any]) -> Path:
@@ -66,8 +61,8 @@ def new_run(opts: dict[str, Any]) -> Path:
     partitions_for_time(opts.get("time_limit"), site)  # a --time no partition admits: refused now
     profiles = str(Path(opts["profiles"]).absolute()) if opts.get("profiles") else None
     open_archive(profiles, site)  # a missing archive is an error now, not in the loop
-    data = str(Path(opts["data"]).absolute())
-    _data_files_exist(data)
+    data = absolute_blend(opts["data"], check_files=True)
+    train_args = (*pop_training_args(opts), *(opts.get("train_arg") or ()))
     save = Path(opts["save"]).absolute()
     spec = RunSpec(run_id=new_run_id(), site=str(site_path), model=get_model(opts["model"]).name,
                    objective=opts["objective"], data=data, save=str(save), steps=opts["steps"], gbs=opts["gbs"],
@@ -80,7 +75,7 @@ def new_run(opts: dict[str, Any]) -> Path:
                    backoff_s=opts["backoff"], poll_s=opts["poll"], replan_interval_s=opts["replan_interval"],
                    save_interval=opts["save_interval"], time_limit=opts.get("time_limit"),
                    signal_grace_s=opts.get("signal_grace"), python=opts["python"],
-                   train_args=tuple(opts.get("train_arg") or ()), extra_sbatch=tuple(opts.get("extra_sbatch") or ()))
+                   train_args=train_args, extra_sbatch=tuple(opts.get("extra_sbatch") or ()))
     save.mkdir(parents=True, exist_ok=True)
     run_dir = Path(opts["run_dir"]).absolute() if opts.get("run_dir") else save / "controller"
     return RunDir.create(run_dir, spec).path
@@ -108,7 +103,7 @@ def drive(run_dir: Path) -> int:
 @click.option("--site", "site_file", type=_FILE, help="Site config TOML.")
 @click.option("--model", help="Model (catalog name or Sailor alias).")
 @click.option("--objective", type=click.Choice(["throughput", "cost"]), default="throughput", show_default=True)
-@click.option("--data", help="Dataset prefix (PREFIX.bin/.idx) the ranks train on.")
+@click.option("--data", help=DATA_HELP)
 @click.option("--save", help="Checkpoint directory of the run (every job resumes from its newest complete one).")
 @click.option("--steps", type=click.IntRange(min=1), default=1000, show_default=True, help="Optimizer step to reach.")
 @click.option("--gbs", type=click.IntRange(min=1), default=1024, show_default=True, help="Global batch size.")
@@ -140,6 +135,7 @@ def drive(run_dir: Path) -> int:
 @click.option("--time", "time_limit", default=None, help="Time limit of each job (it checkpoints before it).")
 @click.option("--signal-grace", type=int, default=None, help="Seconds before the limit at which ranks checkpoint.")
 @click.option("--python", default=sys.executable, show_default=True, help="Interpreter on the compute nodes.")
+@training_options
 @click.option("--train-arg", multiple=True, help="Extra argument of megatron_patch.launch (repeatable).")
 @click.option("--extra-sbatch", multiple=True, help="Extra #SBATCH option, e.g. --mail-type=END (repeatable).")
 @click.option("--run-dir", type=_DIR, default=None, help="Where the run's journal lives (default: SAVE/controller).")

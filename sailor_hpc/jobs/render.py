@@ -31,6 +31,7 @@ from sailor_hpc.core.plan import Plan, validate_plan
 from sailor_hpc.core.plan_io import load_plan
 from sailor_hpc.core.sailor_compat.plans import is_sailor_plan
 from sailor_hpc.core.site import Site, parse_walltime
+from sailor_hpc.core.training import DataBlend
 from sailor_hpc.jobs.layout import JobLayout, job_layout
 from sailor_hpc.slurm import safety
 from sailor_hpc.slurm.discover import normalize_walltime
@@ -208,13 +209,20 @@ def render_job_script(plan: Plan, site: Site, *, plan_path: str | os.PathLike[st
         "components": components_for(layout, site), "heterogeneous": layout.heterogeneous,
         "prelude": list(site.prelude), "port_base": PORT_BASE, "port_span": PORT_SPAN,
         "plan_path": safety.q(str(plan_file)),
-        "data": safety.q(safety.shell_path(data, "--data")) if data is not None else "",
+        "data": _data_args(data) if data is not None else "",
         "save": safety.q(safety.shell_path(save, "--save")) if save is not None else "",
         "load": safety.q(safety.shell_path(load, "--load")) if load is not None else "",
         "steps": steps, "train_args": [safety.q(safety.no_control_chars(a, "--train-arg")) for a in train_args],
         "python": safety.q(safety.quoted_python_exe(python or sys.executable)), "exit_saved_on_signal": EXIT_SAVED_ON_SIGNAL,
     }
     return _environment().get_template(sbatch_templates.TRAIN_TEMPLATE).render(**ctx)
+
+
+def _data_args(data: str | os.PathLike[str]) -> str:
+    """``--data``'s words for the script: one absolute prefix, or a blend's weights and absolute prefixes."""
+    blend = DataBlend.parse(str(data))
+    blend = blend.with_prefixes([safety.shell_path(p, "--data") for p in blend.prefixes])
+    return " ".join(safety.q(t) for t in blend.tokens())
 
 
 def write_job_script(path: str | os.PathLike[str], text: str) -> Path:

@@ -1,0 +1,45 @@
+"""The training-run options of ``sailor-hpc run``, ``sbatch``, ``submit`` and ``plan --sbatch``.
+
+They are ``sailor_hpc.core.training``'s table (the one ``megatron_patch.launch`` parses), so every
+command documents and checks them alike and hands the ones a user gave to the job as launch arguments;
+what was not given is left to the runtime's default.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+
+from sailor_hpc.core.errors import SailorError
+from sailor_hpc.core.training import FLAGS, DataBlend, launch_args
+
+DATA_HELP = ("Dataset prefix (PREFIX.bin/.idx) the ranks train on, or a blend of prefixes with weights as one "
+             "argument: '0.7 PREFIX_A 0.3 PREFIX_B' (as Megatron's data path).")
+
+
+def training_options(f: Any) -> Any:
+    """Add every option of the table (default None: not given, the runtime's default applies)."""
+    for flag in reversed(FLAGS):
+        kind = click.Choice(flag.choices) if flag.choices else flag.type
+        default = "" if flag.default is None else f" [runtime default: {flag.default}]"
+        f = click.option(flag.flag, flag.dest, type=kind, default=None, help=f"{flag.help[0].upper()}{flag.help[1:]}."
+                         + default)(f)
+    return f
+
+
+def pop_training_args(kw: dict[str, Any]) -> list[str]:
+    """Take the table's options out of a command's keyword arguments; the launch arguments they make."""
+    return launch_args({f.dest: kw.pop(f.dest, None) for f in FLAGS})
+
+
+def absolute_blend(data: str, *, check_files: bool = False) -> str:
+    """``--data`` with absolute prefixes (a job runs elsewhere); ``check_files``: refuse missing ones now."""
+    blend = DataBlend.parse(data)
+    prefixes = [str(Path(p).expanduser().absolute()) for p in blend.prefixes]
+    for prefix in prefixes if check_files else ():
+        for suffix in (".bin", ".idx"):
+            if not Path(prefix + suffix).is_file():
+                raise SailorError("indexed dataset file not found", file=prefix + suffix, field="--data",
+                                  fix="build one: python -m megatron_patch.data PREFIX [TEXT or .jsonl FILES]")
+    return blend.with_prefixes(prefixes).text()
