@@ -2,28 +2,20 @@
 per byte, every number computed by hand on the tiny synthetic world of ``conftest``."""
 from __future__ import annotations
 
-import copy
-
 import pytest
 
 from sailor_hpc.core.plan import Pipeline, Plan, Stage
-from sailor_hpc.core.site import Site, load_site_dict
+from sailor_hpc.core.site import Site
 from simulator import simulate
 from simulator.cost import egress, ring_transfers
-from tests.simulator.conftest import TINY_OUT, TINY_PARAMS, TINY_SITE
+from tests.simulator.conftest import TINY_OUT, TINY_PARAMS, WAN_BPS, WAN_LATENCY_S, WAN_PRICE, two_cluster_site
 
-WAN_BPS, LATENCY_S, PRICE = 1e9, 100e-6, 0.5  # the link between the two clusters
+LATENCY_S, PRICE = WAN_LATENCY_S, WAN_PRICE
 
 
 @pytest.fixture(scope="module")
 def two_clusters() -> Site:
-    """The tiny site with p1 in cluster c1 and p2 in cluster c2, joined by a 1 GB/s, 100 µs link."""
-    doc = copy.deepcopy(TINY_SITE)
-    doc["clusters"] = [{"name": "c1"}, {"name": "c2", "slurm_cluster": "c2"}]
-    doc["partitions"][0]["cluster"], doc["partitions"][1]["cluster"] = "c1", "c2"
-    doc["network"] = {"between": [{"clusters": ["c1", "c2"], "latency_us": LATENCY_S * 1e6, "cost_per_gb": PRICE,
-                                   "links": {"1": {"constant_gbps": WAN_BPS / 1e9}}}]}
-    return load_site_dict(doc, source="<two clusters>")
+    return two_cluster_site()
 
 
 def _plan(*pipes: Pipeline) -> Plan:
