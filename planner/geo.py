@@ -341,7 +341,8 @@ def geo_search(site: Site, archive: ProfileArchive, request: PlanRequest, *,
                 crossing += chain_search(site, archive, replace(request, dtype=dtype), groups, settings=chain_settings)
     if local is None and not crossing:
         search(site, archive, request, settings=settings)  # raises the local search's explanation
-    merged = sorted([*(local.candidates if local else []), *crossing], key=ranking(request))
+    unique = {repr(c.plan.pipelines): c for c in [*(local.candidates if local else []), *crossing]}  # both find some
+    merged = sorted(unique.values(), key=ranking(request))
     return SearchResult(request, merged, time.perf_counter() - t0,
                         local.allocations_scored if local else 0,
                         (local.plans_simulated if local else 0) + len(crossing),
