@@ -93,6 +93,9 @@ def main() -> None:
                 ours = _timed(lambda: geo_search(site, archive, req).candidates)  # noqa: B023
                 sailor = _timed(lambda: chain_search(site, archive, req, sailor_groups, greedy_only=True))  # noqa: B023
                 local = _timed(lambda: search(site, archive, req).candidates)  # noqa: B023
+                for c, _ in (ours, sailor, local):  # never more GPUs than a zone offers (Sailor once took 132 of 128)
+                    held = gpus_per_cluster(c.plan, site) if c else {}
+                    assert all(n <= avail[f"a100-{zone}"] for zone, n in held.items()), held
                 head = f"{model} gbs {gbs}, {next(iter(avail.values()))}/zone, {objective}"
                 print(f"{head}\n  ours          {_cell(site, *ours)}\n  Sailor heur.  {_cell(site, *sailor)}"
                       f"\n  DP across     {_cell(site, *local)}", flush=True)
