@@ -95,7 +95,8 @@ class Site:
     archive: str = ""  # path of the shared profile archive ("" = embedded default)
     source: str | None = None  # file it was read from
     clusters: tuple[Cluster, ...] = ()  # empty: one cluster, the default Slurm
-    links: Links = field(default_factory=Links)  # between islands and clusters (+ egress prices)
+    # between islands and clusters, with egress prices (partition pairs stay in `between`, as before)
+    links: Links = field(default_factory=Links)
 
     def cluster_of(self, partition: str) -> str:
         """The cluster a partition belongs to ("" on a one-cluster site)."""

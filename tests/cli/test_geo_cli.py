@@ -39,3 +39,22 @@ def test_plan_across_zones_reports_gpus_per_cluster_and_egress() -> None:
                                                               if len(best["gpus_per_cluster"]) == 2 else 0.0)
     text = cli("plan", "--site", GCP, "--model", "OPT-350M", "--gbs", "64", "--available", avail)
     assert "GPUs us-central1-b" in text.stdout and "egress USD/iter" in text.stdout
+
+
+def test_simulate_prints_the_egress_of_a_plan_across_zones(tmp_path: Path) -> None:
+    """One pipeline from us-central1-a to us-west1-b: its activations and the tied embedding's all-reduce
+    cross the region link at 0.02 USD/GB."""
+    from sailor_hpc.core.plan import Pipeline, Plan, Stage
+
+    plan = Plan("OPT-350M", 16, (Pipeline(1, 16, (Stage(0, 12, 1, "A100-40", "a100-us-central1-a"),
+                                                  Stage(13, 25, 1, "A100-40", "a100-us-west1-b"))),))
+    plan.save(tmp_path / "x.json")
+    out = cli("simulate", str(tmp_path / "x.json"), "--site", GCP, "--json")
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout)
+    act = 16 * 2 * 2048 * 1024 * 4  # 16 micro-batches of one 2048 x 1024 fp32 activation, there and back
+    tied = 2 * 50272 * 1024 * 4  # each end sends its copy of the tied embedding once (H = 2)
+    assert res["egress_bytes_per_iteration"] == pytest.approx(act + tied, rel=0.01)  # the vocabulary is padded
+    assert res["egress_cost_per_iteration"] == pytest.approx(res["egress_bytes_per_iteration"] / 1e9 * 0.02)
+    text = cli("simulate", str(tmp_path / "x.json"), "--site", GCP).stdout
+    assert "of which egress" in text and "between clusters" in text
