@@ -164,14 +164,14 @@ def _search_dtypes(site: Site, archive: ProfileArchive, request: PlanRequest, se
     if not results:
         assert first_error is not None
         raise first_error
-    merged = sorted((c for r in results for c in r.candidates), key=_ranking(request))
+    merged = sorted((c for r in results for c in r.candidates), key=ranking(request))
     return SearchResult(request, merged, sum(r.search_time_s for r in results),
                         sum(r.allocations_scored for r in results), sum(r.plans_simulated for r in results),
                         dict(sum((Counter(r.rejected) for r in results), Counter())),
                         [c for r in results for c in r.simulated])
 
 
-def _ranking(request: PlanRequest) -> Callable[[Candidate], tuple[float, float]]:
+def ranking(request: PlanRequest) -> Callable[[Candidate], tuple[float, float]]:
     """Best first: throughput (then cost per hour), or cost per sample (then throughput)."""
     if request.objective == "throughput":
         return lambda x: (-x.throughput, x.result.cost_per_hour)
@@ -468,7 +468,7 @@ def _simulate_best(site: Site, archive: ProfileArchive, request: PlanRequest, al
             continue
         per_set[family] = per_set.get(family, 0) + 1
         out.append(Candidate(plan, res))
-    out.sort(key=_ranking(request))
+    out.sort(key=ranking(request))
     return out, simulated, rejected, fitting
 
 

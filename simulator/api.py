@@ -6,7 +6,7 @@ and :func:`simulator.iteration.finish_iteration`; there is no other copy of the 
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +18,7 @@ from sailor_hpc.core.models import ModelSpec, get_model
 from sailor_hpc.core.placement import place_plan
 from sailor_hpc.core.plan import Plan, validate_plan
 from sailor_hpc.core.site import Site
-from simulator.cost import plan_cost_per_hour
+from simulator.cost import Transfer, egress, pipeline_transfers, plan_cost_per_hour, ring_transfers
 from simulator.iteration import Collective, IterationEnd, expected_max_normal, finish_iteration, gradient_segments
 from simulator.memory import ALLOCATOR_SLACK, DEFAULT_BUCKET_ELEMS, GRAD_BYTES, StageMemory, in_flight, stage_memory
 from simulator.network import Endpoint, p2p_seconds, ring_allreduce_seconds
@@ -398,6 +398,8 @@ class SimResult:
     breakdown: dict[str, Any] = field(default_factory=dict)
     collectives: tuple[Collective, ...] = ()
     collective_starts: tuple[float, ...] = ()
+    egress_bytes: float = 0.0  # sent from one cluster to another per iteration
+    egress_cost: float = 0.0  # their price per iteration (included in cost_per_iteration)
 
     @property
     def stage_memory(self) -> list[float]:
@@ -417,7 +419,8 @@ class SimResult:
             "iteration_time_s": self.iteration_time_s, "throughput_samples_per_s": self.throughput_samples_per_s,
             "tokens_per_s": self.tokens_per_s, "peak_memory_bytes": self.peak_memory_bytes, "fits": self.fits,
             "out_of_memory": oom, "cost_per_iteration": self.cost_per_iteration, "cost_per_hour": self.cost_per_hour,
-            "cost_unit": self.cost_unit, "memory_by_gpu_type": self.memory_by_gpu_type(),
+            "cost_unit": self.cost_unit, "egress_bytes_per_iteration": self.egress_bytes,
+            "egress_cost_per_iteration": self.egress_cost, "memory_by_gpu_type": self.memory_by_gpu_type(),
             "stages": [s.to_dict() for s in self.stages], "breakdown": self.breakdown,
         }
 
@@ -519,12 +522,28 @@ def _result(plan: Plan, site: Site, ev: StageEvaluator, costs, timing: Iteration
         "sync_s": max(end.stage_sync_end.values()) - max(p["flush_s"] for p in pipes),
         "optimizer_s": max(x.update_s for c in costs for x in c),
     }
+    crossing, egress_cost = egress(site, _transfers(plan, ev, costs, collectives))
     return SimResult(plan=plan, iteration_time_s=T, throughput_samples_per_s=plan.global_batch_size / T,
                      tokens_per_s=plan.global_batch_size * seq / T,
                      peak_memory_bytes=max(r.memory.total for r in reports), stages=tuple(reports),
                      fits=all(r.fits for r in reports), cost_per_hour=per_hour,
-                     cost_per_iteration=per_hour * T / 3600.0, cost_unit=site.cost_unit, breakdown=breakdown,
-                     collectives=tuple(collectives), collective_starts=end.collective_start)
+                     cost_per_iteration=per_hour * T / 3600.0 + egress_cost, cost_unit=site.cost_unit,
+                     breakdown=breakdown, collectives=tuple(collectives), collective_starts=end.collective_start,
+                     egress_bytes=crossing, egress_cost=egress_cost)
+
+
+def _transfers(plan: Plan, ev: StageEvaluator, costs: Sequence[Sequence[StageCost]],
+               collectives: Sequence[Collective]) -> Iterator[Transfer]:
+    """Every byte an iteration sends between nodes, by partition pair (what egress is priced on):
+    activations and their gradients, then each all-reduce's ring over its holders' whole tensor."""
+    yield from pipeline_transfers(plan, [[x.out_bytes for x in c] for c in costs])
+    last = ev.model.num_pipeline_layers - 1
+    elem = GRAD_BYTES[ev.dtype]
+    for c in collectives:
+        i, s = c.holders[-1]
+        lo, hi = (last, last) if c.kind == "tied" else (c.first_layer, c.last_layer)
+        nbytes = ev.memory_table(costs[i][s].tp).params(lo, hi) * elem * costs[i][s].tp
+        yield from ring_transfers([str(plan.pipelines[j].stages[t].partition) for j, t in c.holders], nbytes)
 
 
 __all__ = ["SimOptions", "StageCost", "StageEvaluator", "CandidateBatch", "BatchScores", "StageReport", "SimResult", "simulate",

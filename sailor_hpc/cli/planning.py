@@ -10,6 +10,7 @@ from typing import Any
 import click
 
 from planner import Constraints, PlanRequest, search
+from planner.geo import geo_search, gpus_per_cluster
 from planner.pareto import plot_pareto
 from sailor_hpc.cli.output import echo_json, memory_by_gpu_type_cell, table
 from sailor_hpc.core.archive import open_archive
@@ -87,7 +88,9 @@ def run_planner(site_file: Path, model_name: str, *, archive_path: Path | None, 
                           top_k=top_k)
     bar = _ProgressBar() if not as_json and sys.stderr.isatty() else None
     try:
-        result = search(site, archive, request, progress=bar)
+        # several clusters: also the plans whose pipelines cross them (planner.geo)
+        result = (geo_search(site, archive, request) if len(site.clusters) > 1
+                  else search(site, archive, request, progress=bar))
     finally:
         if bar is not None:
             bar.close()
@@ -107,7 +110,7 @@ def run_planner(site_file: Path, model_name: str, *, archive_path: Path | None, 
         plot_pareto(result, pareto, site.cost_unit)
     shown = result.candidates[:top_k]
     if as_json:
-        echo_json({"plans": [_plan_json(c) for c in shown], "search_time_s": result.search_time_s,
+        echo_json({"plans": [_plan_json(c, site) for c in shown], "search_time_s": result.search_time_s,
                    "allocations_scored": result.allocations_scored, "plans_simulated": result.plans_simulated,
                    "output": str(output) if output else None, "sbatch": str(sbatch_out) if sbatch_out else None})
         return
@@ -117,15 +120,29 @@ def run_planner(site_file: Path, model_name: str, *, archive_path: Path | None, 
     click.echo(table(("#", "GPUs", "pipelines", "stages", "TP", "mbs x micro-batches", "iteration s",
                       "samples/s", "peak memory / capacity per GPU type", f"{site.cost_unit}/hour"),
                      [_plan_row(i, c) for i, c in enumerate(shown)]))
+    if site.clusters:
+        click.echo(_clusters_table(shown, site))
     if output is not None:
         click.echo(f"best plan written to {output}")
     if sbatch_out is not None:
         click.echo(f"its sbatch script written to {sbatch_out}")
 
 
-def _plan_json(c: Any) -> dict[str, Any]:
+def _clusters_table(shown: list[Any], site: Site) -> str:
+    """Per plan: GPUs taken in each cluster (one job each) and what crossing between them costs."""
+    names = [c.name for c in site.clusters]
+    rows = [(i + 1, *(gpus_per_cluster(c.plan, site).get(n, 0) for n in names),
+             f"{c.result.egress_bytes / 1e9:.3g}", f"{c.result.egress_cost:.4g}",
+             f"{c.result.cost_per_iteration:.4g}") for i, c in enumerate(shown)]
+    return "\n" + table(("#", *(f"GPUs {n}" for n in names), "GB between clusters/iter",
+                          f"egress {site.cost_unit}/iter", f"total {site.cost_unit}/iter"), rows)
+
+
+def _plan_json(c: Any, site: Site) -> dict[str, Any]:
     r = c.result
-    return {"plan": c.plan.to_dict(), "iteration_time_s": r.iteration_time_s,
+    return {"gpus_per_cluster": gpus_per_cluster(c.plan, site) if site.clusters else {},
+            "egress_bytes_per_iteration": r.egress_bytes, "egress_cost_per_iteration": r.egress_cost,
+            "plan": c.plan.to_dict(), "iteration_time_s": r.iteration_time_s,
             "throughput_samples_per_s": r.throughput_samples_per_s, "tokens_per_s": r.tokens_per_s,
             "cost_per_hour": r.cost_per_hour, "cost_per_iteration": r.cost_per_iteration,
             "peak_memory_bytes": r.peak_memory_bytes, "memory_by_gpu_type": r.memory_by_gpu_type(),

@@ -75,8 +75,10 @@ def describe_result(res, name: str, site_name: str) -> str:
              f"throughput       {res.throughput_samples_per_s:.2f} samples/s, {res.tokens_per_s:,.0f} tokens/s",
              f"peak memory      {human_bytes(res.peak_memory_bytes)} per GPU (max)  -> "
              + ("fits" if res.fits else "DOES NOT FIT"),
-             f"cost             {res.cost_per_iteration:.6g} {res.cost_unit} per iteration, "
-             f"{res.cost_per_hour:.6g} {res.cost_unit} per hour", ""]
+             f"cost             {res.cost_per_iteration:.6g} {res.cost_unit} per iteration"
+             + (f" (of which egress {res.egress_cost:.6g} {res.cost_unit}: {human_bytes(res.egress_bytes)} between "
+                "clusters)" if res.egress_bytes else "")
+             + f", {res.cost_per_hour:.6g} {res.cost_unit} per hour of GPUs", ""]
     rows = [(s.pipeline, s.stage, f"{s.first_layer}-{s.last_layer}", s.gpu_type, s.tp, f"{s.fwd_s * 1e3:.2f}",
              f"{s.bwd_s * 1e3:.2f}", f"{s.act_send_s * 1e3:.2f}", human_bytes(s.memory.total),
              human_bytes(s.capacity_bytes), "yes" if s.fits else "NO")

@@ -8,7 +8,10 @@ import click
 from sailor_hpc.cli.app import main
 from sailor_hpc.cli.output import echo_json, human_bytes, json_option, table
 from sailor_hpc.core.atomic import atomic_write_text
+from sailor_hpc.core.sailor_compat import SAILOR_DATA
+from sailor_hpc.core.sailor_compat.multizone import HEADER, multizone_site
 from sailor_hpc.core.site import Site, load_site, load_site_dict
+from sailor_hpc.core.toml_writer import dump_toml
 from sailor_hpc.slurm.discover import discover
 
 
@@ -37,8 +40,33 @@ def describe(s: Site) -> str:
              "yes" if p.inter_node else "no")
             for p in s.partitions]
     head = f"site {s.name} ({s.source or 'discovered'}); profiles: {s.archive or 'embedded default'}"
-    return head + "\n" + table(("partition", "gpu", "gres", "nodes", "gpus/node", "gpus", "memory/gpu",
+    text = head + "\n" + table(("partition", "gpu", "gres", "nodes", "gpus/node", "gpus", "memory/gpu",
                                 "max nodes/job", "max time", "cost per GPU-hour", "network fits"), rows)
+    return text + _describe_clusters(s)
+
+
+def _describe_clusters(s: Site) -> str:
+    """Clusters, islands and the links between them (nothing on a one-cluster site without islands)."""
+    out = ""
+    if s.clusters:
+        rows = [(c.name, f"-M {c.slurm_cluster}" if c.slurm_cluster else (f"SLURM_CONF={c.slurm_conf}"
+                                                                         if c.slurm_conf else "default Slurm"),
+                 ", ".join(p.name for p in s.partitions if p.cluster == c.name),
+                 sum(p.total_gpus for p in s.partitions if p.cluster == c.name)) for c in s.clusters]
+        out += "\n\n" + table(("cluster", "reached by", "partitions", "gpus"), rows)
+    islands = sorted({(p.cluster, p.island) for p in s.partitions if p.island})
+    if islands:
+        rows = [(i, c or "-", ", ".join(p.name for p in s.partitions if p.island == i)) for c, i in islands]
+        out += "\n\n" + table(("island", "cluster", "partitions"), rows)
+    links = [(kind, " - ".join(sorted(pair)), t, s.links.cost_per_gb.get(pair) if kind == "clusters" else None)
+             for kind, tables in (("islands", s.links.islands), ("clusters", s.links.clusters))
+             for pair, t in sorted(tables.items(), key=lambda kv: sorted(kv[0]))]
+    if links:
+        rows = [(kind, pair, f"{max(f.peak_bytes_per_s for f in t.fits.values()) / 1e9:.3g}",
+                 f"{t.latency_s * 1e6:g}", "-" if price is None else f"{price:g} {s.cost_unit}")
+                for kind, pair, t, price in links]
+        out += "\n\n" + table(("link", "between", "peak GB/s", "latency µs", "cost per GB"), rows)
+    return out
 
 
 @site.command("show")
@@ -74,3 +102,18 @@ def discover_cmd(output: Path | None, name: str | None, as_json: bool) -> None:
         click.echo(text, nl=False)
     else:
         click.echo(f"wrote {output}")
+
+
+@site.command("import-sailor-multizone")
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True,
+              help="Write the site TOML here.")
+@click.option("--gpus-per-zone", type=click.IntRange(min=4), default=128, show_default=True,
+              help="A100-40 GPUs in each zone (a multiple of 4; Sailor's traces use 32, 80 and 128).")
+def import_multizone_cmd(output: Path, gpus_per_zone: int) -> None:
+    """Write Sailor's multi-zone setting (5 GCP zones, measured links, egress prices) as a site."""
+    if gpus_per_zone % 4:
+        raise click.BadParameter(f"{gpus_per_zone} is not a multiple of 4 (GPUs per VM)", param_hint="--gpus-per-zone")
+    doc = multizone_site(SAILOR_DATA, gpus_per_zone)
+    load_site_dict(doc, source="<sailor multizone>")  # what we write must validate
+    atomic_write_text(output, dump_toml(doc, HEADER))
+    click.echo(f"wrote {output}")

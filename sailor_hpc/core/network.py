@@ -10,12 +10,16 @@ negative below ~100 kB), which would make a 20 kB message take longer than a 1 M
 that (the small message could be padded), so a transfer takes at most as long as any larger message:
 :meth:`NetworkFit.transfer_time` is the fit's time made non-decreasing in size, which turns the bent-down
 end into the latency floor the measurements imply (tens of microseconds on Clariden).
+
+A link between clusters or network islands may also carry a measured one-way latency (``latency_us`` of
+its ``[[network.between]]`` entry): every message then pays it on top of the fit's time, because a
+bandwidth fit taken over MB-sized messages inside a machine room says nothing about a WAN's round trip.
 """
 from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 from sailor_hpc.core.errors import SailorError
@@ -36,6 +40,7 @@ class NetworkFit:
     max_gbps: float | None = None  # highest bandwidth observed (GB/s = 1e9 B/s)
     min_bytes: float = DEFAULT_MIN_BYTES
     max_bytes: float = DEFAULT_MAX_BYTES
+    latency_s: float = 0.0  # added to every non-empty message (set from the link entry's latency_us)
 
     def fitted_bandwidth(self, nbytes: float) -> float:
         """Bytes per second the quadratic gives at ``nbytes`` (clamped to the range and the peak)."""
@@ -73,12 +78,12 @@ class NetworkFit:
         if nbytes <= 0:
             return 0.0
         if self.constant_gbps is not None:
-            return nbytes / (self.constant_gbps * 1e9)
+            return self.latency_s + nbytes / (self.constant_gbps * 1e9)
         if nbytes >= self.max_bytes:
-            return nbytes / self.fitted_bandwidth(self.max_bytes)
+            return self.latency_s + nbytes / self.fitted_bandwidth(self.max_bytes)
         sizes, times = self._envelope
         i = bisect.bisect_left(sizes, nbytes)
-        return min(self._fitted_time(nbytes), times[i])
+        return self.latency_s + min(self._fitted_time(nbytes), times[i])
 
     def bandwidth(self, nbytes: float) -> float:
         """Effective bytes per second for a message of ``nbytes`` (size / :meth:`transfer_time`)."""
@@ -142,6 +147,11 @@ class LinkTable:
 
     fits: dict[int, NetworkFit]
 
+    @property
+    def latency_s(self) -> float:
+        """The link's one-way latency (every fit of a table carries the same one)."""
+        return max(f.latency_s for f in self.fits.values())
+
     def for_senders(self, k: int) -> NetworkFit:
         """The fit measured with k senders, else the nearest measured k below (then above)."""
         if k in self.fits:
@@ -159,13 +169,13 @@ class LinkTable:
         return {str(k): fit.to_dict() for k, fit in sorted(self.fits.items())}
 
     @classmethod
-    def parse(cls, f: Fields) -> LinkTable:
+    def parse(cls, f: Fields, latency_s: float = 0.0) -> LinkTable:
         fits = {}
         for key, value in f.data.items():
             f.seen.add(key)
             if not (str(key).isascii() and str(key).isdigit()) or int(key) <= 0:
                 raise f.error(str(key), "keys must be the number of GPUs sending at once (\"1\", \"2\", ...)")
-            fits[int(key)] = NetworkFit.parse(f.sub(str(key), value))
+            fits[int(key)] = replace(NetworkFit.parse(f.sub(str(key), value)), latency_s=latency_s)
         if not fits:
             raise f.error(None, "is empty", fix="give at least one fit, e.g. \"1\" = { constant_gbps = 10 }")
         return cls(fits)

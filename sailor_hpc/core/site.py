@@ -8,10 +8,11 @@ from __future__ import annotations
 import re
 import tomllib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from sailor_hpc.core.clusters import Cluster, Links, check_cluster_links, parse_between, parse_clusters
 from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.fields import Fields, read_text
 from sailor_hpc.core.network import LinkTable, NetworkFit, require_table
@@ -62,6 +63,8 @@ class Partition:
     # a gradient all-reduce wait for the slowest, so the wait grows with their number (the simulator's
     # straggler term). 0 = not measured: no wait modelled.
     replica_jitter: float = 0.0
+    cluster: str = ""  # the [[clusters]] entry it belongs to ("" = the site is one cluster)
+    island: str = ""  # network island inside its cluster ("" = none declared)
 
     @property
     def total_gpus(self) -> int:
@@ -86,11 +89,30 @@ class Site:
     partitions: tuple[Partition, ...]
     gpu_types: dict[str, GpuType]
     cost_unit: str = "GPU-hours"
-    between: dict[frozenset[str], LinkTable] = field(default_factory=dict)
+    between: dict[frozenset[str], LinkTable] = field(default_factory=dict)  # partition pairs
     slurm: SlurmDefaults = SlurmDefaults()
     prelude: tuple[str, ...] = ()
     archive: str = ""  # path of the shared profile archive ("" = embedded default)
     source: str | None = None  # file it was read from
+    clusters: tuple[Cluster, ...] = ()  # empty: one cluster, the default Slurm
+    # between islands and clusters, with egress prices (partition pairs stay in `between`, as before)
+    links: Links = field(default_factory=Links)
+
+    def cluster_of(self, partition: str) -> str:
+        """The cluster a partition belongs to ("" on a one-cluster site)."""
+        return self.partition(partition).cluster
+
+    def cluster(self, name: str) -> Cluster:
+        for c in self.clusters:
+            if c.name == name:
+                return c
+        raise SailorError(f"no cluster {name!r} in site {self.name!r}", file=self.source, field="clusters",
+                          fix=f"use one of {', '.join(c.name for c in self.clusters) or '(none declared)'}")
+
+    def egress_cost_per_gb(self, a: str, b: str) -> float:
+        """Price (site cost unit) of one GB sent from partition a to partition b: 0 inside a cluster."""
+        ca, cb = self.cluster_of(a), self.cluster_of(b)
+        return 0.0 if ca == cb else self.links.cost_per_gb.get(frozenset((ca, cb)), 0.0)
 
     def partition(self, name: str) -> Partition:
         for p in self.partitions:
@@ -123,6 +145,13 @@ class Site:
         explicit = self.between.get(frozenset((a, b)))
         if explicit is not None:
             return explicit
+        pa, pb = self.partition(a), self.partition(b)
+        if pa.cluster != pb.cluster:  # validated at load: every two clusters have a measured link
+            return self.links.clusters[frozenset((pa.cluster, pb.cluster))]
+        if pa.island and pb.island and pa.island != pb.island:
+            table = self.links.islands.get(frozenset((pa.island, pb.island)))
+            if table is not None:
+                return table
         # no measured cross-partition link: the slower of the two partitions' own networks
         return self.inter_node_table(a, a).slowest(self.inter_node_table(b, b))
 
@@ -149,14 +178,19 @@ class Site:
                 d["max_walltime"] = p.max_walltime
             if p.replica_jitter:
                 d["replica_jitter"] = p.replica_jitter
+            for key in ("cluster", "island"):
+                if getattr(p, key):
+                    d[key] = getattr(p, key)
             net = {k: getattr(p, k).to_dict() for k in ("intra_node", "inter_node") if getattr(p, k)}
             if net:
                 d["network"] = net
             parts.append(d)
+        if self.clusters:
+            doc["clusters"] = [c.to_dict() for c in self.clusters]
         doc["partitions"] = parts
-        if self.between:
-            doc["network"] = {"between": [{"partitions": sorted(k), "links": t.to_dict()}
-                                          for k, t in sorted(self.between.items(), key=lambda kv: sorted(kv[0]))]}
+        between = replace(self.links, partitions=self.between).to_list()
+        if between:
+            doc["network"] = {"between": between}
         return doc
 
 
@@ -200,7 +234,7 @@ def _check_aliases(f: Fields, gpu_types: dict[str, GpuType]) -> None:
                               f"{other!r}", fix=f"remove {alias!r} from one of the two, or rename it")
 
 
-def _parse_partition(f: Fields, gpu_types: dict[str, GpuType]) -> Partition:
+def _parse_partition(f: Fields, gpu_types: dict[str, GpuType], clusters: tuple[Cluster, ...]) -> Partition:
     name = f.req("name", str)
     if not _NAME.match(name):
         raise f.error("name", f"{name!r} is not a valid Slurm partition name", fix="letters, digits, '_', '-', '.'")
@@ -227,6 +261,17 @@ def _parse_partition(f: Fields, gpu_types: dict[str, GpuType]) -> Partition:
     if not 0.0 <= jitter < 0.5:
         raise f.error("replica_jitter", f"must be a fraction in [0, 0.5), got {jitter}",
                       fix="give the coefficient of variation of a replica's step time, e.g. 0.013 for 1.3 %")
+    cluster = f.opt("cluster", str, "")
+    names = [c.name for c in clusters]
+    if clusters and cluster not in names:
+        raise f.error("cluster", f"{cluster!r} is not a declared cluster" if cluster else "is missing",
+                      fix=f"name the partition's cluster: one of {', '.join(names)}")
+    if cluster and not clusters:
+        raise f.error("cluster", f"names cluster {cluster!r} but the site declares no [[clusters]]",
+                      fix=f'add [[clusters]] with name = "{cluster}", or remove the field')
+    island = f.opt("island", str, "")
+    if island and not _NAME.match(island):
+        raise f.error("island", f"{island!r} is not a valid island name", fix="letters, digits, '_', '-', '.'")
     net = f.opt("network", dict, {})
     nf = f.sub("network", net)
     intra = nf.opt("intra_node", dict)
@@ -236,7 +281,8 @@ def _parse_partition(f: Fields, gpu_types: dict[str, GpuType]) -> Partition:
         name=name, gpu_type=matches[0], nodes=nodes, gpus_per_node=f.positive("gpus_per_node"), gres=gres,
         cpus_per_node=f.positive("cpus_per_node", 1), memory_per_node_mb=f.positive("memory_per_node_mb", 1),
         max_nodes_per_job=f.positive("max_nodes_per_job", nodes), cost_per_gpu_hour=cost, max_walltime=walltime,
-        replica_jitter=jitter, intra_node=LinkTable.parse(nf.sub("intra_node", intra)) if intra is not None else None,
+        replica_jitter=jitter, cluster=cluster, island=island,
+        intra_node=LinkTable.parse(nf.sub("intra_node", intra)) if intra is not None else None,
         inter_node=LinkTable.parse(nf.sub("inter_node", inter)) if inter is not None else None,
     )
     f.done()
@@ -276,7 +322,8 @@ def load_site_dict(data: dict[str, Any], source: object | None = None) -> Site:
     raw_parts = f.req("partitions", list)
     if not raw_parts:
         raise f.error("partitions", "is empty", fix="add at least one [[partitions]] table")
-    parts = tuple(_parse_partition(f.sub(f"partitions[{i}]", p), gpu_types) for i, p in enumerate(raw_parts))
+    clusters = parse_clusters(f, f.opt("clusters", list, []), source)
+    parts = tuple(_parse_partition(f.sub(f"partitions[{i}]", p), gpu_types, clusters) for i, p in enumerate(raw_parts))
     seen: set[str] = set()
     for i, p in enumerate(parts):
         if p.name in seen:
@@ -293,20 +340,28 @@ def load_site_dict(data: dict[str, Any], source: object | None = None) -> Site:
     prof.done()
     if archive and source is not None and not Path(archive).is_absolute():
         archive = str((Path(str(source)).parent / archive).resolve())
-    between: dict[frozenset[str], LinkTable] = {}
+    island_cluster = _island_clusters(f, parts)
     net = f.sub("network", f.opt("network", dict, {}))
-    for i, entry in enumerate(net.opt("between", list, [])):
-        b = net.sub(f"between[{i}]", entry)
-        pair = b.req("partitions", list)
-        if len(pair) != 2 or not all(isinstance(p, str) and p in seen for p in pair) or pair[0] == pair[1]:
-            raise b.error("partitions", f"must name two different declared partitions, got {pair!r}")
-        between[frozenset(pair)] = LinkTable.parse(b.sub("links", b.req("links", dict)))
-        b.done()
+    links = parse_between(net, net.opt("between", list, []),
+                          {"partitions": seen, "islands": set(island_cluster), "clusters": {c.name for c in clusters}},
+                          island_cluster)
+    check_cluster_links(net, clusters, links, {p.cluster for p in parts})
     net.done()
     cost_unit = f.opt("cost_unit", str, "GPU-hours")
     f.done()
-    return Site(name=name, partitions=parts, gpu_types=gpu_types, cost_unit=cost_unit, between=between,
-                slurm=defaults, prelude=tuple(prelude), archive=archive, source=None if source is None else str(source))
+    return Site(name=name, partitions=parts, gpu_types=gpu_types, cost_unit=cost_unit, between=links.partitions,
+                slurm=defaults, prelude=tuple(prelude), archive=archive, source=None if source is None else str(source),
+                clusters=clusters, links=replace(links, partitions={}))
+
+
+def _island_clusters(f: Fields, parts: tuple[Partition, ...]) -> dict[str, str]:
+    """Each island's cluster; an island is a fabric inside one cluster, so it cannot span two."""
+    out: dict[str, str] = {}
+    for i, p in enumerate(parts):
+        if p.island and out.setdefault(p.island, p.cluster) != p.cluster:
+            raise f.error(f"partitions[{i}].island", f"island {p.island!r} is already in cluster {out[p.island]!r}, "
+                          f"not {p.cluster!r}", fix="name islands per cluster (e.g. \"<cluster>-fabric1\")")
+    return out
 
 
 def load_site(path: str | Path) -> Site:

@@ -158,6 +158,22 @@ def check_job_dir(path: str | os.PathLike[str], field: str) -> Path:
     return target
 
 
+def _check_one_local_cluster(plan: Plan, site: Site) -> None:
+    """One script is one Slurm job, and a (het) job cannot span clusters; nor does the script carry the
+    ``-M`` or ``SLURM_CONF`` that reaches another cluster's Slurm (nor would the controller's
+    squeue/scontrol calls). Refuse both rather than submit to the wrong cluster."""
+    used = sorted({site.cluster_of(str(s.partition)) for p in plan.pipelines for s in p.stages})
+    if len(used) > 1:
+        raise SailorError(f"the plan spans clusters {', '.join(used)}; one Slurm job cannot", file=site.source,
+                          field="clusters", fix="plan inside one cluster (--available with its partitions only); "
+                                                "one job per cluster, co-scheduled, is not implemented yet")
+    if used and used[0] and (site.cluster(used[0]).slurm_cluster or site.cluster(used[0]).slurm_conf):
+        raise SailorError(f"cluster {used[0]!r} is reached by -M or its own SLURM_CONF, which jobs do not carry yet",
+                          file=site.source, field=f"clusters[{used[0]}]",
+                          fix="plan on the cluster this login node submits to (a cluster without slurm_cluster "
+                              "and slurm_conf)")
+
+
 def render_job_script(plan: Plan, site: Site, *, plan_path: str | os.PathLike[str], model: str | None = None,
                       data: str | os.PathLike[str] | None = None, save: str | os.PathLike[str] | None = None,
                       load: str | os.PathLike[str] | None = None, steps: int = 100, job_name: str | None = None,
@@ -180,6 +196,7 @@ def render_job_script(plan: Plan, site: Site, *, plan_path: str | os.PathLike[st
     :class:`SailorError` for anything unsafe or inconsistent.
     """
     validate_plan(plan, site, source=plan_path, check_placement=True)
+    _check_one_local_cluster(plan, site)
     plan_file = Path(safety.shell_path(plan_path, "plan_path"))
     _plan_file_matches(plan, plan_file)
     name = get_model(model or plan.model).name

@@ -2,6 +2,7 @@
 (tiny-gpt on one GPU type with constant-bandwidth links) where every number can be computed by hand."""
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +37,20 @@ TINY_SITE = {
                      "inter_node": {"1": {"constant_gbps": 5.0}, "2": {"constant_gbps": 8.0}}}},
     ],
 }
+
+
+WAN_BPS, WAN_LATENCY_S, WAN_PRICE = 1e9, 100e-6, 0.5  # the link between the two clusters of two_cluster_site
+
+
+def two_cluster_site() -> Site:
+    """The tiny site with p1 in cluster c1 and p2 in cluster c2, joined by a 1 GB/s, 100 µs link priced
+    0.5 per GB."""
+    doc = copy.deepcopy(TINY_SITE)
+    doc["clusters"] = [{"name": "c1"}, {"name": "c2", "slurm_cluster": "c2"}]
+    doc["partitions"][0]["cluster"], doc["partitions"][1]["cluster"] = "c1", "c2"
+    doc["network"] = {"between": [{"clusters": ["c1", "c2"], "latency_us": WAN_LATENCY_S * 1e6,
+                                   "cost_per_gb": WAN_PRICE, "links": {"1": {"constant_gbps": WAN_BPS / 1e9}}}]}
+    return load_site_dict(doc, source="<two clusters>")
 
 
 def tiny_archive() -> ProfileArchive:
