@@ -38,9 +38,11 @@ Fast path (no Plan objects)
 
 The model, module by module: :mod:`simulator.tables` (profiles as prefix sums), :mod:`simulator.network`
 (stage-to-stage streams, ring all-reduces), :mod:`simulator.runtimes` (what each runtime does differently),
-:mod:`simulator.schedule` (1F1B with blocking or buffered exchanges in each runtime's order, exact), :mod:`simulator.iteration` (gradient syncs with the straggler wait, optimizer after the flush),
+:mod:`simulator.schedule` (1F1B with blocking or buffered exchanges in each runtime's order, exact),
+:mod:`simulator.iteration` (gradient syncs with the straggler wait, optimizer after the flush),
 :mod:`simulator.memory`, :mod:`simulator.cost`, :mod:`simulator.timeline` (independent event-driven replay),
-:mod:`simulator.validation` (measured runs). The CLI is ``sailor-hpc simulate`` / ``sailor-hpc validate-sim``.
+:mod:`simulator.validation` (measured runs), :mod:`simulator.calibration` (the constants estimated from
+measured runs, and how). The CLI is ``sailor-hpc simulate`` / ``sailor-hpc validate-sim``.
 """
 from simulator.api import (
                            BatchScores,

@@ -162,7 +162,12 @@ class StageEvaluator:
                             mbs=cost.mbs, micro_batches=micro_batches, dtype=self.dtype, optimizer=self.optimizer,
                             recompute=self.recompute, input_bytes=cost.in_bytes,
                             overhead=self.archive.overhead_bytes(cost.gpu, cost.tp),
-                            bucket_elems=self.options.reduce_buffer_elems, allocator_slack=self.options.allocator_slack)
+                            bucket_elems=self.options.reduce_buffer_elems, allocator_slack=self.options.allocator_slack,
+                            freed_output_bytes=self.freed_output(cost.out_bytes, cost.tp))
+
+    def freed_output(self, out_bytes, tp: int):
+        """Bytes of a stage's sent output the runtime frees per micro-batch (ints or arrays; see simulator.memory)."""
+        return out_bytes * (1.0 - 1.0 / tp) if self.options.runtime_model.partitioned_p2p else out_bytes
 
     def capacity(self, gpu: str) -> int:
         return self.site.gpu(gpu).memory_bytes
@@ -330,7 +335,8 @@ class StageEvaluator:
                                recompute=self.recompute, input_bytes=inp,
                                overhead=self.archive.overhead_bytes(table.gpu, tp),
                                bucket_elems=self.options.reduce_buffer_elems,
-                               allocator_slack=self.options.allocator_slack)
+                               allocator_slack=self.options.allocator_slack,
+                               freed_output_bytes=self.freed_output(out[sel], tp))
             mem_total[sel] = mem.total
             fits[sel] = mem.total <= self.capacity(gpu)
         act = np.zeros((n, max(P - 1, 0)))

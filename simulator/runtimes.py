@@ -9,6 +9,7 @@ A plan is simulated as the runtime that will run it runs it; both share every ot
     * Its instruction order sends the activation of the last forward only after receiving the
       gradient of the next backward (``serial``).
     * Gradients are reduced after the flush through one flattened bucket buffer (``extra_reduce_buffer``).
+    * Once a stage's output is sent, only the rank's partition of it is kept (``PartitionedTensor``).
 ``megatron_patch``: this project's runtime (megatron-core's non-interleaved 1F1B, ``megatron_patch.p2p``).
     * Activations are replicated over the TP ranks, and every rank of the receiving stage gets a full
       copy from one sender rank: as many streams of A bytes as the receiving stage has ranks.
@@ -16,6 +17,7 @@ A plan is simulated as the runtime that will run it runs it; both share every ot
       once (not ``serial``).
     * Gradients go in size-capped buckets started during the last backward (``overlap_grad_sync``),
       the buckets being the fp32 main grads themselves.
+    * Once a stage's output is sent, it is freed (``deallocate_pipeline_outputs``).
 
 Both run on NCCL, which copies a send that fits its staging buffer (``NCCL_BUFFSIZE``, 4 MiB by
 default) and lets the sender's GPU go on: such a message moves while both GPUs compute and only a late
