@@ -590,6 +590,5 @@ def _result(plan: Plan, site: Site, ev: StageEvaluator, costs, timing: Iteration
                      collectives=tuple(collectives), collective_starts=end.collective_start)
 
 
-__all__ = ["SimOptions", "StageCost", "StageEvaluator", "CandidateBatch", "BatchScores", "StageReport", "SimResult", "simulate",
-           "plan_timeline",
-           "prepare_plan", "IterationTiming"]
+__all__ = ["SimOptions", "StageCost", "StageEvaluator", "CandidateBatch", "BatchScores", "Exchanges", "StageReport",
+           "SimResult", "simulate", "plan_timeline", "prepare_plan", "IterationTiming"]
