@@ -16,33 +16,20 @@ skipped. On the MIT runs the 1-Gbit all-reduce dominates and the model of it is 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-from dataclasses import replace
 from pathlib import Path
 
 from sailor_hpc.core.archive import open_archive
 from sailor_hpc.core.plan_io import load_run
 from sailor_hpc.core.sailor_compat import SAILOR_DATA
 from sailor_hpc.core.site import load_site
-from simulator import plan_timeline
-from simulator.iteration import expected_max_normal
+from simulator.calibration import jitter_estimate, stage0_reduction, with_jitter
 from simulator.validation import find_runs
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = SAILOR_DATA  # shipped with the package
 SETS = [("clariden.toml", "OPT-350M", "clariden/OPT-350"), ("clariden.toml", "GPT-Neo-2.7B", "clariden/GPT-NEO"),
         ("mit-mixed.toml", "OPT-350M", "mit")]
-
-
-def stage0_reduction(plan, site, archive) -> tuple[float, float]:
-    """From the event-driven timeline: the seconds rank (0, 0) spends from being ready for its gradient
-    all-reduces to their end (what ``red_grads`` times), and when it ended its pipeline work (flush)."""
-    timeline = plan_timeline(plan, site, archive)
-    events = [e for e in timeline.events if (e.pipeline, e.stage) == (0, 0)]
-    grads = [e for e in events if e.kind == "grads"]
-    ready = max(e.end for e in events if e.kind not in ("grads", "wait", "optimizer") and e.end <= grads[0].start)
-    return grads[-1].end - ready, timeline.flush_times()[(0, 0)]
 
 
 def main() -> None:
@@ -53,19 +40,16 @@ def main() -> None:
           f" {'configured':>10s} {'predicted':>9s}")
     for site_file, model, folder in SETS:
         site = load_site(ROOT / "site_configs" / site_file)
-        calm = replace(site, partitions=tuple(replace(p, replica_jitter=0.0) for p in site.partitions))
         archive = open_archive(site=site)
         estimates = []
         for path in find_runs([Path(args.data) / "validation" / folder]):
-            raw = json.loads(path.read_text())
-            red, real = raw.get("red_grads"), raw.get("real")
-            run = load_run(path, model=model, site=site)
-            D = len(run.plan.pipelines)
-            if red is None or D < 2 or red > 0.5 * real:
+            est = jitter_estimate(path, site, model, archive)
+            if est is None:
                 continue
-            comm, flush = stage0_reduction(run.plan, calm, archive)
-            est = (red - comm) / (flush * expected_max_normal(D))
             estimates.append(est)
+            run = load_run(path, model=model, site=site)
+            D, red = len(run.plan.pipelines), run.red_grads_s
+            comm, flush = stage0_reduction(run.plan, with_jitter(site, 0.0), archive)
             configured = site.partition(run.plan.pipelines[0].stages[0].partition).replica_jitter
             predicted, _ = stage0_reduction(run.plan, site, archive)
             name = str(path).split("validation/")[-1]

@@ -3,7 +3,12 @@
 Sailor's estimates are the reference numbers of its own simulator on these files
 (the project's reference notes on Sailor, section 4.3, full-precision list). Files kept out of our means
 (documented anomalies, physically impossible memory readings) are kept out of Sailor's too, with the
-reason printed; Sailor's mean over every file is shown as well.
+reason printed; Sailor's mean over every file is shown as well. Every run is simulated as DeepSpeed's
+pipeline engine ran it (``SimOptions.deepspeed_pipe()``).
+
+The second table is the generalisation check: the two constants estimated from these runs
+(:mod:`simulator.calibration`: replica jitter, allocator slack) re-estimated by their procedure from all
+runs (in-sample) and from all runs but the one scored (leave-one-out), errors side by side.
 
     .venv/bin/python benchmarks/simulator_accuracy.py [--data DIR]  (default: the copy shipped in sailor_hpc/core/data/sailor)
 """
@@ -14,10 +19,12 @@ import statistics
 from collections.abc import Iterator
 from pathlib import Path
 
-from sailor_hpc.core.archive import open_archive
+from sailor_hpc.core.archive import ProfileArchive, open_archive
 from sailor_hpc.core.sailor_compat import SAILOR_DATA
-from sailor_hpc.core.site import load_site
-from simulator.validation import ValidationReport, validate_runs
+from sailor_hpc.core.site import Site, load_site
+from simulator import SimOptions
+from simulator.calibration import jitter_estimate, median_without, slack_estimate, with_jitter
+from simulator.validation import ValidationReport, ValidationRow, find_runs, validate_file, validate_runs
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = SAILOR_DATA  # shipped with the package
@@ -92,11 +99,54 @@ def set_reports(val: Path) -> Iterator[tuple[str, ValidationReport]]:
         yield name, validate_runs([val / folder], load_site(ROOT / "site_configs" / site_file), model, archive)
 
 
+def _rescored(path: Path, site: Site, model: str, archive: ProfileArchive, jitter: float | None,
+              slack: float | None) -> ValidationRow:
+    """One run scored with the two estimated constants set (None: no estimate, the shipped value)."""
+    if jitter is not None:
+        site = with_jitter(site, max(0.0, jitter))  # a spread cannot be negative
+    options = SimOptions.deepspeed_pipe(**({} if slack is None else {"allocator_slack": slack}))
+    return validate_file(path, site, model, archive, options)
+
+
+def generalisation(val: Path, reports: dict[str, ValidationReport]) -> None:
+    """Print in-sample and leave-one-out errors of the constants estimated from the runs themselves."""
+    archive = open_archive()
+    sites = {f: load_site(ROOT / "site_configs" / f) for _, f, _, _ in SETS}
+    runs = [(name, site_file, model, path) for name, site_file, model, folder in SETS for path in find_runs([val / folder])]
+    jitter = {site_file: {str(p): jitter_estimate(p, sites[site_file], model, archive)
+                          for _, f, model, p in runs if f == site_file} for site_file in sites}
+    slack = {r.file: slack_estimate(r.result, r.real_mem_bytes) for rep in reports.values() for r in rep.rows
+             if r.result is not None and r.real_mem_bytes is not None and not r.mem_excluded}
+    print("\nconstants estimated from these runs (simulator.calibration), in-sample = from every run:")
+    for site_file, est in jitter.items():
+        print(f"  replica_jitter {site_file:16s} shipped {max(p.replica_jitter for p in sites[site_file].partitions):6.2%}"
+              f"  in-sample {max(0.0, median_without(est) or 0.0):6.2%}  ({sum(v is not None for v in est.values())} runs)")
+    print(f"  allocator_slack (every site)    shipped {SimOptions().allocator_slack:6.2%}  in-sample "
+          f"{median_without(slack) or 0.0:6.2%}  ({len(slack)} runs)")
+    print(f"\n{'set':18s} {'time: shipped':>13s} {'in-sample':>9s} {'LOO':>6s}   {'memory: shipped':>15s} {'in-sample':>9s}"
+          f" {'LOO':>6s}   mean |error| %")
+    for name, site_file, model, _ in SETS:
+        cols: dict[str, list[list[float]]] = {"in": [[], []], "loo": [[], []]}  # time, memory errors
+        for path in (p for n, _, _, p in runs if n == name):
+            key = str(path)
+            for label, j, sl in (("in", median_without(jitter[site_file]), median_without(slack)),
+                                 ("loo", median_without(jitter[site_file], key), median_without(slack, key))):
+                row = _rescored(path, sites[site_file], model, archive, j, sl)
+                if row.time_err_pct is not None and not row.time_excluded:
+                    cols[label][0].append(row.time_err_pct)
+                if row.mem_err_pct is not None and not row.mem_excluded:
+                    cols[label][1].append(row.mem_err_pct)
+        rep = reports[name]
+        print(f"{name:18s} {_mean(rep.time_errors()):>13s} {_mean(cols['in'][0]):>9s} {_mean(cols['loo'][0]):>6s}   "
+              f"{_mean(rep.mem_errors()):>15s} {_mean(cols['in'][1]):>9s} {_mean(cols['loo'][1]):>6s}")
+
+
 def main() -> None:
     val = validation_dir(__doc__)
     print(f"{'file':52s} {'time err % ours':>15s} {'Sailor':>7s}   {'mem err % ours':>14s} {'Sailor':>7s}  note")
     summary = []
-    for name, report in set_reports(val):
+    reports = dict(set_reports(val))
+    for name, report in reports.items():
         errs = {k: {"ours": [], "sailor": [], "sailor_all": []} for k in ("time", "memory")}
         for r in report.rows:
             rel = Path(r.file).resolve().relative_to(val.resolve()).as_posix()
@@ -115,6 +165,7 @@ def main() -> None:
     for name, ot, stt, sta, om, smm, sma in summary:
         print(f"{name:18s} {_mean(ot):>9s} {_mean(stt):>7s} {_mean(sta):>6s}   {_mean(om):>11s} {_mean(smm):>7s} "
               f"{_mean(sma):>6s}   (time {len(ot)} files, memory {len(om)} files)")
+    generalisation(val, reports)
 
 
 if __name__ == "__main__":

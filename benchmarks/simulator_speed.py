@@ -20,9 +20,10 @@ import numpy as np
 from sailor_hpc.core.archive import open_archive
 from sailor_hpc.core.plan import Pipeline, Plan, Stage
 from sailor_hpc.core.site import load_site
-from simulator import StageEvaluator, simulate
+from simulator import SimOptions, StageEvaluator, simulate
 from simulator.api import CandidateBatch
 from simulator.network import Endpoint
+from simulator.runtimes import RUNTIMES
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "GPT-Neo-2.7B"
@@ -47,18 +48,19 @@ def score(ev: StageEvaluator, batch: list[tuple]) -> tuple[np.ndarray, np.ndarra
     B = np.empty((len(batch), P))
     act = np.empty((len(batch), P - 1))
     grad = np.empty((len(batch), P - 1))
+    asy = np.empty((len(batch), P - 1), dtype=bool)
     m = np.empty(len(batch), dtype=np.int64)
     peak = np.empty(len(batch))
     for n, (mbs, micro, stages) in enumerate(batch):
         costs = [ev.stage(g, tp, mbs, a, b) for a, b, g, tp in stages]
         ends = [Endpoint("a100" if g == "A100-40" else "v100", j, tp) for j, (_, _, g, tp) in enumerate(stages)]
-        a_, g_ = ev.transfer_times(costs, ends)
+        x = ev.exchanges(costs, ends)
         F[n] = [c.fwd_s for c in costs]
         B[n] = [c.bwd_s for c in costs]
-        act[n], grad[n], m[n] = a_, g_, micro
+        act[n], grad[n], asy[n], m[n] = x.act, x.grad, x.asynchronous, micro
         peak[n] = max(ev.stage_memory(c, stage=j, num_stages=P, micro_batches=micro).total
                       for j, c in enumerate(costs))
-    res = ev.pipeline_times(F, B, act, grad, m)
+    res = ev.pipeline_times(F, B, act, grad, m, asy)
     return res.makespan, peak
 
 
@@ -77,23 +79,30 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--candidates", type=int, default=20000)
     ap.add_argument("--batch", type=int, default=2000)
+    ap.add_argument("--runtime", choices=list(RUNTIMES), default=None, help="default: each runtime in turn")
     args = ap.parse_args()
     site = load_site(ROOT / "site_configs" / "a100-v100.toml")
     archive = open_archive(site=site)
-    ev = StageEvaluator(archive, site, MODEL)
-    cands = candidates(args.candidates, ev.model.num_pipeline_layers)
+    for runtime in [args.runtime] if args.runtime else list(RUNTIMES):
+        print(f"runtime {runtime}:")
+        run(site, archive, SimOptions(runtime=runtime), args.candidates, args.batch)
+
+
+def run(site, archive, options: SimOptions, n: int, batch: int) -> None:
+    ev = StageEvaluator(archive, site, MODEL, options=options)
+    cands = candidates(n, ev.model.num_pipeline_layers)
     score(ev, cands[:200])  # warm the per-stage caches as a planner's search does after its first sweep
     t0 = time.perf_counter()
-    for i in range(0, len(cands), args.batch):
-        score(ev, cands[i:i + args.batch])
+    for i in range(0, len(cands), batch):
+        score(ev, cands[i:i + batch])
     dt = time.perf_counter() - t0
     print(f"cached path (StageEvaluator per stage + batched schedule): {len(cands)} {P}-stage candidates "
-          f"({MODEL}, A100-40/V100-16, batches of {args.batch}) in {dt:.2f} s -> {len(cands) / dt:,.0f} evaluations/s")
+          f"({MODEL}, A100-40/V100-16, batches of {batch}) in {dt:.2f} s -> {len(cands) / dt:,.0f} evaluations/s")
     by_mbs: dict[int, list[tuple]] = {}
     for c in cands:
         by_mbs.setdefault(c[0], []).append(c)
-    batches = [as_batch(group[i:i + args.batch], mbs) for mbs, group in by_mbs.items()
-               for i in range(0, len(group), args.batch)]
+    batches = [as_batch(group[i:i + batch], mbs) for mbs, group in by_mbs.items()
+               for i in range(0, len(group), batch)]
     t0 = time.perf_counter()
     for b in batches:
         ev.score_batch(b)
@@ -105,7 +114,7 @@ def main() -> None:
     for mbs, micro, stages in cands[:nplans]:
         plan = Plan(model=MODEL, global_batch_size=mbs * micro, pipelines=(Pipeline(mbs, micro, tuple(
             Stage(a, b, tp, g) for a, b, g, tp in stages)),))
-        simulate(plan, site, archive)
+        simulate(plan, site, archive, options=options)
     dt = time.perf_counter() - t0
     print(f"full path: simulate() on {nplans} whole plans -> {nplans / dt:,.0f} plans/s")
 

@@ -12,7 +12,14 @@ per-layer times alone (the simulator's default), and with the chain timing the p
 Everything runs in one process and alternates (profile, run, profile, run ...) so that a busy host
 slows all sides alike; medians throughout.
 
-    .venv/bin/python benchmarks/simulator_vs_runtime.py [--rounds 5]
+Then multi-stage heterogeneous plans (on by default): three gloo ranks run two-stage pipelines whose
+stages have different TP degrees (TP 2 -> TP 1 and TP 1 -> TP 2, micro-batch 4, 8 micro-batches). TP 1
+and TP 2 are profiled first, each by a world of its own as a profiling job would, the archive built from
+those profiles predicts each plan as ``megatron_patch`` runs it, and the plans run; the step time is the
+slowest rank's. Each rank is one thread: on a host with fewer free
+cores than ranks the stages cannot all compute at once, which no per-GPU model predicts.
+
+    .venv/bin/python benchmarks/simulator_vs_runtime.py [--rounds 5] [--no-pipelines]
 """
 from __future__ import annotations
 
@@ -32,9 +39,11 @@ from megatron_patch import local  # noqa: E402
 
 MODEL, MICRO, SIZES = "tiny-gpt", 8, (1, 4, 16)
 SITE = {"name": "this-machine", "cost_unit": "GPU-hours", "gpu_types": {"CPU": {"memory_gib": 16.0}},
-        "partitions": [{"name": "cpu", "gpu_type": "CPU", "nodes": 1, "gpus_per_node": 1,
+        "partitions": [{"name": "cpu", "gpu_type": "CPU", "nodes": 1, "gpus_per_node": 3,
                         "network": {"intra_node": {"1": {"constant_gbps": 10.0}},
                                     "inter_node": {"1": {"constant_gbps": 1.0}}}}]}
+PIPE_MBS, PIPE_RANKS = 4, 3
+PIPE_PLANS = {"TP2 -> TP1": ((0, 2, 2), (3, 5, 1)), "TP1 -> TP2": ((0, 2, 1), (3, 5, 2))}  # (first, last, tp)
 
 
 def rank_main() -> None:
@@ -92,18 +101,110 @@ def rank_main() -> None:
     dist.destroy_process_group()
 
 
+def profile_rank_main() -> None:
+    """One TP group (the whole world) profiles tiny-gpt at :data:`PIPE_MBS`, as a profiling job would."""
+    warnings.filterwarnings("ignore")
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    from profiler.compute import LayerProfiler, resident_bytes
+    from sailor_hpc.core.models import get_model
+
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    prof = LayerProfiler(get_model(MODEL), tp_group=dist.group.WORLD, device=torch.device("cpu"), warmup=2, iters=9)
+    times = np.median(np.stack([prof.measure(PIPE_MBS) for _ in range(int(os.environ["BENCH_ROUNDS"]))]), axis=0)
+    memory = prof.memory_table()  # runs the TP group's collectives: every rank
+    if dist.get_rank() == 0:
+        print(json.dumps({"times": times.tolist(), "memory": memory.tolist(), "overhead": resident_bytes()}),
+              flush=True)
+    dist.destroy_process_group()
+
+
+def pipelines_rank_main() -> None:
+    """Run each plan of :data:`PIPE_PLANS` on these ranks; rank 0 prints the median step (slowest rank)."""
+    warnings.filterwarnings("ignore")
+    import torch
+    import torch.distributed as dist
+
+    from megatron_patch.data import GlobalSamples
+    from megatron_patch.engine import Trainer
+    from sailor_hpc.core.models import get_model
+
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    spec = get_model(MODEL)
+    samples = GlobalSamples(os.environ["BENCH_DATA"], spec.seq_len)
+    trainers = {name: Trainer(plan, samples, spec=spec) for name, plan in pipeline_plans().items()}
+    for t in trainers.values():  # first steps pay for allocations
+        t.train_step()
+    measured: dict[str, list[float]] = {name: [] for name in trainers}
+    for _ in range(int(os.environ["BENCH_ROUNDS"])):
+        for name, t in trainers.items():
+            for _ in range(3):
+                step = torch.tensor([t.train_step().seconds])
+                dist.all_reduce(step, op=dist.ReduceOp.MAX)  # the step ends with its slowest rank
+                measured[name].append(float(step))
+    if dist.get_rank() == 0:
+        print(json.dumps({name: statistics.median(v) for name, v in measured.items()}), flush=True)
+    dist.destroy_process_group()
+
+
+def pipeline_plans():
+    from sailor_hpc.core.plan import Pipeline, Plan, Stage
+
+    return {name: Plan(MODEL, PIPE_MBS * MICRO, (Pipeline(PIPE_MBS, MICRO, tuple(
+        Stage(a, b, tp, "CPU") for a, b, tp in stages)),)) for name, stages in PIPE_PLANS.items()}
+
+
+def pipelines(env: dict[str, str]) -> list[dict]:
+    """Profile TP 1 and TP 2 (a world each), run the plans (3 ranks), predict them from the profiles."""
+    import numpy as np
+
+    from sailor_hpc.core.archive import ComputeEntry, MemoryEntry, OverheadEntry, ProfileArchive
+    from sailor_hpc.core.site import load_site_dict
+    from simulator import SimOptions, simulate
+
+    archive, base = ProfileArchive(), {"source": "benchmark"}
+    overhead = {}
+    for tp in (1, 2):
+        prof = _launch({**env, "BENCH_PART": "profile"}, tp)
+        archive.add(ComputeEntry(MODEL, "CPU", PIPE_MBS, tp, np.array(prof["times"]), base))
+        archive.add(MemoryEntry(MODEL, tp, np.array(prof["memory"]), base))
+        overhead[tp] = prof["overhead"]
+    archive.add(OverheadEntry("CPU", overhead, base))
+    measured = _launch({**env, "BENCH_PART": "pipelines"}, PIPE_RANKS)
+    site = load_site_dict(SITE, source="<this machine>")
+    rows = []
+    for name, plan in pipeline_plans().items():
+        res = simulate(plan, site, archive, options=SimOptions.megatron_patch())
+        # what the step would take if the stages could not compute at once (fewer free cores than ranks)
+        serial = MICRO * sum(s.fwd_s + s.bwd_s for s in res.stages) + max(s.update_s for s in res.stages)
+        rows.append({"plan": name, "measured_s": measured[name], "predicted_s": res.iteration_time_s,
+                     "serial_s": serial})
+    return rows
+
+
+def _launch(script_env: dict[str, str], world: int):
+    out = local.run([str(Path(__file__).resolve())], world, script_env, timeout=1800)
+    bad = [r for r in out if r.returncode != 0]
+    if bad:
+        raise RuntimeError(min(bad, key=lambda r: "Connection closed" in r.stderr).stderr[-3000:])
+    return json.loads(out[0].stdout.strip().splitlines()[-1])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=5, help="alternating profile/run rounds")
+    ap.add_argument("--no-pipelines", dest="pipelines", action="store_false", help="skip the multi-stage plans")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         data = str(Path(tmp) / "data")
         local.build_dataset(data)
         env = {"BENCH_ROUNDS": str(args.rounds), "BENCH_DATA": data, "BENCH_RANK_MAIN": "1"}
-        out = local.run([str(Path(__file__).resolve())], 1, env, timeout=1800)[0]
-        if out.returncode != 0:
-            raise RuntimeError(out.stderr[-3000:])
-        rows = json.loads(out.stdout.strip().splitlines()[-1])
+        rows = _launch(env, 1)
+        pipes = pipelines(env) if args.pipelines else []
     print(f"{MODEL}, 1 gloo rank, 1 stage of all layers, {MICRO} micro-batches per step; median s/step")
     print(f"{'mbs':>4}{'measured':>10}{'per-layer':>11}{'err %':>7}{'+ chain':>10}{'err %':>7}"
           f"{'   chain / measured layers alone':>33}")
@@ -112,8 +213,21 @@ def main() -> int:
         e2 = (r["chain_s"] / r["measured_s"] - 1) * 100
         print(f"{r['mbs']:>4}{r['measured_s']:>10.4f}{r['layers_s']:>11.4f}{e1:>+7.1f}{r['chain_s']:>10.4f}{e2:>+7.1f}"
               f"{r['stack_s'] / r['measured_layers_alone_s']:>33.3f}")
+    if pipes:
+        print(f"\n{MODEL}, {PIPE_RANKS} gloo ranks, two-stage heterogeneous pipelines, mbs {PIPE_MBS} x {MICRO} "
+              "micro-batches; median s/step (slowest rank), predicted as megatron_patch runs them")
+        print(f"{'plan':>12}{'measured':>10}{'predicted':>11}{'err %':>7}{'stages one at a time':>22}{'err %':>7}")
+        for r in pipes:
+            print(f"{r['plan']:>12}{r['measured_s']:>10.4f}{r['predicted_s']:>11.4f}"
+                  f"{(r['predicted_s'] / r['measured_s'] - 1) * 100:>+7.1f}{r['serial_s']:>22.4f}"
+                  f"{(r['serial_s'] / r['measured_s'] - 1) * 100:>+7.1f}")
     return 0
 
 
+def _rank_main() -> None:
+    part = os.environ.get("BENCH_PART")
+    {"pipelines": pipelines_rank_main, "profile": profile_rank_main}.get(part or "", rank_main)()
+
+
 if __name__ == "__main__":
-    local.self_launching(main, rank_main)
+    local.self_launching(main, _rank_main)

@@ -37,7 +37,7 @@ from sailor_hpc.core.network import LinkTable
 from sailor_hpc.core.placement import place_plan
 from sailor_hpc.core.plan import Pipeline, Plan, Stage, validate_plan
 from sailor_hpc.core.site import Site
-from simulator import StageEvaluator, simulate
+from simulator import SimOptions, StageEvaluator, simulate
 from simulator.memory import GRAD_BYTES
 from simulator.network import Endpoint
 
@@ -276,7 +276,8 @@ def chain_search(site: Site, archive: ProfileArchive, request: PlanRequest, grou
                  settings: ChainSettings | None = None, greedy_only: bool = False) -> list[Candidate]:
     """The best chains for ``request``, simulated whole and ranked like :func:`planner.search.search`."""
     settings = settings or ChainSettings()
-    ev = StageEvaluator(archive, site, get_model(request.model), dtype=request.dtype)
+    ev = StageEvaluator(archive, site, get_model(request.model), dtype=request.dtype,
+                        options=SimOptions(runtime=request.runtime))
     priced: list[tuple[float, Chain, Where]] = []
     gbs, c = request.global_batch_size, request.constraints
     estimate = Estimator(ev)
@@ -305,7 +306,7 @@ def chain_search(site: Site, archive: ProfileArchive, request: PlanRequest, grou
             validate_plan(plan, site, check_placement=True)
         except SailorError:  # TP groups that do not pack into the nodes a job may take
             continue
-        res = simulate(plan, site, archive)
+        res = simulate(plan, site, archive, options=SimOptions(runtime=request.runtime))
         simulated += 1
         if res.fits and _meets(request, res.throughput_samples_per_s, res.cost_per_iteration):
             out.append(Candidate(plan, res))

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.precision import DTYPES
+from simulator.runtimes import RUNTIMES
 
 OBJECTIVES = ("throughput", "cost")
 
@@ -31,6 +32,7 @@ class PlanRequest:
     max_stages: int | None = None
     top_k: int = 5
     space: str = "full"  # "full", "sailor" (Sailor's plan shape) or "homogeneous" (one partition)
+    runtime: str = "megatron_patch"  # who runs the plan: its plans are scored as that runtime runs them
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
@@ -40,5 +42,7 @@ class PlanRequest:
             raise SailorError("must be positive", field="--gbs")
         if self.dtype not in (*DTYPES, "auto"):
             raise SailorError(f"unknown dtype {self.dtype!r}", field="--dtype", fix=f"use auto or one of {', '.join(DTYPES)}")
+        if self.runtime not in RUNTIMES:
+            raise SailorError(f"unknown runtime {self.runtime!r}", field="--runtime", fix=f"use one of {', '.join(RUNTIMES)}")
         if self.space not in ("full", "sailor", "homogeneous"):
             raise SailorError(f"unknown search space {self.space!r}", field="space")

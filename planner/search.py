@@ -29,7 +29,7 @@ from sailor_hpc.core.placement import place_plan
 from sailor_hpc.core.plan import Pipeline, Plan, Stage, validate_plan
 from sailor_hpc.core.precision import PREFERENCE
 from sailor_hpc.core.site import Partition, Site
-from simulator import SimResult, StageEvaluator, simulate
+from simulator import SimOptions, SimResult, StageEvaluator, simulate
 from simulator.network import Endpoint
 
 Option = tuple[Template, int]  # a template and how many copies
@@ -127,7 +127,8 @@ def search(site: Site, archive: ProfileArchive, request: PlanRequest, *, setting
         return _search_dtypes(site, archive, request, settings, progress)
     t0 = time.perf_counter()
     settings = settings or SearchSettings()
-    ev = StageEvaluator(archive, site, get_model(request.model), dtype=request.dtype)
+    ev = StageEvaluator(archive, site, get_model(request.model), dtype=request.dtype,
+                        options=SimOptions(runtime=request.runtime))
     per_part, priced_out = _options_per_partition(ev, archive, request, settings)
     if not per_part:
         raise _no_partition(request, site, priced_out)
@@ -450,7 +451,7 @@ def _simulate_best(site: Site, archive: ProfileArchive, request: PlanRequest, al
         except SailorError:  # more copies than the capped plan of its tail estimate: too many nodes
             rejected["placement"] = rejected.get("placement", 0) + 1
             continue
-        res = simulate(plan, site, archive)
+        res = simulate(plan, site, archive, options=SimOptions(runtime=request.runtime))
         simulated += 1
         # the runtime logs its measured step time against this prediction
         plan = replace(plan, notes={**plan.notes, "simulator": {"iteration_time_s": res.iteration_time_s}})

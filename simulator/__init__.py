@@ -4,6 +4,9 @@ Public API (the planner and the CLI use only this; there is no other copy of the
 
 Whole plans
     ``simulate(plan, site, archive=None, *, options=None) -> SimResult``
+        ``options``: :class:`SimOptions`; ``SimOptions(runtime="megatron_patch" | "deepspeed-pipe")`` names the
+        runtime that runs the plan (:mod:`simulator.runtimes`; default deepspeed-pipe, the runtime of Sailor's
+        measured runs; the planner and ``sailor-hpc plan/simulate`` use megatron_patch).
         ``plan``: :class:`sailor_hpc.core.plan.Plan` (ours or a converted Sailor ``plan_config``; placed on
         ``site`` when it carries no placement). ``archive``: a :class:`sailor_hpc.core.archive.ProfileArchive`
         (default: ``open_archive(site=site)``). ``SimResult`` has ``iteration_time_s``,
@@ -29,14 +32,17 @@ Fast path (no Plan objects)
         ``.score_batch(CandidateBatch) -> BatchScores`` (N single pipelines as (N, P) arrays: times,
         per-stage memory, fits; about 50,000 8-stage candidates per second on one core,
         ``benchmarks/simulator_speed.py``);
-        ``.pipeline_times(F, B, act, grad, m)`` = :func:`simulator.schedule.pipeline_schedule`, the exact
-        1F1B schedule of N pipelines from per-stage numbers.
+        ``.exchanges(costs, ends) -> Exchanges`` (per boundary: activation and gradient seconds, buffered or not);
+        ``.pipeline_times(F, B, act, grad, m, asynchronous)`` = :func:`simulator.schedule.pipeline_schedule` in
+        the runtime's exchange order, the exact 1F1B schedule of N pipelines from per-stage numbers.
 
 The model, module by module: :mod:`simulator.tables` (profiles as prefix sums), :mod:`simulator.network`
-(single-stream activations, ring all-reduces), :mod:`simulator.schedule` (1F1B with blocking exchanges,
-exact), :mod:`simulator.iteration` (gradient syncs with the straggler wait, optimizer after the flush),
+(stage-to-stage streams, ring all-reduces), :mod:`simulator.runtimes` (what each runtime does differently),
+:mod:`simulator.schedule` (1F1B with blocking or buffered exchanges in each runtime's order, exact),
+:mod:`simulator.iteration` (gradient syncs with the straggler wait, optimizer after the flush),
 :mod:`simulator.memory`, :mod:`simulator.cost`, :mod:`simulator.timeline` (independent event-driven replay),
-:mod:`simulator.validation` (measured runs). The CLI is ``sailor-hpc simulate`` / ``sailor-hpc validate-sim``.
+:mod:`simulator.validation` (measured runs), :mod:`simulator.calibration` (the constants estimated from
+measured runs, and how). The CLI is ``sailor-hpc simulate`` / ``sailor-hpc validate-sim``.
 """
 from simulator.api import (
                            BatchScores,

@@ -21,7 +21,8 @@ from sailor_hpc.core.site import Site
 from simulator.cost import Transfer, egress, pipeline_transfers, plan_cost_per_hour, ring_transfers
 from simulator.iteration import Collective, IterationEnd, expected_max_normal, finish_iteration, gradient_segments
 from simulator.memory import ALLOCATOR_SLACK, DEFAULT_BUCKET_ELEMS, GRAD_BYTES, StageMemory, in_flight, stage_memory
-from simulator.network import Endpoint, p2p_seconds, ring_allreduce_seconds
+from simulator.network import Endpoint, p2p_transfer, ring_allreduce_seconds
+from simulator.runtimes import NCCL_BUFFSIZE, Runtime, get_runtime
 from simulator.schedule import ScheduleResult, pipeline_schedule
 from simulator.tables import ComputeTable, MemoryTable, ProfileTables, tables_for
 from simulator.timeline import Timeline, build_programs, run_programs
@@ -29,8 +30,15 @@ from simulator.timeline import Timeline, build_programs, run_programs
 
 @dataclass(frozen=True)
 class SimOptions:
-    """Knobs of the runtime being modelled (defaults: the DeepSpeed runtime of the measured runs)."""
+    """The runtime being modelled (:mod:`simulator.runtimes`) and the simulator's knobs.
 
+    ``runtime`` names who runs the plan: ``"deepspeed-pipe"`` (the default here, and what Sailor's
+    measured runs used: ``validate-sim``) or ``"megatron_patch"`` (this project's runtime: the planner and
+    ``sailor-hpc plan/simulate``). ``overlap_grad_sync`` and ``extra_reduce_buffer`` follow the runtime
+    unless given (tests take one part of a runtime away to measure it).
+    """
+
+    runtime: str = "deepspeed-pipe"
     bucket_elems: int = DEFAULT_BUCKET_ELEMS  # gradient all-reduce bucket (elements)
     allocator_slack: float = ALLOCATOR_SLACK  # see simulator.memory
     # Charge the profiler's chain timing per layer boundary (simulator.tables). Off by default: on CPU
@@ -39,14 +47,31 @@ class SimOptions:
     chain_timing: bool = False
     # megatron_patch's gradient sync: size-capped buckets started during the last micro-batch's backward
     # (simulator.iteration), the buckets being the fp32 main grads themselves (no extra flattened buffer)
-    overlap_grad_sync: bool = False
+    overlap_grad_sync: bool | None = None  # None: the runtime's
     overlap_bucket_bytes: float = 40 * 2**20  # the runtime's --grad-bucket-mb default
-    extra_reduce_buffer: bool = True  # DeepSpeed flattens each bucket into a buffer of its own
+    extra_reduce_buffer: bool | None = None  # DeepSpeed flattens each bucket into a buffer of its own
+    staging_bytes: float = NCCL_BUFFSIZE  # a stage-to-stage message up to this size is sent asynchronously
+
+    def __post_init__(self) -> None:
+        rt = get_runtime(self.runtime)
+        if self.overlap_grad_sync is None:
+            object.__setattr__(self, "overlap_grad_sync", rt.overlap_grad_sync)
+        if self.extra_reduce_buffer is None:
+            object.__setattr__(self, "extra_reduce_buffer", rt.extra_reduce_buffer)
 
     @classmethod
     def megatron_patch(cls, **changes: Any) -> SimOptions:
-        """The runtime this project trains with (the defaults model the DeepSpeed runs Sailor measured)."""
-        return cls(**{"overlap_grad_sync": True, "extra_reduce_buffer": False, **changes})
+        """The runtime this project trains with."""
+        return cls(runtime="megatron_patch", **changes)
+
+    @classmethod
+    def deepspeed_pipe(cls, **changes: Any) -> SimOptions:
+        """DeepSpeed's pipeline engine, the runtime of Sailor's measured runs."""
+        return cls(runtime="deepspeed-pipe", **changes)
+
+    @property
+    def runtime_model(self) -> Runtime:
+        return get_runtime(self.runtime)
 
     @property
     def reduce_buffer_elems(self) -> int:
@@ -88,7 +113,7 @@ class StageEvaluator:
         self.options = options or SimOptions()
         self._stages: dict[tuple[str, int, int, int, int], StageCost] = {}
         self._memory: dict[tuple, StageMemory] = {}
-        self._p2p: dict[tuple, float] = {}
+        self._p2p: dict[tuple, tuple[float, float]] = {}  # (seconds, bytes of one rank's message)
 
     # ------------------------------------------------------------------ stages
     def compute_table(self, gpu: str, mbs: int, tp: int) -> ComputeTable:
@@ -137,18 +162,28 @@ class StageEvaluator:
                             mbs=cost.mbs, micro_batches=micro_batches, dtype=self.dtype, optimizer=self.optimizer,
                             recompute=self.recompute, input_bytes=cost.in_bytes,
                             overhead=self.archive.overhead_bytes(cost.gpu, cost.tp),
-                            bucket_elems=self.options.reduce_buffer_elems, allocator_slack=self.options.allocator_slack)
+                            bucket_elems=self.options.reduce_buffer_elems, allocator_slack=self.options.allocator_slack,
+                            freed_output_bytes=self.freed_output(cost.out_bytes, cost.tp))
+
+    def freed_output(self, out_bytes, tp: int):
+        """Bytes of a stage's sent output the runtime frees per micro-batch (ints or arrays; see simulator.memory)."""
+        return out_bytes * (1.0 - 1.0 / tp) if self.options.runtime_model.partitioned_p2p else out_bytes
 
     def capacity(self, gpu: str) -> int:
         return self.site.gpu(gpu).memory_bytes
 
     # ------------------------------------------------------------------ network
     def p2p(self, a: Endpoint, b: Endpoint, nbytes: float) -> float:
-        """Seconds to move ``nbytes`` from a to b (cached per link kind and size)."""
-        key = (a.same_node(b), a.partition, b.partition, nbytes)
+        """Seconds to move an activation of ``nbytes`` (or its gradient) from stage a to stage b, as the
+        runtime sends it (cached per link kind, TP degrees and size)."""
+        return self._transfer(a, b, nbytes)[0]
+
+    def _transfer(self, a: Endpoint, b: Endpoint, nbytes: float) -> tuple[float, float]:
+        key = (a.same_node(b), a.partition, b.partition, a.tp, b.tp, nbytes)
         hit = self._p2p.get(key)
         if hit is None:
-            hit = self._p2p[key] = p2p_seconds(self.site, a, b, nbytes)
+            hit = self._p2p[key] = p2p_transfer(self.site, a, b, nbytes,
+                                                partitioned=self.options.runtime_model.partitioned_p2p)
         return hit
 
     def replica_jitter(self, holders: Sequence[Endpoint]) -> float:
@@ -162,23 +197,35 @@ class StageEvaluator:
         return ring_allreduce_seconds(self.site, holders, per_gpu_bytes, buckets)
 
     # ------------------------------------------------------------------ pipelines
+    def exchanges(self, costs: Sequence[StageCost], ends: Sequence[Endpoint]) -> Exchanges:
+        """Activation and gradient seconds of each boundary of one pipeline, and whether it is asynchronous
+        (every rank's message in both directions fits the staging buffer, :mod:`simulator.runtimes`)."""
+        act, grad, asy = [], [], []
+        for j in range(len(costs) - 1):
+            a, a_msg = self._transfer(ends[j], ends[j + 1], costs[j].out_bytes)
+            g, g_msg = self._transfer(ends[j + 1], ends[j], costs[j].out_bytes)
+            act.append(a)
+            grad.append(g)
+            asy.append(max(a_msg, g_msg) <= self.options.staging_bytes)
+        return Exchanges(act, grad, asy)
+
     def transfer_times(self, costs: Sequence[StageCost], ends: Sequence[Endpoint]) -> tuple[list[float], list[float]]:
-        """Activation and gradient seconds of each boundary of one pipeline (the gradient of an
-        activation has its size, and a site's links are symmetric, so both take the same time)."""
-        act = [self.p2p(ends[j], ends[j + 1], costs[j].out_bytes) for j in range(len(costs) - 1)]
-        return act, list(act)
+        """Activation and gradient seconds of each boundary of one pipeline."""
+        x = self.exchanges(costs, ends)
+        return x.act, x.grad
 
     def pipeline(self, costs: Sequence[StageCost], ends: Sequence[Endpoint], micro_batches: int) -> ScheduleResult:
         """Finish time of every stage of one pipeline."""
-        act, grad = self.transfer_times(costs, ends)
-        return pipeline_schedule([c.fwd_s for c in costs], [c.bwd_s for c in costs], act, grad, micro_batches)
+        x = self.exchanges(costs, ends)
+        return self.pipeline_times([c.fwd_s for c in costs], [c.bwd_s for c in costs], x.act, x.grad, micro_batches,
+                                   x.asynchronous)
 
-    @staticmethod
-    def pipeline_times(F: np.ndarray, B: np.ndarray, act: np.ndarray, grad: np.ndarray,
-                       m: np.ndarray | int) -> ScheduleResult:
-        """Batch form for the planner: (N, P) stage times, (N, P-1) transfers, (N,) micro-batches."""
-        return pipeline_schedule(F, B, act, grad, m)
-
+    def pipeline_times(self, F: np.ndarray | Sequence[float], B: np.ndarray | Sequence[float],
+                       act: np.ndarray | Sequence[float], grad: np.ndarray | Sequence[float], m: np.ndarray | int,
+                       asynchronous: np.ndarray | Sequence[bool] | None = None) -> ScheduleResult:
+        """Batch form for the planner: (N, P) stage times, (N, P-1) transfers and asynchronous flags,
+        (N,) micro-batches; scheduled in the runtime's exchange order."""
+        return pipeline_schedule(F, B, act, grad, m, asynchronous, self.options.runtime_model.serial_exchange)
 
     # ------------------------------------------------------------------ whole iterations
     def collectives(self, costs: Sequence[Sequence[StageCost]], ends: Sequence[Sequence[Endpoint]]) -> list[Collective]:
@@ -243,12 +290,12 @@ class StageEvaluator:
         scheds, transfers = [], []
         same: dict[tuple, ScheduleResult] = {}  # plans repeat pipelines: schedule each distinct one once
         for c, e, m in zip(costs, ends, micro_batches):
-            act, grad = self.transfer_times(c, e)
-            transfers.append((act, grad))
-            F, B = [x.fwd_s for x in c], [x.bwd_s for x in c]
-            key = (tuple(F), tuple(B), tuple(act), tuple(grad), m)
+            x = self.exchanges(c, e)
+            transfers.append((x.act, x.grad))
+            F, B = [s.fwd_s for s in c], [s.bwd_s for s in c]
+            key = (tuple(F), tuple(B), tuple(x.act), tuple(x.grad), tuple(x.asynchronous), m)
             if key not in same:
-                same[key] = pipeline_schedule(F, B, act, grad, m)
+                same[key] = self.pipeline_times(F, B, x.act, x.grad, m, x.asynchronous)
             scheds.append(same[key])
         colls = self.collectives(costs, ends)
         flush = {(i, s): float(sch.finish[0, s]) for i, sch in enumerate(scheds) for s in range(sch.finish.shape[1])}
@@ -288,24 +335,39 @@ class StageEvaluator:
                                recompute=self.recompute, input_bytes=inp,
                                overhead=self.archive.overhead_bytes(table.gpu, tp),
                                bucket_elems=self.options.reduce_buffer_elems,
-                               allocator_slack=self.options.allocator_slack)
+                               allocator_slack=self.options.allocator_slack,
+                               freed_output_bytes=self.freed_output(out[sel], tp))
             mem_total[sel] = mem.total
             fits[sel] = mem.total <= self.capacity(gpu)
         act = np.zeros((n, max(P - 1, 0)))
+        grad, asy = act.copy(), np.zeros(act.shape, dtype=bool)
         if P > 1:
             same = np.zeros((n, P - 1), dtype=bool) if batch.same_node is None else np.asarray(batch.same_node)
             keys = np.stack([kind[:, :-1], kind[:, 1:], same.astype(np.int64)], axis=-1).reshape(-1, 3)
             sizes = out[:, :-1].reshape(-1)
             uniq, inv = np.unique(np.column_stack([keys, sizes]), axis=0, return_inverse=True)
-            vals = np.empty(len(uniq))
+            vals = np.empty((len(uniq), 3))
             for u, row in enumerate(uniq):
                 ka, kb, sm, nbytes = int(row[0]), int(row[1]), bool(row[2]), float(row[3])
-                pa, pb = batch.stage_kinds[ka][2], batch.stage_kinds[kb][2]
-                vals[u] = self.p2p(Endpoint(pa, 0, 1), Endpoint(pb, 0 if sm else 1, 1), nbytes)
-            act = vals[inv.reshape(-1)].reshape(n, P - 1)
-        sched = pipeline_schedule(F, Bw, act, act, m)
+                _, ta, pa = batch.stage_kinds[ka]
+                _, tb, pb = batch.stage_kinds[kb]
+                a, b = Endpoint(pa, 0, ta), Endpoint(pb, 0 if sm else 1, tb)
+                (ts, am), (tg, gm) = self._transfer(a, b, nbytes), self._transfer(b, a, nbytes)
+                vals[u] = ts, tg, max(am, gm) <= self.options.staging_bytes
+            act, grad = (vals[inv.reshape(-1), c].reshape(n, P - 1) for c in (0, 1))
+            asy = vals[inv.reshape(-1), 2].reshape(n, P - 1) > 0
+        sched = self.pipeline_times(F, Bw, act, grad, m, asy)
         return BatchScores(flush=sched.finish, update=U, time_s=(sched.finish + U).max(axis=1),
                            steady_period=sched.steady_period, memory=mem_total, fits=np.asarray(fits.all(axis=1)))
+
+
+@dataclass(frozen=True)
+class Exchanges:
+    """Per boundary j of one pipeline (stage j -> j + 1): activation and gradient seconds, asynchronous or not."""
+
+    act: list[float]
+    grad: list[float]
+    asynchronous: list[bool]
 
 
 @dataclass(frozen=True)
@@ -482,11 +544,12 @@ def plan_timeline(plan: Plan, site: Site, archive: ProfileArchive | None = None,
     """The per-rank events of one iteration, from the event-driven engine of :mod:`simulator.timeline`
     (same stage costs as :func:`simulate`, scheduled independently)."""
     a = _assemble(plan, site, archive, options)
-    transfers = [a.ev.transfer_times(c, e) for c, e in zip(a.costs, a.ends)]
+    xs = [a.ev.exchanges(c, e) for c, e in zip(a.costs, a.ends)]
     update = {(i, s): x.update_s for i, c in enumerate(a.costs) for s, x in enumerate(c)}
     progs = build_programs([[x.fwd_s for x in c] for c in a.costs], [[x.bwd_s for x in c] for c in a.costs],
-                           [t[0] for t in transfers], [t[1] for t in transfers], a.micro_batches,
-                           a.ev.collectives(a.costs, a.ends), update)
+                           [x.act for x in xs], [x.grad for x in xs], a.micro_batches,
+                           a.ev.collectives(a.costs, a.ends), update, [x.asynchronous for x in xs],
+                           a.ev.options.runtime_model.serial_exchange)
     return Timeline(tuple(run_programs(progs)))
 
 
@@ -546,6 +609,5 @@ def _transfers(plan: Plan, ev: StageEvaluator, costs: Sequence[Sequence[StageCos
         yield from ring_transfers([str(plan.pipelines[j].stages[t].partition) for j, t in c.holders], nbytes)
 
 
-__all__ = ["SimOptions", "StageCost", "StageEvaluator", "CandidateBatch", "BatchScores", "StageReport", "SimResult", "simulate",
-           "plan_timeline",
-           "prepare_plan", "IterationTiming"]
+__all__ = ["SimOptions", "StageCost", "StageEvaluator", "CandidateBatch", "BatchScores", "Exchanges", "StageReport",
+           "SimResult", "simulate", "plan_timeline", "prepare_plan", "IterationTiming"]

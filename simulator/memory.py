@@ -24,7 +24,12 @@ peak = model state + optimizer temporaries + gradient-reduction buffer
 * Retained activations: the profiled bytes of the stage's layers at micro-batch 1, times the
   micro-batch size, times the micro-batches in flight, ``min(P - s, m)`` for stage s of a P-stage
   1F1B pipeline running m micro-batches (Sailor used ``P - s`` even when m is smaller), scaled from
-  the profile's dtype to the plan's, plus the received input of each in-flight micro-batch. With
+  the profile's dtype to the plan's, plus the received input of each in-flight micro-batch, minus what
+  the runtime frees of the stage's output once it is sent (``freed_output_bytes``): the profile counts
+  the output among a layer's activations, but nothing in the backward reads it, and both runtimes drop
+  it after the send (megatron's ``deallocate_pipeline_outputs`` keeps one element; DeepSpeed's pipeline
+  engine keeps the rank's 1/t partition of it). Pure data-parallel runs have no next stage and free
+  nothing, which is why only pipelines showed the overestimate. With
   recomputation (each transformer block checkpointed on its own, as megatron_patch runs it) a stage
   keeps, per micro-batch in flight, its received input, every other block's input and the activations
   of its non-block layers (embedding, head), and recomputes one layer at a time.
@@ -33,7 +38,10 @@ peak = model state + optimizer temporaries + gradient-reduction buffer
 * Allocator slack: PyTorch's caching allocator keeps freed blocks of one size class that later,
   differently sized activation requests cannot use, so what it has reserved from the driver (what
   nvidia-smi shows) exceeds what is allocated by a few percent of the activation traffic; charged as
-  :data:`ALLOCATOR_SLACK` of the activation terms (expandable segments would remove most of it).
+  :data:`ALLOCATOR_SLACK` of the activation terms (expandable segments would remove most of it). The
+  share is estimated from measured runs by :mod:`simulator.calibration` (the median over Sailor's 22 runs
+  of the share that makes each run's peak exact); ``benchmarks/simulator_accuracy.py`` prints it with
+  the leave-one-out errors.
 * Fixed overhead: CUDA context, library workspaces, NCCL communicator buffers, per GPU type and TP
   degree, from the profile archive (measured by the profiler; for the imported Sailor data estimated
   in :mod:`sailor_hpc.core.sailor_compat.profiles`).
@@ -51,7 +59,7 @@ STATE_BYTES = {("fp32", "adam"): 16, ("fp32", "sgd"): 12, ("bf16", "adam"): 18, 
 GRAD_BYTES = {"fp32": 4, "bf16": 4, "fp16": 4}  # element size of the gradients that are all-reduced
 OPTIMIZER_TEMP_BYTES = {"adam": 4, "sgd": 0}  # per parameter, fp32 (master) precision
 DEFAULT_BUCKET_ELEMS = 500_000_000  # DeepSpeed's allreduce_bucket_size
-ALLOCATOR_SLACK = 0.05  # share of the activation terms the caching allocator holds but cannot reuse
+ALLOCATOR_SLACK = 0.078  # share of the activation terms the caching allocator holds but cannot reuse (7.82 %)
 
 
 @dataclass(frozen=True)
@@ -82,10 +90,11 @@ def in_flight(stage, num_stages, micro_batches):
 
 def stage_memory(mem: MemoryTable, first, last, *, stage, num_stages, mbs: int, micro_batches, dtype: str,
                  optimizer: str, recompute: bool, input_bytes, overhead, bucket_elems: int = DEFAULT_BUCKET_ELEMS,
-                 allocator_slack: float = ALLOCATOR_SLACK) -> StageMemory:
+                 allocator_slack: float = ALLOCATOR_SLACK, freed_output_bytes=0.0) -> StageMemory:
     """Peak memory of one GPU of a stage holding layers ``first..last`` at TP ``mem.tp``.
 
-    ``input_bytes``: the activation a non-first stage receives per micro-batch (0 for stage 0).
+    ``input_bytes``: the activation a non-first stage receives per micro-batch (0 for stage 0);
+    ``freed_output_bytes``: what the runtime frees of the output it sent, per micro-batch.
     Layer ranges, stage indices, micro-batch counts and inputs may be arrays of one shape (many
     stages at once, same TP); every component then is an array of that shape.
     """
@@ -96,7 +105,7 @@ def stage_memory(mem: MemoryTable, first, last, *, stage, num_stages, mbs: int, 
     if recompute:  # every block's input kept per micro-batch in flight; one layer recomputed at a time
         acts = flight * (mem.recompute_keep(first, last) * mbs * scale + input_bytes) + layer_max
     else:
-        acts = flight * (mem.act_bytes(first, last) * mbs * scale + input_bytes)
+        acts = flight * (mem.act_bytes(first, last) * mbs * scale + input_bytes - freed_output_bytes)
     return StageMemory(state=STATE_BYTES[(dtype, optimizer)] * params,
                        optimizer_temp=OPTIMIZER_TEMP_BYTES[optimizer] * params,
                        reduce_buffer=GRAD_BYTES[dtype] * np.minimum(params, bucket_elems),

@@ -10,11 +10,14 @@ Fits are the site's (clamped to their measured range by :class:`sailor_hpc.core.
 number of GPUs sending at once selects the fit (``k``), whose bandwidth is the aggregate of the k
 streams at the per-stream message size.
 
-Activations: one copy of the activation crosses a stage boundary as a single stream (``k = 1``). The
-measured DeepSpeed runs show both halves of this: on Clariden (one NIC per GPU) a 67 MB activation
-takes ~3 ms per boundary, the single-stream rate, not the 4-NIC aggregate that Sailor charged; on the
-MIT cluster (one 1-Gbit NIC per RTX-3090 node) a TP-2 and a TP-8 stage pay A / 0.115 GB/s, not TP
-copies of it.
+Activations (and their gradients back): the streams a runtime sends across a stage boundary at once
+share one path between the two nodes and move their total bytes at one stream's rate (:func:`p2p_transfer`;
+the ``k = 1`` fit at the total size). DeepSpeed sends TP partitions (t streams of A/t): the GH200 runs
+move a 67 MB activation in four 16.7 MB partitions in ~3 ms, one stream's rate, not the 4-NIC aggregate
+Sailor charged; on the MIT cluster's one 1-Gbit NIC per RTX-3090 node a TP-2 and a TP-8 stage both pay
+A / 0.115 GB/s. megatron_patch sends a full copy to every rank of the receiving stage
+(:mod:`simulator.runtimes`), so its boundary moves that many copies. The message size of one stream (what
+decides whether NCCL can buffer it) is returned beside the time.
 
 Gradients: a ring all-reduce among the holders of a parameter. Every TP rank of a holder runs its own
 ring (one per TP slice), at the same time, so a holder's node carries ``t`` rings through its links:
@@ -58,8 +61,18 @@ def link_fit(site: Site, a: Endpoint, b: Endpoint, senders: int) -> NetworkFit:
 
 
 def p2p_seconds(site: Site, a: Endpoint, b: Endpoint, nbytes: float) -> float:
-    """One activation (or its gradient) from a to b: a single stream."""
+    """One message from a to b on its own (a single stream)."""
     return link_fit(site, a, b, 1).transfer_time(nbytes)
+
+
+def p2p_transfer(site: Site, a: Endpoint, b: Endpoint, nbytes: float, *, partitioned: bool) -> tuple[float, float]:
+    """An activation of ``nbytes`` (or its gradient) from stage a to stage b: (seconds, bytes per rank's message).
+
+    ``partitioned``: each of a's ``tp`` ranks sends ``nbytes / tp``; else each of b's ranks receives a full
+    copy. The streams leave together and share one stream's rate."""
+    streams = a.tp if partitioned else b.tp
+    message = nbytes / a.tp if partitioned else nbytes
+    return link_fit(site, a, b, 1).transfer_time(streams * message), message
 
 
 def _ring_links(site: Site, holders: Sequence[Endpoint], senders: int) -> list[NetworkFit]:

@@ -24,7 +24,7 @@ from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.models import get_model
 from sailor_hpc.core.plan_io import load_run
 from sailor_hpc.core.site import Site
-from simulator.api import SimResult, simulate
+from simulator.api import SimOptions, SimResult, simulate
 
 # trailing path parts -> reason (the reference notes on Sailor's data, section 4.3)
 DOCUMENTED_ANOMALIES: dict[tuple[str, ...], str] = {
@@ -152,13 +152,16 @@ def compute_floor(result: SimResult) -> float:
     return floor
 
 
-def validate_file(path: Path, site: Site, model: str, archive: ProfileArchive) -> ValidationRow:
+def validate_file(path: Path, site: Site, model: str, archive: ProfileArchive,
+                  options: SimOptions | None = None) -> ValidationRow:
+    """One measured run against its simulation (``options``: default, DeepSpeed's pipeline engine, which
+    produced Sailor's runs)."""
     row = ValidationRow(file=str(path))
     anomaly = documented_anomaly(path)
     try:
         run = load_run(path, model=model, site=site)
         row.real_s, row.real_mem_bytes = run.real_s, run.max_mem_bytes
-        res = simulate(run.plan, site, archive)
+        res = simulate(run.plan, site, archive, options=options or SimOptions.deepspeed_pipe())
     except SailorError as exc:
         row.error = str(exc)
         row.time_excluded = row.mem_excluded = anomaly or f"cannot be evaluated: {exc}"
@@ -182,13 +185,14 @@ def validate_file(path: Path, site: Site, model: str, archive: ProfileArchive) -
     return row
 
 
-def validate_runs(paths: Iterable[str | Path], site: Site, model: str, archive: ProfileArchive) -> ValidationReport:
+def validate_runs(paths: Iterable[str | Path], site: Site, model: str, archive: ProfileArchive,
+                  options: SimOptions | None = None) -> ValidationReport:
     """Simulate every measured run under ``paths`` and compare."""
     get_model(model)  # an unknown --model is the command's error, not every file's
     files = find_runs(paths)
     if not files:
         raise SailorError("no plan_config JSON files found", field="PATHS", fix="pass files or folders of them")
-    report = ValidationReport([validate_file(f, site, model, archive) for f in files])
+    report = ValidationReport([validate_file(f, site, model, archive, options) for f in files])
     if all(r.error for r in report.rows):  # nothing to compare: the input as a whole is wrong
         first = report.rows[0]
         raise SailorError(f"none of the {len(files)} file(s) can be evaluated; the first: {first.error}",

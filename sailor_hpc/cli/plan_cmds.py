@@ -8,6 +8,7 @@ import click
 from sailor_hpc.cli.app import main
 from sailor_hpc.cli.output import echo_json, json_option, table
 from sailor_hpc.cli.planning import run_planner
+from sailor_hpc.cli.simulate_cmds import runtime_option
 from sailor_hpc.cli.training_options import DATA_HELP, pop_training_args, training_options
 from sailor_hpc.core.plan import Plan
 from sailor_hpc.core.plan_io import load_plan
@@ -50,6 +51,7 @@ def describe_plan(plan: Plan) -> str:
                    "'PART=GPUS,PART=GPUS'.")
 @click.option("--space", type=click.Choice(["full", "sailor", "homogeneous"]), default="full", show_default=True,
               help="Search space: everything, Sailor's plan shape, or one partition.")
+@runtime_option
 @click.option("--top", "top_k", type=click.IntRange(min=1), default=5, show_default=True, help="Plans to show.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the best plan here.")

@@ -72,7 +72,7 @@ def check_options(model_name: str, seq_len: int | None) -> None:
 def run_planner(site_file: Path, model_name: str, *, archive_path: Path | None, gbs: int | None,
                 seq_len: int | None, dtype: str, objective: str, max_cost_per_hour: float | None,
                 max_cost_per_iteration: float | None, min_throughput: float | None, max_gpus: int | None,
-                available: str, space: str, top_k: int, output: Path | None, pareto: Path | None,
+                available: str, space: str, runtime: str, top_k: int, output: Path | None, pareto: Path | None,
                 sbatch_out: Path | None, data: str | None, save: str | None, steps: int, as_json: bool,
                 train_args: Sequence[str] = ()) -> None:
     site = load_site(site_file)
@@ -84,7 +84,7 @@ def run_planner(site_file: Path, model_name: str, *, archive_path: Path | None, 
         archive = open_archive(archive_path, site)
     request = PlanRequest(model=model_name, global_batch_size=DEFAULT_GBS if gbs is None else gbs, objective=objective,
                           constraints=Constraints(max_cost_per_hour, max_cost_per_iteration, min_throughput, max_gpus),
-                          available=parse_available(available, site), seq_len=seq_len, dtype=dtype, space=space,
+                          available=parse_available(available, site), seq_len=seq_len, dtype=dtype, space=space, runtime=runtime,
                           top_k=top_k)
     bar = _ProgressBar() if not as_json and sys.stderr.isatty() else None
     try:

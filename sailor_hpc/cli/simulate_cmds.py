@@ -11,11 +11,16 @@ from sailor_hpc.core.archive import open_archive
 from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.plan_io import load_plan
 from sailor_hpc.core.site import load_site
-from simulator import plan_timeline, simulate
+from simulator import SimOptions, plan_timeline, simulate
+from simulator.runtimes import RUNTIMES
 from simulator.validation import validate_runs
 
 site_option = click.option("--site", "site_file", required=True, type=click.Path(dir_okay=False, path_type=Path),
                            help="Site config (site_configs/*.toml).")
+runtime_option = click.option(
+    "--runtime", type=click.Choice(list(RUNTIMES)), default="megatron_patch", show_default=True,
+    help="The runtime that runs the plan, simulated as it runs it: megatron_patch (this project's) or "
+         "deepspeed-pipe (DeepSpeed's pipeline engine, which produced Sailor's measured runs).")
 profiles_option = click.option("--profiles", "profiles", type=click.Path(dir_okay=False, path_type=Path), default=None,
                                help="Profile archive (default: $SAILOR_PROFILES, the site's, then the embedded one).")
 
@@ -31,16 +36,17 @@ def _archive(profiles: Path | None, site):
 @click.option("--model", default=None, help="Model of a Sailor plan_config (they do not name it).")
 @click.option("--timeline", "timeline_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the per-rank schedule of one iteration: a Gantt chart (.png) or its events (.json).")
+@runtime_option
 @json_option
 def simulate_cmd(plan_file: Path, site_file: Path, profiles: Path | None, model: str | None,
-                 timeline_file: Path | None, as_json: bool) -> None:
+                 timeline_file: Path | None, runtime: str, as_json: bool) -> None:
     """Iteration time, throughput, peak memory per GPU and cost of PLAN (ours or a Sailor plan_config)."""
 
     site = load_site(site_file)
     plan = load_plan(plan_file, model=model, site=site)
     archive = _archive(profiles, site)
     try:
-        res = simulate(plan, site, archive)
+        res = simulate(plan, site, archive, options=SimOptions(runtime=runtime))
     except SailorError as exc:  # what the simulator finds wrong with the plan (seq_len, layers) is in PLAN
         if exc.file is None:
             exc.file = str(plan_file)
@@ -49,13 +55,13 @@ def simulate_cmd(plan_file: Path, site_file: Path, profiles: Path | None, model:
         if timeline_file.suffix.lower() not in (".png", ".json"):
             raise SailorError(f"cannot write a timeline as {timeline_file.suffix or 'a file without suffix'}",
                               field="--timeline", fix="name it *.png (chart) or *.json (events)")
-        tl = plan_timeline(plan, site, archive)
+        tl = plan_timeline(plan, site, archive, options=SimOptions(runtime=runtime))
         if timeline_file.suffix.lower() == ".json":
             tl.write_json(timeline_file)
         else:
             tl.write_png(timeline_file, title=f"{plan_file.name}: {res.iteration_time_s:.4g} s per iteration")
     if as_json:
-        out = {"file": str(plan_file), "site": site.name, "archive": archive.where, **res.to_dict()}
+        out = {"file": str(plan_file), "site": site.name, "archive": archive.where, "runtime": runtime, **res.to_dict()}
         if timeline_file is not None:
             out["timeline"] = str(timeline_file)
         echo_json(out)
@@ -98,7 +104,8 @@ def describe_result(res, name: str, site_name: str) -> str:
 @json_option
 def validate_sim_cmd(paths: tuple[Path, ...], site_file: Path, model: str, profiles: Path | None,
                      as_json: bool) -> None:
-    """Measured vs simulated time and memory of Sailor-format runs (files or folders)."""
+    """Measured vs simulated time and memory of Sailor-format runs (files or folders), simulated as
+    DeepSpeed's pipeline engine (the runtime that produced them)."""
 
     site = load_site(site_file)
     report = validate_runs(paths, site, model, _archive(profiles, site))

@@ -180,13 +180,13 @@ def test_a_small_batch_on_many_gpus_gets_shallow_pipelines() -> None:
     as that hand-built plan (simulated by the same simulator)."""
     from sailor_hpc.core.placement import place_plan
     from sailor_hpc.core.plan import Pipeline, Plan, Stage
-    from simulator import simulate
+    from simulator import SimOptions, simulate
 
     site = load_site(REPO / "site_configs" / "a100-v100.toml")
     arch = open_archive(site=site)
     by_hand = place_plan(Plan("OPT-350M", 64, tuple(Pipeline(2, 1, (Stage(0, 25, 4, "A100-40", "a100"),))
                                                     for _ in range(32))), site)
-    reference = simulate(by_hand, site, arch)
+    reference = simulate(by_hand, site, arch, options=SimOptions.megatron_patch())
     assert reference.fits
     best = search(site, arch, PlanRequest("OPT-350M", 64)).candidates[0]
     assert best.throughput >= reference.throughput_samples_per_s * (1 - 1e-9), \
@@ -274,12 +274,12 @@ def test_placed_plans_run_as_fast_as_the_planner_priced_them(site_file, model, g
     share a node only gain). Packing TP groups by decreasing size across pipelines broke up to 43 priced
     hops per plan on a100-v100 with GPT-Neo-2.7B, 6 % slower than priced. Plans whose priced segments
     cannot fit in the nodes a job may take are excused (checked valid only)."""
-    from simulator import StageEvaluator
+    from simulator import SimOptions, StageEvaluator
 
     site = load_site(REPO / "site_configs" / site_file)
     arch = open_archive(site=site)
     result = search(site, arch, PlanRequest(model, gbs))
-    ev = StageEvaluator(arch, site, model)
+    ev = StageEvaluator(arch, site, model, options=SimOptions.megatron_patch())  # the planner's runtime
     checked = 0
     for c in result.simulated:
         validate_plan(c.plan, site, check_placement=True)

@@ -35,7 +35,27 @@ def test_simulate_json_and_timelines(tmp_path):
     assert r.exit_code == 0 and "iteration time" in r.output and "peak memory" in r.output
     events = json.loads(js.read_text())
     assert events["iteration_time_s"] == pytest.approx(out["iteration_time_s"], rel=1e-12)
-    assert {e["kind"] for e in events["events"]} >= {"fwd", "bwd", "send_act", "recv_grad", "grads", "optimizer"}
+    kinds = {e["kind"] for e in events["events"]}
+    assert kinds >= {"fwd", "bwd", "grads", "optimizer"} and kinds & {"exchange", "post_act", "send_act"}
+    assert out["runtime"] == "megatron_patch"  # plans are simulated as this project's runtime runs them
+
+
+def test_simulate_runtime_option_selects_the_runtime_model(tmp_path):
+    """--runtime deepspeed-pipe is what validate-sim uses for Sailor's runs; the default is megatron_patch."""
+    def sim(*extra):
+        r = run("simulate", validation_dir() / PLAN, "--site", SITES / "clariden.toml", "--model", "OPT-350M",
+                "--json", *extra)
+        assert r.exit_code == 0, r.output
+        return json.loads(r.output)
+
+    ds, mp = sim("--runtime", "deepspeed-pipe"), sim()
+    r = run("validate-sim", validation_dir() / PLAN, "--site", SITES / "clariden.toml", "--model", "OPT-350M", "--json")
+    assert json.loads(r.output)["files"][0]["est_s"] == pytest.approx(ds["iteration_time_s"], rel=1e-12)
+    assert ds["runtime"] == "deepspeed-pipe" and mp["runtime"] == "megatron_patch"
+    assert ds["iteration_time_s"] != mp["iteration_time_s"]
+    r = run("simulate", validation_dir() / PLAN, "--site", SITES / "clariden.toml", "--model", "OPT-350M",
+            "--runtime", "pytorch")
+    assert r.exit_code == 2 and "deepspeed-pipe" in r.output
 
 
 def test_simulate_bad_input_exits_2(tmp_path):

@@ -4,6 +4,8 @@ from __future__ import annotations
 import pytest
 
 from sailor_hpc.core.models import get_model
+from sailor_hpc.core.plan import Pipeline, Plan, Stage
+from simulator import SimOptions, simulate
 from simulator.memory import ALLOCATOR_SLACK, in_flight, stage_memory
 from simulator.tables import ProfileTables
 from tests.simulator.conftest import OVERHEAD, TINY_ACT, TINY_OUT, TINY_PARAMS
@@ -68,3 +70,17 @@ def test_tp_halves_sharded_memory(tiny):
     two = stage_memory(table(tiny, 2), 1, 4, stage=0, num_stages=1, mbs=1, micro_batches=1, dtype="fp32",
                        optimizer="adam", recompute=False, input_bytes=0.0, overhead=0.0)
     assert two.state == one.state / 2 and two.activations == pytest.approx(one.activations / 2)
+
+
+def test_a_sent_output_is_freed_as_each_runtime_frees_it(tiny_site, tiny):
+    """Two TP-2 stages, 4 micro-batches: stage 0 holds 2 in flight, each its layers' activations (the profile
+    counts the output among them) minus what its runtime frees once the 8192-byte output is sent: DeepSpeed
+    keeps the rank's half (frees 4096 B), megatron_patch frees it all. The last stage sends nothing: it keeps
+    its layers plus the received input of its one micro-batch in flight."""
+    plan = Plan("tiny-gpt", 4, (Pipeline(1, 4, (Stage(0, 2, 2, "G1"), Stage(3, 5, 2, "G1"))),))
+    out = TINY_OUT[2] * 4
+    first, last = TINY_ACT[:3].sum() / 2, TINY_ACT[3:].sum() / 2
+    for options, freed in ((SimOptions.deepspeed_pipe(), out / 2), (SimOptions.megatron_patch(), out)):
+        s0, s1 = simulate(plan, tiny_site, tiny, options=options).stages
+        assert s0.memory.activations == pytest.approx(2 * (first - freed))
+        assert s1.memory.activations == pytest.approx(last + out)
