@@ -44,6 +44,8 @@ class Kind(StrEnum):
     FIRST_STEP = "first_step"
     GAVE_UP = "gave_up"
     IDLE_GPUS = "idle_gpus"
+    IN_PLACE = "in_place"
+    IN_PLACE_REFUSED = "in_place_refused"
     JOB_GONE = "job_gone"
     JOB_RUNNING = "job_running"
     JOB_STOPPED = "job_stopped"

@@ -66,6 +66,7 @@ STOP_TIMEOUT_S = 300.0  # a job asked to checkpoint that has not stopped by then
 STOP_MARGIN = 3.0  # ... unless its measured step + save times, with this margin, need longer
 JOB_LOST_AFTER_S = 120.0  # a job neither squeue nor sacct knows for this long is gone
 
+DRAIN_REASON = "node draining"
 EXIT_FINISHED, EXIT_GAVE_UP, EXIT_INTERRUPTED = 0, 1, 130
 
 
@@ -87,7 +88,7 @@ class Controller:
         self.archive = open_archive(self.spec.profiles, self.site)
         self._tails: dict[int, LogTail] = {}
         self._watchers: dict[int, JobWatcher] = {}
-        self._plans: dict[int, Plan] = {}
+        self._plans: dict[str, Plan] = {}
         self._hosts: dict[str, list[str]] = {}
         self._said: dict[str, str] = {}  # what was last journaled about a repeating condition, per kind
 
@@ -190,7 +191,7 @@ class Controller:
             if obs.job is not None and _all_running(obs.job):
                 hosts = {c.nodes: self._hosts_of(c.nodes) for c in obs.job.components}
                 obs.job_nodes = sorted({h for hs in hosts.values() for h in hs})
-                own = own_gpus(self._plan(cur), obs.job, hosts)
+                own = own_gpus(self._plan(self.rundir.plan_file(cur.number)), obs.job, hosts)  # what it holds
         obs.free = free_for_run(idle, own, obs.unusable, obs.lost)
         for name in names:
             obs.free.setdefault(name, {})
@@ -208,10 +209,10 @@ class Controller:
             self._hosts[nodelist] = slurm_ops.expand_nodes([nodelist], self.env)
         return self._hosts[nodelist]
 
-    def _plan(self, cur: Attempt) -> Plan:
-        if cur.number not in self._plans:
-            self._plans[cur.number] = load_plan(cur.plan_file, validate=False)
-        return self._plans[cur.number]
+    def _plan(self, path: str | Path) -> Plan:
+        if str(path) not in self._plans:
+            self._plans[str(path)] = load_plan(path, validate=False)
+        return self._plans[str(path)]
 
     def _tail(self, cur: Attempt) -> LogTail | None:
         if cur.log is None:
@@ -286,28 +287,29 @@ class Controller:
         obs = self.observe(cur)
         tail = self._tail(cur)
         if tail is not None:
-            tail.poll()
+            self._in_place(cur, tail.poll())
         job = obs.job
         running = job is not None and _all_running(job)
         if running and cur.running_t is None:
             self.note(Kind.JOB_RUNNING, attempt=cur.number, job_id=cur.job_id, nodes=obs.job_nodes)
         self._first_step(cur, tail)
+        self._in_place_recovered(cur, tail)
         self._checkpoint(cur)
         if job is None or not job.known and job.state != "LOST":
             return  # not visible yet (just submitted)
-        lost = lost_nodes(sorted(set(cur.nodes) | set(obs.job_nodes)), obs.lost, cur.lost_nodes)
+        lost = lost_nodes(sorted(set(cur.nodes) | set(obs.job_nodes)), obs.lost, {**cur.lost_nodes, **cur.released})
         if lost:
             rec = self.note(Kind.NODE_LOST, attempt=cur.number, job_id=cur.job_id, nodes=lost)
             if running and draining_only(lost) and cur.stop is None:
                 self.note(Kind.DECISION, attempt=cur.number, action="checkpoint", trigger=Kind.NODE_LOST,
                           trigger_t=rec["t"], reason="a node of the job drains: checkpoint and move")
-                self._stop(cur, "node draining")
+                self._stop(cur, DRAIN_REASON)
                 return
         if not job.final and any(c.state == "COMPLETING" for c in job.components):
             return  # ending (its GPUs may already show as idle): its final state will say how
         if running:
-            if self._saved_on_signal(tail):  # ours, a preemption's or the time limit's: the checkpoint is
-                self._end(cur, job, tail)  # committed, no need to wait for the ranks to exit and the requeue
+            if self._saved_on_signal(tail) and not _shrinks_in_place(cur):  # ours, a preemption's or the
+                self._end(cur, job, tail)  # time limit's: the checkpoint is committed, no need to wait for the exit
             elif cur.stop is not None and self.clock() - float(cur.stop["t"]) > _stop_timeout(tail):
                 self._end(cur, job, tail, why="did not stop after its checkpoint signal")
             elif cur.stop is None and cur.first_step_t is not None and not cur.lost_nodes:
@@ -336,6 +338,27 @@ class Controller:
                       submitted_t=cur.submitted_t, running_t=cur.running_t, first_step_t=rec["t"],
                       queue_wait_s=queue, downtime_s=down, recovery_s=down - (queue or 0.0))
 
+    def _in_place(self, cur: Attempt, records: list[dict[str, Any]]) -> None:
+        """Journal the steps the job's batch script re-planned on its surviving nodes (once each: a resumed
+        controller reads the log again from the start)."""
+        for r in records:
+            if r.get("event") == "in_place" and r.get("step_index", 0) > len(cur.in_place):
+                self.note(Kind.IN_PLACE, attempt=cur.number, **{k: v for k, v in r.items() if k != "event"})
+            elif r.get("event") == "in_place_refused" and r.get("step_index", 0) > len(cur.in_place):
+                self.note(Kind.IN_PLACE_REFUSED, attempt=cur.number,
+                          **{k: v for k, v in r.items() if k not in ("event", "t")})
+
+    def _in_place_recovered(self, cur: Attempt, tail: LogTail | None) -> None:
+        """The first step after an in-place re-plan: how long the change cost, inside the same job."""
+        if not cur.in_place or "recovery" in cur.in_place[-1] or tail is None or tail.progress.first_step is None:
+            return
+        change, p, t = cur.in_place[-1], tail.progress, self.clock()
+        trigger = change.get("trigger") or [Kind.NODE_LOST, change["t_step_end"]]  # seen by the job first
+        self.note(Kind.RECOVERY, attempt=cur.number, in_place=True, trigger=trigger[0], trigger_t=trigger[1],
+                  first_step_t=t, step=p.first_step, loaded_step=p.loaded_step or 0, queue_wait_s=0.0,
+                  downtime_s=t - float(trigger[1]), recovery_s=t - float(trigger[1]),
+                  ranks_idle_s=t - float(change["t_step_end"]), new_job=False)
+
     def _stop(self, cur: Attempt, reason: str) -> None:
         try:
             slurm_ops.request_checkpoint(cur.job_id, self.env)  # type: ignore[arg-type]
@@ -362,8 +385,9 @@ class Controller:
             return
         step = (tail.progress.last_step if tail is not None else None) or self._checkpoint_step()
         remaining = max(0, spec.steps - step) * spec.gbs
-        restart_s = restart_cost(spec.restart_cost_s, [r["downtime_s"] for r in st.recoveries if "downtime_s" in r])
-        if plan_shape(planned.plan) == plan_shape(self._plan(cur)):
+        restart_s = restart_cost(spec.restart_cost_s, [r["downtime_s"] for r in st.recoveries
+                                                       if "downtime_s" in r and not r.get("in_place")])
+        if plan_shape(planned.plan) == plan_shape(self._plan(cur.plan_file)):
             verdict = Verdict(False, 0.0, 0.0, 0.0, "the best plan on the new availability is the current one")
         else:
             verdict = judge(spec.objective, Score(cur.throughput, cur.cost_per_hour), planned.score, remaining,
@@ -434,6 +458,12 @@ def _stop_timeout(tail: LogTail | None) -> float:
     since its last periodic checkpoint, so a model that saves slowly gets the time its own saves took."""
     needs = tail.progress.stop_needs_s if tail is not None else 0.0
     return max(STOP_TIMEOUT_S, STOP_MARGIN * needs)
+
+
+def _shrinks_in_place(cur: Attempt) -> bool:
+    """Asked to checkpoint because a node drains: the job's batch script re-plans on its other nodes
+    (or ends, if no plan fits them), so the controller waits for the job instead of ending it."""
+    return cur.stop is not None and cur.stop.get("reason") == DRAIN_REASON
 
 
 def _all_running(job: JobStatus) -> bool:

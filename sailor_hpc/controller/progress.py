@@ -40,7 +40,9 @@ class Progress:
     def add(self, rec: dict[str, Any]) -> None:
         kind = rec.get("event")
         step = rec.get("step")
-        if kind == "start":
+        if kind == "in_place":  # the next step of the same job, re-planned on the survivors: a new account
+            self.__dict__.update(Progress().__dict__)
+        elif kind == "start":
             if self.first_step is not None or self.signal_step is not None:
                 self.__dict__.update(Progress().__dict__)  # the job runs again (requeued): a new account
             self.started = True

@@ -87,7 +87,7 @@ def prepare_attempt(rundir: RunDir, spec: RunSpec, site: Site, plan: Plan, attem
                              extra_sbatch=spec.extra_sbatch,
                              train_args=("--save-interval", str(spec.save_interval), *spec.train_args),
                              python=spec.python, signal_grace_s=spec.signal_grace_s, workdir=rundir.path,
-                             log_dir=rundir.logs)
+                             log_dir=rundir.logs, time_min=spec.time_min, in_place=rundir.path)
     script = rundir.script_file(attempt)
     script.parent.mkdir(parents=True, exist_ok=True)
     write_job_script(script, text)

@@ -20,6 +20,7 @@ from planner import Constraints, PlanRequest
 from sailor_hpc.core.atomic import atomic_write_text
 from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.precision import DTYPES
+from sailor_hpc.jobs.render import parse_time_limit
 
 SPEC_FORMAT = "sailor-hpc-run"
 SPEC_VERSION = 1
@@ -60,6 +61,7 @@ class RunSpec:
     replan_interval_s: float = 30.0  # at most one re-plan for more idle GPUs per interval
     save_interval: int = 50  # the job checkpoints every K steps (a lost node costs at most K steps)
     time_limit: str | None = None
+    time_min: str | None = None  # --time-min: backfill may start a job sooner with a limit down to this
     signal_grace_s: int | None = None
     python: str = sys.executable
     train_args: tuple[str, ...] = ()
@@ -92,6 +94,11 @@ class RunSpec:
             if arg.split("=", 1)[0] in RESERVED_TRAIN_ARGS:
                 raise bad("--train-arg", f"{arg!r} is set by the controller",
                           "use --steps / --save-interval / --data / --save of sailor-hpc run instead")
+        if self.time_min is not None:
+            _, least = parse_time_limit(self.time_min)
+            if self.time_limit is not None and least > parse_time_limit(self.time_limit)[1]:
+                raise bad("--time-min", f"{self.time_min} is longer than --time {self.time_limit}",
+                          "give a minimum at most the time limit")
         if not self.run_id or not self.run_id.isalnum():
             raise bad("run_id", f"{self.run_id!r} is not alphanumeric")
 

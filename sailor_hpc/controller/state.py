@@ -140,6 +140,8 @@ class Attempt:
     gone: bool = False
     recovery: dict[str, Any] | None = None
     advanced: bool = False  # a newer complete checkpoint appeared while it ran (or right after it)
+    in_place: list[dict[str, Any]] = field(default_factory=list)  # steps re-planned on its survivors
+    released: dict[str, str] = field(default_factory=dict)  # lost nodes handled in place (not lost again)
 
 
 @dataclass
@@ -232,8 +234,20 @@ def apply(state: RunState, rec: Record) -> None:
         state.failures_in_a_row = 0
     elif kind == Kind.RECOVERY:
         assert att is not None
-        att.recovery = {k: v for k, v in rec.items() if k not in ("seq", "kind")}
-        state.recoveries.append(att.recovery)
+        recovery = {k: v for k, v in rec.items() if k not in ("seq", "kind")}
+        if rec.get("in_place"):
+            att.in_place[-1]["recovery"] = recovery
+        else:
+            att.recovery = recovery
+        state.recoveries.append(recovery)
+    elif kind == Kind.IN_PLACE:
+        assert att is not None
+        att.in_place.append({**{k: v for k, v in rec.items() if k not in ("seq", "kind", "attempt")},
+                             "trigger": state.trigger})
+        att.plan_file, att.gpus, att.nodes = rec["plan_file"], dict(rec["gpus"]), list(rec["nodes"])
+        att.throughput, att.cost_per_hour = float(rec["throughput"]), float(rec["cost_per_hour"])
+        att.released.update({**att.lost_nodes, **rec.get("lost", {})})
+        att.lost_nodes, att.stop, state.trigger = {}, None, None
     elif kind == Kind.CHECKPOINT:
         state.checkpoint = {"step": rec["step"], "consumed_samples": rec.get("consumed_samples"), "path": rec.get("path")}
         if state.attempts:  # one job at a time: a new checkpoint is the latest job's (also if seen after it ended)

@@ -32,7 +32,17 @@ import pytest
 
 from sailor_hpc.controller.state import fold
 from sailor_hpc.core.checkpoint import latest_complete, read_manifest
-from tests.controller.scenario import GBS, Scenario, build_inputs, kind, start_reference, step_events
+from tests.controller.scenario import (
+    GBS,
+    Scenario,
+    build_inputs,
+    cleaned_up,
+    finish,
+    kind,
+    records_of,
+    start_reference,
+    step_events,
+)
 
 # enough steps that the job of step 5 still trains when the preemption signal lands: the 2-A100 job of step 3
 # runs ~10 steps/s and stops only at the controller's next poll after the drain
@@ -52,7 +62,7 @@ def story(slurm_cluster, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
     reference = start_reference(root, data, STEPS)  # one process, alongside the run
     sc = Scenario(slurm_cluster, root, data, archive, steps=STEPS)
     times: dict[str, float] = {}
-    try:
+    with cleaned_up(sc, reference):
         sc.blocker("a100-1", 3)
         sc.blocker("a100-2", 4)
         b_v100 = sc.blocker("v100-2", 8)
@@ -72,20 +82,11 @@ def story(slurm_cluster, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
         job4 = sc.wait_for("the first step after the drain", kind("first_step", attempt=4))["job_id"]
         times["term"] = time.time()
         sc.slurm("scancel", "--signal=TERM", job4)  # what preemption (or the time-limit warning) sends
-        rc = sc.wait_exit(timeout=300)
-        assert rc == 0, sc.controller_output()
-        assert reference.wait(timeout=300) == 0, (root / "reference.log").read_text()[-3000:]
+        status = finish(sc, reference)
         jobs = slurm_cluster.run(["squeue", "-h", "-t", "all", "-o", "%i|%j|%T"]).stdout
-        status = slurm_cluster.run(["sailor-hpc", "run", "status", str(sc.run_dir)], env=sc.env)
         return {"sc": sc, "records": sc.records(), "times": times, "jobs": jobs, "status": status, "root": root}
-    finally:
-        if reference.poll() is None:
-            reference.kill()
-        sc.cleanup()
 
-
-def _records(story: dict[str, Any], k: str) -> list[dict[str, Any]]:
-    return [r for r in story["records"] if r["kind"] == k]
+_records = records_of
 
 
 def _print_story(story: dict[str, Any]) -> None:
