@@ -34,8 +34,8 @@ _DIR = click.Path(file_okay=False, path_type=Path)
 #: options that describe a new run; --resume reads them from run.json instead
 _RUN_OPTIONS = ("site_file", "model", "data", "save", "run_dir", "profiles", "gbs", "seq_len", "dtype", "steps", "objective",
                 "max_cost_per_hour", "max_cost_per_iteration", "min_throughput", "max_gpus", "max_stages", "min_gain",
-                "restart_cost", "max_restarts", "backoff", "poll", "replan_interval", "save_interval", "time_limit",
-                "time_min", "signal_grace", "python", "train_arg", "extra_sbatch")
+                "restart_cost", "max_restarts", "backoff", "poll", "replan_interval", "grow_timeout", "save_interval",
+                "time_limit", "time_min", "signal_grace", "python", "train_arg", "extra_sbatch")
 
 
 def parse_gain(text: str) -> float:
@@ -78,6 +78,7 @@ def new_run(opts: dict[str, Any]) -> Path:
                    max_stages=opts.get("max_stages"), min_gain=parse_gain(opts["min_gain"]),
                    restart_cost_s=opts.get("restart_cost"), max_restarts=opts["max_restarts"],
                    backoff_s=opts["backoff"], poll_s=opts["poll"], replan_interval_s=opts["replan_interval"],
+                   grow_timeout_s=opts["grow_timeout"],
                    save_interval=opts["save_interval"], time_limit=opts.get("time_limit"),
                    time_min=opts.get("time_min"),
                    signal_grace_s=opts.get("signal_grace"), python=opts["python"],
@@ -136,6 +137,9 @@ def drive(run_dir: Path) -> int:
 @click.option("--poll", type=float, default=2.0, show_default=True, help="Seconds between looks at Slurm.")
 @click.option("--replan-interval", type=float, default=30.0, show_default=True,
               help="At most one re-plan for more idle GPUs per this many seconds.")
+@click.option("--grow-timeout", type=float, default=300.0, show_default=True,
+              help="Seconds a bigger job submitted beside the running one may wait in the queue before it is "
+                   "cancelled (the run keeps training meanwhile).")
 @click.option("--save-interval", type=click.IntRange(min=1), default=50, show_default=True,
               help="The job checkpoints every K steps (a lost node costs at most K steps).")
 @click.option("--time", "time_limit", default=None, help="Time limit of each job (it checkpoints before it).")

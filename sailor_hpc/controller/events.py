@@ -33,6 +33,7 @@ class Observation:
     unusable: dict[str, str] = field(default_factory=dict)  # node -> state, for nodes no new job can use now
     lost: dict[str, str] = field(default_factory=dict)  # node -> state, for nodes that lost (or drain) their jobs
     free: dict[str, dict[str, int]] = field(default_factory=dict)  # partition -> node -> GPUs free for the run
+    idle: dict[str, dict[str, int]] = field(default_factory=dict)  # the same without the job's own GPUs
 
     @property
     def job_running(self) -> bool:

@@ -62,6 +62,7 @@ from sailor_hpc.jobs.render import PORT_BASE, PORT_SPAN
 from sailor_hpc.slurm.commands import parse_kv_line, run_slurm, show_nodes, sinfo_nodes
 
 EXIT_NEXT_STEP, EXIT_END_JOB = 0, 1
+STEP_PORT_STRIDE = 9973
 
 
 @dataclass(frozen=True)
@@ -169,7 +170,8 @@ def next_step(run_dir: Path, job_plan_file: Path, step_plan_file: Path, step: in
     plan_path = job_plan_file.with_name(f"{job_plan_file.stem}.step-{step}.json")
     planned.plan.save(plan_path)
     addr = next((n.raw.get("NodeAddr") for n in show_nodes(None, names=[nodes[0]])), None) or nodes[0]
-    port = PORT_BASE + (int(job_id) + step) % PORT_SPAN  # a fresh rendezvous port per step
+    # a fresh rendezvous port per step, far from the ports of the jobs submitted next (base + job id)
+    port = PORT_BASE + (int(job_id) + step * STEP_PORT_STRIDE) % PORT_SPAN
     env = "\n".join([f"PLAN={shlex.quote(str(plan_path))}", f"export MASTER_ADDR={shlex.quote(addr)}",
                      f"export MASTER_PORT={port}", f"STEP_NODES={shlex.quote(','.join(nodes))}",
                      "STEP_COMPONENTS=(" + " ".join(shlex.quote(o) for o in opts) + ")"]) + "\n"

@@ -51,6 +51,7 @@ from sailor_hpc.controller.progress import LogTail
 from sailor_hpc.controller.state import RESIZE_REASON, Attempt, RunDir, RunState, apply, fold, job_name
 from sailor_hpc.controller.story import describe
 from sailor_hpc.core.archive import open_archive
+from sailor_hpc.core.atomic import atomic_write_text
 from sailor_hpc.core.checkpoint import latest_complete, read_manifest
 from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.plan import Plan
@@ -87,6 +88,7 @@ class Controller:
         self.site: Site = load_site(self.spec.site)
         self.archive = open_archive(self.spec.profiles, self.site)
         self._tails: dict[int, LogTail] = {}
+        self._succ_tails: dict[str, LogTail] = {}
         self._watchers: dict[int, JobWatcher] = {}
         self._plans: dict[str, Plan] = {}
         self._hosts: dict[str, list[str]] = {}
@@ -163,12 +165,15 @@ class Controller:
                 self.note(Kind.ADOPTED, attempt=cur.number, job_id=jid, log=str(self._log_of(jid)))
             else:
                 self.note(Kind.JOB_GONE, attempt=cur.number, job_id=None, state="NOT_SUBMITTED")
+        if cur is not None and cur.handover_from is not None:
+            self._open_gate(cur.number)  # killed between journaling the handover and opening the gate
         self._cancel_strays()
 
     def _cancel_strays(self) -> None:
         cur = self.state.current
+        keep = {cur.job_id, cur.successor["job_id"] if cur.waits_for_successor else None} if cur else set()  # type: ignore[index]
         for base, info in slurm_ops.owned_jobs(self.spec.run_id, self.env).items():
-            if info["state"] in FINAL_STATES or (cur is not None and base == cur.job_id):
+            if info["state"] in FINAL_STATES or base in keep:
                 continue
             self.note(Kind.CANCEL, job_id=base, reason=f"{info['name']} is not the run's current job")
             self.note(Kind.JOB_GONE, job_id=base, state=slurm_ops.cancel_and_wait(base, self.env))
@@ -193,6 +198,7 @@ class Controller:
                 obs.job_nodes = sorted({h for hs in hosts.values() for h in hs})
                 own = own_gpus(self._plan(self.rundir.plan_file(cur.number)), obs.job, hosts)  # what it holds
         obs.free = free_for_run(idle, own, obs.unusable, obs.lost)
+        obs.idle = free_for_run(idle, {}, obs.unusable, obs.lost)
         for name in names:
             obs.free.setdefault(name, {})
         return obs
@@ -238,6 +244,12 @@ class Controller:
 
     def start_next(self) -> None:
         st, spec = self.state, self.spec
+        prev = st.attempts[-1] if st.attempts else None
+        if prev is not None and prev.waits_for_successor:
+            if prev.successor.get("running_t") is not None:  # type: ignore[union-attr]
+                self._handover(prev)
+                return
+            self._drop_successor(prev, f"job {prev.job_id} ended before the bigger job started")
         self._checkpoint(None)
         if self._checkpoint_step() >= spec.steps:
             self.note(Kind.FINISHED, step=self._checkpoint_step(), checkpoint=st.checkpoint["path"])  # type: ignore[index]
@@ -294,6 +306,8 @@ class Controller:
             self.note(Kind.JOB_RUNNING, attempt=cur.number, job_id=cur.job_id, nodes=obs.job_nodes)
         self._first_step(cur, tail)
         self._in_place_recovered(cur, tail)
+        if cur.waits_for_successor:
+            self._watch_successor(cur)
         self._checkpoint(cur)
         if job is None or not job.known and job.state != "LOST":
             return  # not visible yet (just submitted)
@@ -312,7 +326,7 @@ class Controller:
                 self._end(cur, job, tail)  # time limit's: the checkpoint is committed, no need to wait for the exit
             elif cur.stop is not None and self.clock() - float(cur.stop["t"]) > _stop_timeout(tail):
                 self._end(cur, job, tail, why="did not stop after its checkpoint signal")
-            elif cur.stop is None and cur.first_step_t is not None and not cur.lost_nodes:
+            elif cur.stop is None and cur.first_step_t is not None and not cur.lost_nodes and not cur.waits_for_successor:
                 self._consider_resize(cur, obs, tail)
             return
         if cur.running_t is None and not job.final and job.state != "LOST" and not cur.lost_nodes:
@@ -334,9 +348,15 @@ class Controller:
         if cur.trigger_t is not None:
             queue = (cur.running_t - cur.submitted_t) if cur.running_t and cur.submitted_t else None
             down = rec["t"] - cur.trigger_t
+            # ranks idle: from the change; for a job that took over from a running one (which trained while
+            # this one queued), from that one's last step to this one's first, both by the runtime's clock
+            prev = self.state.attempt(cur.handover_from) if cur.handover_from is not None else None
+            before = (prev.stopped or {}).get("last_step_t") if prev is not None else None
+            idle = p.first_step_t - before if before and p.first_step_t else down
             self.note(Kind.RECOVERY, attempt=cur.number, trigger=cur.trigger, trigger_t=cur.trigger_t,
                       submitted_t=cur.submitted_t, running_t=cur.running_t, first_step_t=rec["t"],
-                      queue_wait_s=queue, downtime_s=down, recovery_s=down - (queue or 0.0))
+                      queue_wait_s=queue, downtime_s=down, recovery_s=down - (queue or 0.0), ranks_idle_s=idle,
+                      new_job=True, handover=prev is not None)
 
     def _in_place(self, cur: Attempt, records: list[dict[str, Any]]) -> None:
         """Journal the steps the job's batch script re-planned on its surviving nodes (once each: a resumed
@@ -353,11 +373,99 @@ class Controller:
         if not cur.in_place or "recovery" in cur.in_place[-1] or tail is None or tail.progress.first_step is None:
             return
         change, p, t = cur.in_place[-1], tail.progress, self.clock()
+        idle = p.first_step_t - p.before_t if p.first_step_t and p.before_t else t - float(change["t_step_end"])
         trigger = change.get("trigger") or [Kind.NODE_LOST, change["t_step_end"]]  # seen by the job first
         self.note(Kind.RECOVERY, attempt=cur.number, in_place=True, trigger=trigger[0], trigger_t=trigger[1],
                   first_step_t=t, step=p.first_step, loaded_step=p.loaded_step or 0, queue_wait_s=0.0,
                   downtime_s=t - float(trigger[1]), recovery_s=t - float(trigger[1]),
-                  ranks_idle_s=t - float(change["t_step_end"]), new_job=False)
+                  ranks_idle_s=idle, new_job=False)
+
+    # ------------------------------------------------------------------------------ grow without a gap
+
+    def _grow(self, cur: Attempt, obs: Observation, trigger_t: float, remaining: int, restart_s: float) -> bool:
+        """Submit the bigger job on idle GPUs alone, beside the running one, if such a plan is worth it too;
+        the running job trains until the new one runs (:meth:`_watch_successor`). False: it needs the job's
+        own GPUs (or none fits): the caller stops the job first, as before."""
+        try:
+            planned = plan_on(self.spec, self.site, self.archive, obs.idle)
+        except SailorError:
+            return False
+        if not judge(self.spec.objective, Score(cur.throughput, cur.cost_per_hour), planned.score, remaining,
+                     restart_s, self.spec.min_gain).resize:
+            return False
+        number = len(self.state.attempts) + 1
+        name = job_name(self.spec.run_id, number)
+        plan_path, script = slurm_ops.prepare_attempt(self.rundir, self.spec, self.site, planned.plan, number, name,
+                                                      gate=self.rundir.gate_file(number))
+        self.note(Kind.PLAN, reason=RESIZE_REASON, available=obs.available, planner_available=planned.available,
+                  plan_file=str(plan_path), **planned.summary())
+        job = slurm_ops.submit(script, plan_path, self.spec, self.env)
+        self.note(Kind.GROW_SUBMITTED, attempt=cur.number, next_attempt=number, job_id=job.job_id, job_name=name,
+                  log=job.log, plan_file=str(plan_path), script=str(script), trigger_t=trigger_t,
+                  gpus=planned.summary()["gpus"], throughput=planned.score.throughput,
+                  cost_per_hour=planned.score.cost_per_hour)
+        return True
+
+    def _watch_successor(self, cur: Attempt) -> None:
+        """Once the bigger job runs and all its ranks wait at the gate (started, rendezvous done, model
+        built), ask this one to checkpoint and end; cancel the bigger one if it is not that far within
+        ``grow_timeout_s`` (the run keeps training where it is)."""
+        succ = cur.successor
+        assert succ is not None
+        try:
+            job = job_status(succ["job_id"], self.env)
+        except SailorError:
+            return  # Slurm briefly unreachable: look again next poll
+        if succ.get("running_t") is None and _all_running(job):
+            hosts = slurm_ops.expand_nodes([c.nodes for c in job.components], self.env)
+            self.note(Kind.GROW_RUNNING, attempt=cur.number, job_id=succ["job_id"], nodes=hosts)
+        if succ.get("running_t") is not None and cur.stop is None and self._successor_ready(succ):
+            self._stop(cur, "resize")
+        elif cur.stop is None and (job.final or self.clock() - succ["submitted_t"] > self.spec.grow_timeout_s):
+            why = f"ended ({job.state}) before its ranks were ready" if job.final else \
+                f"its ranks were not ready {self.spec.grow_timeout_s:.0f} s after it was submitted"
+            self._drop_successor(cur, why)
+
+    def _successor_ready(self, succ: dict[str, Any]) -> bool:
+        """Every rank of the bigger job said it waits for the gate (its log's ``waiting`` records)."""
+        tail = self._succ_tails.setdefault(succ["job_id"], LogTail(succ["log"]))
+        tail.poll()
+        return tail.waiting >= self._plan(succ["plan_file"]).num_gpus
+
+    def _drop_successor(self, cur: Attempt, reason: str) -> None:
+        succ = cur.successor
+        assert succ is not None
+        state = slurm_ops.cancel_and_wait(succ["job_id"], self.env)
+        self.note(Kind.GROW_CANCELLED, attempt=cur.number, job_id=succ["job_id"], reason=reason, state=state)
+
+    def _open_gate_early(self, cur: Attempt, tail: LogTail | None) -> bool:
+        """Let the bigger job's waiting ranks load as soon as this job's ranks are gone (they saved on the
+        resize signal): its batch script still ends, but no rank of it writes checkpoints any more."""
+        succ = cur.successor
+        if not (cur.waits_for_successor and succ and succ.get("running_t") and self._saved_on_signal(tail)):
+            return False
+        if not slurm_ops.training_steps_gone(cur.job_id, self.env):  # type: ignore[arg-type]
+            return False
+        self._open_gate(succ["next_attempt"])
+        self.note(Kind.GATE_OPENED, attempt=cur.number, next_attempt=succ["next_attempt"], job_id=succ["job_id"])
+        return True
+
+    def _handover(self, prev: Attempt) -> None:
+        """The old job is gone: the bigger one becomes the run's job, and its waiting ranks may load."""
+        s = prev.successor
+        assert s is not None
+        n = s["next_attempt"]
+        self.note(Kind.SUBMIT_INTENT, attempt=n, job_name=s["job_name"], plan_file=s["plan_file"], script=s["script"],
+                  reason=RESIZE_REASON, trigger=Kind.IDLE_GPUS, trigger_t=s["trigger_t"], gpus=s["gpus"],
+                  throughput=s["throughput"], cost_per_hour=s["cost_per_hour"], handover_from=prev.number)
+        self.note(Kind.SUBMITTED, attempt=n, job_id=s["job_id"], log=s["log"], submitted_t=s["submitted_t"])
+        self.note(Kind.JOB_RUNNING, attempt=n, job_id=s["job_id"], nodes=s.get("nodes", []), since=s["running_t"])
+        self._open_gate(n)
+
+    def _open_gate(self, attempt: int) -> None:
+        gate = self.rundir.gate_file(attempt)
+        gate.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(gate, "go\n")
 
     def _stop(self, cur: Attempt, reason: str) -> None:
         try:
@@ -385,7 +493,7 @@ class Controller:
             return
         step = (tail.progress.last_step if tail is not None else None) or self._checkpoint_step()
         remaining = max(0, spec.steps - step) * spec.gbs
-        restart_s = restart_cost(spec.restart_cost_s, [r["downtime_s"] for r in st.recoveries
+        restart_s = restart_cost(spec.restart_cost_s, [r.get("ranks_idle_s", r["downtime_s"]) for r in st.recoveries
                                                        if "downtime_s" in r and not r.get("in_place")])
         if plan_shape(planned.plan) == plan_shape(self._plan(cur.plan_file)):
             verdict = Verdict(False, 0.0, 0.0, 0.0, "the best plan on the new availability is the current one")
@@ -397,7 +505,8 @@ class Controller:
                   current={"gpus": cur.gpus, "throughput": cur.throughput, "cost_per_hour": cur.cost_per_hour},
                   restart_cost_s=restart_s, remaining_samples=remaining, step=step, **verdict.to_dict())
         if verdict.resize:
-            self._stop(cur, "resize")
+            if not self._grow(cur, obs, rec["t"], remaining, restart_s):
+                self._stop(cur, "resize")
         else:
             self.note(Kind.BASELINE, available=obs.available)
 
@@ -411,17 +520,24 @@ class Controller:
         if cur.stopped is None:
             self.note(Kind.JOB_STOPPED, attempt=cur.number, job_id=cur.job_id, state=job.state,
                       reason=why or _classify(cur, job, prog),
-                      step=prog.last_step if prog else None,
+                      step=prog.last_step if prog else None, last_step_t=prog.last_step_t if prog else None,
                       exit_codes=[c.exit_code for c in job.components if c.exit_code])
+        early = self._open_gate_early(cur, tail)
         final = job.state if job.final else None
         if final is None:
             self.note(Kind.CANCEL, job_id=cur.job_id, reason="what is left of the stopped job")
-            final = slurm_ops.cancel_and_wait(cur.job_id, self.env)  # type: ignore[arg-type]
+            # ranks that saved on the signal have left their step: end the rest (the batch script) at once,
+            # which matters when a bigger job waits for this one to be gone before it loads
+            grace = 0.0 if self._saved_on_signal(tail) else 10.0
+            final = slurm_ops.cancel_and_wait(cur.job_id, self.env, grace_s=grace)  # type: ignore[arg-type]
         if tail is not None:
             tail.poll()  # its last words: saved, done, error
-        self._checkpoint(cur)
+        if not early:  # else newer checkpoints are the bigger job's: journaled once it is the run's job
+            self._checkpoint(cur)
         self.note(Kind.JOB_GONE, attempt=cur.number, job_id=cur.job_id, state=final)
         if self._checkpoint_step() >= self.spec.steps:
+            if cur.waits_for_successor:
+                self._drop_successor(cur, "the run is finished")
             self.note(Kind.FINISHED, step=self._checkpoint_step(), checkpoint=self.state.checkpoint["path"])  # type: ignore[index]
             return
         bad_input = any(c.exit_code.startswith("2:") for c in job.components if c.exit_code)

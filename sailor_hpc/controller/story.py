@@ -43,6 +43,16 @@ def describe(rec: Record) -> str:
         return (f"{a}re-planned in job {rec.get('job_id')} on its surviving nodes {', '.join(rec.get('nodes', []))}: "
                 f"{_gpus(rec.get('was_gpus'))} -> {_gpus(rec.get('gpus'))}, released {', '.join(rec.get('released', [])) or '-'}"
                 + (f" (Slurm refused: {'; '.join(rec['refused'])})" if rec.get("refused") else ""))
+    if k == Kind.GROW_SUBMITTED:
+        return (f"{a}bigger job {rec.get('job_id')} ({_gpus(rec.get('gpus'))}) submitted beside the running one, "
+                f"which trains until it runs")
+    if k == Kind.GROW_RUNNING:
+        return (f"{a}bigger job {rec.get('job_id')} runs on {', '.join(rec.get('nodes', []))}: the old one trains "
+                f"until its ranks are ready")
+    if k == Kind.GATE_OPENED:
+        return f"{a}its ranks are gone: bigger job {rec.get('job_id')} loads the checkpoint and trains"
+    if k == Kind.GROW_CANCELLED:
+        return f"{a}bigger job {rec.get('job_id')} cancelled ({rec.get('reason')}); training goes on where it is"
     if k == Kind.IN_PLACE_REFUSED:
         return f"{a}no in-place step in job {rec.get('job_id')} ({rec.get('reason')}): the job ends, a new one follows"
     if k == Kind.RECOVERY and rec.get("in_place"):
@@ -117,7 +127,8 @@ def change_rows(state: RunState) -> list[tuple[Any, ...]]:
     for att in state.attempts:
         if att.recovery:
             r = att.recovery
-            rows.append((att.number, att.job_id or "-", r.get("trigger"), "n", f"{r.get('downtime_s', 0):.1f}",
+            rows.append((att.number, att.job_id or "-", r.get("trigger"), "n",
+                         f"{r.get('ranks_idle_s', r.get('downtime_s', 0)):.1f}",
                          f"{r.get('queue_wait_s') or 0:.1f}", "0"))
         for ch in att.in_place:
             r = ch.get("recovery", {})

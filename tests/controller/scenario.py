@@ -48,6 +48,17 @@ def start_reference(root: Path, data: str, steps: int) -> subprocess.Popen:
                             cwd=REPO, env=local.rank_env(0, 1, local.free_port()), stdout=out, stderr=subprocess.STDOUT)
 
 
+def one_gpu_a100_site(root: Path) -> Path:
+    """local-lab, with the A100 partition declared as one GPU (and CPU) per node."""
+    text = LOCAL_LAB.read_text()
+    a100 = text.index('name = "a100"')
+    head, tail = text[:a100], text[a100:]
+    tail = tail.replace("gpus_per_node = 4", "gpus_per_node = 1", 1).replace("cpus_per_node = 4", "cpus_per_node = 1", 1)
+    site = root / "one-gpu-a100.toml"
+    site.write_text(head + tail)
+    return site
+
+
 @dataclass
 class Scenario:
     cluster: Any  # tests.slurm.cluster.SlurmCluster

@@ -26,21 +26,10 @@ import pytest
 
 from sailor_hpc.core.checkpoint import latest_complete, read_manifest
 from tests.controller import scenario as story_kit
-from tests.controller.scenario import GBS, LOCAL_LAB, Scenario, kind, step_events
+from tests.controller.scenario import GBS, Scenario, kind, step_events
 
-STEPS = 40
+STEPS = 100
 PARAM_TOL = 1e-6
-
-
-def one_gpu_a100_site(root: Path) -> Path:
-    """local-lab, with the A100 partition declared as one GPU (and CPU) per node."""
-    text = LOCAL_LAB.read_text()
-    a100 = text.index('name = "a100"')
-    head, tail = text[:a100], text[a100:]
-    tail = tail.replace("gpus_per_node = 4", "gpus_per_node = 1", 1).replace("cpus_per_node = 4", "cpus_per_node = 1", 1)
-    site = root / "one-gpu-a100.toml"
-    site.write_text(head + tail)
-    return site
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +38,7 @@ def story(slurm_cluster, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
     root = tmp_path_factory.mktemp("inplace")
     data, archive = story_kit.build_inputs(root)
     reference = story_kit.start_reference(root, data, STEPS)
-    sc = Scenario(slurm_cluster, root, data, archive, steps=STEPS, site=one_gpu_a100_site(root),
+    sc = Scenario(slurm_cluster, root, data, archive, steps=STEPS, site=story_kit.one_gpu_a100_site(root),
                   extra_args=["--restart-cost", "0"])
     times: dict[str, float] = {}
     with story_kit.cleaned_up(sc, reference):
@@ -85,6 +74,31 @@ def test_drain_and_down_are_handled_inside_the_job(story):
     assert not _records(story, "in_place_refused")
     # the controller's one signal of attempt 1 is the drain's checkpoint request; the grow is today's resize
     assert [(r["attempt"], r["reason"]) for r in _records(story, "signal_sent")] == [(1, "node draining"), (1, "resize")]
+
+
+def test_grows_without_a_gap(story):
+    """The bigger job is submitted while the old one trains; the old one checkpoints only once the new one
+    runs, and the new one's ranks (started already) load exactly that checkpoint."""
+    records = story["records"]
+    grow = _records(story, "grow_submitted")[0]
+    running = _records(story, "grow_running")[0]
+    stopped = next(r for r in _records(story, "job_stopped") if r["attempt"] == 1)
+    signal = next(r for r in _records(story, "signal_sent") if r["reason"] == "resize")
+    assert grow["attempt"] == 1 and grow["next_attempt"] == 2 and grow["gpus"] == {"a100": 2}
+    assert grow["seq"] < running["seq"] < signal["seq"] < stopped["seq"]  # old job trained until the new one ran
+    gone = next(r for r in records if r["kind"] == "job_gone" and r.get("attempt") == 1)
+    intent = next(r for r in _records(story, "submit_intent") if r["attempt"] == 2)
+    assert intent["handover_from"] == 1 and intent["seq"] > gone["seq"]  # never two jobs writing checkpoints
+    first = next(r for r in _records(story, "first_step") if r["attempt"] == 2)
+    newest = max(r["step"] for r in _records(story, "checkpoint") if r["seq"] < first["seq"])
+    assert first["loaded_step"] == stopped["step"] == newest and first["step"] == newest + 1  # no step lost
+    events = [e for e in step_events(Path(grow["log"])) if e.get("event") in ("waiting", "go", "loaded")]
+    for rank in (0, 1):  # each rank started, waited for the old job's ranks to be gone, then loaded
+        assert [e["event"] for e in events if e["rank"] == rank][:3] == ["waiting", "go", "loaded"], events
+    rec = next(r for r in _records(story, "recovery") if r["attempt"] == 2)
+    assert rec["handover"] is True and rec["new_job"] is True
+    print(f"\ngrow 1 -> 2 A100: ranks idle {rec['ranks_idle_s']:.1f} s (old job's last step to the new one's first), "
+          f"the new job queued {rec['queue_wait_s']:.1f} s while the old one trained")
 
 
 def test_sacct_shows_one_job_with_several_steps_per_change(story):
