@@ -7,21 +7,27 @@ One loop, one job at a time (an *attempt*), every step journaled before it is ac
    checkpoint directory, so it starts from the newest complete checkpoint, whatever plan wrote it.
 2. The job runs: each poll reads the job's state and nodes, the nodes' states, the idle GPUs and the
    job's log (first step, checkpoints).
-   - a node of the job is lost (down, drained, failing): Slurm kills or requeues the job; the
-     controller cancels what is left of it and re-plans on what is free (the newest complete
-     checkpoint is what the next job loads). A *draining* node still runs the job: the controller
-     asks it to checkpoint first (SIGUSR1).
+   - a node of the job is lost (down, drained, failing): the job, submitted with ``--no-kill``,
+     re-plans on its surviving nodes by itself and goes on in a new ``srun`` step from the newest
+     complete checkpoint (:mod:`~sailor_hpc.controller.inplace`); the controller journals it. A
+     *draining* node still runs the job: the controller asks it to checkpoint first (SIGUSR1). When
+     Slurm ends the job instead (its batch node, a het component's only node) or no plan fits the
+     survivors, the controller cancels what is left of it and re-plans on what is free.
    - the job stops by itself (requeued after a preemption, saved on its time-limit signal, failed):
      the same, re-plan and resubmit; a job that failed without training a step counts as a failure
      (exponential back-off, also when sbatch fails; the run gives up after ``max_restarts`` restarts in a row
      without a new checkpoint, or at once on bad input).
    - more GPUs free for the run than when it last judged: re-plan; if the new plan gains at least
-     ``min_gain`` after the restart cost (:mod:`~sailor_hpc.controller.policy`), ask the job to
-     checkpoint and stop (SIGUSR1), then resubmit. Else keep it.
+     ``min_gain`` after the restart cost (:mod:`~sailor_hpc.controller.policy`): when a plan on the
+     idle GPUs alone gains that much too, submit it beside the running job (grow without a gap:
+     the old job checkpoints once the new one's ranks wait at their gate, which opens once the old
+     job's steps are gone); else ask the job to checkpoint and stop (SIGUSR1), then resubmit. Else
+     keep it.
 3. The job completes at the requested step: the run is finished.
 
-Never two jobs: a new one is only submitted once the previous one is gone (every het component
-final), and any other job carrying the run's name prefix is cancelled first. The controller can be
+Never two jobs writing checkpoints: a new one is only submitted once the previous one is gone (every
+het component final), except a bigger job grown beside it, whose ranks load nothing before the old
+job's ranks are gone; any other job carrying the run's name prefix is cancelled first. The controller can be
 killed at any point; ``sailor-hpc run --resume`` folds the journal back into the same state and finds
 a job submitted just before the kill by its name.
 """
@@ -469,6 +475,8 @@ class Controller:
 
     def _stop(self, cur: Attempt, reason: str) -> None:
         try:
+            if reason == "resize":  # the run moves to another job: this one must end, not requeue itself
+                slurm_ops.keep_from_requeue(cur.job_id, self.env)  # type: ignore[arg-type]
             slurm_ops.request_checkpoint(cur.job_id, self.env)  # type: ignore[arg-type]
         except SailorError as exc:  # gone meanwhile: the next poll sees it stopped
             self.note_once(Kind.ERROR, str(exc), where="checkpoint signal")

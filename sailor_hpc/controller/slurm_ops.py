@@ -114,6 +114,13 @@ def training_steps_gone(job_id: str, env: Env, timeout_s: float = 30.0, poll_s: 
         time.sleep(poll_s)
 
 
+def keep_from_requeue(job_id: str, env: Env) -> None:
+    """Make the job not requeueable (``scontrol update JobId=X Requeue=0``): its script's ``scontrol requeue``
+    after the checkpoint is then refused ("Requested operation is presently disabled") and the job ends at
+    once. Requeued, slurmctld refuses every cancel for ~10 s ("Job can not be altered now")."""
+    run_slurm(["scontrol", "update", f"JobId={job_id}", "Requeue=0"], env, check=False, timeout=SIGNAL_TIMEOUT_S)
+
+
 def request_checkpoint(job_id: str, env: Env, signal: str = "USR1") -> None:
     """Ask every rank of the (running) job to finish its step, save a complete checkpoint and exit."""
     run_slurm(["scancel", f"--signal={signal}", job_id], env, timeout=SIGNAL_TIMEOUT_S)
