@@ -177,7 +177,9 @@ class Controller:
 
     def _cancel_strays(self) -> None:
         cur = self.state.current
-        keep = {cur.job_id, cur.successor["job_id"] if cur.waits_for_successor else None} if cur else set()  # type: ignore[index]
+        keep = {cur.job_id} if cur is not None else set()
+        if cur is not None and cur.successor is not None and cur.waits_for_successor:
+            keep.add(cur.successor["job_id"])  # the bigger job growing beside it
         for base, info in slurm_ops.owned_jobs(self.spec.run_id, self.env).items():
             if info["state"] in FINAL_STATES or base in keep:
                 continue
@@ -251,8 +253,8 @@ class Controller:
     def start_next(self) -> None:
         st, spec = self.state, self.spec
         prev = st.attempts[-1] if st.attempts else None
-        if prev is not None and prev.waits_for_successor:
-            if prev.successor.get("running_t") is not None:  # type: ignore[union-attr]
+        if prev is not None and prev.successor is not None and prev.waits_for_successor:
+            if prev.successor.get("running_t") is not None:
                 self._handover(prev)
                 return
             self._drop_successor(prev, f"job {prev.job_id} ended before the bigger job started")
@@ -550,6 +552,8 @@ class Controller:
             return
         bad_input = any(c.exit_code.startswith("2:") for c in job.components if c.exit_code)
         if bad_input and prog is not None and prog.errors:
+            if cur.waits_for_successor:
+                self._drop_successor(cur, "the run gave up")
             self.note(Kind.GAVE_UP, reason="the training refused its input: " + " | ".join(prog.errors[-3:]))
             return
         if cur.first_step_t is None and cur.stop is None and not cur.lost_nodes:

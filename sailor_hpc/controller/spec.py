@@ -96,7 +96,10 @@ class RunSpec:
                 raise bad("--train-arg", f"{arg!r} is set by the controller",
                           "use --steps / --save-interval / --data / --save of sailor-hpc run instead")
         if self.time_min is not None:
-            _, least = parse_time_limit(self.time_min)
+            try:
+                _, least = parse_time_limit(self.time_min)
+            except SailorError as exc:
+                raise bad("--time-min", exc.message, exc.fix) from None
             if self.time_limit is not None and least > parse_time_limit(self.time_limit)[1]:
                 raise bad("--time-min", f"{self.time_min} is longer than --time {self.time_limit}",
                           "give a minimum at most the time limit")

@@ -213,3 +213,11 @@ def test_fold_of_an_in_place_step_and_a_grown_job(tmp_path: Path):
     assert end.restarts == 0  # growing is a choice, not a restart
     j.append("grow_cancelled", attempt=1, job_id="8", reason="x")  # (a cancelled successor is no longer awaited)
     assert not fold(j.records).attempt(1).waits_for_successor
+
+
+def test_time_min_must_be_a_time_within_the_limit():
+    assert spec(time_min="00:05:00", time_limit="00:10:00").time_min == "00:05:00"
+    for bad in (dict(time_min="00:20:00", time_limit="00:10:00"), dict(time_min="soon")):
+        with pytest.raises(SailorError) as err:
+            spec(**bad)
+        assert err.value.field == "--time-min", err.value

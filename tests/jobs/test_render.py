@@ -563,6 +563,12 @@ def test_in_place_job_runs_steps_until_the_replanner_ends_it(tmp_path):
     assert " : " not in second and second.count(f"--plan {new}") == 2 and plan + " " not in second
 
 
-def test_time_min_longer_than_the_limit_is_refused(tmp_path):
+def test_time_min_is_rendered_and_one_longer_than_the_limit_is_refused(tmp_path):
     with pytest.raises(SailorError, match="--time-min"):
         _render(tmp_path, "het-mixed", time="00:10:00", time_min="00:20:00")
+    plan = write_plan(tmp_path, "het-mixed")
+    args = ["sbatch", str(plan), "--site", str(LOCAL_LAB), "--dry-run", "--time", "00:10:00", "-o", str(tmp_path / "j.sh")]
+    res = CliRunner().invoke(main, [*args, "--time-min", "5"])
+    assert res.exit_code == 0 and "--time-min=00:05:00" in _header((tmp_path / "j.sh").read_text())[0], res.output
+    res = CliRunner().invoke(main, [*args, "--time-min", "00:20:00"])
+    assert res.exit_code == 2 and "--time-min" in res.output
