@@ -30,9 +30,10 @@ Slurm 22.05 facts this relies on, checked on the local cluster (tests/slurm):
   (``SLURM_NTASKS``, ``SLURM_JOB_NUM_NODES``) keeps the old counts and ``srun`` refuses the step;
 - het jobs: ``JobId=<id>+<k>`` is refused (``scontrol: error: Invalid job ID 4+1``); the
   component's own job id works (``JobId=5 NumNodes=1`` shrank component 1 from 2 nodes to 1).
-  ``NumNodes=0`` is refused (``Node count specification invalid for job 7``), and a component whose
-  only node goes down ends the whole het job even with ``--no-kill`` (``CANCELLED ... DUE TO NODE
-  FAILURE``): such a loss falls back to a new job;
+  ``NumNodes=0`` is refused (``Node count specification invalid for job 7``). A het job survives a
+  *drain* (the component's drained node is released as above) but not a node going *down*: losing any
+  node, even one of a two-node component, ends the whole het job despite ``--no-kill`` (``CANCELLED ...
+  DUE TO NODE FAILURE``, the component FAILED with ``JobLaunchFailure``): that falls back to a new job;
 - ``--time-min`` is accepted next to ``--time``; a job started by backfill may get a limit as
   short as the minimum (a 10-minute job with ``--time-min=2`` started with ``TimeLimit=00:02:00``).
 """

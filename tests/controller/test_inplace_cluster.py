@@ -1,8 +1,8 @@
 """Shrink in place on the real local Slurm cluster: a drained and a downed node handled inside the job.
 
 The site is local-lab with one GPU per A100 node (so a 2-GPU plan spans both A100 nodes, the only way
-a node of the job can be lost while another survives: Slurm ends a het job whose one-node component
-loses its node, see sailor_hpc.controller.inplace). Blockers hold every V100.
+a node of the job can be lost while another survives: Slurm ends a het job that loses a node, see
+sailor_hpc.controller.inplace). Blockers hold every V100.
 
 1. The run starts on 2 A100 (a100-1, a100-2; one job of two nodes).
 2. ``state=drain`` of a100-2: the controller asks the job to checkpoint (SIGUSR1); the job's batch
@@ -28,7 +28,7 @@ from sailor_hpc.core.checkpoint import latest_complete, read_manifest
 from tests.controller import scenario as story_kit
 from tests.controller.scenario import GBS, Scenario, kind, step_events
 
-STEPS = 100
+STEPS = 160
 PARAM_TOL = 1e-6
 
 
