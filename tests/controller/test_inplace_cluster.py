@@ -9,8 +9,9 @@ sailor_hpc.controller.inplace). Blockers hold every V100.
    script sees the drained node, re-plans on a100-1 (1 A100), releases a100-2 from the allocation and
    starts the next ``srun`` step from that checkpoint: same job id, no queue.
 3. ``state=resume``: 2 A100 are worth a restart -> a new job on both nodes (today's resize).
-4. ``state=down`` of a100-2: Slurm kills the step there; the job (``--no-kill``) survives on a100-1,
-   the batch script re-plans on it and resumes from the newest complete checkpoint to the last step.
+4. The controller is SIGKILLed, then ``state=down`` of a100-2: Slurm kills the step there; the job
+   (``--no-kill``) survives on a100-1, its batch script re-plans on it by itself and resumes from the
+   newest complete checkpoint; the controller, resumed, journals that from the job's log.
 
 Checked against independent facts: sacct shows each job with two training steps, the journal has two
 jobs for three allocation changes, the final parameters equal a single-process reference run of the
@@ -19,6 +20,7 @@ same steps (<= 1e-6), every step's loss is the reference's and consumed samples 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +30,7 @@ from sailor_hpc.core.checkpoint import latest_complete, read_manifest
 from tests.controller import scenario as story_kit
 from tests.controller.scenario import GBS, Scenario, kind, step_events
 
-STEPS = 160
+STEPS = 120
 PARAM_TOL = 1e-6
 
 
@@ -52,7 +54,11 @@ def story(slurm_cluster, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
         times["resume"] = sc.set_node("a100-2", "resume")
         sc.wait_for("the first step of the grown job", kind("first_step", attempt=2))
         sc.wait_for("a checkpoint of the grown job", lambda r: r["kind"] == "checkpoint" and r.get("attempt") == 2)
+        log = Path(next(r["log"] for r in sc.records() if r["kind"] == "submitted" and r["attempt"] == 2))
+        times["killed"] = sc.kill_controller()  # the job re-plans in place by itself, without a controller
         times["down"] = sc.set_node("a100-2", "down")
+        _wait_in_log(log, '"event": "in_place"', timeout=120)
+        sc.start_controller(resume=True)
         status = story_kit.finish(sc, reference)
         records = sc.records()
         jobs = [r["job_id"] for r in records if r["kind"] == "submitted"]
@@ -60,6 +66,13 @@ def story(slurm_cluster, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
         return {"sc": sc, "records": records, "times": times, "sacct": steps, "status": status, "root": root}
 
 _records = story_kit.records_of
+
+
+def _wait_in_log(log: Path, text: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not (log.exists() and text in log.read_text(errors="replace")):
+        assert time.monotonic() < deadline, f"no {text} in {log} after {timeout} s"
+        time.sleep(0.2)
 
 
 def test_drain_and_down_are_handled_inside_the_job(story):
@@ -71,6 +84,10 @@ def test_drain_and_down_are_handled_inside_the_job(story):
     assert drain["released"] == ["a100-2"] and drain["gpus"] == {"a100": 1} and drain["nodes"] == ["a100-1"]
     assert down["attempt"] == 2 and down["nodes"] == ["a100-1"] and down["gpus"] == {"a100": 1}, down
     assert down["lost"]["a100-2"] != "", down
+    # the down was handled while no controller ran; the resumed one journaled it from the job's log
+    starts = _records(story, "controller_started")
+    assert [s["resumed"] for s in starts] == [False, True] and down["seq"] > starts[1]["seq"]
+    assert down["t_step_end"] < starts[1]["t"]
     assert not _records(story, "in_place_refused")
     # the controller's one signal of attempt 1 is the drain's checkpoint request; the grow is today's resize
     assert [(r["attempt"], r["reason"]) for r in _records(story, "signal_sent")] == [(1, "node draining"), (1, "resize")]
