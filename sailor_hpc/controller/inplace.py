@@ -29,7 +29,10 @@ Slurm 22.05 facts this relies on, checked on the local cluster (tests/slurm):
 - a step in a shrunk allocation needs explicit ``-N``/``-n``/``--nodelist``: the batch environment
   (``SLURM_NTASKS``, ``SLURM_JOB_NUM_NODES``) keeps the old counts and ``srun`` refuses the step;
 - het jobs: ``JobId=<id>+<k>`` is refused (``scontrol: error: Invalid job ID 4+1``); the
-  component's own job id works (``JobId=5 NumNodes=1`` shrank component 1 from 2 nodes to 1).
+  component's own job id works (``JobId=5 NumNodes=1`` shrank component 1 from 2 nodes to 1; after a
+  drain, ``JobId=128 NodeList=v100-1`` released v100-2 and the next ``srun --het-group=1 -N 1
+  --nodelist=v100-1`` step ran). Releasing a node under a running step kills that step (rc 137), so
+  nodes are released only here, after the step ended.
   ``NumNodes=0`` is refused (``Node count specification invalid for job 7``). A het job survives a
   *drain* (the component's drained node is released as above) but not a node going *down*: losing any
   node, even one of a two-node component, ends the whole het job despite ``--no-kill`` (``CANCELLED ...

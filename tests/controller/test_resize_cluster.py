@@ -10,7 +10,8 @@ One run (module fixture), told by its journal and checked against independent fa
    newest complete checkpoint. The controller is SIGKILLed right after that submission and resumed
    with ``--resume``: it adopts the job, submits nothing twice.
 3. ``state=resume``: 4 A100 idle again; 2 A100 gain far more than 10 % after the restart cost ->
-   the job checkpoints on SIGUSR1 and the run continues under 2 A100.
+   a job on 2 A100 is submitted beside the running one; once its ranks are ready the old job
+   checkpoints on SIGUSR1 and the new one loads that checkpoint (grow without a gap).
 4. ``state=drain`` of the job's node: the job still runs, so the controller asks it to checkpoint
    (SIGUSR1) and re-plans without the draining node (2 V100).
 5. SIGTERM to the job's ranks, as preemption (or the time-limit warning) sends it: the job saves a
