@@ -43,6 +43,7 @@ from typing import Any
 from sailor_hpc.controller import slurm_ops
 from sailor_hpc.controller.events import (
     Observation,
+    all_running,
     draining_only,
     free_for_run,
     idle_increase,
@@ -50,6 +51,7 @@ from sailor_hpc.controller.events import (
     node_states,
     own_gpus,
 )
+from sailor_hpc.controller.grow import GrowBeside
 from sailor_hpc.controller.journal import Kind, Record
 from sailor_hpc.controller.planning import Planned, plan_on
 from sailor_hpc.controller.policy import Score, Verdict, judge, plan_shape, restart_cost
@@ -57,7 +59,6 @@ from sailor_hpc.controller.progress import LogTail
 from sailor_hpc.controller.state import RESIZE_REASON, Attempt, RunDir, RunState, apply, fold, job_name
 from sailor_hpc.controller.story import describe
 from sailor_hpc.core.archive import open_archive
-from sailor_hpc.core.atomic import atomic_write_text
 from sailor_hpc.core.checkpoint import latest_complete, read_manifest
 from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.plan import Plan
@@ -65,7 +66,7 @@ from sailor_hpc.core.plan_io import load_plan
 from sailor_hpc.core.site import Site, load_site
 from sailor_hpc.slurm.commands import sinfo_nodes
 from sailor_hpc.slurm.discover import live_availability
-from sailor_hpc.slurm.status import FINAL_STATES, RUNNING_STATES, JobStatus, job_status
+from sailor_hpc.slurm.status import FINAL_STATES, JobStatus, job_status
 from sailor_hpc.slurm.submit import log_path
 from sailor_hpc.slurm.watch import JobWatcher
 
@@ -77,7 +78,7 @@ DRAIN_REASON = "node draining"
 EXIT_FINISHED, EXIT_GAVE_UP, EXIT_INTERRUPTED = 0, 1, 130
 
 
-class Controller:
+class Controller(GrowBeside):
     """Drives one run (a run directory) until it is finished or gives up."""
 
     def __init__(self, rundir: RunDir, env: Mapping[str, str] | None = None, *,
@@ -201,7 +202,7 @@ class Controller:
             watcher = self._watcher(cur)
             watcher.poll()
             obs.job = watcher.status(cur.job_id)
-            if obs.job is not None and _all_running(obs.job):
+            if obs.job is not None and all_running(obs.job):
                 hosts = {c.nodes: self._hosts_of(c.nodes) for c in obs.job.components}
                 obs.job_nodes = sorted({h for hs in hosts.values() for h in hs})
                 own = own_gpus(self._plan(self.rundir.plan_file(cur.number)), obs.job, hosts)  # what it holds
@@ -309,7 +310,7 @@ class Controller:
         if tail is not None:
             self._in_place(cur, tail.poll())
         job = obs.job
-        running = job is not None and _all_running(job)
+        running = job is not None and all_running(job)
         if running and cur.running_t is None:
             self.note(Kind.JOB_RUNNING, attempt=cur.number, job_id=cur.job_id, nodes=obs.job_nodes)
         self._first_step(cur, tail)
@@ -387,93 +388,6 @@ class Controller:
                   first_step_t=t, step=p.first_step, loaded_step=p.loaded_step or 0, queue_wait_s=0.0,
                   downtime_s=t - float(trigger[1]), recovery_s=t - float(trigger[1]),
                   ranks_idle_s=idle, new_job=False)
-
-    # ------------------------------------------------------------------------------ grow without a gap
-
-    def _grow(self, cur: Attempt, obs: Observation, trigger_t: float, remaining: int, restart_s: float) -> bool:
-        """Submit the bigger job on idle GPUs alone, beside the running one, if such a plan is worth it too;
-        the running job trains until the new one runs (:meth:`_watch_successor`). False: it needs the job's
-        own GPUs (or none fits): the caller stops the job first, as before."""
-        try:
-            planned = plan_on(self.spec, self.site, self.archive, obs.idle)
-        except SailorError:
-            return False
-        if not judge(self.spec.objective, Score(cur.throughput, cur.cost_per_hour), planned.score, remaining,
-                     restart_s, self.spec.min_gain).resize:
-            return False
-        number = len(self.state.attempts) + 1
-        name = job_name(self.spec.run_id, number)
-        plan_path, script = slurm_ops.prepare_attempt(self.rundir, self.spec, self.site, planned.plan, number, name,
-                                                      gate=self.rundir.gate_file(number))
-        self.note(Kind.PLAN, reason=RESIZE_REASON, available=obs.available, planner_available=planned.available,
-                  plan_file=str(plan_path), **planned.summary())
-        job = slurm_ops.submit(script, plan_path, self.spec, self.env)
-        self.note(Kind.GROW_SUBMITTED, attempt=cur.number, next_attempt=number, job_id=job.job_id, job_name=name,
-                  log=job.log, plan_file=str(plan_path), script=str(script), trigger_t=trigger_t,
-                  gpus=planned.summary()["gpus"], throughput=planned.score.throughput,
-                  cost_per_hour=planned.score.cost_per_hour)
-        return True
-
-    def _watch_successor(self, cur: Attempt) -> None:
-        """Once the bigger job runs and all its ranks wait at the gate (started, rendezvous done, model
-        built), ask this one to checkpoint and end; cancel the bigger one if it is not that far within
-        ``grow_timeout_s`` (the run keeps training where it is)."""
-        succ = cur.successor
-        assert succ is not None
-        try:
-            job = job_status(succ["job_id"], self.env)
-        except SailorError:
-            return  # Slurm briefly unreachable: look again next poll
-        if succ.get("running_t") is None and _all_running(job):
-            hosts = slurm_ops.expand_nodes([c.nodes for c in job.components], self.env)
-            self.note(Kind.GROW_RUNNING, attempt=cur.number, job_id=succ["job_id"], nodes=hosts)
-        if succ.get("running_t") is not None and cur.stop is None and self._successor_ready(succ):
-            self._stop(cur, "resize")
-        elif cur.stop is None and (job.final or self.clock() - succ["submitted_t"] > self.spec.grow_timeout_s):
-            why = f"ended ({job.state}) before its ranks were ready" if job.final else \
-                f"its ranks were not ready {self.spec.grow_timeout_s:.0f} s after it was submitted"
-            self._drop_successor(cur, why)
-
-    def _successor_ready(self, succ: dict[str, Any]) -> bool:
-        """Every rank of the bigger job said it waits for the gate (its log's ``waiting`` records)."""
-        tail = self._succ_tails.setdefault(succ["job_id"], LogTail(succ["log"]))
-        tail.poll()
-        return tail.waiting >= self._plan(succ["plan_file"]).num_gpus
-
-    def _drop_successor(self, cur: Attempt, reason: str) -> None:
-        succ = cur.successor
-        assert succ is not None
-        state = slurm_ops.cancel_and_wait(succ["job_id"], self.env)
-        self.note(Kind.GROW_CANCELLED, attempt=cur.number, job_id=succ["job_id"], reason=reason, state=state)
-
-    def _open_gate_early(self, cur: Attempt, tail: LogTail | None) -> bool:
-        """Let the bigger job's waiting ranks load as soon as this job's ranks are gone (they saved on the
-        resize signal): its batch script still ends, but no rank of it writes checkpoints any more."""
-        succ = cur.successor
-        if not (cur.waits_for_successor and succ and succ.get("running_t") and self._saved_on_signal(tail)):
-            return False
-        if not slurm_ops.training_steps_gone(cur.job_id, self.env):  # type: ignore[arg-type]
-            return False
-        self._open_gate(succ["next_attempt"])
-        self.note(Kind.GATE_OPENED, attempt=cur.number, next_attempt=succ["next_attempt"], job_id=succ["job_id"])
-        return True
-
-    def _handover(self, prev: Attempt) -> None:
-        """The old job is gone: the bigger one becomes the run's job, and its waiting ranks may load."""
-        s = prev.successor
-        assert s is not None
-        n = s["next_attempt"]
-        self.note(Kind.SUBMIT_INTENT, attempt=n, job_name=s["job_name"], plan_file=s["plan_file"], script=s["script"],
-                  reason=RESIZE_REASON, trigger=Kind.IDLE_GPUS, trigger_t=s["trigger_t"], gpus=s["gpus"],
-                  throughput=s["throughput"], cost_per_hour=s["cost_per_hour"], handover_from=prev.number)
-        self.note(Kind.SUBMITTED, attempt=n, job_id=s["job_id"], log=s["log"], submitted_t=s["submitted_t"])
-        self.note(Kind.JOB_RUNNING, attempt=n, job_id=s["job_id"], nodes=s.get("nodes", []), since=s["running_t"])
-        self._open_gate(n)
-
-    def _open_gate(self, attempt: int) -> None:
-        gate = self.rundir.gate_file(attempt)
-        gate.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(gate, "go\n")
 
     def _stop(self, cur: Attempt, reason: str) -> None:
         try:
@@ -592,12 +506,6 @@ def _shrinks_in_place(cur: Attempt) -> bool:
     """Asked to checkpoint because a node drains: the job's batch script re-plans on its other nodes
     (or ends, if no plan fits them), so the controller waits for the job instead of ending it."""
     return cur.stop is not None and cur.stop.get("reason") == DRAIN_REASON
-
-
-def _all_running(job: JobStatus) -> bool:
-    """Every component runs (a completing one is ending, and its GPUs are no longer the run's)."""
-    return bool(job.components) and all(c.state in RUNNING_STATES and c.state != "COMPLETING"
-                                        for c in job.components)
 
 
 def _classify(cur: Attempt, job: JobStatus, prog: Any) -> str:

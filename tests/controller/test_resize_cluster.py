@@ -18,7 +18,7 @@ One run (module fixture), told by its journal and checked against independent fa
    checkpoint on its signal and requeues itself; the controller re-plans (2 V100 again) and the run
    continues from that checkpoint to the last step.
 
-Then: the final parameters equal a single-process reference run of the same 80 global steps
+Then: the final parameters equal a single-process reference run of the same 120 global steps
 (<= 5e-6), every step of every job computed the reference's loss on the reference's samples (so no
 sample was lost or repeated), and the run's Slurm jobs are exactly the journal's, never two at once.
 """
@@ -46,8 +46,9 @@ from tests.controller.scenario import (
 )
 
 # enough steps that the job of step 5 still trains when the preemption signal lands: the 2-A100 job of step 3
-# runs ~10 steps/s and stops only at the controller's next poll after the drain
-STEPS = 80
+# runs ~10 steps/s and stops only at the controller's next poll after the drain, and while it grew beside the
+# 2-V100 job, that one trained on (to step 61 of 80 in one run, which then ended before the drain)
+STEPS = 120
 # fp32 summation order differs between plans and with the sequence of plans the run went through: measured
 # 4e-7 .. 1.4e-6 on parameters and Adam's moments at step 60 (CI); a lost or repeated sample is caught
 # exactly by the per-step loss check below
