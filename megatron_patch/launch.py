@@ -86,6 +86,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--grad-weighting", choices=("samples", "uniform"), default="samples",
                     help=argparse.SUPPRESS)  # "uniform" is wrong on purpose: the tests' negative control
     ap.add_argument("--timeout-min", type=float, default=30.0, help="collective timeout (minutes)")
+    ap.add_argument("--wait-for", default=None,
+                    help="start everything, then wait until this file exists before loading the checkpoint: a job "
+                         "that takes over from a running one is ready the moment that one has saved")
     return ap.parse_args(argv)
 
 
@@ -175,6 +178,8 @@ def train(args: argparse.Namespace, plan: Plan, env: DistEnv, role: Role) -> int
           "params": sum(p.numel() for p in trainer.params.values()), "sync_groups": trainer.sync.num_groups,
           "sync_buckets": len(trainer.sync.order), "tf32": trainer.tf32,
           "valid_samples": data["valid"] is not None})
+    if args.wait_for:
+        _wait_for(args.wait_for, base)
     resume = args.load is None and args.auto_resume and bool(args.save)
     if args.load or resume:
         t0 = time.perf_counter()
@@ -197,7 +202,7 @@ def train(args: argparse.Namespace, plan: Plan, env: DistEnv, role: Role) -> int
         emit({"event": "step", **base, "step": res.step, "loss": res.loss, "lr": res.lr, "grad_norm": grad_norm,
               "skipped": res.skipped, "loss_scale": res.loss_scale,
               "iter_s": res.seconds, "sync_s": res.sync_seconds, "mem_bytes": _peak_memory(device),
-              "consumed_samples": trainer.consumed_samples})
+              "consumed_samples": trainer.consumed_samples, "t": round(time.time(), 3)})
         log.train(res.step, res.loss, res.lr, grad_norm, res.seconds, trainer.consumed_samples)
         if res.stop and trainer.step < args.steps:
             emit({"event": "signal", **base, "signals": _STOP, "step": trainer.step})
@@ -218,6 +223,16 @@ def train(args: argparse.Namespace, plan: Plan, env: DistEnv, role: Role) -> int
     log.close()
     dist.destroy_process_group()
     return EXIT_DONE
+
+
+def _wait_for(path: str, base: dict[str, Any], poll_s: float = 0.05) -> None:
+    """Block until ``path`` exists. Every rank polls by itself: the controller creates the file only once
+    the job this one replaces is gone, so no two jobs ever write the checkpoint directory at once."""
+    emit({"event": "waiting", **base, "for": path})
+    t0 = time.perf_counter()
+    while not os.path.exists(path):
+        time.sleep(poll_s)
+    emit({"event": "go", **base, "waited_s": time.perf_counter() - t0})
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,6 +42,9 @@ def _job_options(f: Any) -> Any:
         click.option("--steps", type=click.IntRange(min=1), default=100, show_default=True,
                      help="Optimizer step to train to."),
         click.option("--time", "time_limit", default=None, help="Time limit (default 1 h, capped by the partitions)."),
+        click.option("--time-min", default=None,
+                     help="Shortest limit backfill may give the job (sbatch --time-min): it may start sooner; the "
+                          "ranks checkpoint before whatever limit it gets and the job requeues itself."),
         click.option("--job-name", default=None, help="Slurm job name (default sailor-<model>)."),
         click.option("--extra-sbatch", multiple=True, help="Extra header option, e.g. --mail-type=END (repeatable)."),
         click.option("--train-arg", multiple=True, help="Extra argument of megatron_patch.launch (repeatable)."),
@@ -79,7 +82,8 @@ def _job_dir(script: Path | None, option: str, workdir: str | None) -> Path:
 
 
 def _render(plan_file: Path, site_file: Path, model: str | None, data: str | None, save: str | None,
-            load: str | None, steps: int, time_limit: str | None, job_name: str | None, extra_sbatch: tuple[str, ...],
+            load: str | None, steps: int, time_limit: str | None, time_min: str | None, job_name: str | None,
+            extra_sbatch: tuple[str, ...],
             train_arg: tuple[str, ...], python: str, signal_grace: int | None, workdir: str | None,
             log_dir: str | None, dry_run: bool, *, job_dir: Path) -> tuple[str, Path]:
     """Render the job; a placed copy of the plan (if one is needed) goes into ``job_dir`` (see
@@ -102,7 +106,7 @@ def _render(plan_file: Path, site_file: Path, model: str | None, data: str | Non
         text = render_job_script(plan, site, plan_path=plan_path, model=model, data=data, save=save, load=load,
                                  steps=steps, job_name=job_name, time=time_limit, extra_sbatch=extra_sbatch,
                                  train_args=train_arg, python=python, signal_grace_s=signal_grace, workdir=work,
-                                 log_dir=logs, dry_run=dry_run)
+                                 log_dir=logs, dry_run=dry_run, time_min=time_min)
         for d in (work, logs):  # Slurm creates neither
             d.mkdir(parents=True, exist_ok=True)
     if copy:

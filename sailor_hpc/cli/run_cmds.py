@@ -23,7 +23,7 @@ from sailor_hpc.cli.output import echo_json, json_option, table
 from sailor_hpc.cli.training_options import DATA_HELP, absolute_blend, pop_training_args, training_options
 from sailor_hpc.controller import Controller, RunDir, RunSpec, fold, new_run_id
 from sailor_hpc.controller.planning import partitions_for_time
-from sailor_hpc.controller.story import ATTEMPT_HEADER, attempt_rows, describe
+from sailor_hpc.controller.story import ATTEMPT_HEADER, CHANGE_HEADER, attempt_rows, change_rows, describe
 from sailor_hpc.core.archive import open_archive
 from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.models import get_model
@@ -36,8 +36,8 @@ _DIR = click.Path(file_okay=False, path_type=Path)
 #: options that describe a new run; --resume reads them from run.json instead
 _RUN_OPTIONS = ("site_file", "model", "data", "save", "run_dir", "profiles", "gbs", "seq_len", "dtype", "steps", "objective",
                 "max_cost_per_hour", "max_cost_per_iteration", "min_throughput", "max_gpus", "max_stages", "min_gain",
-                "restart_cost", "max_restarts", "backoff", "poll", "replan_interval", "save_interval", "time_limit",
-                "signal_grace", "python", "train_arg", "extra_sbatch", *(f.dest for f in FLAGS))
+                "restart_cost", "max_restarts", "backoff", "poll", "replan_interval", "grow_timeout", "save_interval",
+                "time_limit", "time_min", "signal_grace", "python", "train_arg", "extra_sbatch", *(f.dest for f in FLAGS))
 
 
 def parse_gain(text: str) -> float:
@@ -73,7 +73,9 @@ def new_run(opts: dict[str, Any]) -> Path:
                    max_stages=opts.get("max_stages"), min_gain=parse_gain(opts["min_gain"]),
                    restart_cost_s=opts.get("restart_cost"), max_restarts=opts["max_restarts"],
                    backoff_s=opts["backoff"], poll_s=opts["poll"], replan_interval_s=opts["replan_interval"],
+                   grow_timeout_s=opts["grow_timeout"],
                    save_interval=opts["save_interval"], time_limit=opts.get("time_limit"),
+                   time_min=opts.get("time_min"),
                    signal_grace_s=opts.get("signal_grace"), python=opts["python"],
                    train_args=train_args, extra_sbatch=tuple(opts.get("extra_sbatch") or ()))
     save.mkdir(parents=True, exist_ok=True)
@@ -130,9 +132,15 @@ def drive(run_dir: Path) -> int:
 @click.option("--poll", type=float, default=2.0, show_default=True, help="Seconds between looks at Slurm.")
 @click.option("--replan-interval", type=float, default=30.0, show_default=True,
               help="At most one re-plan for more idle GPUs per this many seconds.")
+@click.option("--grow-timeout", type=float, default=300.0, show_default=True,
+              help="Seconds a bigger job submitted beside the running one may wait in the queue before it is "
+                   "cancelled (the run keeps training meanwhile).")
 @click.option("--save-interval", type=click.IntRange(min=1), default=50, show_default=True,
               help="The job checkpoints every K steps (a lost node costs at most K steps).")
 @click.option("--time", "time_limit", default=None, help="Time limit of each job (it checkpoints before it).")
+@click.option("--time-min", "time_min", default=None,
+              help="Shortest time limit backfill may give a job (sbatch --time-min): it starts sooner, and "
+                   "checkpoints before whatever limit it got.")
 @click.option("--signal-grace", type=int, default=None, help="Seconds before the limit at which ranks checkpoint.")
 @click.option("--python", default=sys.executable, show_default=True, help="Interpreter on the compute nodes.")
 @training_options
@@ -178,12 +186,17 @@ def status_cmd(run_dir: Path, events: bool, as_json: bool) -> None:
         echo_json({"run_dir": str(rd.path), "spec": spec.to_dict(), "phase": phase, "controller_alive": alive,
                    "checkpoint": state.checkpoint, "restarts": state.restarts,
                    "attempts": [dict(zip(ATTEMPT_HEADER, row)) for row in attempt_rows(state)],
+                   "changes": [dict(zip(CHANGE_HEADER, row)) for row in change_rows(state)],
                    "records": records})
         return
     ck = state.checkpoint
     click.echo(f"run {spec.run_id}: {spec.model} to step {spec.steps} ({spec.objective}, gbs {spec.gbs}) - {phase}; "
                f"checkpoint {ck['step'] if ck else '-'}; {state.restarts} restart(s)")
     click.echo(table(ATTEMPT_HEADER, attempt_rows(state)))
+    changes = change_rows(state)
+    if changes:
+        click.echo("\nallocation changes:")
+        click.echo(table(CHANGE_HEADER, changes))
     if events and records:
         t0 = records[0]["t"]
         click.echo("")

@@ -33,6 +33,7 @@ class Observation:
     unusable: dict[str, str] = field(default_factory=dict)  # node -> state, for nodes no new job can use now
     lost: dict[str, str] = field(default_factory=dict)  # node -> state, for nodes that lost (or drain) their jobs
     free: dict[str, dict[str, int]] = field(default_factory=dict)  # partition -> node -> GPUs free for the run
+    idle: dict[str, dict[str, int]] = field(default_factory=dict)  # the same without the job's own GPUs
 
     @property
     def job_running(self) -> bool:
@@ -103,3 +104,9 @@ def draining_only(states: Mapping[str, str]) -> bool:
 def idle_increase(baseline: Mapping[str, int], available: Mapping[str, int]) -> dict[str, tuple[int, int]]:
     """Partitions with more GPUs free for the run than ``baseline``: partition -> (before, now)."""
     return {p: (int(baseline.get(p, 0)), int(n)) for p, n in available.items() if n > baseline.get(p, 0)}
+
+
+def all_running(job: JobStatus) -> bool:
+    """Every component runs (a completing one is ending, and its GPUs are no longer the run's)."""
+    return bool(job.components) and all(c.state in RUNNING_STATES and c.state != "COMPLETING"
+                                        for c in job.components)

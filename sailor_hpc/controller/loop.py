@@ -7,21 +7,27 @@ One loop, one job at a time (an *attempt*), every step journaled before it is ac
    checkpoint directory, so it starts from the newest complete checkpoint, whatever plan wrote it.
 2. The job runs: each poll reads the job's state and nodes, the nodes' states, the idle GPUs and the
    job's log (first step, checkpoints).
-   - a node of the job is lost (down, drained, failing): Slurm kills or requeues the job; the
-     controller cancels what is left of it and re-plans on what is free (the newest complete
-     checkpoint is what the next job loads). A *draining* node still runs the job: the controller
-     asks it to checkpoint first (SIGUSR1).
+   - a node of the job is lost (down, drained, failing): the job, submitted with ``--no-kill``,
+     re-plans on its surviving nodes by itself and goes on in a new ``srun`` step from the newest
+     complete checkpoint (:mod:`~sailor_hpc.controller.inplace`); the controller journals it. A
+     *draining* node still runs the job: the controller asks it to checkpoint first (SIGUSR1). When
+     Slurm ends the job instead (its batch node, a het component's only node) or no plan fits the
+     survivors, the controller cancels what is left of it and re-plans on what is free.
    - the job stops by itself (requeued after a preemption, saved on its time-limit signal, failed):
      the same, re-plan and resubmit; a job that failed without training a step counts as a failure
      (exponential back-off, also when sbatch fails; the run gives up after ``max_restarts`` restarts in a row
      without a new checkpoint, or at once on bad input).
    - more GPUs free for the run than when it last judged: re-plan; if the new plan gains at least
-     ``min_gain`` after the restart cost (:mod:`~sailor_hpc.controller.policy`), ask the job to
-     checkpoint and stop (SIGUSR1), then resubmit. Else keep it.
+     ``min_gain`` after the restart cost (:mod:`~sailor_hpc.controller.policy`): when a plan on the
+     idle GPUs alone gains that much too, submit it beside the running job (grow without a gap:
+     the old job checkpoints once the new one's ranks wait at their gate, which opens once the old
+     job's steps are gone); else ask the job to checkpoint and stop (SIGUSR1), then resubmit. Else
+     keep it.
 3. The job completes at the requested step: the run is finished.
 
-Never two jobs: a new one is only submitted once the previous one is gone (every het component
-final), and any other job carrying the run's name prefix is cancelled first. The controller can be
+Never two jobs writing checkpoints: a new one is only submitted once the previous one is gone (every
+het component final), except a bigger job grown beside it, whose ranks load nothing before the old
+job's ranks are gone; any other job carrying the run's name prefix is cancelled first. The controller can be
 killed at any point; ``sailor-hpc run --resume`` folds the journal back into the same state and finds
 a job submitted just before the kill by its name.
 """
@@ -37,6 +43,7 @@ from typing import Any
 from sailor_hpc.controller import slurm_ops
 from sailor_hpc.controller.events import (
     Observation,
+    all_running,
     draining_only,
     free_for_run,
     idle_increase,
@@ -44,6 +51,7 @@ from sailor_hpc.controller.events import (
     node_states,
     own_gpus,
 )
+from sailor_hpc.controller.grow import GrowBeside
 from sailor_hpc.controller.journal import Kind, Record
 from sailor_hpc.controller.planning import Planned, plan_on
 from sailor_hpc.controller.policy import Score, Verdict, judge, plan_shape, restart_cost
@@ -58,7 +66,7 @@ from sailor_hpc.core.plan_io import load_plan
 from sailor_hpc.core.site import Site, load_site
 from sailor_hpc.slurm.commands import sinfo_nodes
 from sailor_hpc.slurm.discover import live_availability
-from sailor_hpc.slurm.status import FINAL_STATES, RUNNING_STATES, JobStatus, job_status
+from sailor_hpc.slurm.status import FINAL_STATES, JobStatus, job_status
 from sailor_hpc.slurm.submit import log_path
 from sailor_hpc.slurm.watch import JobWatcher
 
@@ -66,10 +74,11 @@ STOP_TIMEOUT_S = 300.0  # a job asked to checkpoint that has not stopped by then
 STOP_MARGIN = 3.0  # ... unless its measured step + save times, with this margin, need longer
 JOB_LOST_AFTER_S = 120.0  # a job neither squeue nor sacct knows for this long is gone
 
+DRAIN_REASON = "node draining"
 EXIT_FINISHED, EXIT_GAVE_UP, EXIT_INTERRUPTED = 0, 1, 130
 
 
-class Controller:
+class Controller(GrowBeside):
     """Drives one run (a run directory) until it is finished or gives up."""
 
     def __init__(self, rundir: RunDir, env: Mapping[str, str] | None = None, *,
@@ -86,8 +95,9 @@ class Controller:
         self.site: Site = load_site(self.spec.site)
         self.archive = open_archive(self.spec.profiles, self.site)
         self._tails: dict[int, LogTail] = {}
+        self._succ_tails: dict[str, LogTail] = {}
         self._watchers: dict[int, JobWatcher] = {}
-        self._plans: dict[int, Plan] = {}
+        self._plans: dict[str, Plan] = {}
         self._hosts: dict[str, list[str]] = {}
         self._said: dict[str, str] = {}  # what was last journaled about a repeating condition, per kind
 
@@ -162,12 +172,17 @@ class Controller:
                 self.note(Kind.ADOPTED, attempt=cur.number, job_id=jid, log=str(self._log_of(jid)))
             else:
                 self.note(Kind.JOB_GONE, attempt=cur.number, job_id=None, state="NOT_SUBMITTED")
+        if cur is not None and cur.handover_from is not None:
+            self._open_gate(cur.number)  # killed between journaling the handover and opening the gate
         self._cancel_strays()
 
     def _cancel_strays(self) -> None:
         cur = self.state.current
+        keep = {cur.job_id} if cur is not None else set()
+        if cur is not None and cur.successor is not None and cur.waits_for_successor:
+            keep.add(cur.successor["job_id"])  # the bigger job growing beside it
         for base, info in slurm_ops.owned_jobs(self.spec.run_id, self.env).items():
-            if info["state"] in FINAL_STATES or (cur is not None and base == cur.job_id):
+            if info["state"] in FINAL_STATES or base in keep:
                 continue
             self.note(Kind.CANCEL, job_id=base, reason=f"{info['name']} is not the run's current job")
             self.note(Kind.JOB_GONE, job_id=base, state=slurm_ops.cancel_and_wait(base, self.env))
@@ -187,11 +202,12 @@ class Controller:
             watcher = self._watcher(cur)
             watcher.poll()
             obs.job = watcher.status(cur.job_id)
-            if obs.job is not None and _all_running(obs.job):
+            if obs.job is not None and all_running(obs.job):
                 hosts = {c.nodes: self._hosts_of(c.nodes) for c in obs.job.components}
                 obs.job_nodes = sorted({h for hs in hosts.values() for h in hs})
-                own = own_gpus(self._plan(cur), obs.job, hosts)
+                own = own_gpus(self._plan(self.rundir.plan_file(cur.number)), obs.job, hosts)  # what it holds
         obs.free = free_for_run(idle, own, obs.unusable, obs.lost)
+        obs.idle = free_for_run(idle, {}, obs.unusable, obs.lost)
         for name in names:
             obs.free.setdefault(name, {})
         return obs
@@ -208,10 +224,10 @@ class Controller:
             self._hosts[nodelist] = slurm_ops.expand_nodes([nodelist], self.env)
         return self._hosts[nodelist]
 
-    def _plan(self, cur: Attempt) -> Plan:
-        if cur.number not in self._plans:
-            self._plans[cur.number] = load_plan(cur.plan_file, validate=False)
-        return self._plans[cur.number]
+    def _plan(self, path: str | Path) -> Plan:
+        if str(path) not in self._plans:
+            self._plans[str(path)] = load_plan(path, validate=False)
+        return self._plans[str(path)]
 
     def _tail(self, cur: Attempt) -> LogTail | None:
         if cur.log is None:
@@ -237,6 +253,12 @@ class Controller:
 
     def start_next(self) -> None:
         st, spec = self.state, self.spec
+        prev = st.attempts[-1] if st.attempts else None
+        if prev is not None and prev.successor is not None and prev.waits_for_successor:
+            if prev.successor.get("running_t") is not None:
+                self._handover(prev)
+                return
+            self._drop_successor(prev, f"job {prev.job_id} ended before the bigger job started")
         self._checkpoint(None)
         if self._checkpoint_step() >= spec.steps:
             self.note(Kind.FINISHED, step=self._checkpoint_step(), checkpoint=st.checkpoint["path"])  # type: ignore[index]
@@ -286,31 +308,34 @@ class Controller:
         obs = self.observe(cur)
         tail = self._tail(cur)
         if tail is not None:
-            tail.poll()
+            self._in_place(cur, tail.poll())
         job = obs.job
-        running = job is not None and _all_running(job)
+        running = job is not None and all_running(job)
         if running and cur.running_t is None:
             self.note(Kind.JOB_RUNNING, attempt=cur.number, job_id=cur.job_id, nodes=obs.job_nodes)
         self._first_step(cur, tail)
+        self._in_place_recovered(cur, tail)
+        if cur.waits_for_successor:
+            self._watch_successor(cur)
         self._checkpoint(cur)
         if job is None or not job.known and job.state != "LOST":
             return  # not visible yet (just submitted)
-        lost = lost_nodes(sorted(set(cur.nodes) | set(obs.job_nodes)), obs.lost, cur.lost_nodes)
+        lost = lost_nodes(sorted(set(cur.nodes) | set(obs.job_nodes)), obs.lost, {**cur.lost_nodes, **cur.released})
         if lost:
             rec = self.note(Kind.NODE_LOST, attempt=cur.number, job_id=cur.job_id, nodes=lost)
             if running and draining_only(lost) and cur.stop is None:
                 self.note(Kind.DECISION, attempt=cur.number, action="checkpoint", trigger=Kind.NODE_LOST,
                           trigger_t=rec["t"], reason="a node of the job drains: checkpoint and move")
-                self._stop(cur, "node draining")
+                self._stop(cur, DRAIN_REASON)
                 return
         if not job.final and any(c.state == "COMPLETING" for c in job.components):
             return  # ending (its GPUs may already show as idle): its final state will say how
         if running:
-            if self._saved_on_signal(tail):  # ours, a preemption's or the time limit's: the checkpoint is
-                self._end(cur, job, tail)  # committed, no need to wait for the ranks to exit and the requeue
+            if self._saved_on_signal(tail) and not _shrinks_in_place(cur):  # ours, a preemption's or the
+                self._end(cur, job, tail)  # time limit's: the checkpoint is committed, no need to wait for the exit
             elif cur.stop is not None and self.clock() - float(cur.stop["t"]) > _stop_timeout(tail):
                 self._end(cur, job, tail, why="did not stop after its checkpoint signal")
-            elif cur.stop is None and cur.first_step_t is not None and not cur.lost_nodes:
+            elif cur.stop is None and cur.first_step_t is not None and not cur.lost_nodes and not cur.waits_for_successor:
                 self._consider_resize(cur, obs, tail)
             return
         if cur.running_t is None and not job.final and job.state != "LOST" and not cur.lost_nodes:
@@ -332,12 +357,42 @@ class Controller:
         if cur.trigger_t is not None:
             queue = (cur.running_t - cur.submitted_t) if cur.running_t and cur.submitted_t else None
             down = rec["t"] - cur.trigger_t
+            # ranks idle: from the change; for a job that took over from a running one (which trained while
+            # this one queued), from that one's last step to this one's first, both by the runtime's clock
+            prev = self.state.attempt(cur.handover_from) if cur.handover_from is not None else None
+            before = (prev.stopped or {}).get("last_step_t") if prev is not None else None
+            idle = p.first_step_t - before if before and p.first_step_t else down
             self.note(Kind.RECOVERY, attempt=cur.number, trigger=cur.trigger, trigger_t=cur.trigger_t,
                       submitted_t=cur.submitted_t, running_t=cur.running_t, first_step_t=rec["t"],
-                      queue_wait_s=queue, downtime_s=down, recovery_s=down - (queue or 0.0))
+                      queue_wait_s=queue, downtime_s=down, recovery_s=down - (queue or 0.0), ranks_idle_s=idle,
+                      new_job=True, handover=prev is not None)
+
+    def _in_place(self, cur: Attempt, records: list[dict[str, Any]]) -> None:
+        """Journal the steps the job's batch script re-planned on its surviving nodes (once each: a resumed
+        controller reads the log again from the start)."""
+        for r in records:
+            if r.get("event") == "in_place" and r.get("step_index", 0) > len(cur.in_place):
+                self.note(Kind.IN_PLACE, attempt=cur.number, **{k: v for k, v in r.items() if k != "event"})
+            elif r.get("event") == "in_place_refused" and r.get("step_index", 0) > len(cur.in_place):
+                self.note(Kind.IN_PLACE_REFUSED, attempt=cur.number,
+                          **{k: v for k, v in r.items() if k not in ("event", "t")})
+
+    def _in_place_recovered(self, cur: Attempt, tail: LogTail | None) -> None:
+        """The first step after an in-place re-plan: how long the change cost, inside the same job."""
+        if not cur.in_place or "recovery" in cur.in_place[-1] or tail is None or tail.progress.first_step is None:
+            return
+        change, p, t = cur.in_place[-1], tail.progress, self.clock()
+        idle = p.first_step_t - p.before_t if p.first_step_t and p.before_t else t - float(change["t_step_end"])
+        trigger = change.get("trigger") or [Kind.NODE_LOST, change["t_step_end"]]  # seen by the job first
+        self.note(Kind.RECOVERY, attempt=cur.number, in_place=True, trigger=trigger[0], trigger_t=trigger[1],
+                  first_step_t=t, step=p.first_step, loaded_step=p.loaded_step or 0, queue_wait_s=0.0,
+                  downtime_s=t - float(trigger[1]), recovery_s=t - float(trigger[1]),
+                  ranks_idle_s=idle, new_job=False)
 
     def _stop(self, cur: Attempt, reason: str) -> None:
         try:
+            if reason == "resize":  # the run moves to another job: this one must end, not requeue itself
+                slurm_ops.keep_from_requeue(cur.job_id, self.env)  # type: ignore[arg-type]
             slurm_ops.request_checkpoint(cur.job_id, self.env)  # type: ignore[arg-type]
         except SailorError as exc:  # gone meanwhile: the next poll sees it stopped
             self.note_once(Kind.ERROR, str(exc), where="checkpoint signal")
@@ -362,8 +417,9 @@ class Controller:
             return
         step = (tail.progress.last_step if tail is not None else None) or self._checkpoint_step()
         remaining = max(0, spec.steps - step) * spec.gbs
-        restart_s = restart_cost(spec.restart_cost_s, [r["downtime_s"] for r in st.recoveries if "downtime_s" in r])
-        if plan_shape(planned.plan) == plan_shape(self._plan(cur)):
+        restart_s = restart_cost(spec.restart_cost_s, [r.get("ranks_idle_s", r["downtime_s"]) for r in st.recoveries
+                                                       if "downtime_s" in r and not r.get("in_place")])
+        if plan_shape(planned.plan) == plan_shape(self._plan(cur.plan_file)):
             verdict = Verdict(False, 0.0, 0.0, 0.0, "the best plan on the new availability is the current one")
         else:
             verdict = judge(spec.objective, Score(cur.throughput, cur.cost_per_hour), planned.score, remaining,
@@ -373,7 +429,8 @@ class Controller:
                   current={"gpus": cur.gpus, "throughput": cur.throughput, "cost_per_hour": cur.cost_per_hour},
                   restart_cost_s=restart_s, remaining_samples=remaining, step=step, **verdict.to_dict())
         if verdict.resize:
-            self._stop(cur, "resize")
+            if not self._grow(cur, obs, rec["t"], remaining, restart_s):
+                self._stop(cur, "resize")
         else:
             self.note(Kind.BASELINE, available=obs.available)
 
@@ -387,21 +444,30 @@ class Controller:
         if cur.stopped is None:
             self.note(Kind.JOB_STOPPED, attempt=cur.number, job_id=cur.job_id, state=job.state,
                       reason=why or _classify(cur, job, prog),
-                      step=prog.last_step if prog else None,
+                      step=prog.last_step if prog else None, last_step_t=prog.last_step_t if prog else None,
                       exit_codes=[c.exit_code for c in job.components if c.exit_code])
+        early = self._open_gate_early(cur, tail)
         final = job.state if job.final else None
         if final is None:
             self.note(Kind.CANCEL, job_id=cur.job_id, reason="what is left of the stopped job")
-            final = slurm_ops.cancel_and_wait(cur.job_id, self.env)  # type: ignore[arg-type]
+            # ranks that saved on the signal have left their step: end the rest (the batch script) at once,
+            # which matters when a bigger job waits for this one to be gone before it loads
+            grace = 0.0 if self._saved_on_signal(tail) else 10.0
+            final = slurm_ops.cancel_and_wait(cur.job_id, self.env, grace_s=grace)  # type: ignore[arg-type]
         if tail is not None:
             tail.poll()  # its last words: saved, done, error
-        self._checkpoint(cur)
+        if not early:  # else newer checkpoints are the bigger job's: journaled once it is the run's job
+            self._checkpoint(cur)
         self.note(Kind.JOB_GONE, attempt=cur.number, job_id=cur.job_id, state=final)
         if self._checkpoint_step() >= self.spec.steps:
+            if cur.waits_for_successor:
+                self._drop_successor(cur, "the run is finished")
             self.note(Kind.FINISHED, step=self._checkpoint_step(), checkpoint=self.state.checkpoint["path"])  # type: ignore[index]
             return
         bad_input = any(c.exit_code.startswith("2:") for c in job.components if c.exit_code)
         if bad_input and prog is not None and prog.errors:
+            if cur.waits_for_successor:
+                self._drop_successor(cur, "the run gave up")
             self.note(Kind.GAVE_UP, reason="the training refused its input: " + " | ".join(prog.errors[-3:]))
             return
         if cur.first_step_t is None and cur.stop is None and not cur.lost_nodes:
@@ -436,10 +502,10 @@ def _stop_timeout(tail: LogTail | None) -> float:
     return max(STOP_TIMEOUT_S, STOP_MARGIN * needs)
 
 
-def _all_running(job: JobStatus) -> bool:
-    """Every component runs (a completing one is ending, and its GPUs are no longer the run's)."""
-    return bool(job.components) and all(c.state in RUNNING_STATES and c.state != "COMPLETING"
-                                        for c in job.components)
+def _shrinks_in_place(cur: Attempt) -> bool:
+    """Asked to checkpoint because a node drains: the job's batch script re-plans on its other nodes
+    (or ends, if no plan fits them), so the controller waits for the job instead of ending it."""
+    return cur.stop is not None and cur.stop.get("reason") == DRAIN_REASON
 
 
 def _classify(cur: Attempt, job: JobStatus, prog: Any) -> str:

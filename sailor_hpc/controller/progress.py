@@ -31,6 +31,9 @@ class Progress:
     errors: list[str] = field(default_factory=list)
     slowest_step_s: float = 0.0  # of any rank: what finishing the current step may take
     slowest_save_s: float = 0.0  # ... and writing a checkpoint
+    first_step_t: float | None = None  # wall time its first step ended (the runtime's own clock)
+    last_step_t: float | None = None  # ... and its last step
+    before_t: float | None = None  # the last step's wall time of the account before this one (same job)
 
     @property
     def stop_needs_s(self) -> float:
@@ -40,7 +43,9 @@ class Progress:
     def add(self, rec: dict[str, Any]) -> None:
         kind = rec.get("event")
         step = rec.get("step")
-        if kind == "start":
+        if kind == "in_place":  # the next step of the same job, re-planned on the survivors: a new account
+            self.__dict__.update(Progress(before_t=self.last_step_t).__dict__)
+        elif kind == "start":
             if self.first_step is not None or self.signal_step is not None:
                 self.__dict__.update(Progress().__dict__)  # the job runs again (requeued): a new account
             self.started = True
@@ -48,6 +53,9 @@ class Progress:
             self.loaded_step, self.loaded_consumed = step, rec.get("consumed_samples")
         elif kind == "step" and isinstance(step, int):
             self.first_step = step if self.first_step is None else self.first_step
+            if isinstance(rec.get("t"), (int, float)):
+                self.first_step_t = self.first_step_t or float(rec["t"])
+                self.last_step_t = max(float(rec["t"]), self.last_step_t or 0.0)
             self.last_step = max(step, self.last_step or 0)
             self.consumed_samples = rec.get("consumed_samples", self.consumed_samples)
             if isinstance(rec.get("loss"), (int, float)):
@@ -75,6 +83,7 @@ class LogTail:
         self.offset = 0
         self._partial = b""
         self.progress = Progress()
+        self.waiting = 0  # ranks that said they wait for a gate file before loading (a job taking over)
 
     def poll(self) -> list[dict[str, Any]]:
         """New records since the last call; they are also added to :attr:`progress`."""
@@ -100,6 +109,7 @@ class LogTail:
             except json.JSONDecodeError:
                 continue
             if isinstance(rec, dict) and "event" in rec:
+                self.waiting += rec["event"] == "waiting"
                 self.progress.add(rec)
                 out.append(rec)
         return out

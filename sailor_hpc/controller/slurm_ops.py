@@ -77,17 +77,19 @@ def expand_nodes(nodelists: list[str], env: Env) -> list[str]:
 
 
 def prepare_attempt(rundir: RunDir, spec: RunSpec, site: Site, plan: Plan, attempt: int,
-                    name: str) -> tuple[Path, Path]:
-    """Write the attempt's placed plan and its job script; returns both paths."""
+                    name: str, gate: Path | None = None) -> tuple[Path, Path]:
+    """Write the attempt's placed plan and its job script; returns both paths. With ``gate`` the ranks
+    start at once but load the checkpoint only once that file exists (a job taking over from another)."""
     plan_path = rundir.plan_file(attempt)
     plan_path.parent.mkdir(parents=True, exist_ok=True)
     plan.save(plan_path)
     text = render_job_script(plan, site, plan_path=plan_path, model=spec.model, data=spec.data, save=spec.save,
                              steps=spec.steps, job_name=name, time=spec.time_limit,
                              extra_sbatch=spec.extra_sbatch,
-                             train_args=("--save-interval", str(spec.save_interval), *spec.train_args),
+                             train_args=("--save-interval", str(spec.save_interval), *spec.train_args,
+                                         *(("--wait-for", str(gate)) if gate is not None else ())),
                              python=spec.python, signal_grace_s=spec.signal_grace_s, workdir=rundir.path,
-                             log_dir=rundir.logs)
+                             log_dir=rundir.logs, time_min=spec.time_min, in_place=rundir.path)
     script = rundir.script_file(attempt)
     script.parent.mkdir(parents=True, exist_ok=True)
     write_job_script(script, text)
@@ -96,6 +98,27 @@ def prepare_attempt(rundir: RunDir, spec: RunSpec, site: Site, plan: Plan, attem
 
 def submit(script: Path, plan_path: Path, spec: RunSpec, env: Env) -> JobRecord:
     return submit_script(script, env, plan=str(plan_path), site=spec.site)
+
+
+def training_steps_gone(job_id: str, env: Env, timeout_s: float = 30.0, poll_s: float = 0.2) -> bool:
+    """Whether no ``srun`` step of the job runs any more (waits up to ``timeout_s``). Ranks only run in
+    steps, so from then on nothing of the job writes checkpoints, even while its batch script still ends
+    (which, cancelled, takes Slurm's KillWait: 11 s measured here)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        steps = run_slurm(["squeue", "-h", "-s", "-j", job_id, "-o", "%i"], env, check=False).stdout.split()
+        if not any(s.rpartition(".")[2].isdigit() for s in steps):  # 31.0, 31+1.0; not 31.batch, 31.extern
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(poll_s)
+
+
+def keep_from_requeue(job_id: str, env: Env) -> None:
+    """Make the job not requeueable (``scontrol update JobId=X Requeue=0``): its script's ``scontrol requeue``
+    after the checkpoint is then refused ("Requested operation is presently disabled") and the job ends at
+    once. Requeued, slurmctld refuses every cancel for ~10 s ("Job can not be altered now")."""
+    run_slurm(["scontrol", "update", f"JobId={job_id}", "Requeue=0"], env, check=False, timeout=SIGNAL_TIMEOUT_S)
 
 
 def request_checkpoint(job_id: str, env: Env, signal: str = "USR1") -> None:

@@ -20,12 +20,13 @@ from planner import Constraints, PlanRequest
 from sailor_hpc.core.atomic import atomic_write_text
 from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.precision import DTYPES
+from sailor_hpc.jobs.render import parse_time_limit
 
 SPEC_FORMAT = "sailor-hpc-run"
 SPEC_VERSION = 1
 #: runtime arguments the controller sets itself (a --train-arg must not fight them)
 RESERVED_TRAIN_ARGS = ("--plan", "--model", "--data", "--save", "--load", "--auto-resume", "--steps",
-                       "--save-interval", "--dry-run")
+                       "--save-interval", "--dry-run", "--wait-for")
 
 
 def new_run_id() -> str:
@@ -58,8 +59,10 @@ class RunSpec:
     backoff_max_s: float = 600.0
     poll_s: float = 2.0
     replan_interval_s: float = 30.0  # at most one re-plan for more idle GPUs per interval
+    grow_timeout_s: float = 300.0  # a bigger job submitted beside the running one must start by then
     save_interval: int = 50  # the job checkpoints every K steps (a lost node costs at most K steps)
     time_limit: str | None = None
+    time_min: str | None = None  # --time-min: backfill may start a job sooner with a limit down to this
     signal_grace_s: int | None = None
     python: str = sys.executable
     train_args: tuple[str, ...] = ()
@@ -80,7 +83,7 @@ class RunSpec:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name == "max_restarts" else 1):
                 raise bad(f"--{name.replace('_', '-')}", f"must be a positive integer, got {value!r}")
-        for name in ("min_gain", "backoff_s", "backoff_max_s", "poll_s", "replan_interval_s"):
+        for name in ("min_gain", "backoff_s", "backoff_max_s", "poll_s", "replan_interval_s", "grow_timeout_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise bad(f"--{name.replace('_', '-')}", f"must be a non-negative number, got {value!r}")
@@ -92,6 +95,14 @@ class RunSpec:
             if arg.split("=", 1)[0] in RESERVED_TRAIN_ARGS:
                 raise bad("--train-arg", f"{arg!r} is set by the controller",
                           "use --steps / --save-interval / --data / --save of sailor-hpc run instead")
+        if self.time_min is not None:
+            try:
+                _, least = parse_time_limit(self.time_min)
+            except SailorError as exc:
+                raise bad("--time-min", exc.message, exc.fix) from None
+            if self.time_limit is not None and least > parse_time_limit(self.time_limit)[1]:
+                raise bad("--time-min", f"{self.time_min} is longer than --time {self.time_limit}",
+                          "give a minimum at most the time limit")
         if not self.run_id or not self.run_id.isalnum():
             raise bad("run_id", f"{self.run_id!r} is not alphanumeric")
 

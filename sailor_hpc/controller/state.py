@@ -57,6 +57,10 @@ class RunDir:
     def plan_file(self, attempt: int) -> Path:
         return self.path / "plans" / f"attempt-{attempt:03d}.json"
 
+    def gate_file(self, attempt: int) -> Path:
+        """Created once the job this attempt takes over from is gone: its ranks wait for it to load."""
+        return self.path / "gates" / f"attempt-{attempt:03d}.go"
+
     def script_file(self, attempt: int) -> Path:
         return self.path / "scripts" / f"attempt-{attempt:03d}.sbatch"
 
@@ -140,6 +144,15 @@ class Attempt:
     gone: bool = False
     recovery: dict[str, Any] | None = None
     advanced: bool = False  # a newer complete checkpoint appeared while it ran (or right after it)
+    in_place: list[dict[str, Any]] = field(default_factory=list)  # steps re-planned on its survivors
+    released: dict[str, str] = field(default_factory=dict)  # lost nodes handled in place (not lost again)
+    successor: dict[str, Any] | None = None  # a bigger job submitted beside this one (grow without a gap)
+    handover_from: int | None = None  # the attempt whose job this one took over from, while it trained
+
+    @property
+    def waits_for_successor(self) -> bool:
+        """A bigger job was submitted beside this one and neither took over nor was cancelled."""
+        return self.successor is not None and "cancelled" not in self.successor
 
 
 @dataclass
@@ -213,17 +226,17 @@ def apply(state: RunState, rec: Record) -> None:
             number=rec["attempt"], job_name=rec["job_name"], plan_file=rec["plan_file"], script=rec["script"],
             reason=rec["reason"], trigger=rec.get("trigger"), trigger_t=rec.get("trigger_t"),
             gpus=dict(rec.get("gpus", {})), throughput=float(rec.get("throughput", 0.0)),
-            cost_per_hour=float(rec.get("cost_per_hour", 0.0)), intent_t=t))
+            cost_per_hour=float(rec.get("cost_per_hour", 0.0)), intent_t=t, handover_from=rec.get("handover_from")))
         state.trigger = None
         state.backoff_until = None
     elif kind in (Kind.SUBMITTED, Kind.ADOPTED):
         assert att is not None
         att.job_id = str(rec["job_id"])
         att.log = rec.get("log") or att.log
-        att.submitted_t = att.submitted_t or (t if kind == Kind.SUBMITTED else att.intent_t)
+        att.submitted_t = att.submitted_t or rec.get("submitted_t") or (t if kind == Kind.SUBMITTED else att.intent_t)
     elif kind == Kind.JOB_RUNNING:
         assert att is not None
-        att.running_t = att.running_t or t
+        att.running_t = att.running_t or rec.get("since") or t
         att.nodes = sorted(set(att.nodes) | set(rec.get("nodes", [])))
     elif kind == Kind.FIRST_STEP:
         assert att is not None
@@ -232,8 +245,31 @@ def apply(state: RunState, rec: Record) -> None:
         state.failures_in_a_row = 0
     elif kind == Kind.RECOVERY:
         assert att is not None
-        att.recovery = {k: v for k, v in rec.items() if k not in ("seq", "kind")}
-        state.recoveries.append(att.recovery)
+        recovery = {k: v for k, v in rec.items() if k not in ("seq", "kind")}
+        if rec.get("in_place"):
+            att.in_place[-1]["recovery"] = recovery
+        else:
+            att.recovery = recovery
+        state.recoveries.append(recovery)
+    elif kind == Kind.GROW_SUBMITTED:
+        assert att is not None
+        att.successor = {k: v for k, v in rec.items() if k not in ("seq", "kind", "attempt")}
+        att.successor["submitted_t"] = t
+    elif kind == Kind.GROW_RUNNING:
+        assert att is not None and att.successor is not None
+        att.successor.update(running_t=t, nodes=rec.get("nodes", []))
+    elif kind == Kind.GROW_CANCELLED:
+        assert att is not None and att.successor is not None
+        att.successor["cancelled"] = rec.get("reason", "cancelled")
+        state.trigger = None
+    elif kind == Kind.IN_PLACE:
+        assert att is not None
+        att.in_place.append({**{k: v for k, v in rec.items() if k not in ("seq", "kind", "attempt")},
+                             "trigger": state.trigger})
+        att.plan_file, att.gpus, att.nodes = rec["plan_file"], dict(rec["gpus"]), list(rec["nodes"])
+        att.throughput, att.cost_per_hour = float(rec["throughput"]), float(rec["cost_per_hour"])
+        att.released.update({**att.lost_nodes, **rec.get("lost", {})})
+        att.lost_nodes, att.stop, state.trigger = {}, None, None
     elif kind == Kind.CHECKPOINT:
         state.checkpoint = {"step": rec["step"], "consumed_samples": rec.get("consumed_samples"), "path": rec.get("path")}
         if state.attempts:  # one job at a time: a new checkpoint is the latest job's (also if seen after it ended)

@@ -39,6 +39,25 @@ def describe(rec: Record) -> str:
         return f"{a}job running on {', '.join(rec.get('nodes', []))}"
     if k == Kind.FIRST_STEP:
         return f"{a}first step {rec.get('step')} (resumed from step {rec.get('loaded_step')})"
+    if k == Kind.IN_PLACE:
+        return (f"{a}re-planned in job {rec.get('job_id')} on its surviving nodes {', '.join(rec.get('nodes', []))}: "
+                f"{_gpus(rec.get('was_gpus'))} -> {_gpus(rec.get('gpus'))}, released {', '.join(rec.get('released', [])) or '-'}"
+                + (f" (Slurm refused: {'; '.join(rec['refused'])})" if rec.get("refused") else ""))
+    if k == Kind.GROW_SUBMITTED:
+        return (f"{a}bigger job {rec.get('job_id')} ({_gpus(rec.get('gpus'))}) submitted beside the running one, "
+                f"which trains until it runs")
+    if k == Kind.GROW_RUNNING:
+        return (f"{a}bigger job {rec.get('job_id')} runs on {', '.join(rec.get('nodes', []))}: the old one trains "
+                f"until its ranks are ready")
+    if k == Kind.GATE_OPENED:
+        return f"{a}its ranks are gone: bigger job {rec.get('job_id')} loads the checkpoint and trains"
+    if k == Kind.GROW_CANCELLED:
+        return f"{a}bigger job {rec.get('job_id')} cancelled ({rec.get('reason')}); training goes on where it is"
+    if k == Kind.IN_PLACE_REFUSED:
+        return f"{a}no in-place step in job {rec.get('job_id')} ({rec.get('reason')}): the job ends, a new one follows"
+    if k == Kind.RECOVERY and rec.get("in_place"):
+        return (f"{a}recovered from {rec.get('trigger')} inside the same job in {rec.get('recovery_s', 0):.1f} s "
+                f"(ranks idle {rec.get('ranks_idle_s', 0):.1f} s, no queue)")
     if k == Kind.RECOVERY:
         return (f"{a}recovered from {rec.get('trigger')} in {rec.get('recovery_s', 0):.1f} s "
                 f"(+ {rec.get('queue_wait_s') or 0:.1f} s queue wait)")
@@ -96,3 +115,26 @@ def _end(att: Any) -> str:
 
 
 ATTEMPT_HEADER = ("attempt", "job", "GPUs", "samples/s (sim)", "why", "from step", "recovery s", "queue s", "end")
+
+
+def change_rows(state: RunState) -> list[tuple[Any, ...]]:
+    """One row per allocation change the run recovered from: what happened, whether the run stayed in its
+    allocation, the seconds its ranks trained nothing, the new job's queue wait, and the queue time an
+    in-place change avoided (this run's mean measured queue wait of its new jobs; "-" before it has one)."""
+    waits = [r["queue_wait_s"] for r in state.recoveries if not r.get("in_place") and r.get("queue_wait_s") is not None]
+    avoided = f"{sum(waits) / len(waits):.1f}" if waits else "-"
+    rows = []
+    for att in state.attempts:
+        if att.recovery:
+            r = att.recovery
+            rows.append((att.number, att.job_id or "-", r.get("trigger"), "n",
+                         f"{r.get('ranks_idle_s', r.get('downtime_s', 0)):.1f}",
+                         f"{r.get('queue_wait_s') or 0:.1f}", "0"))
+        for ch in att.in_place:
+            r = ch.get("recovery", {})
+            rows.append((att.number, att.job_id or "-", (ch.get("trigger") or [Kind.NODE_LOST])[0], "y",
+                         f"{r['ranks_idle_s']:.1f}" if r else "-", "0", avoided))
+    return rows
+
+
+CHANGE_HEADER = ("attempt", "job", "change", "same allocation", "ranks idle s", "queue s", "queue s avoided")

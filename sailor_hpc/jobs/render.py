@@ -107,6 +107,18 @@ def job_time(time: str | None, site: Site, layout: JobLayout) -> tuple[str, int]
     return (f"{days}-{text}" if days else text), seconds
 
 
+def _time_min(time_min: str | None, limit_s: int) -> str | None:
+    """``--time-min`` as Slurm text, checked to be positive and at most the job's limit (sbatch would
+    otherwise refuse the job or silently raise it)."""
+    if time_min is None:
+        return None
+    norm, seconds = parse_time_limit(time_min)
+    if not 0 < seconds <= limit_s:
+        raise SailorError(f"--time-min {norm} must be positive and at most the job's time limit ({limit_s} s)",
+                          field="--time-min", fix="give a minimum below --time")
+    return norm
+
+
 def _plan_file_matches(plan: Plan, plan_path: Path) -> None:
     if not plan_path.is_file():
         raise SailorError("the plan file the job will read does not exist", file=plan_path, field="plan_path",
@@ -180,7 +192,8 @@ def render_job_script(plan: Plan, site: Site, *, plan_path: str | os.PathLike[st
                       time: str | None = None, extra_sbatch: Sequence[str] = (), train_args: Sequence[str] = (),
                       python: str | None = None, signal_grace_s: int | None = None,
                       workdir: str | os.PathLike[str] | None = None, log_dir: str | os.PathLike[str] | None = None,
-                      dry_run: bool = False, requeue: bool = True) -> str:
+                      dry_run: bool = False, requeue: bool = True, time_min: str | None = None,
+                      in_place: str | os.PathLike[str] | None = None) -> str:
     """The sbatch script that trains ``plan`` (read by the job from ``plan_path``) on ``site``.
 
     ``data`` and ``save`` are required unless ``dry_run`` (every rank then only prints its role);
@@ -192,8 +205,12 @@ def render_job_script(plan: Plan, site: Site, *, plan_path: str | os.PathLike[st
     compute nodes (default: the one running this, a virtualenv on the shared filesystem where sailor-hpc
     is installed, rather than a bare ``python`` that is often the system's, without torch). ``requeue=False`` (a controller
     that resubmits by itself): no ``scontrol requeue`` after a checkpoint on the limit signal, and
-    ``--no-requeue`` (a node failure ends the job instead of Slurm requeueing it). Raises
-    :class:`SailorError` for anything unsafe or inconsistent.
+    ``--no-requeue`` (a node failure ends the job instead of Slurm requeueing it). ``time_min``
+    (``--time-min``) lets backfill start the job sooner with a limit down to it: each limit ends in a
+    checkpoint, so a shorter one is safe. ``in_place`` (the controller's run directory) renders
+    ``--no-kill`` and training as a loop of ``srun`` steps that re-plans on the surviving nodes when a
+    step loses some (:mod:`sailor_hpc.controller.inplace`). Raises :class:`SailorError` for anything
+    unsafe or inconsistent.
     """
     validate_plan(plan, site, source=plan_path, check_placement=True)
     _check_one_local_cluster(plan, site)
@@ -205,6 +222,7 @@ def render_job_script(plan: Plan, site: Site, *, plan_path: str | os.PathLike[st
     check_training_args(data, save, steps, dry_run=dry_run)
     layout = job_layout(plan)
     time_text, seconds = job_time(time, site, layout)
+    min_text = _time_min(time_min, seconds)
     grace = signal_grace_s if signal_grace_s is not None else min(MAX_SIGNAL_GRACE_S, max(1, seconds // 10))
     if not 0 < grace < seconds:
         raise SailorError(f"signal grace {grace} s must be between 0 and the time limit ({seconds} s)",
@@ -221,7 +239,9 @@ def render_job_script(plan: Plan, site: Site, *, plan_path: str | os.PathLike[st
         "plan_path_comment": str(plan_file), "task_ranks_comment": " ".join(map(str, layout.task_ranks)),
         "job_name": jname, "output": f"{logs}/%x-%j.out", "workdir": work, "time": time_text,
         "signal_grace_s": grace, "rank_exit_wait_s": max(MIN_RANK_EXIT_WAIT_S, grace), "dry_run": dry_run,
-        "requeue": requeue, "job_sbatch": [o.text for o in header if o.job_wide],
+        "requeue": requeue, "time_min": min_text,
+        "in_place": safety.q(safety.shell_path(in_place, "--run-dir")) if in_place is not None else "",
+        "job_sbatch": [o.text for o in header if o.job_wide],
         "component_sbatch": [o.text for o in header if not o.job_wide],
         "components": components_for(layout, site), "heterogeneous": layout.heterogeneous,
         "prelude": list(site.prelude), "port_base": PORT_BASE, "port_span": PORT_SPAN,

@@ -7,13 +7,14 @@ the allocation change. The controller runs as ``sailor-hpc run`` in a subprocess
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,17 @@ def start_reference(root: Path, data: str, steps: int) -> subprocess.Popen:
                             cwd=REPO, env=local.rank_env(0, 1, local.free_port()), stdout=out, stderr=subprocess.STDOUT)
 
 
+def one_gpu_a100_site(root: Path) -> Path:
+    """local-lab, with the A100 partition declared as one GPU (and CPU) per node."""
+    text = LOCAL_LAB.read_text()
+    a100 = text.index('name = "a100"')
+    head, tail = text[:a100], text[a100:]
+    tail = tail.replace("gpus_per_node = 4", "gpus_per_node = 1", 1).replace("cpus_per_node = 4", "cpus_per_node = 1", 1)
+    site = root / "one-gpu-a100.toml"
+    site.write_text(head + tail)
+    return site
+
+
 @dataclass
 class Scenario:
     cluster: Any  # tests.slurm.cluster.SlurmCluster
@@ -60,6 +72,8 @@ class Scenario:
     downed: set[str] = field(default_factory=set)
     proc: subprocess.Popen | None = None
     outputs: list[Path] = field(default_factory=list)
+    site: Path = LOCAL_LAB
+    extra_args: list[str] = field(default_factory=list)  # more `sailor-hpc run` options
 
     @property
     def env(self) -> dict[str, str]:
@@ -129,12 +143,12 @@ class Scenario:
     def command(self, resume: bool = False) -> list[str]:
         if resume:
             return ["sailor-hpc", "run", "--resume", str(self.run_dir)]
-        return ["sailor-hpc", "run", "--site", str(LOCAL_LAB), "--profiles", str(self.archive), "--model", MODEL,
+        return ["sailor-hpc", "run", "--site", str(self.site), "--profiles", str(self.archive), "--model", MODEL,
                 "--objective", "throughput", "--gbs", str(GBS), "--max-gpus", "2", "--max-stages", "2",
                 "--data", self.data, "--save", str(self.save), "--run-dir", str(self.run_dir),
                 "--steps", str(self.steps), "--save-interval", str(self.save_interval), "--poll", str(self.poll_s),
                 "--replan-interval", "1", "--min-gain", "10%", "--time", "00:30:00", "--backoff", "2",
-                *[f"--train-arg={a}" for a in ADAM]]
+                *[f"--train-arg={a}" for a in ADAM], *self.extra_args]
 
     def start_controller(self, resume: bool = False) -> subprocess.Popen:
         out = self.root / f"controller-{len(self.outputs)}.out"
@@ -192,3 +206,27 @@ def step_events(log: Path) -> list[dict[str, Any]]:
             except json.JSONDecodeError:
                 pass
     return out
+
+
+def finish(sc: Scenario, reference: subprocess.Popen) -> subprocess.CompletedProcess:
+    """Wait for the controller to finish the run (exit 0) and for the reference run; the run's status."""
+    rc = sc.wait_exit(timeout=300)
+    assert rc == 0, sc.controller_output()
+    assert reference.wait(timeout=300) == 0, (sc.root / "reference.log").read_text()[-3000:]
+    return sc.cluster.run(["sailor-hpc", "run", "status", str(sc.run_dir)], env=sc.env)
+
+
+@contextlib.contextmanager
+def cleaned_up(sc: Scenario, reference: subprocess.Popen) -> Iterator[Scenario]:
+    """The scenario, with its controller, jobs, blockers, nodes and reference run put back whatever happens."""
+    try:
+        yield sc
+    finally:
+        if reference.poll() is None:
+            reference.kill()
+        sc.cleanup()
+
+
+def records_of(story: dict[str, Any], k: str) -> list[dict[str, Any]]:
+    """The story's journal records of kind ``k``."""
+    return [r for r in story["records"] if r["kind"] == k]

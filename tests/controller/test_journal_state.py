@@ -181,3 +181,43 @@ def test_restarts_that_advance_the_checkpoint_do_not_use_up_the_limit(tmp_path: 
     # a checkpoint noticed only after its job ended (saved on Slurm's SIGTERM) is still that job's progress
     j.append("checkpoint", attempt=None, step=999, consumed_samples=1, path="/ck/999")
     assert fold(read_journal(j.path)).restarts_without_progress == 0
+
+
+def test_fold_of_an_in_place_step_and_a_grown_job(tmp_path: Path):
+    """What a resumed controller knows: the job re-planned in place (new plan, node handled, stop cleared),
+    then a bigger job beside it that became the run's attempt only once the old one was gone."""
+    j = Journal(tmp_path / "journal.jsonl", clock=lambda: 10.0)
+    j.append("submit_intent", attempt=1, job_name=job_name("r1", 1), plan_file="p1", script="s1", reason="start",
+             gpus={"a100": 2}, throughput=2.0, cost_per_hour=2.0)
+    j.append("submitted", attempt=1, job_id="7", log="l7")
+    j.append("node_lost", attempt=1, nodes={"a100-2": "draining"})
+    j.append("signal_sent", attempt=1, job_id="7", signal="USR1", reason="node draining")
+    j.append("in_place", attempt=1, job_id="7", step_index=1, plan_file="p1.step-1", gpus={"a100": 1},
+             nodes=["a100-1"], throughput=1.0, cost_per_hour=1.0, lost={"a100-2": "draining"}, t_step_end=9.0)
+    mid = fold(j.records)
+    att = mid.attempt(1)
+    assert (att.plan_file, att.gpus, att.nodes, att.stop, att.lost_nodes) == ("p1.step-1", {"a100": 1}, ["a100-1"], None, {})
+    assert att.released == {"a100-2": "draining"} and mid.trigger is None and mid.current is att
+    j.append("grow_submitted", attempt=1, next_attempt=2, job_id="8", job_name=job_name("r1", 2), log="l8",
+             plan_file="p2", script="s2", trigger_t=10.0, gpus={"a100": 2}, throughput=2.0, cost_per_hour=2.0)
+    j.append("grow_running", attempt=1, job_id="8", nodes=["a100-1", "a100-2"])
+    assert fold(j.records).attempt(1).waits_for_successor and len(fold(j.records).attempts) == 1
+    j.append("job_gone", attempt=1, job_id="7", state="CANCELLED")
+    j.append("submit_intent", attempt=2, job_name=job_name("r1", 2), plan_file="p2", script="s2", reason="idle_gpus",
+             handover_from=1, gpus={"a100": 2}, throughput=2.0, cost_per_hour=2.0)
+    j.append("submitted", attempt=2, job_id="8", log="l8", submitted_t=5.0)
+    j.append("job_running", attempt=2, job_id="8", since=6.0)
+    end = fold(j.records)
+    assert end.current is end.attempt(2) and end.attempt(2).handover_from == 1
+    assert (end.attempt(2).submitted_t, end.attempt(2).running_t) == (5.0, 6.0)
+    assert end.restarts == 0  # growing is a choice, not a restart
+    j.append("grow_cancelled", attempt=1, job_id="8", reason="x")  # (a cancelled successor is no longer awaited)
+    assert not fold(j.records).attempt(1).waits_for_successor
+
+
+def test_time_min_must_be_a_time_within_the_limit():
+    assert spec(time_min="00:05:00", time_limit="00:10:00").time_min == "00:05:00"
+    for bad in (dict(time_min="00:20:00", time_limit="00:10:00"), dict(time_min="soon")):
+        with pytest.raises(SailorError) as err:
+            spec(**bad)
+        assert err.value.field == "--time-min", err.value

@@ -527,3 +527,48 @@ def test_log_dirs_slurm_cannot_use_are_refused_and_leave_nothing(tmp_path, make,
                                     "--log-dir", str(log_dir), "-o", str(tmp_path / "job.sh")])
     assert res.exit_code == 2 and "--log-dir" in res.output and words in res.output, res.output
     assert not (tmp_path / "job.sh").exists() and not _placed_files(tmp_path) and not (tmp_path / "logs-%u").exists()
+
+
+# ---- in place: training as a loop of srun steps that a re-plan on the surviving nodes continues
+
+def test_in_place_job_runs_steps_until_the_replanner_ends_it(tmp_path):
+    """The loop as bash runs it, with stand-ins for srun (a lost node, then done) and for the re-planner
+    (it writes the next step's plan and options, as sailor_hpc.controller.inplace does)."""
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(f'#!/bin/bash\nprintf "%s\\n" "$*" >> {calls}\n'
+                                  f'[ $(wc -l < {calls}) -ge 3 ] && exit 0 || exit 137\n')
+    (bin_dir / "py").write_text(f'#!/bin/bash\nprintf "inplace %s\\n" "$*" >> {calls}\n'
+                                 'while [ "$1" != --job-plan ]; do shift; done; jp=$2; while [ "$1" != --step ]; do shift; done\n'
+                                 "printf \"PLAN=%s\\nSTEP_COMPONENTS=('--het-group=1 -N 1 -n 2 --nodelist=v100-1')\\n\" "
+                                 '"${jp%.json}.new.json" > "${jp%.json}.step-$2.env"\n')
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    script = _render(tmp_path, "het-mixed", dry_run=False, data="d", save="s", python="py", time="00:20:00",
+                     time_min="00:05:00", in_place=tmp_path / "run")
+    comps = _header(script)
+    assert "--no-kill" in comps[0] and "--time-min=00:05:00" in comps[0]
+    loop = script[script.index("JOB_PLAN=$PLAN"):script.index("\ndone\n") + len("\ndone\n")]
+    block = script[script.index("PLAN="):script.index("\necho ")]
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    proc = subprocess.run(["bash", "-c", f"set -u\n{block}\n{loop}\necho rc=$rc"], capture_output=True, text=True,
+                          env=env, timeout=30)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("rc=0"), proc.stderr
+    first, replan, second = calls.read_text().splitlines()
+    plan = str((tmp_path / "het-mixed.json").absolute())
+    assert first.count("--het-group=") == 3 and first.count(f"--plan {plan}") == 6  # 3 components x 2
+    assert replan.startswith("inplace -m sailor_hpc.controller.inplace") and "--rc 137" in replan and "--step 1" in replan
+    new = plan[:-len(".json")] + ".new.json"
+    assert second.startswith("--het-group=1 -N 1 -n 2 --nodelist=v100-1 --wait=120 --distribution=block")
+    assert " : " not in second and second.count(f"--plan {new}") == 2 and plan + " " not in second
+
+
+def test_time_min_is_rendered_and_one_longer_than_the_limit_is_refused(tmp_path):
+    with pytest.raises(SailorError, match="--time-min"):
+        _render(tmp_path, "het-mixed", time="00:10:00", time_min="00:20:00")
+    plan = write_plan(tmp_path, "het-mixed")
+    args = ["sbatch", str(plan), "--site", str(LOCAL_LAB), "--dry-run", "--time", "00:10:00", "-o", str(tmp_path / "j.sh")]
+    res = CliRunner().invoke(main, [*args, "--time-min", "5"])
+    assert res.exit_code == 0 and "--time-min=00:05:00" in _header((tmp_path / "j.sh").read_text())[0], res.output
+    res = CliRunner().invoke(main, [*args, "--time-min", "00:20:00"])
+    assert res.exit_code == 2 and "--time-min" in res.output

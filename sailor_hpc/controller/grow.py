@@ -1,0 +1,150 @@
+"""Grow without a gap: a bigger job beside the running one, which takes over once its ranks are ready.
+
+When more idle GPUs make a bigger plan worth its restart (``min_gain``) and a plan on the idle GPUs
+alone is worth it too, the run need not stop first:
+
+1. the bigger job is submitted while the running one trains (``grow_submitted``); its ranks start,
+   rendezvous, build the model, and wait for a gate file before loading anything
+   (``megatron_patch.launch --wait-for <run dir>/gates/attempt-N.go``);
+2. once it runs (``grow_running``) and every rank says it waits, the running job is asked to
+   checkpoint and stop (SIGUSR1, and ``Requeue=0`` so it ends instead of requeueing itself);
+3. once that job's ``srun`` steps are gone, no rank of it can write checkpoints any more: the gate
+   opens (``gate_opened``) and the new ranks load exactly the checkpoint it saved on the signal;
+4. once the old job is gone (journaled), the bigger job becomes the run's attempt (``submit_intent``
+   with ``handover_from``): the journal still never has two current jobs.
+
+A bigger job whose ranks are not ready within ``grow_timeout_s``, or that fails before, is cancelled
+(``grow_cancelled``) and training goes on where it is; so it is when the old job ends by itself first.
+Mixed into :class:`~sailor_hpc.controller.loop.Controller`, whose journal, state and Slurm hands it uses.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from sailor_hpc.controller import slurm_ops
+from sailor_hpc.controller.events import Observation, all_running
+from sailor_hpc.controller.journal import Kind, Record
+from sailor_hpc.controller.planning import plan_on
+from sailor_hpc.controller.policy import Score, judge
+from sailor_hpc.controller.progress import LogTail
+from sailor_hpc.controller.spec import RunSpec
+from sailor_hpc.controller.state import RESIZE_REASON, Attempt, RunDir, RunState, job_name
+from sailor_hpc.core.archive import ProfileArchive
+from sailor_hpc.core.atomic import atomic_write_text
+from sailor_hpc.core.errors import SailorError
+from sailor_hpc.core.plan import Plan
+from sailor_hpc.core.site import Site
+from sailor_hpc.slurm.status import job_status
+
+
+class GrowBeside:
+    """The grow-without-a-gap steps of the controller (see the module doc)."""
+
+    # what the Controller this is mixed into provides
+    spec: RunSpec
+    site: Site
+    archive: ProfileArchive
+    rundir: RunDir
+    env: Mapping[str, str] | None
+    state: RunState
+    clock: Callable[[], float]
+    _succ_tails: dict[str, LogTail]
+
+    def note(self, kind: str, **data: Any) -> Record:
+        raise NotImplementedError  # Controller.note
+
+    def _plan(self, path: str | Path) -> Plan:
+        raise NotImplementedError  # Controller._plan
+
+    def _stop(self, cur: Attempt, reason: str) -> None:
+        raise NotImplementedError  # Controller._stop
+
+    def _saved_on_signal(self, tail: LogTail | None) -> bool:
+        raise NotImplementedError  # Controller._saved_on_signal
+
+    def _grow(self, cur: Attempt, obs: Observation, trigger_t: float, remaining: int, restart_s: float) -> bool:
+        """Submit the bigger job on idle GPUs alone, beside the running one, if such a plan is worth it too;
+        the running job trains until the new one runs (:meth:`_watch_successor`). False: it needs the job's
+        own GPUs (or none fits): the caller stops the job first, as before."""
+        try:
+            planned = plan_on(self.spec, self.site, self.archive, obs.idle)
+        except SailorError:
+            return False
+        if not judge(self.spec.objective, Score(cur.throughput, cur.cost_per_hour), planned.score, remaining,
+                     restart_s, self.spec.min_gain).resize:
+            return False
+        number = len(self.state.attempts) + 1
+        name = job_name(self.spec.run_id, number)
+        plan_path, script = slurm_ops.prepare_attempt(self.rundir, self.spec, self.site, planned.plan, number, name,
+                                                      gate=self.rundir.gate_file(number))
+        self.note(Kind.PLAN, reason=RESIZE_REASON, available=obs.available, planner_available=planned.available,
+                  plan_file=str(plan_path), **planned.summary())
+        job = slurm_ops.submit(script, plan_path, self.spec, self.env)
+        self.note(Kind.GROW_SUBMITTED, attempt=cur.number, next_attempt=number, job_id=job.job_id, job_name=name,
+                  log=job.log, plan_file=str(plan_path), script=str(script), trigger_t=trigger_t,
+                  gpus=planned.summary()["gpus"], throughput=planned.score.throughput,
+                  cost_per_hour=planned.score.cost_per_hour)
+        return True
+
+    def _watch_successor(self, cur: Attempt) -> None:
+        """Once the bigger job runs and all its ranks wait at the gate (started, rendezvous done, model
+        built), ask this one to checkpoint and end; cancel the bigger one if it is not that far within
+        ``grow_timeout_s`` (the run keeps training where it is)."""
+        succ = cur.successor
+        assert succ is not None
+        try:
+            job = job_status(succ["job_id"], self.env)
+        except SailorError:
+            return  # Slurm briefly unreachable: look again next poll
+        if succ.get("running_t") is None and all_running(job):
+            hosts = slurm_ops.expand_nodes([c.nodes for c in job.components], self.env)
+            self.note(Kind.GROW_RUNNING, attempt=cur.number, job_id=succ["job_id"], nodes=hosts)
+        if succ.get("running_t") is not None and cur.stop is None and self._successor_ready(succ):
+            self._stop(cur, "resize")
+        elif cur.stop is None and (job.final or self.clock() - succ["submitted_t"] > self.spec.grow_timeout_s):
+            why = f"ended ({job.state}) before its ranks were ready" if job.final else \
+                f"its ranks were not ready {self.spec.grow_timeout_s:.0f} s after it was submitted"
+            self._drop_successor(cur, why)
+
+    def _successor_ready(self, succ: dict[str, Any]) -> bool:
+        """Every rank of the bigger job said it waits for the gate (its log's ``waiting`` records)."""
+        tail = self._succ_tails.setdefault(succ["job_id"], LogTail(succ["log"]))
+        tail.poll()
+        return tail.waiting >= self._plan(succ["plan_file"]).num_gpus
+
+    def _drop_successor(self, cur: Attempt, reason: str) -> None:
+        succ = cur.successor
+        assert succ is not None
+        state = slurm_ops.cancel_and_wait(succ["job_id"], self.env)
+        self.note(Kind.GROW_CANCELLED, attempt=cur.number, job_id=succ["job_id"], reason=reason, state=state)
+
+    def _open_gate_early(self, cur: Attempt, tail: LogTail | None) -> bool:
+        """Let the bigger job's waiting ranks load as soon as this job's ranks are gone (they saved on the
+        resize signal): its batch script still ends, but no rank of it writes checkpoints any more."""
+        succ = cur.successor
+        if not (cur.waits_for_successor and succ and succ.get("running_t") and self._saved_on_signal(tail)):
+            return False
+        if not slurm_ops.training_steps_gone(cur.job_id, self.env):  # type: ignore[arg-type]
+            return False
+        self._open_gate(succ["next_attempt"])
+        self.note(Kind.GATE_OPENED, attempt=cur.number, next_attempt=succ["next_attempt"], job_id=succ["job_id"])
+        return True
+
+    def _handover(self, prev: Attempt) -> None:
+        """The old job is gone: the bigger one becomes the run's job, and its waiting ranks may load."""
+        s = prev.successor
+        assert s is not None
+        n = s["next_attempt"]
+        self.note(Kind.SUBMIT_INTENT, attempt=n, job_name=s["job_name"], plan_file=s["plan_file"], script=s["script"],
+                  reason=RESIZE_REASON, trigger=Kind.IDLE_GPUS, trigger_t=s["trigger_t"], gpus=s["gpus"],
+                  throughput=s["throughput"], cost_per_hour=s["cost_per_hour"], handover_from=prev.number)
+        self.note(Kind.SUBMITTED, attempt=n, job_id=s["job_id"], log=s["log"], submitted_t=s["submitted_t"])
+        self.note(Kind.JOB_RUNNING, attempt=n, job_id=s["job_id"], nodes=s.get("nodes", []), since=s["running_t"])
+        self._open_gate(n)
+
+    def _open_gate(self, attempt: int) -> None:
+        gate = self.rundir.gate_file(attempt)
+        gate.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(gate, "go\n")

@@ -1,0 +1,229 @@
+"""Shrink in place: after a training step that lost nodes, re-plan on the job's survivors and go on.
+
+The controller's jobs run training as a loop of ``srun`` steps in one allocation submitted with
+``--no-kill`` (``sbatch_templates/train.sbatch.j2``). When a step ends without finishing, the batch
+script runs ``python -m sailor_hpc.controller.inplace``, here, on the compute node (torch-free):
+
+1. the job's nodes now (``scontrol show job``, per het component) and their states (``sinfo``);
+   nodes that are down, drained, draining or failing are lost; none lost: the job ends as today
+   (finished, saved on its time-limit or preemption signal, failed, or asked to resize);
+2. the planner on the survivors (the GPUs the job holds on each surviving node), with the run's
+   objective and constraints; each component of the new plan must run in the job's het component of
+   the same partition, in the same order (Slurm cannot give a running job a new component);
+3. drained nodes are released (``scontrol update JobId=<component> NodeList=<survivors>``);
+4. the next step's plan file and ``<job plan>.step-K.env`` (PLAN, MASTER_ADDR/PORT, per-component
+   ``srun`` options with ``--nodelist``) are written atomically, and one JSON line
+   ``{"event": "in_place", ...}`` goes to the job's log, which the controller journals. The step
+   starts with ``--auto-resume``: from the newest complete checkpoint, in the same job, no queue.
+
+Exit 0: the next step is ready; 1: end the job (the controller then resubmits, today's fallback).
+This works whether or not the controller is up: the batch script carries on by itself.
+
+Slurm 22.05 facts this relies on, checked on the local cluster (tests/slurm):
+
+- ``sbatch --no-kill``: ``scontrol update NodeName=X State=DOWN`` kills the step on X (srun exits 137)
+  and Slurm drops X from the job, which keeps RUNNING on the rest (NodeList and NumNodes shrink);
+- ``State=DRAIN`` keeps running jobs; ``scontrol update JobId=<id> NodeList=<subset>`` on a running
+  job releases the other nodes at once (rc 0; no ``slurm_job_<id>_resize.sh`` is written where
+  scontrol runs, so the script passes every count to ``srun`` explicitly instead of sourcing it);
+- a step in a shrunk allocation needs explicit ``-N``/``-n``/``--nodelist``: the batch environment
+  (``SLURM_NTASKS``, ``SLURM_JOB_NUM_NODES``) keeps the old counts and ``srun`` refuses the step;
+- het jobs: ``JobId=<id>+<k>`` is refused (``scontrol: error: Invalid job ID 4+1``); the
+  component's own job id works (``JobId=5 NumNodes=1`` shrank component 1 from 2 nodes to 1; after a
+  drain, ``JobId=128 NodeList=v100-1`` released v100-2 and the next ``srun --het-group=1 -N 1
+  --nodelist=v100-1`` step ran). Releasing a node under a running step kills that step (rc 137), so
+  nodes are released only here, after the step ended.
+  ``NumNodes=0`` is refused (``Node count specification invalid for job 7``). A het job survives a
+  *drain* (the component's drained node is released as above) but not a node going *down*: losing any
+  node, even one of a two-node component, ends the whole het job despite ``--no-kill`` (``CANCELLED ...
+  DUE TO NODE FAILURE``, the component FAILED with ``JobLaunchFailure``): that falls back to a new job;
+- ``--time-min`` is accepted next to ``--time``; a job started by backfill may get a limit as
+  short as the minimum (a 10-minute job with ``--time-min=2`` started with ``TimeLimit=00:02:00``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sailor_hpc.controller.events import node_states
+from sailor_hpc.controller.planning import Planned, gpus_by_partition, plan_on
+from sailor_hpc.controller.state import RunDir
+from sailor_hpc.core.archive import open_archive
+from sailor_hpc.core.atomic import atomic_write_text
+from sailor_hpc.core.errors import SailorError
+from sailor_hpc.core.plan import Plan
+from sailor_hpc.core.plan_io import load_plan
+from sailor_hpc.core.site import load_site
+from sailor_hpc.jobs.layout import job_layout
+from sailor_hpc.jobs.render import PORT_BASE, PORT_SPAN
+from sailor_hpc.slurm.commands import parse_kv_line, run_slurm, show_nodes, sinfo_nodes
+
+EXIT_NEXT_STEP, EXIT_END_JOB = 0, 1
+STEP_PORT_STRIDE = 9973
+
+
+@dataclass(frozen=True)
+class Component:
+    """One het component of the running job (a plain job has one)."""
+
+    job_id: str  # its own numeric id: what ``scontrol update JobId=`` accepts
+    partition: str
+    nodes: list[str]
+
+
+def job_components(job_id: str) -> list[Component]:
+    """The job's components now, in het offset order (``scontrol -o show job``: one line per component)."""
+    out = run_slurm(["scontrol", "-o", "show", "job", job_id], None).stdout
+    rows = [parse_kv_line(line) for line in out.splitlines() if line.strip()]
+    rows.sort(key=lambda r: int(r.get("HetJobOffset", "0") or 0))
+    comps = []
+    for r in rows:
+        hosts = run_slurm(["scontrol", "show", "hostnames", r["NodeList"]], None).stdout.split() \
+            if r.get("NodeList") not in (None, "", "(null)") else []
+        comps.append(Component(r["JobId"], r.get("Partition", ""), hosts))
+    return comps
+
+
+def survivors(comps: list[Component], job_plan: Plan, lost: dict[str, str]) -> dict[str, dict[str, int]]:
+    """GPUs the job holds on each surviving node, per partition: the allocation was rendered from the
+    job's first plan, so component i holds that plan's ranks per node on each of its nodes."""
+    layout = job_layout(job_plan).components
+    free: dict[str, dict[str, int]] = {}
+    for comp, lay in zip(comps, layout):
+        for node in comp.nodes:
+            if node not in lost:
+                free.setdefault(lay.partition, {})[node] = lay.tasks_per_node
+    return free
+
+
+def step_components(plan: Plan, comps: list[Component], free: dict[str, dict[str, int]],
+                    heterogeneous: bool, cpus: list[int]) -> tuple[list[str], list[str]]:
+    """The next step's ``srun`` options per component, and its nodes in rank order.
+
+    Raises SailorError when the plan's components are not the job's (a partition left out or added):
+    Slurm keeps at least one node per component, so such a plan needs a new job."""
+    layout = job_layout(plan).components
+    if [c.partition for c in layout] != [c.partition for c in comps]:
+        raise SailorError(f"the plan on the survivors uses partitions {[c.partition for c in layout]}, the job has "
+                          f"{[c.partition for c in comps]}", field="in-place plan",
+                          fix="a new job is submitted instead")
+    opts, nodes = [], []
+    for i, (lay, comp) in enumerate(zip(layout, comps)):
+        fit = [n for n in comp.nodes if free.get(lay.partition, {}).get(n, 0) >= lay.tasks_per_node][:lay.nodes]
+        if len(fit) < lay.nodes:
+            raise SailorError(f"component {i} needs {lay.nodes} node(s) of {lay.tasks_per_node} GPUs, the job has "
+                              f"{len(fit)}", field="in-place plan", fix="a new job is submitted instead")
+        het = f"--het-group={i} " if heterogeneous else ""
+        opts.append(f"{het}-N {lay.nodes} -n {lay.nodes * lay.tasks_per_node} --ntasks-per-node={lay.tasks_per_node} "
+                    f"--nodelist={','.join(fit)} --cpus-per-task={cpus[i]}")
+        nodes.extend(fit)
+    return opts, nodes
+
+
+def release(comps: list[Component], keep: set[str], lost: dict[str, str]) -> tuple[list[str], list[str]]:
+    """Give the lost nodes still in the allocation back to Slurm; (released nodes, what Slurm refused)."""
+    released, refused = [], []
+    for comp in comps:
+        gone = [n for n in comp.nodes if n in lost]
+        if not gone:
+            continue
+        stay = [n for n in comp.nodes if n in keep]
+        if not stay:  # Slurm keeps one node per component (NumNodes=0 is refused)
+            refused.append(f"component {comp.job_id} keeps {','.join(gone)}: no node of it is used any more")
+            continue
+        proc = run_slurm(["scontrol", "update", f"JobId={comp.job_id}", f"NodeList={','.join(stay)}"], None,
+                         check=False)
+        if proc.returncode == 0:
+            released.extend(gone)
+        else:
+            refused.append(f"scontrol update JobId={comp.job_id} NodeList={','.join(stay)}: "
+                           f"{(proc.stderr or proc.stdout).strip()}")
+    return released, refused
+
+
+def next_step(run_dir: Path, job_plan_file: Path, step_plan_file: Path, step: int, rc: int,
+              job_id: str) -> dict[str, Any] | None:
+    """Plan and prepare the next step; returns the ``in_place`` record, or None when the step lost no node
+    (raises SailorError when it did but no plan fits the survivors: the job ends, a new one follows)."""
+    t_end = time.time()
+    rd = RunDir(run_dir)
+    spec = rd.spec()
+    site = load_site(spec.site)
+    job_plan = load_plan(job_plan_file, validate=False)
+    step_plan = load_plan(step_plan_file, validate=False)
+    comps = job_components(job_id)
+    _, _, lost_states = node_states(sinfo_nodes(None))
+    step_nodes = set(_step_nodes(job_plan_file, step - 1))
+    lost = {n: lost_states.get(n, "gone from the job") for n in step_nodes
+            if n in lost_states or all(n not in c.nodes for c in comps)}
+    if not lost:
+        return None  # finished, saved on a signal, asked to resize, or failed: the job ends as it always did
+    free = survivors(comps, job_plan, lost)
+    planned: Planned = plan_on(spec, site, open_archive(spec.profiles, site), free)
+    cpus = [max(1, site.partition(c.partition).cpus_per_node // site.partition(c.partition).gpus_per_node)
+            for c in job_layout(job_plan).components]
+    opts, nodes = step_components(planned.plan, comps, free, len(comps) > 1, cpus)
+    released, refused = release(comps, set(nodes), lost)
+    plan_path = job_plan_file.with_name(f"{job_plan_file.stem}.step-{step}.json")
+    planned.plan.save(plan_path)
+    addr = next((n.raw.get("NodeAddr") for n in show_nodes(None, names=[nodes[0]])), None) or nodes[0]
+    # a fresh rendezvous port per step, far from the ports of the jobs submitted next (base + job id)
+    port = PORT_BASE + (int(job_id) + step * STEP_PORT_STRIDE) % PORT_SPAN
+    env = "\n".join([f"PLAN={shlex.quote(str(plan_path))}", f"export MASTER_ADDR={shlex.quote(addr)}",
+                     f"export MASTER_PORT={port}", f"STEP_NODES={shlex.quote(','.join(nodes))}",
+                     "STEP_COMPONENTS=(" + " ".join(shlex.quote(o) for o in opts) + ")"]) + "\n"
+    atomic_write_text(_env_file(job_plan_file, step), env)
+    return {"event": "in_place", "job_id": job_id, "step_index": step, "rc": rc, "t_step_end": round(t_end, 3),
+            "t_ready": round(time.time(), 3), "lost": lost, "released": released, "refused": refused,
+            "plan_file": str(plan_path), "nodes": nodes, "gpus": gpus_by_partition(planned.plan),
+            "throughput": planned.score.throughput, "cost_per_hour": planned.score.cost_per_hour,
+            "was_gpus": gpus_by_partition(step_plan)}
+
+
+def _env_file(job_plan_file: Path, step: int) -> Path:
+    return job_plan_file.with_name(f"{job_plan_file.stem}.step-{step}.env")
+
+
+def _step_nodes(job_plan_file: Path, step: int) -> list[str]:
+    """The nodes step ``step`` ran on. The first step ran on the whole allocation as it started, which the
+    batch environment still holds (Slurm has already dropped a DOWN node from the job itself)."""
+    if step <= 0:
+        lists = [v for k, v in os.environ.items()
+                 if k == "SLURM_JOB_NODELIST" or k.startswith("SLURM_JOB_NODELIST_HET_GROUP_")]
+        return run_slurm(["scontrol", "show", "hostnames", ",".join(lists)], None).stdout.split() if lists else []
+    for line in _env_file(job_plan_file, step).read_text().splitlines():
+        if line.startswith("STEP_NODES="):
+            return shlex.split(line.partition("=")[2])[0].split(",")
+    return []
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m sailor_hpc.controller.inplace", description=__doc__.split("\n")[0])
+    ap.add_argument("--run-dir", type=Path, required=True)
+    ap.add_argument("--job-plan", type=Path, required=True, help="the plan the job was submitted with")
+    ap.add_argument("--step-plan", type=Path, required=True, help="the plan of the step that ended")
+    ap.add_argument("--step", type=int, required=True, help="the index of the next step (1, 2, ...)")
+    ap.add_argument("--rc", type=int, required=True, help="the exit code of the step that ended")
+    args = ap.parse_args(argv)
+    job_id = os.environ.get("SLURM_JOB_ID", "")
+    try:
+        rec = next_step(args.run_dir, args.job_plan, args.step_plan, args.step, args.rc, job_id)
+    except SailorError as exc:
+        print(json.dumps({"event": "in_place_refused", "job_id": job_id, "step_index": args.step, "rc": args.rc,
+                          "reason": str(exc), "t": round(time.time(), 3)}, sort_keys=True), flush=True)
+        return EXIT_END_JOB
+    if rec is None:
+        return EXIT_END_JOB
+    print(json.dumps(rec, sort_keys=True), flush=True)
+    return EXIT_NEXT_STEP
+
+
+if __name__ == "__main__":
+    sys.exit(main())
