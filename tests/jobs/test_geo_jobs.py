@@ -8,24 +8,18 @@ it. The trained parameters must equal megatron-core trained in one process on th
 """
 from __future__ import annotations
 
-import copy
-import tomllib
 import uuid
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from sailor_hpc.core.checkpoint import step_dir
-from sailor_hpc.core.placement import place_plan
-from sailor_hpc.core.plan import Pipeline, Plan, Stage
-from sailor_hpc.core.site import Site, load_site_dict
 from sailor_hpc.jobs.layout import job_layout
 from sailor_hpc.jobs.render import cluster_submit_env, plan_clusters, render_job_script, write_job_script
 from sailor_hpc.slurm.submit import submit_script
 from sailor_hpc.slurm.watch import JobWatcher
-from tests.jobs.conftest import LOCAL_LAB
-from tests.megatron_patch.conftest import ADAM, GLOBAL_BATCH, MODEL, max_diff, ref_file, runtime_env  # noqa: F401 - fixtures
+from tests.jobs.conftest import cross_plan, two_lab_site
+from tests.megatron_patch.conftest import ADAM, max_diff, ref_file, runtime_env  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.slurm
 
@@ -33,34 +27,11 @@ STEPS = 3
 PARAM_TOL = MOMENT_TOL = 1e-6  # the runtime's fp32 bound (tests/megatron_patch/test_exactness.py)
 
 
-def two_lab_site(first: Path, second: Path) -> Site:
-    """local-lab.toml's a100 partition in cluster lab and again as a100_lab2 in lab2, each reached by its
-    own SLURM_CONF, joined by a 1 GB/s link (a made-up measurement: the simulator is not under test)."""
-    doc: dict[str, Any] = tomllib.loads(LOCAL_LAB.read_text())
-    a100 = next(p for p in doc["partitions"] if p["name"] == "a100")
-    other = copy.deepcopy(a100)
-    a100["cluster"], other["cluster"], other["name"] = "lab", "lab2", "a100_lab2"
-    doc["partitions"] = [a100, other]
-    doc["clusters"] = [{"name": "lab", "slurm_conf": str(first / "etc" / "slurm.conf")},
-                       {"name": "lab2", "slurm_conf": str(second / "etc" / "slurm.conf")}]
-    doc["network"] = {"between": [{"clusters": ["lab", "lab2"], "latency_us": 100.0, "cost_per_gb": 0.02,
-                                   "links": {"1": {"constant_gbps": 1.0}}}]}
-    return load_site_dict(doc, source="<two local clusters>")
-
-
-def cross_plan(site: Site) -> Plan:
-    """3 CPU ranks: pipeline 0 = layers 0-2 in lab, 3-5 in lab2; pipeline 1 = all layers in lab2."""
-    a, b = "A100-40", "A100-40"
-    return place_plan(Plan(MODEL, GLOBAL_BATCH, (
-        Pipeline(2, 2, (Stage(0, 2, 1, a, "a100"), Stage(3, 5, 1, b, "a100_lab2"))),
-        Pipeline(2, 2, (Stage(0, 5, 1, b, "a100_lab2"),)))), site)
-
-
 def test_plan_across_two_clusters_trains_to_the_single_process_reference(slurm_two_clusters, runtime_env,  # noqa: F811
                                                                           job_env, job_dir, ref_file):  # noqa: F811
     lab, lab2 = slurm_two_clusters
     site = two_lab_site(lab.lab, lab2.lab)
-    plan = cross_plan(site)
+    plan = cross_plan(site, "a100", "a100_lab2")
     assert plan_clusters(plan, site) == ["lab", "lab2"]
     # every plan rank runs in exactly one cluster's job, under its plan number
     ranks = {c: job_layout(plan, [p.name for p in site.partitions if p.cluster == c]).task_ranks for c in ("lab", "lab2")}
