@@ -16,7 +16,7 @@ import pytest
 from sailor_hpc.core.checkpoint import step_dir
 from sailor_hpc.jobs.layout import job_layout
 from sailor_hpc.jobs.render import cluster_submit_env, plan_clusters, render_job_script, write_job_script
-from sailor_hpc.slurm.submit import submit_script
+from sailor_hpc.slurm.submit import log_path, submit_script
 from sailor_hpc.slurm.watch import JobWatcher
 from tests.jobs.conftest import cross_plan, two_lab_site
 from tests.megatron_patch.conftest import ADAM, max_diff, ref_file, runtime_env  # noqa: F401 - fixtures
@@ -58,6 +58,8 @@ def test_plan_across_two_clusters_trains_to_the_single_process_reference(slurm_t
     # each job ran in its own cluster: sacct of lab2 knows lab2's job under lab2's name
     acct = lab2.run(["sacct", "-n", "-X", "-P", "-j", jobs["lab2"][0], "-o", "jobname,partition,state"]).stdout
     assert acct.split("\n")[0] == "geo-lab2|a100_lab2|COMPLETED", acct
+    # both jobs are id 1 (ids are per cluster); each one's record still leads to its own log
+    assert {c: log_path(j, env) for c, (j, env) in jobs.items()} == logs
     # lab2's ranks met at the address lab's job published
     addr, port = rdzv.read_text().split()
     assert f"rendezvous {addr}:{port}" in logs["lab2"].read_text() and f"rendezvous {addr}:{port}" in logs["lab"].read_text()
