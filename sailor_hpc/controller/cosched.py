@@ -16,8 +16,9 @@ jobs only train when every one of them runs, so the co-scheduler treats them as 
   after the running group has saved a checkpoint of its own: the group is asked to checkpoint and stop
   (SIGUSR1), then the run is re-planned across it again (growth).
 
-Planning is the caller's (``plan_for(clusters)``: e.g. the geo search over those clusters' partitions), so
-this module only decides *when* and *where*. Not journaled yet: a killed co-scheduler does not resume.
+Planning is ``plan_for(clusters)``: :func:`planner_plan_for` asks the controller's planner
+(:func:`~sailor_hpc.controller.planning.plan_on`) on the idle GPUs of those clusters' partitions; tests may
+give fixed plans. Not journaled yet: a killed co-scheduler does not resume.
 """
 from __future__ import annotations
 
@@ -28,7 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sailor_hpc.controller.planning import plan_on
 from sailor_hpc.controller.slurm_ops import cancel_and_wait, request_checkpoint
+from sailor_hpc.controller.spec import RunSpec
+from sailor_hpc.core.archive import ProfileArchive
 from sailor_hpc.core.checkpoint import latest_complete, read_manifest
 from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.plan import Plan
@@ -42,6 +46,24 @@ PlanFor = Callable[[tuple[str, ...]], Plan]
 #: a job that ends in one of these lost its cluster (Slurm ended it: cancelled, node failure, preemption, ...);
 #: a FAILED job is the training's own failure, or the echo of a peer cluster's loss: retried, not dropped
 CLUSTER_LOSS = frozenset({"CANCELLED", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE", "TIMEOUT"})
+
+
+def idle_by_node(site: Site, clusters: Sequence[str], env: Mapping[str, str]) -> dict[str, dict[str, int]]:
+    """Idle GPUs per usable node of ``clusters``' partitions, partition -> node -> GPUs (``sinfo`` through each
+    cluster's SLURM_CONF; node names may repeat across clusters, partition names do not)."""
+    out: dict[str, dict[str, int]] = {}
+    for cluster in clusters:
+        parts = [p.name for p in site.partitions if p.cluster == cluster]
+        for n in sinfo_nodes(cluster_submit_env(site, cluster, env), parts):
+            if n.usable and n.partition in parts:
+                out.setdefault(n.partition, {})[n.name] = max(0, n.gpus - n.gpus_used)
+    return out
+
+
+def planner_plan_for(spec: RunSpec, site: Site, archive: ProfileArchive, env: Mapping[str, str]) -> PlanFor:
+    """``plan_for`` from the planner: the run's best plan on the GPUs idle now in the given clusters (the
+    group's own jobs are gone when it is asked: the co-scheduler re-plans only after they ended)."""
+    return lambda clusters: plan_on(spec, site, archive, idle_by_node(site, clusters, env)).plan
 
 
 @dataclass
@@ -91,12 +113,11 @@ class CoScheduler:
         return int(read_manifest(ck)["step"]) if ck is not None else 0
 
     def _has_idle_gpus(self, cluster: str) -> bool:
-        parts = [p.name for p in self.site.partitions if p.cluster == cluster]
         try:
-            nodes = sinfo_nodes(cluster_submit_env(self.site, cluster, self.env), parts)
+            idle = idle_by_node(self.site, [cluster], self.env)
         except SailorError:
             return False  # its controller does not answer: not back yet
-        return any(n.usable and n.gpus > n.gpus_used for n in nodes)
+        return any(g > 0 for nodes in idle.values() for g in nodes.values())
 
     def submit(self, clusters: tuple[str, ...], attempt: int) -> Group:
         plan = self.plan_for(clusters)

@@ -24,9 +24,13 @@ from typing import Any
 
 import pytest
 
-from sailor_hpc.controller.cosched import CoScheduler
+from sailor_hpc.controller.cosched import CoScheduler, idle_by_node, planner_plan_for
+from sailor_hpc.controller.spec import RunSpec
+from sailor_hpc.core.archive import EMBEDDED_ARCHIVE, read_archive
 from sailor_hpc.core.checkpoint import latest_complete, read_manifest
+from sailor_hpc.jobs.render import plan_clusters
 from tests.controller.scenario import step_events
+from tests.data.tiny_archive import write_tiny_archive
 from tests.jobs.conftest import REPO, cross_plan, two_lab_site
 from tests.megatron_patch.conftest import ADAM, python
 
@@ -145,3 +149,21 @@ def test_every_group_resumes_from_the_newest_checkpoint_and_matches_the_referenc
     diff = max_diff(final, root / "ref" / f"ref_step_{STEPS}.pt")
     print(f"\nafter {STEPS} steps in 5 groups: max |delta| vs reference {diff}")
     assert diff["param"] <= PARAM_TOL and diff["exp_avg"] <= MOMENT_TOL and diff["exp_avg_sq"] <= MOMENT_TOL
+
+
+def test_the_planner_plans_only_on_the_clusters_it_is_given(story, slurm_two_clusters, job_env_two, tmp_path):
+    """``planner_plan_for``: idle GPUs read through each cluster's own SLURM_CONF, then the controller's planner
+    on those clusters' partitions only (runs after the story: every GPU is idle again)."""
+    lab, lab2 = slurm_two_clusters
+    site = two_lab_site(lab.lab, lab2.lab)
+    idle = idle_by_node(site, ["lab", "lab2"], job_env_two)
+    # the fake nodes of start.sh: a100-1 and a100-2 with 4 GPUs each, in both clusters (same names)
+    assert idle == {"a100": {"a100-1": 4, "a100-2": 4}, "a100_lab2": {"a100-1": 4, "a100-2": 4}}
+    spec = RunSpec(run_id="geo", site="<two local clusters>", model="tiny-gpt", objective="throughput", data="/d",
+                   save="/s", steps=1, gbs=8)
+    archive = read_archive(write_tiny_archive(tmp_path / "tiny.h5"), EMBEDDED_ARCHIVE)
+    plan_for = planner_plan_for(spec, site, archive, job_env_two)
+    for clusters in (("lab",), ("lab2",), ("lab", "lab2")):
+        used = plan_clusters(plan_for(clusters), site)
+        print(f"\nplan on {clusters}: clusters {used}")
+        assert used and set(used) <= set(clusters)
