@@ -53,6 +53,10 @@ def story(slurm_two_clusters, tmp_path_factory: pytest.TempPathFactory, job_env_
     site = two_lab_site(lab.lab, lab2.lab)
     plans = {("lab", "lab2"): cross_plan(site, "a100", "a100_lab2"), ("lab",): cross_plan(site, "a100", "a100")}
     blocker = lab2.sbatch(["-p", "a100_lab2", "-N", "2", "--gres=gpu:a100:4", "-o", "/dev/null", "--wrap", "sleep 600"])
+    deadline = time.monotonic() + 30
+    while lab2.job_states(blocker) != ["RUNNING"]:  # holding lab2's GPUs before the run's first group comes
+        assert time.monotonic() < deadline, lab2.job_states(blocker)
+        time.sleep(0.1)
     sched = CoScheduler(site=site, plan_for=lambda cs: plans[cs], directory=root / "run", save=root / "ckpt",
                         data=data, steps=STEPS, env=job_env_two, train_args=[*ADAM, "--save-interval", "1"],
                         pending_bound_s=4.0, rejoin_after_s=2.0, poll_s=0.3)
