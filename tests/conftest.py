@@ -17,7 +17,7 @@ from typing import NoReturn
 import pytest
 
 from tests.data import SITE_CONFIGS
-from tests.slurm.cluster import ClusterUnavailable, SlurmCluster, get_cluster
+from tests.slurm.cluster import ClusterUnavailable, SlurmCluster, get_cluster, get_second_cluster
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -27,7 +27,8 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # a test that uses the fixture is a slurm test, marked or not (so `-m "not slurm"` leaves it out)
     for item in items:
-        if "slurm_cluster" in getattr(item, "fixturenames", ()) and item.get_closest_marker("slurm") is None:
+        names = getattr(item, "fixturenames", ())
+        if {"slurm_cluster", "slurm_two_clusters"} & set(names) and item.get_closest_marker("slurm") is None:
             item.add_marker(pytest.mark.slurm)
 
 
@@ -50,6 +51,20 @@ def slurm_cluster() -> Iterator[SlurmCluster]:
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def slurm_two_clusters(slurm_cluster: SlurmCluster) -> Iterator[tuple[SlurmCluster, SlurmCluster]]:
+    """Two clusters on this machine, ``lab`` (the session's) and ``lab2`` (partitions a100_lab2 and v100_lab2, own slurmctld,
+    slurmd, ports and state; the first one's munged and slurmdbd, so ``sacctmgr`` knows both)."""
+    try:
+        second = get_second_cluster(slurm_cluster)
+    except ClusterUnavailable as exc:
+        slurm_missing(f"no second local Slurm test cluster: {exc}")
+    try:
+        yield slurm_cluster, second
+    finally:
+        second.stop()
 
 
 @pytest.fixture()

@@ -13,9 +13,15 @@ Order guarantees (the contract of ``sbatch_templates/README.md``):
   the first node of group 0 (where the batch script runs, and where the rendezvous address comes from);
 - inside a component, nodes are ordered by their lowest plan rank, and the ranks of a node by their
   placement GPU id, so ``LOCAL_RANK`` follows the plan's GPU order on the node.
+
+A plan across several Slurm clusters runs as one job per cluster (a het job cannot span clusters):
+``job_layout(plan, partitions=...)`` is the layout of the job holding only those partitions' ranks; its
+tasks keep their plan ranks and ``world_size`` stays the whole plan's, so every cluster's ranks join one
+process group under the plan's global numbering.
 """
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from sailor_hpc.core.errors import SailorError
@@ -68,10 +74,17 @@ class TaskPlace:
 class JobLayout:
     components: tuple[Component, ...]
     tasks: tuple[TaskPlace, ...]  # indexed by SLURM_PROCID
+    plan_ranks: int = 0  # ranks of the whole plan (0: this job runs all of them)
+
+    @property
+    def num_tasks(self) -> int:
+        """Tasks of this job (``SLURM_NTASKS``)."""
+        return len(self.tasks)
 
     @property
     def world_size(self) -> int:
-        return len(self.tasks)
+        """Ranks of the whole plan (``WORLD_SIZE``): more than this job's tasks when other clusters hold the rest."""
+        return self.plan_ranks or len(self.tasks)
 
     @property
     def task_ranks(self) -> tuple[int, ...]:
@@ -96,10 +109,15 @@ def _check_placed(roles: list[Role]) -> None:
                               fix="place the plan on the site first (sailor-hpc sbatch does it when given --site)")
 
 
-def job_layout(plan: Plan) -> JobLayout:
-    """The het components, nodes and task order of the job that runs ``plan`` (which must be placed)."""
-    roles = rank_roles(plan)
-    _check_placed(roles)
+def job_layout(plan: Plan, partitions: Collection[str] | None = None) -> JobLayout:
+    """The het components, nodes and task order of the job that runs ``plan`` (which must be placed), or
+    only its ranks on ``partitions`` (one cluster's job of a plan across clusters)."""
+    all_roles = rank_roles(plan)
+    _check_placed(all_roles)
+    roles = all_roles if partitions is None else [r for r in all_roles if r.partition in partitions]
+    if not roles:
+        raise SailorError(f"the plan has no rank on partitions {sorted(partitions or ())}", field="partitions",
+                          fix="render a job only for a cluster the plan uses")
     slots: dict[tuple[str, int], list[Role]] = {}
     for role in roles:  # rank order: a slot's position is the first appearance of its lowest rank
         slots.setdefault((role.partition, role.node), []).append(role)  # type: ignore[arg-type]
@@ -125,4 +143,5 @@ def job_layout(plan: Plan) -> JobLayout:
         components.append(comp)
         for n, slot in enumerate(comp.slots):
             tasks += [TaskPlace(component=index, node=n, local=k, rank=r) for k, r in enumerate(slot.ranks)]
-    return JobLayout(components=tuple(components), tasks=tuple(tasks))
+    return JobLayout(components=tuple(components), tasks=tuple(tasks),
+                     plan_ranks=len(all_roles) if len(roles) < len(all_roles) else 0)

@@ -1,6 +1,6 @@
 """Per-task wrapper of the training step: Slurm task -> plan rank, then exec the runtime.
 
-    python -m sailor_hpc.jobs.rank_env --plan plan.json -- python -m megatron_patch.launch ...
+    python -m sailor_hpc.jobs.rank_env --plan plan.json [--partitions a,b] -- python -m megatron_patch.launch ...
 
 ``srun`` numbers the tasks of a het job component by component (see :mod:`sailor_hpc.jobs.layout`);
 the plan numbers ranks pipeline by pipeline. This wrapper reads ``SLURM_PROCID`` / ``SLURM_NTASKS`` /
@@ -35,8 +35,8 @@ def _int(env: Mapping[str, str], key: str) -> int:
 def rank_environment(layout: JobLayout, env: Mapping[str, str]) -> dict[str, str]:
     """The variables to export for the task described by ``env`` (Slurm's task variables)."""
     procid, ntasks = _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS")
-    if ntasks != layout.world_size:
-        raise SailorError(f"srun started {ntasks} tasks but the plan has {layout.world_size} ranks",
+    if ntasks != layout.num_tasks:
+        raise SailorError(f"srun started {ntasks} tasks but the plan has {layout.num_tasks} ranks in this job",
                           field="SLURM_NTASKS", fix="the job script and the plan file disagree: re-render the script")
     place = layout.place(procid)
     comp = layout.components[place.component]
@@ -60,13 +60,16 @@ def main(argv: list[str] | None = None) -> int:
     cut = argv.index("--")
     ap = argparse.ArgumentParser(prog="python -m sailor_hpc.jobs.rank_env")
     ap.add_argument("--plan", required=True)
+    ap.add_argument("--partitions", default=None,
+                    help="comma-separated: this job runs only the plan's ranks on these (one cluster of several)")
     args = ap.parse_args(argv[:cut])
     command = argv[cut + 1:]
     if not command:
         print("error: no command after --", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
-        layout = job_layout(load_plan(args.plan))
+        parts = None if args.partitions is None else set(args.partitions.split(","))
+        layout = job_layout(load_plan(args.plan), parts)
         os.environ.update(rank_environment(layout, os.environ))
     except SailorError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)

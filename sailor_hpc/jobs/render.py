@@ -13,7 +13,7 @@ import hashlib
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +29,7 @@ from sailor_hpc.core.models import get_model
 from sailor_hpc.core.placement import place_plan
 from sailor_hpc.core.plan import Plan, validate_plan
 from sailor_hpc.core.plan_io import load_plan
+from sailor_hpc.core.roles import rank_roles
 from sailor_hpc.core.sailor_compat.plans import is_sailor_plan
 from sailor_hpc.core.site import Site, parse_walltime
 from sailor_hpc.core.training import DataBlend
@@ -44,6 +45,7 @@ MAX_SIGNAL_GRACE_S = 300  # SIGUSR1 this long before the time limit (capped at a
 #: the others blocked in a collective until the runtime's collective timeout
 MIN_RANK_EXIT_WAIT_S = 60
 PORT_BASE, PORT_SPAN = 20000, 20000  # MASTER_PORT = base + job id % span (two jobs on a node rarely clash)
+DEFAULT_RENDEZVOUS_WAIT_S = 600  # a cluster's job waits this long for the rendezvous address of rank 0's job
 
 
 @dataclass(frozen=True)
@@ -170,20 +172,66 @@ def check_job_dir(path: str | os.PathLike[str], field: str) -> Path:
     return target
 
 
-def _check_one_local_cluster(plan: Plan, site: Site) -> None:
-    """One script is one Slurm job, and a (het) job cannot span clusters; nor does the script carry the
-    ``-M`` or ``SLURM_CONF`` that reaches another cluster's Slurm (nor would the controller's
-    squeue/scontrol calls). Refuse both rather than submit to the wrong cluster."""
-    used = sorted({site.cluster_of(str(s.partition)) for p in plan.pipelines for s in p.stages})
-    if len(used) > 1:
-        raise SailorError(f"the plan spans clusters {', '.join(used)}; one Slurm job cannot", file=site.source,
-                          field="clusters", fix="plan inside one cluster (--available with its partitions only); "
-                                                "one job per cluster, co-scheduled, is not implemented yet")
-    if used and used[0] and (site.cluster(used[0]).slurm_cluster or site.cluster(used[0]).slurm_conf):
-        raise SailorError(f"cluster {used[0]!r} is reached by -M or its own SLURM_CONF, which jobs do not carry yet",
-                          file=site.source, field=f"clusters[{used[0]}]",
-                          fix="plan on the cluster this login node submits to (a cluster without slurm_cluster "
-                              "and slurm_conf)")
+@dataclass(frozen=True)
+class ClusterJob:
+    """Which part of a plan one script runs: all of it (``cluster`` None), or one cluster's ranks of a plan
+    across clusters, whose script either publishes the rendezvous (it holds plan rank 0) or waits for it."""
+
+    cluster: str | None
+    partitions: tuple[str, ...] | None  # None: every partition of the plan
+    hosts_rendezvous: bool
+
+
+def plan_clusters(plan: Plan, site: Site) -> list[str]:
+    """The clusters a (placed) plan uses, the one holding plan rank 0 first: its job hosts the rendezvous."""
+    order = [site.cluster_of(str(r.partition)) for r in rank_roles(plan)]
+    return list(dict.fromkeys(order))
+
+
+def cluster_job(plan: Plan, site: Site, cluster: str | None, rendezvous_file: object | None, requeue: bool) -> ClusterJob:
+    """Check that one script can run this (part of the) plan and say which part.
+
+    A (het) job cannot span clusters, so a plan across clusters renders one script per cluster, each
+    submitted with that cluster's ``SLURM_CONF`` (:func:`cluster_submit_env`). A cluster reached by ``-M``
+    is refused: the controller's squeue/scontrol calls would not reach its jobs either."""
+    used = plan_clusters(plan, site)
+    if cluster is None:
+        if len(used) > 1:
+            raise SailorError(f"the plan spans clusters {', '.join(sorted(used))}; one Slurm job cannot",
+                              file=site.source, field="clusters",
+                              fix="plan inside one cluster (--available with its partitions only); a plan across "
+                                  "clusters runs as one job per cluster under sailor_hpc.controller.cosched (not "
+                                  "in the CLI yet)")
+        if used and used[0] and (site.cluster(used[0]).slurm_cluster or site.cluster(used[0]).slurm_conf):
+            raise SailorError(f"cluster {used[0]!r} is reached by -M or its own SLURM_CONF; name it (cluster=...) so "
+                              "the job is submitted there", file=site.source, field=f"clusters[{used[0]}]",
+                              fix="render with cluster=NAME and submit with cluster_submit_env")
+        return ClusterJob(None, None, True)
+    if cluster not in used:
+        raise SailorError(f"the plan has no rank on cluster {cluster!r} (it uses {', '.join(used)})",
+                          file=site.source, field="clusters", fix="render scripts only for the plan's clusters")
+    if site.cluster(cluster).slurm_cluster:
+        raise SailorError(f"cluster {cluster!r} is reached by -M, which jobs and the controller do not carry yet",
+                          file=site.source, field=f"clusters[{cluster}].slurm_cluster",
+                          fix="give the cluster its own slurm_conf instead of slurm_cluster")
+    if len(used) > 1 and rendezvous_file is None:
+        raise SailorError("a plan across clusters needs one rendezvous file that every cluster's job can read",
+                          field="rendezvous_file", fix="pass a fresh path on a filesystem all clusters share")
+    if len(used) > 1 and requeue:
+        raise SailorError("one cluster's job requeued alone would wait for ranks that have left",
+                          field="requeue", fix="render with requeue=False; the controller resubmits every cluster's job")
+    parts = tuple(sorted({str(s.partition) for p in plan.pipelines for s in p.stages
+                          if site.cluster_of(str(s.partition)) == cluster}))
+    return ClusterJob(cluster, parts if len(used) > 1 else None, cluster == used[0])
+
+
+def cluster_submit_env(site: Site, cluster: str | None, env: Mapping[str, str]) -> dict[str, str]:
+    """The environment to submit (and query) ``cluster``'s job with: its own ``SLURM_CONF`` if it has one."""
+    out = dict(env)
+    conf = site.cluster(cluster).slurm_conf if cluster else ""
+    if conf:
+        out["SLURM_CONF"] = conf
+    return out
 
 
 def render_job_script(plan: Plan, site: Site, *, plan_path: str | os.PathLike[str], model: str | None = None,
@@ -193,7 +241,9 @@ def render_job_script(plan: Plan, site: Site, *, plan_path: str | os.PathLike[st
                       python: str | None = None, signal_grace_s: int | None = None,
                       workdir: str | os.PathLike[str] | None = None, log_dir: str | os.PathLike[str] | None = None,
                       dry_run: bool = False, requeue: bool = True, time_min: str | None = None,
-                      in_place: str | os.PathLike[str] | None = None) -> str:
+                      in_place: str | os.PathLike[str] | None = None, cluster: str | None = None,
+                      rendezvous_file: str | os.PathLike[str] | None = None,
+                      rendezvous_wait_s: int = DEFAULT_RENDEZVOUS_WAIT_S) -> str:
     """The sbatch script that trains ``plan`` (read by the job from ``plan_path``) on ``site``.
 
     ``data`` and ``save`` are required unless ``dry_run`` (every rank then only prints its role);
@@ -211,16 +261,25 @@ def render_job_script(plan: Plan, site: Site, *, plan_path: str | os.PathLike[st
     ``--no-kill`` and training as a loop of ``srun`` steps that re-plans on the surviving nodes when a
     step loses some (:mod:`sailor_hpc.controller.inplace`). Raises :class:`SailorError` for anything
     unsafe or inconsistent.
+
+    A plan across clusters renders one script per ``cluster``, each running that cluster's ranks under their
+    plan ranks. The job holding plan rank 0 writes its rendezvous address to ``rendezvous_file`` (temp +
+    rename); the others wait for it up to ``rendezvous_wait_s``. The path must be fresh for every submission
+    (an old address would be read) and on a filesystem every cluster's nodes share, as the plan and the
+    checkpoints already are; ``requeue`` must be False (the controller resubmits all clusters' jobs).
     """
     validate_plan(plan, site, source=plan_path, check_placement=True)
-    _check_one_local_cluster(plan, site)
+    part = cluster_job(plan, site, cluster, rendezvous_file, requeue)
+    if in_place and cluster is not None:  # a step re-planned inside one cluster's job would drop the others' ranks
+        raise SailorError("in-place steps cannot run one cluster's part of a plan across clusters",
+                          field="in_place", fix="render cross-cluster jobs without in_place (the co-scheduler re-plans)")
     plan_file = Path(safety.shell_path(plan_path, "plan_path"))
     _plan_file_matches(plan, plan_file)
     name = get_model(model or plan.model).name
     if name != get_model(plan.model).name:
         raise SailorError(f"the plan trains {plan.model}, not {model}", field="--model", fix="drop --model or fix it")
     check_training_args(data, save, steps, dry_run=dry_run)
-    layout = job_layout(plan)
+    layout = job_layout(plan, part.partitions)
     time_text, seconds = job_time(time, site, layout)
     min_text = _time_min(time_min, seconds)
     grace = signal_grace_s if signal_grace_s is not None else min(MAX_SIGNAL_GRACE_S, max(1, seconds // 10))
@@ -236,6 +295,7 @@ def render_job_script(plan: Plan, site: Site, *, plan_path: str | os.PathLike[st
             raise SailorError("prelude lines must be single lines", file=site.source, field=f"environment.prelude[{i}]")
     ctx: dict[str, Any] = {
         "version": __version__, "model": name, "model_q": safety.q(name), "num_ranks": layout.world_size,
+        "num_tasks": layout.num_tasks,
         "plan_path_comment": str(plan_file), "task_ranks_comment": " ".join(map(str, layout.task_ranks)),
         "job_name": jname, "output": f"{logs}/%x-%j.out", "workdir": work, "time": time_text,
         "signal_grace_s": grace, "rank_exit_wait_s": max(MIN_RANK_EXIT_WAIT_S, grace), "dry_run": dry_run,
@@ -251,6 +311,10 @@ def render_job_script(plan: Plan, site: Site, *, plan_path: str | os.PathLike[st
         "load": safety.q(safety.shell_path(load, "--load")) if load is not None else "",
         "steps": steps, "train_args": [safety.q(safety.no_control_chars(a, "--train-arg")) for a in train_args],
         "python": safety.q(safety.quoted_python_exe(python or sys.executable)), "exit_saved_on_signal": EXIT_SAVED_ON_SIGNAL,
+        "partitions": ",".join(part.partitions) if part.partitions else "", "hosts_rendezvous": part.hosts_rendezvous,
+        "cluster": part.cluster or "", "rendezvous_wait_s": rendezvous_wait_s,
+        "rendezvous_file": safety.q(safety.shell_path(Path(rendezvous_file), "rendezvous_file"))
+        if part.partitions and rendezvous_file is not None else "",
     }
     return _environment().get_template(sbatch_templates.TRAIN_TEMPLATE).render(**ctx)
 

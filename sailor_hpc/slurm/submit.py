@@ -7,6 +7,7 @@ file (job id, script, plan, log path) under the state directory: ``$SAILOR_HPC_S
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -76,19 +77,31 @@ def check_script(script: str | os.PathLike[str], env: Mapping[str, str] | None =
     return (proc.stderr + proc.stdout).strip()
 
 
+def _record_path(job_id: str, slurm_conf: str, env: Mapping[str, str] | None) -> Path:
+    """Job ids are per cluster (two clusters' first job is 1 each), so a record is named by the id and the
+    SLURM_CONF that reached the cluster."""
+    conf = hashlib.sha256(slurm_conf.encode()).hexdigest()[:8]
+    return state_dir(env) / f"{job_id}.{conf}.json"
+
+
 def record_job(rec: JobRecord, env: Mapping[str, str] | None = None) -> Path:
-    path = state_dir(env) / f"{rec.job_id}.json"
+    path = _record_path(rec.job_id, rec.slurm_conf, env)
     atomic_write_text(path, json.dumps(asdict(rec), indent=1) + "\n")
     return path
 
 
 def load_record(job_id: str, env: Mapping[str, str] | None = None) -> JobRecord | None:
-    path = state_dir(env) / f"{safety.job_id(job_id)}.json"
-    try:
-        data: dict[str, Any] = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-    return JobRecord(**{k: data.get(k, "") for k in JobRecord.__dataclass_fields__})
+    """The record of job ``job_id`` on the cluster ``env``'s SLURM_CONF reaches (or an older record named by
+    the id alone, written before records were per cluster)."""
+    jid = safety.job_id(job_id)
+    conf = slurm_env(env).get("SLURM_CONF", "")
+    for path in (_record_path(jid, conf, env), state_dir(env) / f"{jid}.json"):
+        try:
+            data: dict[str, Any] = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        return JobRecord(**{k: data.get(k, "") for k in JobRecord.__dataclass_fields__})
+    return None
 
 
 def cancel_job(job_id: str | int, env: Mapping[str, str] | None = None) -> str:

@@ -1,12 +1,18 @@
 """Plans, site and job environment shared by the job tests."""
 from __future__ import annotations
 
+import copy
 import json
 import os
+import tomllib
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from sailor_hpc.core.placement import place_plan
+from sailor_hpc.core.plan import Pipeline, Plan, Stage
+from sailor_hpc.core.site import Site, load_site_dict
 
 REPO = Path(__file__).resolve().parents[2]
 LOCAL_LAB = REPO / "site_configs" / "local-lab.toml"
@@ -43,6 +49,30 @@ PLANS: dict[str, dict[str, Any]] = {
     # no partition/placement: sailor-hpc places it (first fit)
     "unplaced": plan_doc([(2, 1, [stage(0, 1, 1, V100), stage(2, 5, 2, A100)]), (1, 2, [stage(0, 5, 4, V100)])]),
 }
+
+
+def two_lab_site(first: Path, second: Path) -> Site:
+    """local-lab.toml's a100 partition in cluster lab and again as a100_lab2 in lab2, each reached by its
+    own SLURM_CONF, joined by a 1 GB/s link (a made-up measurement: the simulator is not under test)."""
+    doc: dict[str, Any] = tomllib.loads(LOCAL_LAB.read_text())
+    a100 = next(p for p in doc["partitions"] if p["name"] == "a100")
+    other = copy.deepcopy(a100)
+    a100["cluster"], other["cluster"], other["name"] = "lab", "lab2", "a100_lab2"
+    doc["partitions"] = [a100, other]
+    doc["clusters"] = [{"name": "lab", "slurm_conf": str(first / "etc" / "slurm.conf")},
+                       {"name": "lab2", "slurm_conf": str(second / "etc" / "slurm.conf")}]
+    doc["network"] = {"between": [{"clusters": ["lab", "lab2"], "latency_us": 100.0, "cost_per_gb": 0.02,
+                                   "links": {"1": {"constant_gbps": 1.0}}}]}
+    return load_site_dict(doc, source="<two local clusters>")
+
+
+def cross_plan(site: Site, first: str, second: str, global_batch: int = 8) -> Plan:
+    """3 CPU ranks of tiny-gpt: pipeline 0 = layers 0-2 on ``first``, 3-5 on ``second``; pipeline 1 = all
+    layers on ``second`` (across two clusters' partitions, or both in one)."""
+    mbs = global_batch // 4
+    return place_plan(Plan("tiny-gpt", global_batch, (
+        Pipeline(mbs, 2, (Stage(0, 2, 1, A100, first), Stage(3, 5, 1, A100, second))),
+        Pipeline(mbs, 2, (Stage(0, 5, 1, A100, second),)))), site)
 
 
 def write_plan(directory: Path, name: str, doc: dict[str, Any] | None = None) -> Path:

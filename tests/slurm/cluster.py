@@ -207,8 +207,10 @@ def install_packages(timeout: float = 600) -> None:
                                  f"{proc.returncode}): {_tail(proc.stderr or proc.stdout, 1500)}")
 
 
-def start_cluster(lab: Path | None = None, port_base: int | None = None, install: bool = True) -> SlurmCluster:
-    """Install the packages if needed and start a fresh cluster (new temporary lab unless given)."""
+def start_cluster(lab: Path | None = None, port_base: int | None = None, install: bool = True, *,
+                  join: SlurmCluster | None = None, name: str = "lab") -> SlurmCluster:
+    """Install the packages if needed and start a fresh cluster (new temporary lab unless given); with
+    ``join``, a second cluster ``name`` that uses ``join``'s munged and slurmdbd (multi-cluster)."""
     if sys.platform != "linux":
         raise ClusterUnavailable(f"the local Slurm test cluster needs Linux (this is {sys.platform})")
     if os.geteuid() != 0:
@@ -225,7 +227,10 @@ def start_cluster(lab: Path | None = None, port_base: int | None = None, install
     with open(PORT_LOCK) as lock:       # two test sessions starting at once must not pick the same ports
         fcntl.flock(lock, fcntl.LOCK_EX)
         base = port_base if port_base is not None else choose_port_base()
-        env = {**os.environ, "SAILOR_SLURM_PORT_BASE": str(base)}
+        env = {**os.environ, "SAILOR_SLURM_PORT_BASE": str(base), "SAILOR_SLURM_CLUSTER_NAME": name}
+        if join is not None:
+            env["SAILOR_SLURM_JOIN"] = str(join.lab)
+            env["SAILOR_SLURM_PARTITION_SUFFIX"] = f"_{name}"
         for k in _JOB_VARS:
             env.pop(k, None)
         try:
@@ -250,6 +255,14 @@ def _stop_quietly(cluster: SlurmCluster) -> None:
         cluster.stop()
     except Exception:   # noqa: BLE001 - at exit, nothing left to report to
         pass
+
+
+def get_second_cluster(first: SlurmCluster, name: str = "lab2") -> SlurmCluster:
+    """A second cluster ``name`` (partitions a100_NAME and v100_NAME, same fake nodes) sharing ``first``'s
+    slurmdbd: always started fresh (packages are there), stopped before ``first`` (it needs its munged)."""
+    if os.environ.get("SAILOR_SKIP_SLURM") == "1":
+        raise ClusterUnavailable("SAILOR_SKIP_SLURM=1")
+    return start_cluster(install=False, join=first, name=name)
 
 
 def get_cluster() -> SlurmCluster:
