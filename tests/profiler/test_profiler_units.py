@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import math
-import statistics
 import time
 from pathlib import Path
 
@@ -180,7 +179,9 @@ def test_layer_profiler_on_tiny_gpt(one_rank):
             sums.append(float(one[:, 0].sum() + one[:, 1].sum()))
     finally:
         torch.set_num_threads(threads)
-    reference, per_layer = statistics.median(ref[2:]), statistics.median(sums[2:])
+    # minima, not medians: other processes on a shared CPU only ever add time, so the least of several
+    # samples is the estimate of the work itself that contention cannot move
+    reference, per_layer = min(ref[2:]), min(sums[2:])
     assert reference / 3 < per_layer < reference * 3, (per_layer, reference, sums, ref)
     # the chain timing runs the measured layers (embedding, 2 blocks, head) as one stage would: on CPU
     # there is no launch overlap to win, so it stays near the sum of those layers timed alone
@@ -191,7 +192,7 @@ def test_layer_profiler_on_tiny_gpt(one_rank):
         one = prof.measure(2)
         alone.append(float(one[prof.measured, :2].sum()))
         chained.append(sum(prof.measure_stack(2)))
-    assert statistics.median(alone) / 3 < statistics.median(chained) < statistics.median(alone) * 3, (alone, chained)
+    assert min(alone) / 3 < min(chained) < min(alone) * 3, (alone, chained)
 
 
 def test_bf16_profile_times_a_real_optimizer_step(one_rank):
