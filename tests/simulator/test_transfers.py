@@ -67,6 +67,20 @@ def test_a_stage_sends_to_both_neighbours_over_one_link_by_hand():
     assert flush_by_events(F, B, act, grad, m, [True, True], False) == pytest.approx(want)
 
 
+def test_a_stage_takes_in_from_both_neighbours_over_one_link_by_hand():
+    """Megatron order, everything buffered, three stages of F = B = 1, m = 3: a 3 s activation link into
+    stage 1 and a 3 s gradient link from stage 2 into stage 1 (the others free). Stage 0 posts act0 at 1
+    (1-4) and act1 (4-7). Stage 2 gets act0 at 5, F0 5-6, B0 6-7 and posts grad0 7-10 into stage 1's link.
+    act2 is next on stage 0's link at 7, but stage 1's incoming side takes its messages in step order and
+    grad0 (step 4) comes before act2 (step 5): act2 moves 10-13, not 7-10. Stage 1: B0 10-11, F2 13-14;
+    stage 2: grad1 13-16, grad2 16-19; stage 1 ends B2 19-20, stage 0 B2 20-21, stage 2 at 16. Without the
+    shared incoming side each would end 2 s earlier (19, 18, 14)."""
+    F, B, act, grad, m = [1.0] * 3, [1.0] * 3, [3.0, 0.0], [0.0, 3.0], 3
+    want = [21.0, 20.0, 16.0]
+    assert list(pipeline_schedule(F, B, act, grad, m, [True, True], False).finish[0]) == pytest.approx(want)
+    assert flush_by_events(F, B, act, grad, m, [True, True], False) == pytest.approx(want)
+
+
 def test_recurrence_matches_event_engine_in_every_mode():
     """Random heterogeneous pipelines, each boundary buffered or blocking, either runtime order."""
     rng = random.Random(7)
