@@ -83,11 +83,16 @@ def steady_period(F: np.ndarray, B: np.ndarray, act: np.ndarray, grad: np.ndarra
                   serial: bool = True) -> np.ndarray:
     """Seconds per micro-batch once the pipeline is full: the busiest stage's cycle (the max-plus cycle
     mean of the steady state; cycles through several stages average their stages' cycles), and at least
-    each asynchronous link's busy time per micro-batch."""
+    each node link's busy time per micro-batch with buffered messages: a stage's outgoing side carries its
+    activation and its gradient to the previous stage, its incoming side the two it receives."""
     period = stage_cycles(F, B, act, grad, asynchronous, serial).max(axis=1)
     if asynchronous is not None and np.size(act):
-        busy = np.where(np.atleast_2d(asynchronous), np.maximum(np.atleast_2d(act), np.atleast_2d(grad)), 0.0)
-        period = np.maximum(period, busy.max(axis=1))
+        asy = np.atleast_2d(asynchronous)
+        a, g = np.where(asy, np.atleast_2d(act), 0.0), np.where(asy, np.atleast_2d(grad), 0.0)
+        pad = np.zeros((a.shape[0], 1))
+        out_side = np.hstack([a, pad]) + np.hstack([pad, g])  # stage s sends act s and grad s - 1
+        in_side = np.hstack([pad, a]) + np.hstack([g, pad])  # stage s receives act s - 1 and grad s
+        period = np.maximum(period, np.maximum(out_side, in_side).max(axis=1))
     return period
 
 
