@@ -16,8 +16,11 @@ Then multi-stage heterogeneous plans (on by default): three gloo ranks run two-s
 stages have different TP degrees (TP 2 -> TP 1 and TP 1 -> TP 2, micro-batch 4, 8 micro-batches). TP 1
 and TP 2 are profiled first, each by a world of its own as a profiling job would, the archive built from
 those profiles predicts each plan as ``megatron_patch`` runs it, and the plans run; the step time is the
-slowest rank's. Each rank is one thread: on a host with fewer free
-cores than ranks the stages cannot all compute at once, which no per-GPU model predicts.
+slowest rank's. The site's link is the gloo bandwidth between ranks 0 and 1 at the boundary's message
+size, measured by the profiler's p2p measurement in the same world right after the plans ran. Each rank is
+one thread: on a host with fewer free cores than ranks the stages cannot all compute at once, which no
+per-GPU model predicts, so a two-rank TP 1 -> TP 1 plan (ranks that fit two cores) runs too, by a world of
+its own: it separates the model's error from the host's.
 
     .venv/bin/python benchmarks/simulator_vs_runtime.py [--rounds 5] [--no-pipelines]
 """
@@ -42,8 +45,11 @@ SITE = {"name": "this-machine", "cost_unit": "GPU-hours", "gpu_types": {"CPU": {
         "partitions": [{"name": "cpu", "gpu_type": "CPU", "nodes": 1, "gpus_per_node": 3,
                         "network": {"intra_node": {"1": {"constant_gbps": 10.0}},
                                     "inter_node": {"1": {"constant_gbps": 1.0}}}}]}
-PIPE_MBS, PIPE_RANKS = 4, 3
-PIPE_PLANS = {"TP2 -> TP1": ((0, 2, 2), (3, 5, 1)), "TP1 -> TP2": ((0, 2, 1), (3, 5, 2))}  # (first, last, tp)
+PIPE_MBS = 4
+# ranks -> plans run by a world of that many ranks: (first, last, tp) per stage. The two-rank plan fits this
+# machine's two cores; the three-rank ones cannot all compute at once here, whatever else runs.
+PIPE_PLANS = {3: {"TP2 -> TP1": ((0, 2, 2), (3, 5, 1)), "TP1 -> TP2": ((0, 2, 1), (3, 5, 2))},
+              2: {"TP1 -> TP1": ((0, 2, 1), (3, 5, 1))}}
 
 
 def rank_main() -> None:
@@ -123,20 +129,22 @@ def profile_rank_main() -> None:
 
 
 def pipelines_rank_main() -> None:
-    """Run each plan of :data:`PIPE_PLANS` on these ranks; rank 0 prints the median step (slowest rank)."""
+    """Run each plan of :data:`PIPE_PLANS` for this world size; rank 0 prints the median step (slowest rank)
+    and the gloo link between ranks 0 and 1 at the boundary's message size (what the site is given)."""
     warnings.filterwarnings("ignore")
     import torch
     import torch.distributed as dist
 
     from megatron_patch.data import GlobalSamples
     from megatron_patch.engine import Trainer
+    from profiler.netbench import p2p_gbps
     from sailor_hpc.core.models import get_model
 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     spec = get_model(MODEL)
     samples = GlobalSamples(os.environ["BENCH_DATA"], spec.seq_len)
-    trainers = {name: Trainer(plan, samples, spec=spec) for name, plan in pipeline_plans().items()}
+    trainers = {name: Trainer(plan, samples, spec=spec) for name, plan in pipeline_plans(dist.get_world_size()).items()}
     for t in trainers.values():  # first steps pay for allocations
         t.train_step()
     measured: dict[str, list[float]] = {name: [] for name in trainers}
@@ -146,16 +154,33 @@ def pipelines_rank_main() -> None:
                 step = torch.tensor([t.train_step().seconds])
                 dist.all_reduce(step, op=dist.ReduceOp.MAX)  # the step ends with its slowest rank
                 measured[name].append(float(step))
+    gbps = p2p_gbps([(0, 1)], boundary_bytes(), 20, 5, torch.device("cpu"))  # the profiler's measurement
     if dist.get_rank() == 0:
-        print(json.dumps({name: statistics.median(v) for name, v in measured.items()}), flush=True)
+        print(json.dumps({"steps": {name: statistics.median(v) for name, v in measured.items()}, "gbps": gbps}),
+              flush=True)
     dist.destroy_process_group()
 
 
-def pipeline_plans():
+def boundary_bytes() -> int:
+    """One micro-batch's activation at a stage boundary of tiny-gpt (fp32)."""
+    from sailor_hpc.core.models import get_model
+
+    spec = get_model(MODEL)
+    return PIPE_MBS * spec.seq_len * spec.hidden_size * 4
+
+
+def pipeline_plans(ranks: int):
     from sailor_hpc.core.plan import Pipeline, Plan, Stage
 
     return {name: Plan(MODEL, PIPE_MBS * MICRO, (Pipeline(PIPE_MBS, MICRO, tuple(
-        Stage(a, b, tp, "CPU") for a, b, tp in stages)),)) for name, stages in PIPE_PLANS.items()}
+        Stage(a, b, tp, "CPU") for a, b, tp in stages)),)) for name, stages in PIPE_PLANS[ranks].items()}
+
+
+def measured_site(gbps: float) -> dict:
+    """The benchmark site with its intra-node link set to the gloo bandwidth measured at the boundary's size."""
+    part = {**SITE["partitions"][0], "network": {"intra_node": {"1": {"constant_gbps": gbps}},
+                                                  "inter_node": {"1": {"constant_gbps": gbps}}}}
+    return {**SITE, "partitions": [part]}
 
 
 def pipelines(env: dict[str, str]) -> list[dict]:
@@ -174,15 +199,16 @@ def pipelines(env: dict[str, str]) -> list[dict]:
         archive.add(MemoryEntry(MODEL, tp, np.array(prof["memory"]), base))
         overhead[tp] = prof["overhead"]
     archive.add(OverheadEntry("CPU", overhead, base))
-    measured = _launch({**env, "BENCH_PART": "pipelines"}, PIPE_RANKS)
-    site = load_site_dict(SITE, source="<this machine>")
     rows = []
-    for name, plan in pipeline_plans().items():
-        res = simulate(plan, site, archive, options=SimOptions.megatron_patch())
-        # what the step would take if the stages could not compute at once (fewer free cores than ranks)
-        serial = MICRO * sum(s.fwd_s + s.bwd_s for s in res.stages) + max(s.update_s for s in res.stages)
-        rows.append({"plan": name, "measured_s": measured[name], "predicted_s": res.iteration_time_s,
-                     "serial_s": serial})
+    for ranks in sorted(PIPE_PLANS):
+        measured = _launch({**env, "BENCH_PART": "pipelines"}, ranks)
+        site = load_site_dict(measured_site(measured["gbps"]), source="<this machine, gloo link measured>")
+        for name, plan in pipeline_plans(ranks).items():
+            res = simulate(plan, site, archive, options=SimOptions.megatron_patch())
+            # what the step would take if the stages could not compute at once (fewer free cores than ranks)
+            serial = MICRO * sum(s.fwd_s + s.bwd_s for s in res.stages) + max(s.update_s for s in res.stages)
+            rows.append({"plan": name, "ranks": ranks, "gbps": measured["gbps"], "measured_s": measured["steps"][name],
+                         "predicted_s": res.iteration_time_s, "serial_s": serial})
     return rows
 
 
@@ -214,11 +240,12 @@ def main() -> int:
         print(f"{r['mbs']:>4}{r['measured_s']:>10.4f}{r['layers_s']:>11.4f}{e1:>+7.1f}{r['chain_s']:>10.4f}{e2:>+7.1f}"
               f"{r['stack_s'] / r['measured_layers_alone_s']:>33.3f}")
     if pipes:
-        print(f"\n{MODEL}, {PIPE_RANKS} gloo ranks, two-stage heterogeneous pipelines, mbs {PIPE_MBS} x {MICRO} "
-              "micro-batches; median s/step (slowest rank), predicted as megatron_patch runs them")
-        print(f"{'plan':>12}{'measured':>10}{'predicted':>11}{'err %':>7}{'stages one at a time':>22}{'err %':>7}")
+        print(f"\n{MODEL}, two-stage pipelines, mbs {PIPE_MBS} x {MICRO} micro-batches; median s/step (slowest "
+              f"rank), predicted as megatron_patch runs them; gloo link measured at {boundary_bytes()} B")
+        print(f"{'plan':>12}{'ranks':>6}{'link GB/s':>10}{'measured':>10}{'predicted':>11}{'err %':>7}"
+              f"{'stages one at a time':>22}{'err %':>7}")
         for r in pipes:
-            print(f"{r['plan']:>12}{r['measured_s']:>10.4f}{r['predicted_s']:>11.4f}"
+            print(f"{r['plan']:>12}{r['ranks']:>6}{r['gbps']:>10.3f}{r['measured_s']:>10.4f}{r['predicted_s']:>11.4f}"
                   f"{(r['predicted_s'] / r['measured_s'] - 1) * 100:>+7.1f}{r['serial_s']:>22.4f}"
                   f"{(r['serial_s'] / r['measured_s'] - 1) * 100:>+7.1f}")
     return 0

@@ -20,15 +20,17 @@ How an exchange costs time depends on the message and the runtime (:mod:`simulat
   their transfer time to every micro-batch of both stages next to a boundary, which is most of the 15 %
   that Sailor's formula misses on its 4-stage runs.
 * *asynchronous* (the message fits the buffer): the sender posts it and goes on; the bytes leave once
-  the sender's link is free (one NIC carries a stage's sends to both neighbours, in order) and a receive
-  ends when they have arrived. In DeepSpeed's order the round trip then lands on the stage downstream of
-  a link and is hidden while that stage has slack: on the MIT cluster's 0.11 GB/s links between GPU types
-  a blocking model overestimates a 4-stage TP-8 run by a third.
+  the sender's link is free (one NIC carries a stage's sends to both neighbours, in order) and the
+  receiver's incoming side is free (the same NIC takes in the activation from upstream and the gradient
+  from downstream: on the MIT cluster's 1-Gbit NICs a middle stage receives two messages per micro-batch
+  on one 0.11 GB/s link), and a receive ends when they have arrived. In DeepSpeed's order the round
+  trip then lands on the stage downstream of a link and is hidden while that stage has slack: on the MIT
+  cluster's 0.11 GB/s links between GPU types a blocking model overestimates a 4-stage TP-8 run by a third.
 
 That gives a max-plus recurrence over steps, evaluated here for a batch of pipelines at once (numpy,
 stage-major arrays) so the planner can score thousands of candidates per call; its state is every stage's
-clock and, with asynchronous boundaries, every stage's link. Inside the steady window (every stage
-busy, ``2P - 1 <= t <= 2m - 2``) the two-step map is the same at every step, so as soon as the state
+clock and, with asynchronous boundaries, every stage's two links (out, in). Inside the steady window
+(every stage busy, ``2P - 1 <= t <= 2m - 2``) the two-step map is the same at every step, so as soon as the state
 advances by the same amount everywhere it will keep doing so: the remaining steady periods are skipped
 exactly (taken off ``m``, their time added at the end). The result is exact, not a bound; a pipeline whose
 stages keep advancing at different rates (two nearly equal bottlenecks) is simply stepped to the end.
@@ -81,11 +83,16 @@ def steady_period(F: np.ndarray, B: np.ndarray, act: np.ndarray, grad: np.ndarra
                   serial: bool = True) -> np.ndarray:
     """Seconds per micro-batch once the pipeline is full: the busiest stage's cycle (the max-plus cycle
     mean of the steady state; cycles through several stages average their stages' cycles), and at least
-    each asynchronous link's busy time per micro-batch."""
+    each node link's busy time per micro-batch with buffered messages: a stage's outgoing side carries its
+    activation and its gradient to the previous stage, its incoming side the two it receives."""
     period = stage_cycles(F, B, act, grad, asynchronous, serial).max(axis=1)
     if asynchronous is not None and np.size(act):
-        busy = np.where(np.atleast_2d(asynchronous), np.maximum(np.atleast_2d(act), np.atleast_2d(grad)), 0.0)
-        period = np.maximum(period, busy.max(axis=1))
+        asy = np.atleast_2d(asynchronous)
+        a, g = np.where(asy, np.atleast_2d(act), 0.0), np.where(asy, np.atleast_2d(grad), 0.0)
+        pad = np.zeros((a.shape[0], 1))
+        out_side = np.hstack([a, pad]) + np.hstack([pad, g])  # stage s sends act s and grad s - 1
+        in_side = np.hstack([pad, a]) + np.hstack([g, pad])  # stage s receives act s - 1 and grad s
+        period = np.maximum(period, np.maximum(out_side, in_side).max(axis=1))
     return period
 
 
@@ -106,32 +113,40 @@ def _as_batch(F, B, act, grad, m, asynchronous) -> tuple[np.ndarray, ...]:
     return F, B, act, grad, asy, m
 
 
-def _exchange(yL, yR, oL, oR, a, g, va, vg, asy, serial: bool):
+def _exchange(yL, yR, oL, oR, iL, iR, a, g, va, vg, asy, serial: bool):
     """One step's exchanges at the boundaries j (stage j = ``yL``, stage j + 1 = ``yR``): stage j
     receives the gradient of its next backward and sends the activation of its last forward, stage
     j + 1 sends the gradient of its last backward and receives the activation of its next forward.
     ``va`` / ``vg``: whether each is due; ``oL`` / ``oR``: when each stage's outgoing network link (its
-    node's NIC, shared by its sends to both neighbours) is next free.
+    node's NIC, shared by its sends to both neighbours) is next free; ``iL`` / ``iR``: the same for the
+    incoming side (shared by the activation from upstream and the gradient from downstream).
 
     Blocking: both start at the later ready time and leave together. Asynchronous (below the staging
-    buffer): a send is posted and its sender goes on; the bytes leave once the sender's link is free; a
+    buffer): a send is posted and its sender goes on; the bytes leave once the sender's outgoing and the
+    receiver's incoming link are free (each serves its messages in the schedule's step order); a
     receive ends when its bytes have arrived. ``serial`` is DeepSpeed's order (the activation is sent
     only after the gradient was received); otherwise both are posted at once (megatron's batched
-    send/recv). Returns the new (yL, yR, oL, oR)."""
+    send/recv). Returns the new (yL, yR, oL, oR, iL, iR)."""
     due = va | vg
     if serial:
         e = np.maximum(yL, yR) + a * va + g * vg
     else:
         e = np.maximum(yL, yR) + np.maximum(a * va, g * vg)
-    g_arr = np.maximum(yR, oR) + g
+    g_arr = np.maximum(np.maximum(yR, oR), iL) + g
     rL = np.where(vg, np.maximum(yL, g_arr), yL)
-    a_arr = np.maximum(rL if serial else yL, oL) + a
+    a_arr = np.maximum(np.maximum(rL if serial else yL, oL), iR) + a
     rR = np.where(va, np.maximum(yR, a_arr), yR)
 
     def pick(async_value, old):  # a blocking exchange leaves the links free when it ends (kept in the
         return np.where(asy, async_value, np.where(due, np.maximum(old, e), old))  # state: it advances evenly
 
-    return pick(rL, yL), pick(rR, yR), pick(np.where(va, a_arr, oL), oL), pick(np.where(vg, g_arr, oR), oR)
+    # a blocking message holds its receiver's incoming link until it has moved (DeepSpeed: the gradient first)
+    got_g, got_a = (vg, va) if serial else (due, due)
+    g_end = np.maximum(yL, yR) + g if serial else e
+    iL_new = np.where(asy, np.where(vg, g_arr, iL), np.where(got_g, np.maximum(iL, g_end), iL))
+    iR_new = np.where(asy, np.where(va, a_arr, iR), np.where(got_a, np.maximum(iR, e), iR))
+    return (pick(rL, yL), pick(rR, yR), pick(np.where(va, a_arr, oL), oL), pick(np.where(vg, g_arr, oR), oR),
+            iL_new, iR_new)
 
 
 def pipeline_schedule(F, B, act, grad, m, asynchronous=None, serial: bool = True) -> ScheduleResult:
@@ -155,7 +170,7 @@ def pipeline_schedule(F, B, act, grad, m, asynchronous=None, serial: bool = True
 def _recurrence(F: np.ndarray, B: np.ndarray, act: np.ndarray, grad: np.ndarray, asy: np.ndarray, m: np.ndarray,
                 serial: bool) -> np.ndarray:
     """The step recurrence over a batch. Its state is every stage's clock and, when a boundary of the batch
-    is asynchronous, every stage's link (when it is free for the next send); without any, the steady
+    is asynchronous, every stage's links (when each is free for the next message); without any, the steady
     window's exchanges are known to carry both transfers and skip the masks (the planner's hot path)."""
     n, P = F.shape
     links = bool(asy.any())
@@ -165,15 +180,16 @@ def _recurrence(F: np.ndarray, B: np.ndarray, act: np.ndarray, grad: np.ndarray,
     Ft, Bt, At, Gt, St = F.T.copy(), B.T.copy(), act.T.copy(), grad.T.copy(), asy.T.copy()
     m_cur = m.copy()
     offset = np.zeros(n)
-    x = np.zeros((2 * P if links else P, n))  # stage clocks, then (with links) when each stage's link is free
+    x = np.zeros((3 * P if links else P, n))  # stage clocks, then (with links) when each stage's outgoing
+    # and incoming link is free
     prev1 = prev2 = None
     t = 0
     while idx.size:
-        y, out = x[:P], x[P:]
+        y, out, inn = x[:P], x[P:2 * P], x[2 * P:]
         j0 = (t + 1) % 2
         L, R = slice(j0, P - 1, 2), slice(j0 + 1, P, 2)  # boundaries exchanging now: stage j with j+1
         new = x.copy()
-        ny, nout = new[:P], new[P:]
+        ny, nout, ninn = new[:P], new[P:2 * P], new[2 * P:]
         if not links and 2 * P - 1 <= t <= 2 * int(m_cur.min()) - 2:
             # steady window of every running pipeline: every stage computes, every exchange carries both
             if P > 1 and j0 < P - 1:
@@ -188,10 +204,11 @@ def _recurrence(F: np.ndarray, B: np.ndarray, act: np.ndarray, grad: np.ndarray,
             if P > 1 and j0 < P - 1:
                 va, vg = _due(t, P, j0, mc)
                 if links:
-                    ny[L], ny[R], nout[L], nout[R] = _exchange(y[L], y[R], out[L], out[R], At[L], Gt[L], va, vg,
-                                                               St[L], serial)
+                    ny[L], ny[R], nout[L], nout[R], ninn[L], ninn[R] = _exchange(
+                        y[L], y[R], out[L], out[R], inn[L], inn[R], At[L], Gt[L], va, vg, St[L], serial)
                 else:
-                    ny[L], ny[R], _, _ = _exchange(y[L], y[R], y[L], y[R], At[L], Gt[L], va, vg, False, serial)
+                    ny[L], ny[R], *_ = _exchange(y[L], y[R], y[L], y[R], y[L], y[R], At[L], Gt[L], va, vg, False,
+                                                 serial)
             _compute(ny, t, P, Ft, Bt, mc)
         prev2, prev1, x = prev1, x, new
         t += 1

@@ -173,6 +173,8 @@ def run_programs(progs: dict[StageKey, list[_Op]]) -> list[Event]:
     in_flight: dict[tuple, float] = {}  # posted message -> arrival time
     comm: dict[StageKey, float] = {}  # rank -> when its communication stream ends its last collective
     out_free: dict[StageKey, float] = {}  # rank -> when its node's link is free for its next send
+    in_free: dict[StageKey, float] = {}  # rank -> when its node's link is free to take in its next message
+    inbox = _Inbox(progs)
     events: list[Event] = []
     active = [k for k in progs if progs[k]]
     while active:
@@ -187,8 +189,12 @@ def run_programs(progs: dict[StageKey, list[_Op]]) -> list[Event]:
                     events.append(Event(k[0], k[1], op.kind, op.mb, clock[k], clock[k] + op.seconds, op.peer))
                     clock[k] += op.seconds
                 elif op.mode == "post":
-                    depart = max(clock[k], out_free.get(k, 0.0))
-                    in_flight[op.key] = out_free[k] = depart + op.seconds
+                    to = inbox.receiver[op.key]
+                    if not inbox.is_next(op.key):
+                        break  # the receiver's link takes an earlier message first
+                    depart = max(clock[k], out_free.get(k, 0.0), in_free.get(to, 0.0))
+                    in_flight[op.key] = out_free[k] = in_free[to] = depart + op.seconds
+                    inbox.done(op.key)
                     events.append(Event(k[0], k[1], "post_" + op.key[0], op.mb, depart, depart + op.seconds, op.peer))
                 elif op.mode == "await":
                     if op.key not in in_flight:
@@ -203,6 +209,10 @@ def run_programs(progs: dict[StageKey, list[_Op]]) -> list[Event]:
                     if len(arrived) < op.parties:
                         break
                     _meet(progs, pc, clock, comm, events, met, op, arrived)
+                    if op.key[0] != "coll":  # a blocking message holds its receiver's link until it has moved
+                        for r in inbox.receivers(op.key):
+                            in_free[r] = max(in_free.get(r, 0.0), clock[r])
+                        inbox.done(op.key)
                     del waiting[op.key]
                     moved = True
                     continue
@@ -214,6 +224,38 @@ def run_programs(progs: dict[StageKey, list[_Op]]) -> list[Event]:
             raise SailorError(f"the schedule deadlocks (ranks waiting: {stuck})", field="pipelines",
                               fix="report this plan: every send must have a matching receive")
     return events
+
+
+class _Inbox:
+    """The messages each rank takes in, in its program's order (the schedule's step order): a node's incoming
+    link serves them in that order, so a posted message leaves only once every earlier one to the same rank
+    has been sent (or, blocking, has moved)."""
+
+    def __init__(self, progs: dict[StageKey, list[_Op]]) -> None:
+        self.receiver: dict[tuple, StageKey] = {}
+        self.queue: dict[StageKey, list[tuple]] = {}
+        for k, ops in progs.items():
+            for op in ops:
+                if op.key is not None and (op.mode == "await" or op.kind.startswith("recv") or op.kind == "exchange"):
+                    self.receiver[op.key] = k
+                    self.queue.setdefault(k, []).append(op.key)
+        self.pos = {k: 0 for k in self.queue}
+        self.finished: set[tuple] = set()
+
+    def receivers(self, key: tuple) -> list[StageKey]:
+        """Who takes the message in (a batched blocking exchange: both of its ranks)."""
+        return [self.receiver[key]] if key[0] != "x" else [k for k, q in self.queue.items() if key in q]
+
+    def is_next(self, key: tuple) -> bool:
+        r = self.receiver[key]
+        return self.queue[r][self.pos[r]] == key
+
+    def done(self, key: tuple) -> None:
+        self.finished.add(key)
+        for r in self.receivers(key):
+            q = self.queue[r]
+            while self.pos[r] < len(q) and q[self.pos[r]] in self.finished:
+                self.pos[r] += 1
 
 
 def _meet(progs: dict[StageKey, list[_Op]], pc: dict[StageKey, int], clock: dict[StageKey, float],

@@ -67,6 +67,39 @@ def test_a_stage_sends_to_both_neighbours_over_one_link_by_hand():
     assert flush_by_events(F, B, act, grad, m, [True, True], False) == pytest.approx(want)
 
 
+def test_a_stage_takes_in_from_both_neighbours_over_one_link_by_hand():
+    """Megatron order, everything buffered, three stages of F = B = 1, m = 3: a 3 s activation link into
+    stage 1 and a 3 s gradient link from stage 2 into stage 1 (the others free). Stage 0 posts act0 at 1
+    (1-4) and act1 (4-7). Stage 2 gets act0 at 5, F0 5-6, B0 6-7 and posts grad0 7-10 into stage 1's link.
+    act2 is next on stage 0's link at 7, but stage 1's incoming side takes its messages in step order and
+    grad0 (step 4) comes before act2 (step 5): act2 moves 10-13, not 7-10. Stage 1: B0 10-11, F2 13-14;
+    stage 2: grad1 13-16, grad2 16-19; stage 1 ends B2 19-20, stage 0 B2 20-21, stage 2 at 16. Without the
+    shared incoming side each would end 2 s earlier (19, 18, 14)."""
+    F, B, act, grad, m = [1.0] * 3, [1.0] * 3, [3.0, 0.0], [0.0, 3.0], 3
+    want = [21.0, 20.0, 16.0]
+    assert list(pipeline_schedule(F, B, act, grad, m, [True, True], False).finish[0]) == pytest.approx(want)
+    assert flush_by_events(F, B, act, grad, m, [True, True], False) == pytest.approx(want)
+
+
+def test_steady_period_counts_both_sides_of_a_node_link():
+    """Stage 1 takes in a 1 s activation and a 1 s gradient per micro-batch, and computes 0.2 s: megatron's
+    order settles at 2 s per micro-batch (the slope of the recurrence from 100 to 200 micro-batches), which
+    the steady period gives; in random link-heavy pipelines it is never above that slope (a lower bound)."""
+    args = [0.1] * 3, [0.1] * 3, [1.0, 0.0], [0.0, 1.0]
+    r100, r200 = (pipeline_schedule(*args, m, [True, True], False) for m in (100, 200))
+    assert r100.steady_period[0] == pytest.approx(2.0)
+    assert (r200.makespan[0] - r100.makespan[0]) / 100 == pytest.approx(2.0)
+    rng = random.Random(5)
+    for _ in range(40):
+        P = rng.randint(2, 6)
+        F = [rng.uniform(0.2, 1.0) for _ in range(P)]
+        rand = ([rng.uniform(0.0, 3.0) for _ in range(P - 1)] for _ in range(2))
+        args = F, [f * rng.uniform(1.2, 2.0) for f in F], next(rand), next(rand)
+        asy, serial = [rng.random() < 0.8 for _ in range(P - 1)], rng.random() < 0.5
+        r100, r200 = (pipeline_schedule(*args, m, asy, serial) for m in (100, 200))
+        assert r100.steady_period[0] <= (r200.makespan[0] - r100.makespan[0]) / 100 + 1e-9
+
+
 def test_recurrence_matches_event_engine_in_every_mode():
     """Random heterogeneous pipelines, each boundary buffered or blocking, either runtime order."""
     rng = random.Random(7)
