@@ -140,7 +140,7 @@ def _end(att: Any) -> str:
 def group_rows(state: RunState) -> list[tuple[Any, ...]]:
     """One row per group of a run across clusters: group, each cluster's job, from step, how it ended."""
     return [(g.number, ", ".join(f"{c} {j}" for c, j in g.jobs.items()), g.start_step,
-             "running" if g.end is None and g.running_t else "queued" if g.end is None else g.end)
+             g.end or ("completed" if state.finished else "running" if g.running_t else "queued"))
             for g in state.groups]
 
 

@@ -1,5 +1,6 @@
 """A run across clusters in the journal: the co-scheduler's records folded into groups and clusters that left,
-their story lines, and re-planning with the chains of ``geo_search`` on a site of several clusters."""
+their story lines, re-planning with the chains of ``geo_search`` on a site of several clusters, and growing
+back only when the controller's min-gain policy says so."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,14 +8,21 @@ from pathlib import Path
 import pytest
 
 from planner.geo import geo_search
+from sailor_hpc.controller.cosched import Group
+from sailor_hpc.controller.geo_run import GeoRun
 from sailor_hpc.controller.journal import Journal, Kind, read_journal
 from sailor_hpc.controller.planning import plan_on
 from sailor_hpc.controller.spec import RunSpec
-from sailor_hpc.controller.state import fold
+from sailor_hpc.controller.state import RunDir, fold
 from sailor_hpc.controller.story import describe, group_rows
 from sailor_hpc.core.archive import EMBEDDED_ARCHIVE, read_archive
+from sailor_hpc.core.placement import place_plan
+from sailor_hpc.core.plan import Pipeline, Plan, Stage
+from sailor_hpc.core.site import load_site
+from sailor_hpc.core.toml_writer import dump_toml
+from simulator import simulate
 from tests.data.tiny_archive import write_tiny_archive
-from tests.jobs.conftest import two_lab_site
+from tests.jobs.conftest import A100, cross_plan, two_lab_doc, two_lab_site
 
 
 def _geo_story(j: Journal) -> None:
@@ -83,3 +91,28 @@ def test_replanning_on_several_clusters_uses_the_chains_of_geo_search(tmp_path: 
     best = geo_search(site, archive, spec.plan_request({"a100": 8, "a100_lab2": 8})).candidates[0]
     assert planned.plan.pipelines == best.plan.pipelines
     assert planned.score.throughput == pytest.approx(best.result.throughput_samples_per_s)
+
+
+@pytest.mark.parametrize("restart_cost_s", [None, 0.0])
+def test_growing_back_must_pay_for_its_restart(tmp_path: Path, restart_cost_s: float | None):
+    """The regrow gate is the controller's min-gain policy: 320 samples left, the plan across both clusters
+    34 % faster than the lab-only one; a free restart pays, the default 60 s one does not."""
+    site_file = tmp_path / "two.toml"
+    site_file.write_text(dump_toml(two_lab_doc(tmp_path / "lab", tmp_path / "lab2", gbps=100.0)))
+    site = load_site(site_file)
+    archive = write_tiny_archive(tmp_path / "tiny.h5")
+    spec = RunSpec(run_id="g", site=str(site_file), model="tiny-gpt", objective="throughput", data="/d",
+                   save=str(tmp_path / "ckpt"), steps=40, gbs=8, profiles=str(archive), restart_cost_s=restart_cost_s)
+    lab = place_plan(Plan("tiny-gpt", 8, (Pipeline(2, 4, (Stage(0, 2, 1, A100, "a100"), Stage(3, 5, 1, A100, "a100"))),)),
+                     site)
+    both = cross_plan(site, "a100", "a100_lab2")
+    geo = GeoRun(RunDir.create(tmp_path / "run", spec), {}, plan_for=lambda cs: {("lab", "lab2"): both}[cs])
+    geo.journal = geo.rundir.journal()
+    grows = geo._worth_regrowing(Group(1, lab, {"lab": "1"}, {}, {}, 0.0, 0), ("lab2",))
+    sims = {name: simulate(p, site, read_archive(archive, EMBEDDED_ARCHIVE)).throughput_samples_per_s
+            for name, p in (("lab", lab), ("both", both))}
+    keep, move = 320 / sims["lab"], (restart_cost_s if restart_cost_s is not None else 60.0) + 320 / sims["both"]
+    rec = geo.journal.records[-1]
+    assert rec["kind"] == Kind.REGROW_DECISION and rec["clusters"] == ["lab2"]
+    assert rec["gain"] == pytest.approx(keep / move - 1) and grows == rec["resize"] == (keep / move - 1 >= 0.10)
+    assert grows == (restart_cost_s == 0.0)
