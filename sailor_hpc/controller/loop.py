@@ -76,7 +76,7 @@ DRAIN_REASON = "node draining"
 EXIT_FINISHED, EXIT_GAVE_UP, EXIT_INTERRUPTED = 0, 1, 130
 
 
-class Controller(GrowBeside, Recorder):
+class Controller(Recorder, GrowBeside):  # Recorder.note before GrowBeside's stub
     """Drives one run (a run directory) until it is finished or gives up."""
 
     def __init__(self, rundir: RunDir, env: Mapping[str, str] | None = None, *,
