@@ -132,8 +132,8 @@ class GeoRun(Recorder):
         if cur is None:
             return None
         envs = {c: cluster_submit_env(self.site, c, self.env) for c in cur.jobs}
-        plan = load_plan(cur.plan_file, site=self.site) if cur.plan_file else Plan("?", 0, ())
-        group = Group(cur.number, plan, dict(cur.jobs), envs, {}, time.monotonic() - (time.time() - cur.submitted_t),
+        submitted = time.monotonic() - (time.time() - cur.submitted_t)  # the journal's clock -> the pending bound's
+        group = Group(cur.number, load_plan(cur.plan_file, site=self.site), dict(cur.jobs), envs, {}, submitted,
                       cur.start_step)
         states = {c: s.state for c, s in group.poll().items()}
         if all(st == "COMPLETED" for st in states.values()):

@@ -163,7 +163,7 @@ class GeoGroup:
     clusters: list[str]
     jobs: dict[str, str]  # cluster -> job id
     start_step: int
-    plan_file: str | None
+    plan_file: str
     submitted_t: float
     running_t: float | None = None
     end: str | None = None  # why the co-scheduler stopped it (None: it may still run)
@@ -337,7 +337,7 @@ def _apply_geo(state: RunState, rec: Record, t: float) -> None:
     kind = rec["kind"]
     if kind == Kind.GROUP_SUBMITTED:
         state.groups.append(GeoGroup(number=rec["group"], clusters=list(rec["clusters"]), jobs=dict(rec["jobs"]),
-                                     start_step=int(rec.get("start_step", 0)), plan_file=rec.get("plan_file"),
+                                     start_step=int(rec.get("start_step", 0)), plan_file=rec["plan_file"],
                                      submitted_t=t))
         return
     if kind in (Kind.CLUSTER_DROPPED, Kind.CLUSTER_LOST):
