@@ -22,8 +22,17 @@ from sailor_hpc.cli.app import main
 from sailor_hpc.cli.output import echo_json, json_option, table
 from sailor_hpc.cli.training_options import DATA_HELP, absolute_blend, pop_training_args, training_options
 from sailor_hpc.controller import Controller, RunDir, RunSpec, fold, new_run_id
+from sailor_hpc.controller.geo_run import GeoRun, across_clusters
 from sailor_hpc.controller.planning import partitions_for_time
-from sailor_hpc.controller.story import ATTEMPT_HEADER, CHANGE_HEADER, attempt_rows, change_rows, describe
+from sailor_hpc.controller.story import (
+    ATTEMPT_HEADER,
+    CHANGE_HEADER,
+    GROUP_HEADER,
+    attempt_rows,
+    change_rows,
+    describe,
+    group_rows,
+)
 from sailor_hpc.core.archive import open_archive
 from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.models import get_model
@@ -96,7 +105,10 @@ def drive(run_dir: Path) -> int:
 
     previous = signal.signal(signal.SIGTERM, on_term)
     try:
-        return Controller(RunDir.existing(run_dir), echo=echo).run()
+        rundir = RunDir.existing(run_dir)
+        if across_clusters(load_site(rundir.spec().site)):  # one job per cluster: the co-scheduler drives it
+            return GeoRun(rundir, echo=echo).run()
+        return Controller(rundir, echo=echo).run()
     finally:
         signal.signal(signal.SIGTERM, previous)
 
@@ -187,12 +199,16 @@ def status_cmd(run_dir: Path, events: bool, as_json: bool) -> None:
                    "checkpoint": state.checkpoint, "restarts": state.restarts,
                    "attempts": [dict(zip(ATTEMPT_HEADER, row)) for row in attempt_rows(state)],
                    "changes": [dict(zip(CHANGE_HEADER, row)) for row in change_rows(state)],
+                   "groups": [dict(zip(GROUP_HEADER, row)) for row in group_rows(state)],
                    "records": records})
         return
     ck = state.checkpoint
     click.echo(f"run {spec.run_id}: {spec.model} to step {spec.steps} ({spec.objective}, gbs {spec.gbs}) - {phase}; "
                f"checkpoint {ck['step'] if ck else '-'}; {state.restarts} restart(s)")
-    click.echo(table(ATTEMPT_HEADER, attempt_rows(state)))
+    if state.groups:  # a run across clusters: groups of one job per cluster instead of attempts
+        click.echo(table(GROUP_HEADER, group_rows(state)))
+    else:
+        click.echo(table(ATTEMPT_HEADER, attempt_rows(state)))
     changes = change_rows(state)
     if changes:
         click.echo("\nallocation changes:")

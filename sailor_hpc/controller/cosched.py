@@ -12,13 +12,15 @@ jobs only train when every one of them runs, so the co-scheduler treats them as 
   newest complete checkpoint (``--auto-resume`` on the one checkpoint directory, layout-independent); a
   job that FAILED (the training's own error, or its ranks losing a peer cluster) cancels the group and
   retries it on the same clusters;
-- a dropped or lost cluster comes back once it has idle GPUs again, ``rejoin_after_s`` after it left and
-  after the running group has saved a checkpoint of its own: the group is asked to checkpoint and stop
-  (SIGUSR1), then the run is re-planned across it again (growth).
+- a dropped or lost cluster comes back once it has idle GPUs again, ``rejoin_after_s`` after it left,
+  after the running group has saved a checkpoint of its own and when ``regrow_gate`` agrees (the run's
+  ``min_gain`` policy, :mod:`sailor_hpc.controller.geo_run`; refused, it is asked again ``rejoin_after_s``
+  later): the group is asked to checkpoint and stop (SIGUSR1), then the run is re-planned across it (growth).
 
 Planning is ``plan_for(clusters)``: :func:`planner_plan_for` asks the controller's planner
 (:func:`~sailor_hpc.controller.planning.plan_on`) on the idle GPUs of those clusters' partitions; tests may
-give fixed plans. Not journaled yet: a killed co-scheduler does not resume.
+give fixed plans. Every event goes to ``on_event``; :mod:`sailor_hpc.controller.geo_run` journals them, and
+resumes a killed co-scheduler by adopting its group (``run(adopt=...)``).
 """
 from __future__ import annotations
 
@@ -46,6 +48,12 @@ PlanFor = Callable[[tuple[str, ...]], Plan]
 #: a job that ends in one of these lost its cluster (Slurm ended it: cancelled, node failure, preemption, ...);
 #: a FAILED job is the training's own failure, or the echo of a peer cluster's loss: retried, not dropped
 CLUSTER_LOSS = frozenset({"CANCELLED", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE", "TIMEOUT"})
+
+
+def newest_step(save: Path) -> int:
+    """The step of the newest complete checkpoint under ``save`` (0: none yet)."""
+    ck = latest_complete(save, deep=False)
+    return int(read_manifest(ck)["step"]) if ck is not None else 0
 
 
 def idle_by_node(site: Site, clusters: Sequence[str], env: Mapping[str, str]) -> dict[str, dict[str, int]]:
@@ -99,6 +107,8 @@ class CoScheduler:
     rejoin_after_s: float = 30.0
     settle_s: float = 10.0  # after one job ends badly, how long the others get to end too (see _settle)
     poll_s: float = 0.5
+    python: str | None = None  # interpreter on the compute nodes (default: the render's)
+    regrow_gate: Callable[[Group, tuple[str, ...]], bool] = lambda group, back: True
     on_event: Callable[[dict[str, Any]], None] = lambda e: None
     events: list[dict[str, Any]] = field(default_factory=list)
     _left: dict[str, float] = field(default_factory=dict)  # cluster -> when it was dropped or lost
@@ -109,8 +119,7 @@ class CoScheduler:
         self.on_event(rec)
 
     def _newest_step(self) -> int:
-        ck = latest_complete(self.save, deep=False)
-        return int(read_manifest(ck)["step"]) if ck is not None else 0
+        return newest_step(self.save)
 
     def _has_idle_gpus(self, cluster: str) -> bool:
         try:
@@ -135,11 +144,13 @@ class CoScheduler:
             text = render_job_script(plan, self.site, plan_path=plan_path, data=self.data, save=self.save,
                                      steps=self.steps, time=self.time_limit, train_args=self.train_args,
                                      cluster=cluster, rendezvous_file=rdzv, requeue=False,
-                                     job_name=f"sailor-geo-{attempt}-{cluster}", workdir=self.directory)
+                                     job_name=f"sailor-geo-{attempt}-{cluster}", workdir=self.directory,
+                                     python=self.python)
             env = cluster_submit_env(self.site, cluster, self.env)
             rec = submit_script(write_job_script(self.directory / f"job.{attempt}.{cluster}.sh", text), env)
             jobs[cluster], envs[cluster], logs[cluster] = rec.job_id, env, Path(rec.log)
-        self._event("submitted", attempt=attempt, jobs=dict(jobs), clusters=list(used), start_step=start)
+        self._event("submitted", attempt=attempt, jobs=dict(jobs), clusters=list(used), start_step=start,
+                    plan_file=str(plan_path))
         return Group(attempt, plan, jobs, envs, logs, time.monotonic(), start)
 
     def stop(self, group: Group, reason: str) -> None:
@@ -152,13 +163,22 @@ class CoScheduler:
         now = time.monotonic()
         if self._newest_step() <= group.start_step:
             return []  # the group has not saved anything yet: moving now would recompute its steps
-        return [c for c, t in self._left.items() if now - t >= self.rejoin_after_s and self._has_idle_gpus(c)]
+        back = [c for c, t in self._left.items() if now - t >= self.rejoin_after_s and self._has_idle_gpus(c)]
+        if back and not self.regrow_gate(group, tuple(back)):
+            self._left.update({c: now for c in back})  # not worth it now: asked again rejoin_after_s later
+            return []
+        return back
 
-    def run(self, clusters: Sequence[str] | None = None, max_attempts: int = 20) -> int:
-        """Train to ``steps``; returns the number of groups submitted. Raises SailorError on giving up."""
+    def run(self, clusters: Sequence[str] | None = None, max_attempts: int = 20, *, first_attempt: int = 1,
+            adopt: Group | None = None, left: Mapping[str, float] | None = None) -> int:
+        """Train to ``steps``; returns the number of the last group. Raises SailorError on giving up.
+
+        A resumed co-scheduler passes the group it found still running (``adopt``: watched, not submitted),
+        the next group's number (``first_attempt``) and the clusters that had left (cluster -> monotonic time)."""
         current = tuple(clusters or [c.name for c in self.site.clusters])
-        for attempt in range(1, max_attempts + 1):
-            group = self.submit(current, attempt)
+        self._left.update(left or {})
+        for attempt in range(first_attempt, first_attempt + max_attempts):
+            group = adopt if adopt is not None and attempt == adopt.attempt else self.submit(current, attempt)
             outcome = self._watch(group)
             if outcome is None:
                 self._event("finished", attempt=attempt, step=self._newest_step())

@@ -53,7 +53,7 @@ class GrowBeside:
     _succ_tails: dict[str, LogTail]
 
     def note(self, kind: str, **data: Any) -> Record:
-        raise NotImplementedError  # Controller.note
+        raise NotImplementedError  # Recorder.note (sailor_hpc.controller.recorder)
 
     def _plan(self, path: str | Path) -> Plan:
         raise NotImplementedError  # Controller._plan

@@ -33,8 +33,6 @@ a job submitted just before the kill by its name.
 """
 from __future__ import annotations
 
-import os
-import socket
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -52,12 +50,12 @@ from sailor_hpc.controller.events import (
     own_gpus,
 )
 from sailor_hpc.controller.grow import GrowBeside
-from sailor_hpc.controller.journal import Kind, Record
+from sailor_hpc.controller.journal import Kind
 from sailor_hpc.controller.planning import Planned, plan_on
 from sailor_hpc.controller.policy import Score, Verdict, judge, plan_shape, restart_cost
 from sailor_hpc.controller.progress import LogTail
-from sailor_hpc.controller.state import RESIZE_REASON, Attempt, RunDir, RunState, apply, fold, job_name
-from sailor_hpc.controller.story import describe
+from sailor_hpc.controller.recorder import Recorder
+from sailor_hpc.controller.state import RESIZE_REASON, Attempt, RunDir, RunState, job_name
 from sailor_hpc.core.archive import open_archive
 from sailor_hpc.core.checkpoint import latest_complete, read_manifest
 from sailor_hpc.core.errors import SailorError
@@ -78,7 +76,7 @@ DRAIN_REASON = "node draining"
 EXIT_FINISHED, EXIT_GAVE_UP, EXIT_INTERRUPTED = 0, 1, 130
 
 
-class Controller(GrowBeside):
+class Controller(Recorder, GrowBeside):  # Recorder.note before GrowBeside's stub
     """Drives one run (a run directory) until it is finished or gives up."""
 
     def __init__(self, rundir: RunDir, env: Mapping[str, str] | None = None, *,
@@ -103,13 +101,6 @@ class Controller(GrowBeside):
 
     # ------------------------------------------------------------------------------------------ journal
 
-    def note(self, kind: str, **data: Any) -> Record:
-        """Journal a record, then let it change the state (the same :func:`apply` a resume uses)."""
-        rec = self.journal.append(kind, **data)
-        apply(self.state, rec)
-        self.echo(describe(rec))
-        return rec
-
     def note_once(self, kind: str, message: str, **data: Any) -> None:
         """Journal a condition that repeats every poll (no plan fits, Slurm unreachable) only when it changes."""
         if self._said.get(kind) != message:
@@ -129,16 +120,6 @@ class Controller(GrowBeside):
             except KeyboardInterrupt:
                 self.note(Kind.CONTROLLER_STOPPED, reason="interrupted; the job keeps running (sailor-hpc run --resume)")
                 return EXIT_INTERRUPTED
-
-    def begin(self) -> None:
-        """Open the journal (the caller holds the lock) and fold it into the state."""
-        self.journal = self.rundir.journal()
-        self.state = fold(self.journal.records)
-        resumed = bool(self.journal.records)
-        if not resumed:
-            self.note(Kind.RUN_STARTED, run_id=self.spec.run_id, spec=self.spec.to_dict())
-        self.note(Kind.CONTROLLER_STARTED, pid=os.getpid(), host=socket.gethostname(), resumed=resumed,
-                  repaired_torn_line=self.journal.repaired)
 
     def loop(self) -> int:
         while True:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from planner import search
+from planner.geo import geo_search
 from sailor_hpc.controller.policy import Score
 from sailor_hpc.controller.spec import RunSpec
 from sailor_hpc.core.archive import ProfileArchive
@@ -95,7 +96,8 @@ def plan_on(spec: RunSpec, site: Site, archive: ProfileArchive, free: FreeByNode
     for _ in range(1 + sum(available.values())):
         if sum(available.values()) <= 0:
             break
-        best = search(site, archive, spec.plan_request(available)).candidates[0]
+        # several clusters: also the plans whose pipelines cross them (as `sailor-hpc plan` does)
+        best = (geo_search if len(site.clusters) > 1 else search)(site, archive, spec.plan_request(available)).candidates[0]
         bad = misfit(best.plan, free)
         if bad is None:
             r = best.result

@@ -156,6 +156,20 @@ class Attempt:
 
 
 @dataclass
+class GeoGroup:
+    """One group of a run across clusters: one job per cluster, all of one plan (the co-scheduler's attempt)."""
+
+    number: int
+    clusters: list[str]
+    jobs: dict[str, str]  # cluster -> job id
+    start_step: int
+    plan_file: str
+    submitted_t: float
+    running_t: float | None = None
+    end: str | None = None  # why the co-scheduler stopped it (None: it may still run)
+
+
+@dataclass
 class RunState:
     run_id: str | None = None
     attempts: list[Attempt] = field(default_factory=list)
@@ -169,6 +183,15 @@ class RunState:
     trigger: tuple[str, float] | None = None  # the change the next submission answers
     recoveries: list[dict[str, Any]] = field(default_factory=list)
     controller_starts: int = 0
+    groups: list[GeoGroup] = field(default_factory=list)  # a run across clusters: its groups, in order
+    left: dict[str, float] = field(default_factory=dict)  # cluster -> when it was dropped or lost (not back yet)
+
+    @property
+    def current_group(self) -> GeoGroup | None:
+        """The group whose jobs may still run (the co-scheduler stops one before it submits the next)."""
+        if self.groups and self.groups[-1].end is None:
+            return self.groups[-1]
+        return None
 
     @property
     def current(self) -> Attempt | None:
@@ -293,6 +316,8 @@ def apply(state: RunState, rec: Record) -> None:
     elif kind == Kind.JOB_GONE and att is not None:  # without an attempt: a stray job of the run, cancelled
         att.gone = True
         att.end_state = rec.get("state")
+    elif kind in _GEO:
+        _apply_geo(state, rec, t)
     elif kind == Kind.FAILURE:
         state.failures_in_a_row += 1
     elif kind == Kind.BACKOFF:
@@ -301,6 +326,32 @@ def apply(state: RunState, rec: Record) -> None:
         state.finished = {k: v for k, v in rec.items() if k not in ("seq", "kind")}
     elif kind == Kind.GAVE_UP:
         state.gave_up = rec.get("reason", "gave up")
+
+
+_GEO = frozenset({Kind.GROUP_SUBMITTED, Kind.GROUP_RUNNING, Kind.GROUP_STOPPED, Kind.CLUSTER_DROPPED,
+                  Kind.CLUSTER_LOST, Kind.REGROWN})
+
+
+def _apply_geo(state: RunState, rec: Record, t: float) -> None:
+    """The co-scheduler's records (a run across clusters): its groups and the clusters that left."""
+    kind = rec["kind"]
+    if kind == Kind.GROUP_SUBMITTED:
+        state.groups.append(GeoGroup(number=rec["group"], clusters=list(rec["clusters"]), jobs=dict(rec["jobs"]),
+                                     start_step=int(rec.get("start_step", 0)), plan_file=rec["plan_file"],
+                                     submitted_t=t))
+        return
+    if kind in (Kind.CLUSTER_DROPPED, Kind.CLUSTER_LOST):
+        state.left.update({c: t for c in rec.get("clusters", [])})
+    elif kind == Kind.REGROWN:
+        for c in rec.get("clusters", []):
+            state.left.pop(c, None)
+    group = next((g for g in state.groups if g.number == rec.get("group")), None)
+    if group is None:
+        raise KeyError(f"journal refers to group {rec.get('group')}, which has no group_submitted record")
+    if kind == Kind.GROUP_RUNNING:
+        group.running_t = group.running_t or t
+    elif kind == Kind.GROUP_STOPPED:
+        group.end = str(rec.get("reason", "stopped"))
 
 
 def fold(records: Iterable[Record]) -> RunState:

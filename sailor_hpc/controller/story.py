@@ -61,6 +61,8 @@ def describe(rec: Record) -> str:
     if k == Kind.RECOVERY:
         return (f"{a}recovered from {rec.get('trigger')} in {rec.get('recovery_s', 0):.1f} s "
                 f"(+ {rec.get('queue_wait_s') or 0:.1f} s queue wait)")
+    if k in _GEO_DESCRIBE:
+        return _GEO_DESCRIBE[k](rec)
     if k == Kind.CHECKPOINT:
         return f"checkpoint of step {rec.get('step')} complete ({rec.get('consumed_samples')} samples consumed)"
     if k == Kind.NODE_LOST:
@@ -93,6 +95,27 @@ def describe(rec: Record) -> str:
     return k
 
 
+def _clusters(rec: Record) -> str:
+    return ", ".join(rec.get("clusters", [])) or "-"
+
+
+#: a run across clusters (sailor_hpc.controller.geo_run): one line per co-scheduler record
+_GEO_DESCRIBE: dict[str, Any] = {
+    Kind.GROUP_SUBMITTED: lambda r: (f"group {r['group']}: jobs " + ", ".join(f"{c} {j}" for c, j in r.get("jobs", {}).items())
+                                     + f" submitted (from step {r.get('start_step')})"),
+    Kind.GROUP_ADOPTED: lambda r: f"group {r['group']}: found its jobs {r.get('states')} (before the co-scheduler restarted)",
+    Kind.GROUP_RUNNING: lambda r: f"group {r['group']}: every cluster's job runs",
+    Kind.GROUP_RECOVERED: lambda r: f"group {r['group']}: recovered from {r.get('trigger')} in {r.get('recovery_s', 0):.1f} s",
+    Kind.GROUP_FAILED: lambda r: f"group {r['group']}: a job failed ({r.get('states')}): retried on the same clusters",
+    Kind.GROUP_STOPPED: lambda r: f"group {r['group']}: stopped ({r.get('reason')})",
+    Kind.CLUSTER_DROPPED: lambda r: f"group {r['group']}: {_clusters(r)} pending past the bound: dropped, re-planned without",
+    Kind.CLUSTER_LOST: lambda r: f"group {r['group']}: cluster {_clusters(r)} lost ({r.get('states')}): re-planned on the rest",
+    Kind.REGROW_DECISION: lambda r: (f"group {r['group']}: {'grow' if r.get('resize') else 'do not grow'} back across "
+                                     f"{_clusters(r)}: {r.get('reason')}"),
+    Kind.REGROWN: lambda r: f"group {r['group']}: {_clusters(r)} back: checkpoint, stop and re-plan across it",
+}
+
+
 def attempt_rows(state: RunState) -> list[tuple[Any, ...]]:
     """One row per job: attempt, job id, GPUs, predicted samples/s, why, start step, recovery, end."""
     rows = []
@@ -114,6 +137,14 @@ def _end(att: Any) -> str:
     return f"{why} ({att.end_state})" if why and why != "completed" else str(att.end_state)
 
 
+def group_rows(state: RunState) -> list[tuple[Any, ...]]:
+    """One row per group of a run across clusters: group, each cluster's job, from step, how it ended."""
+    return [(g.number, ", ".join(f"{c} {j}" for c, j in g.jobs.items()), g.start_step,
+             g.end or ("completed" if state.finished else "running" if g.running_t else "queued"))
+            for g in state.groups]
+
+
+GROUP_HEADER = ("group", "jobs", "from step", "end")
 ATTEMPT_HEADER = ("attempt", "job", "GPUs", "samples/s (sim)", "why", "from step", "recovery s", "queue s", "end")
 
 

@@ -200,8 +200,8 @@ def cluster_job(plan: Plan, site: Site, cluster: str | None, rendezvous_file: ob
             raise SailorError(f"the plan spans clusters {', '.join(sorted(used))}; one Slurm job cannot",
                               file=site.source, field="clusters",
                               fix="plan inside one cluster (--available with its partitions only); a plan across "
-                                  "clusters runs as one job per cluster under sailor_hpc.controller.cosched (not "
-                                  "in the CLI yet)")
+                                  "clusters runs as one job per cluster under `sailor-hpc run` (the co-"
+                                  "scheduler)")
         if used and used[0] and (site.cluster(used[0]).slurm_cluster or site.cluster(used[0]).slurm_conf):
             raise SailorError(f"cluster {used[0]!r} is reached by -M or its own SLURM_CONF; name it (cluster=...) so "
                               "the job is submitted there", file=site.source, field=f"clusters[{used[0]}]",

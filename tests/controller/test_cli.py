@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,9 +16,9 @@ from tests.controller.scenario import LOCAL_LAB, REPO
 from tests.data.tiny_archive import write_tiny_archive
 
 
-def cli(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+def cli(*args: str, cwd: Path = REPO, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     exe = Path(sys.executable).parent / "sailor-hpc"
-    return subprocess.run([str(exe), *args], cwd=cwd, capture_output=True, text=True, timeout=120)
+    return subprocess.run([str(exe), *args], cwd=cwd, capture_output=True, text=True, timeout=120, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -117,3 +118,24 @@ def test_replans_only_on_partitions_that_admit_the_time_limit(archive: Path):
     arch = open_archive(str(archive), short_a100)
     assert set(plan_on(spec, short_a100, arch, free).summary()["gpus"]) == {"v100"}
     assert "a100" in plan_on(replace(spec, time_limit="12:00:00"), short_a100, arch, free).summary()["gpus"]
+
+
+def test_a_site_of_several_clusters_is_run_by_the_co_scheduler(tmp_path: Path, archive: Path):
+    """``sailor-hpc run`` on two clusters hands the run to GeoRun (journaled): here no Slurm command can be
+    found (an empty PATH: a missing slurm.conf would make sinfo retry for a minute), so it gives up at once,
+    saying so, with exit 1 and a run status to read."""
+    from sailor_hpc.core.toml_writer import dump_toml
+    from tests.jobs.conftest import two_lab_doc
+
+    site = tmp_path / "two.toml"
+    site.write_text(dump_toml(two_lab_doc(tmp_path / "lab", tmp_path / "lab2")))
+    for suffix in (".bin", ".idx"):
+        (tmp_path / f"nodata{suffix}").write_bytes(b"")
+    args = base_args(tmp_path, archive)
+    args[args.index(str(LOCAL_LAB))] = str(site)
+    proc = cli(*args, "--max-restarts", "0", env={**os.environ, "PATH": ""})
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    status = cli("run", "status", str(tmp_path / "ckpt" / "controller"), "--json")
+    doc = json.loads(status.stdout)
+    assert [r["kind"] for r in doc["records"]] == ["run_started", "controller_started", "gave_up"]
+    assert doc["phase"].startswith("gave up") and "'sinfo' not found" in doc["phase"] and doc["groups"] == []

@@ -54,6 +54,12 @@ PLANS: dict[str, dict[str, Any]] = {
 def two_lab_site(first: Path, second: Path) -> Site:
     """local-lab.toml's a100 partition in cluster lab and again as a100_lab2 in lab2, each reached by its
     own SLURM_CONF, joined by a 1 GB/s link (a made-up measurement: the simulator is not under test)."""
+    return load_site_dict(two_lab_doc(first, second), source="<two local clusters>")
+
+
+def two_lab_doc(first: Path, second: Path, gbps: float = 1.0) -> dict[str, Any]:
+    """The site config of :func:`two_lab_site` (written to a file where a run directory needs one), the link
+    between the clusters at ``gbps``."""
     doc: dict[str, Any] = tomllib.loads(LOCAL_LAB.read_text())
     a100 = next(p for p in doc["partitions"] if p["name"] == "a100")
     other = copy.deepcopy(a100)
@@ -62,8 +68,8 @@ def two_lab_site(first: Path, second: Path) -> Site:
     doc["clusters"] = [{"name": "lab", "slurm_conf": str(first / "etc" / "slurm.conf")},
                        {"name": "lab2", "slurm_conf": str(second / "etc" / "slurm.conf")}]
     doc["network"] = {"between": [{"clusters": ["lab", "lab2"], "latency_us": 100.0, "cost_per_gb": 0.02,
-                                   "links": {"1": {"constant_gbps": 1.0}}}]}
-    return load_site_dict(doc, source="<two local clusters>")
+                                   "links": {"1": {"constant_gbps": gbps}}}]}
+    return doc
 
 
 def cross_plan(site: Site, first: str, second: str, global_batch: int = 8) -> Plan:

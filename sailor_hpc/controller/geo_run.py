@@ -1,0 +1,180 @@
+"""``sailor-hpc run`` on a site of several clusters: the co-scheduler driven from a run directory, journaled.
+
+A het job cannot span clusters, so such a run is not the controller's one job per attempt but the
+:class:`~sailor_hpc.controller.cosched.CoScheduler`'s group of jobs (one per cluster). This module gives it
+what the controller has: the run directory (``run.json``, the lock, the journal), every co-scheduler event
+as a journal record (``group_submitted``, ``cluster_dropped``, ``cluster_lost``, ``regrown``,
+``group_recovered``...; numbered by ``group``, folded by :func:`~sailor_hpc.controller.state.apply`), so
+``sailor-hpc run status`` tells the story, and ``--resume`` after a kill: the last group's jobs still
+pending or running are adopted and watched; else what is left of them is cancelled and the run continues
+from the newest complete checkpoint.
+
+The spec's options map onto the co-scheduler: ``--grow-timeout`` bounds how long a cluster's job may stay
+pending, ``--replan-interval`` how soon a cluster that left is tried again, ``--poll`` the polling; and a
+cluster that is back is only regrown across when the new plan gains ``--min-gain`` after the restart
+cost (:func:`~sailor_hpc.controller.policy.judge`, the restart cost measured from the run's recoveries).
+A run starts at most ``--max-restarts`` + 1 groups per co-scheduler start, then gives up.
+"""
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from sailor_hpc.controller.cosched import CoScheduler, Group, PlanFor, newest_step, planner_plan_for
+from sailor_hpc.controller.journal import Kind
+from sailor_hpc.controller.planning import plan_on
+from sailor_hpc.controller.policy import Score, judge, restart_cost
+from sailor_hpc.controller.recorder import Recorder
+from sailor_hpc.controller.slurm_ops import expand_nodes
+from sailor_hpc.controller.state import RunDir, RunState
+from sailor_hpc.core.archive import open_archive
+from sailor_hpc.core.errors import SailorError
+from sailor_hpc.core.plan import Plan
+from sailor_hpc.core.plan_io import load_plan
+from sailor_hpc.core.site import Site, load_site
+from sailor_hpc.jobs.render import cluster_submit_env
+from sailor_hpc.slurm.commands import sinfo_nodes
+from simulator import simulate
+
+EXIT_FINISHED, EXIT_GAVE_UP, EXIT_INTERRUPTED = 0, 1, 130
+#: the co-scheduler's event kinds -> journal kinds
+EVENT_KINDS = {"submitted": Kind.GROUP_SUBMITTED, "all_running": Kind.GROUP_RUNNING, "dropped": Kind.CLUSTER_DROPPED,
+               "lost": Kind.CLUSTER_LOST, "failed": Kind.GROUP_FAILED, "rejoin": Kind.REGROWN,
+               "stopped": Kind.GROUP_STOPPED, "finished": Kind.FINISHED}
+#: events after which the next group running is a recovery (its time is the run's measured restart cost)
+TRIGGERS = frozenset({"dropped", "lost", "failed", "rejoin"})
+
+
+def across_clusters(site: Site) -> bool:
+    """Whether ``sailor-hpc run`` drives this site with the co-scheduler."""
+    return len(site.clusters) > 1
+
+
+def free_with_group(site: Site, clusters: tuple[str, ...], env: Mapping[str, str], group: Group) -> dict[str, dict[str, int]]:
+    """GPUs free per node of ``clusters`` if ``group`` stopped: idle ones, and every GPU of the group's nodes
+    (it may not hold them all; the plan made once it stopped is checked against what is really free)."""
+    out: dict[str, dict[str, int]] = {}
+    for cluster in clusters:
+        cenv = cluster_submit_env(site, cluster, env)
+        ours: set[str] = set()
+        if cluster in group.jobs:
+            status = group.poll()[cluster]
+            ours = set(expand_nodes([c.nodes for c in status.components if c.nodes], cenv))
+        parts = [p.name for p in site.partitions if p.cluster == cluster]
+        for n in sinfo_nodes(cenv, parts):
+            if n.usable and n.partition in parts:
+                out.setdefault(n.partition, {})[n.name] = n.gpus if n.name in ours else max(0, n.gpus - n.gpus_used)
+    return out
+
+
+class GeoRun(Recorder):
+    """Drives one run directory whose site has several clusters until it is finished or gives up.
+
+    ``plan_for`` replaces the planner (tests give fixed plans); the regrow decision then judges the plan it
+    gives for the grown clusters."""
+
+    def __init__(self, rundir: RunDir, env: Mapping[str, str] | None = None, *,
+                 echo: Callable[[str], None] | None = None, plan_for: PlanFor | None = None) -> None:
+        self.rundir = rundir
+        self.spec = rundir.spec()
+        self.env = dict(os.environ if env is None else env)
+        self.site = load_site(self.spec.site)
+        self.archive = open_archive(self.spec.profiles, self.site)
+        self.fixed_plans = plan_for
+        self.plan_for = plan_for or planner_plan_for(self.spec, self.site, self.archive, self.env)
+        self.echo = echo or (lambda _line: None)
+        self.state = RunState()
+        self.journal: Any = None
+        self._trigger: tuple[str, float] | None = None
+
+    def scheduler(self) -> CoScheduler:
+        s = self.spec
+        return CoScheduler(site=self.site, plan_for=self.plan_for, directory=self.rundir.path, save=Path(s.save),
+                           data=s.data, steps=s.steps, env=self.env,
+                           train_args=("--save-interval", str(s.save_interval), *s.train_args),
+                           time_limit=s.time_limit or "00:30:00", pending_bound_s=s.grow_timeout_s,
+                           rejoin_after_s=s.replan_interval_s, poll_s=s.poll_s, python=s.python,
+                           regrow_gate=self._worth_regrowing, on_event=self._on_event)
+
+    def run(self) -> int:
+        """Hold the run's lock and drive it; returns 0 (finished), 1 (gave up) or 130 (interrupted)."""
+        with self.rundir.lock():
+            self.begin()
+            if self.state.finished:
+                return EXIT_FINISHED
+            if self.state.gave_up:
+                return EXIT_GAVE_UP
+            sched = self.scheduler()
+            try:
+                adopt = self._reconcile(sched)
+                if self.state.finished:
+                    return EXIT_FINISHED
+                gone = set(self.state.left)
+                clusters = (adopt.jobs if adopt is not None
+                            else [c.name for c in self.site.clusters if c.name not in gone] or list(gone))
+                first = adopt.attempt if adopt is not None else len(self.state.groups) + 1
+                sched.run(tuple(clusters), max_attempts=self.spec.max_restarts + 1, first_attempt=first,
+                          adopt=adopt, left={c: time.monotonic() - (time.time() - t) for c, t in self.state.left.items()})
+            except KeyboardInterrupt:
+                self.note(Kind.CONTROLLER_STOPPED, reason="interrupted; the jobs keep running (sailor-hpc run --resume)")
+                return EXIT_INTERRUPTED
+            except SailorError as exc:
+                self.note(Kind.GAVE_UP, reason=str(exc))
+                return EXIT_GAVE_UP
+            return EXIT_FINISHED
+
+    def _reconcile(self, sched: CoScheduler) -> Group | None:
+        """After a restart: the last group, adopted if every job of it still pends or runs; else stopped."""
+        cur = self.state.current_group
+        if cur is None:
+            return None
+        envs = {c: cluster_submit_env(self.site, c, self.env) for c in cur.jobs}
+        submitted = time.monotonic() - (time.time() - cur.submitted_t)  # the journal's clock -> the pending bound's
+        group = Group(cur.number, load_plan(cur.plan_file, site=self.site), dict(cur.jobs), envs, {}, submitted,
+                      cur.start_step)
+        states = {c: s.state for c, s in group.poll().items()}
+        if all(st == "COMPLETED" for st in states.values()):
+            self.note(Kind.FINISHED, group=cur.number, step=newest_step(Path(self.spec.save)), states=states)
+        elif all(st in ("PENDING", "RUNNING") for st in states.values()):
+            self.note(Kind.GROUP_ADOPTED, group=cur.number, jobs=dict(cur.jobs), states=states)
+            return group
+        else:
+            sched.stop(group, f"resumed: not every job runs ({states})")
+        return None
+
+    def _on_event(self, event: dict[str, Any]) -> None:
+        """Journal one co-scheduler event (``attempt`` becomes ``group``), and a recovery once the group after a
+        change runs whole."""
+        info = {k: v for k, v in event.items() if k not in ("kind", "t", "attempt")}
+        self.note(EVENT_KINDS[event["kind"]], group=event["attempt"], **info)
+        if event["kind"] in TRIGGERS:
+            self._trigger = (event["kind"], event["t"])
+        elif event["kind"] == "all_running" and self._trigger is not None:
+            self.note(Kind.GROUP_RECOVERED, group=event["attempt"], trigger=self._trigger[0],
+                      recovery_s=round(event["t"] - self._trigger[1], 3))
+            self._trigger = None
+
+    def _score(self, plan: Plan) -> Score:
+        r = simulate(plan, self.site, self.archive)
+        return Score(r.throughput_samples_per_s, r.cost_per_hour)
+
+    def _worth_regrowing(self, group: Group, back: tuple[str, ...]) -> bool:
+        """The controller's resize policy for growing back across ``back``: the plan on the grown clusters must
+        gain ``min_gain`` over the running group's after the (measured) restart cost."""
+        grown = tuple(dict.fromkeys([*group.jobs, *back]))
+        try:
+            new = (self.fixed_plans(grown) if self.fixed_plans is not None
+                   else plan_on(self.spec, self.site, self.archive, free_with_group(self.site, grown, self.env, group)).plan)
+            current, candidate = self._score(group.plan), self._score(new)
+        except SailorError as exc:
+            self.note(Kind.REGROW_DECISION, group=group.attempt, clusters=list(back), resize=False, reason=str(exc))
+            return False
+        remaining = max(0, self.spec.steps - newest_step(Path(self.spec.save))) * self.spec.gbs
+        measured = [float(r["recovery_s"]) for r in self.journal.records if r["kind"] == Kind.GROUP_RECOVERED]
+        verdict = judge(self.spec.objective, current, candidate, remaining,
+                        restart_cost(self.spec.restart_cost_s, measured), self.spec.min_gain)
+        self.note(Kind.REGROW_DECISION, group=group.attempt, clusters=list(back), **verdict.to_dict())
+        return verdict.resize

@@ -1,0 +1,40 @@
+"""Journaling for whatever drives a run (the controller, the co-scheduler's driver): one way to write a
+record and apply it, and one way to open a run's journal, so both fold and tell the same story."""
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+from typing import Any
+
+from sailor_hpc.controller.journal import Kind, Record
+from sailor_hpc.controller.spec import RunSpec
+from sailor_hpc.controller.state import RunDir, RunState, apply, fold
+from sailor_hpc.controller.story import describe
+
+
+class Recorder:
+    """Mixed into a run's driver, which provides these attributes."""
+
+    rundir: RunDir
+    spec: RunSpec
+    state: RunState
+    journal: Any
+    echo: Callable[[str], None]
+
+    def note(self, kind: str, **data: Any) -> Record:
+        """Journal a record, then let it change the state (the same :func:`apply` a resume uses)."""
+        rec = self.journal.append(kind, **data)
+        apply(self.state, rec)
+        self.echo(describe(rec))
+        return rec
+
+    def begin(self) -> None:
+        """Open the journal (the caller holds the lock) and fold it into the state."""
+        self.journal = self.rundir.journal()
+        self.state = fold(self.journal.records)
+        resumed = bool(self.journal.records)
+        if not resumed:
+            self.note(Kind.RUN_STARTED, run_id=self.spec.run_id, spec=self.spec.to_dict())
+        self.note(Kind.CONTROLLER_STARTED, pid=os.getpid(), host=socket.gethostname(), resumed=resumed,
+                  repaired_torn_line=self.journal.repaired)

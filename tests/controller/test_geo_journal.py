@@ -1,0 +1,118 @@
+"""A run across clusters in the journal: the co-scheduler's records folded into groups and clusters that left,
+their story lines, re-planning with the chains of ``geo_search`` on a site of several clusters, and growing
+back only when the controller's min-gain policy says so."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from planner.geo import geo_search
+from sailor_hpc.controller.cosched import Group
+from sailor_hpc.controller.geo_run import GeoRun
+from sailor_hpc.controller.journal import Journal, Kind, read_journal
+from sailor_hpc.controller.planning import plan_on
+from sailor_hpc.controller.spec import RunSpec
+from sailor_hpc.controller.state import RunDir, fold
+from sailor_hpc.controller.story import describe, group_rows
+from sailor_hpc.core.archive import EMBEDDED_ARCHIVE, read_archive
+from sailor_hpc.core.placement import place_plan
+from sailor_hpc.core.plan import Pipeline, Plan, Stage
+from sailor_hpc.core.site import load_site
+from sailor_hpc.core.toml_writer import dump_toml
+from simulator import simulate
+from tests.data.tiny_archive import write_tiny_archive
+from tests.jobs.conftest import A100, cross_plan, two_lab_doc, two_lab_site
+
+
+def _geo_story(j: Journal) -> None:
+    """The co-scheduler's records of test_cosched_clusters.py's first three groups, as geo_run journals them."""
+    j.append(Kind.RUN_STARTED, run_id="g1")
+    j.append(Kind.GROUP_SUBMITTED, group=1, jobs={"lab": "11", "lab2": "7"}, clusters=["lab", "lab2"], start_step=0,
+             plan_file="/run/plan.1.json")
+    j.append(Kind.CLUSTER_DROPPED, group=1, clusters=["lab2"], reason="pending")
+    j.append(Kind.GROUP_STOPPED, group=1, reason="pending", states={"lab": "CANCELLED", "lab2": "CANCELLED"})
+    j.append(Kind.GROUP_SUBMITTED, group=2, jobs={"lab": "12"}, clusters=["lab"], start_step=0,
+             plan_file="/run/plan.2.json")
+    j.append(Kind.GROUP_RUNNING, group=2)
+    j.append(Kind.GROUP_RECOVERED, group=2, trigger="dropped", recovery_s=3.5)
+    j.append(Kind.REGROW_DECISION, group=2, clusters=["lab2"], resize=True, gain=0.4, keep=10.0, move=7.0,
+             reason="gain 40.0% >= 10%")
+    j.append(Kind.REGROWN, group=2, clusters=["lab2"], step=6)
+    j.append(Kind.GROUP_STOPPED, group=2, reason="rejoin")
+    j.append(Kind.GROUP_SUBMITTED, group=3, jobs={"lab": "13", "lab2": "8"}, clusters=["lab", "lab2"], start_step=6,
+             plan_file="/run/plan.3.json")
+
+
+def test_fold_tells_the_groups_and_the_clusters_that_left(tmp_path: Path):
+    j = Journal(tmp_path / "journal.jsonl", clock=iter(range(100, 200)).__next__)
+    _geo_story(j)
+    state = fold(read_journal(j.path))
+    assert [(g.number, g.clusters, g.start_step, g.end) for g in state.groups] == [
+        (1, ["lab", "lab2"], 0, "pending"), (2, ["lab"], 0, "rejoin"), (3, ["lab", "lab2"], 6, None)]
+    assert state.current_group is state.groups[-1] and state.current_group.jobs == {"lab": "13", "lab2": "8"}
+    assert state.groups[1].running_t == 105.0
+    assert state.left == {} and state.attempts == []  # lab2 left at t=102 and came back at t=108
+
+    j.append(Kind.CLUSTER_LOST, group=3, clusters=["lab2"], states={"lab2": "CANCELLED"})
+    j.append(Kind.GROUP_STOPPED, group=3, reason="cluster lost")
+    state = fold(read_journal(j.path))
+    assert state.left == {"lab2": 111.0} and state.current_group is None
+    assert group_rows(state)[-1] == (3, "lab 13, lab2 8", 6, "cluster lost")
+
+
+def test_every_geo_record_has_a_story_line(tmp_path: Path):
+    j = Journal(tmp_path / "journal.jsonl")
+    _geo_story(j)
+    lines = [describe(r) for r in j.records]
+    assert lines[1] == "group 1: jobs lab 11, lab2 7 submitted (from step 0)"
+    assert "lab2 pending past the bound: dropped" in lines[2]
+    assert lines[6] == "group 2: recovered from dropped in 3.5 s"
+    assert lines[7] == "group 2: grow back across lab2: gain 40.0% >= 10%"
+    assert all(line not in {str(k) for k in Kind} for line in lines)  # none fell through to the bare kind
+
+
+def test_a_record_of_an_unknown_group_is_refused(tmp_path: Path):
+    j = Journal(tmp_path / "journal.jsonl")
+    j.append(Kind.GROUP_RUNNING, group=4)
+    with pytest.raises(KeyError, match="group 4"):
+        fold(j.records)
+
+
+def test_replanning_on_several_clusters_uses_the_chains_of_geo_search(tmp_path: Path):
+    """plan_on (what the co-scheduler re-plans with) returns geo_search's best on a two-cluster site, which
+    ranks partition-local plans and chains across the clusters together."""
+    site = two_lab_site(tmp_path / "lab", tmp_path / "lab2")
+    archive = read_archive(write_tiny_archive(tmp_path / "tiny.h5"), EMBEDDED_ARCHIVE)
+    spec = RunSpec(run_id="g", site="<two>", model="tiny-gpt", objective="throughput", data="/d", save="/s", steps=1,
+                   gbs=8)
+    free = {"a100": {"a100-1": 4, "a100-2": 4}, "a100_lab2": {"a100-1": 4, "a100-2": 4}}
+    planned = plan_on(spec, site, archive, free)
+    best = geo_search(site, archive, spec.plan_request({"a100": 8, "a100_lab2": 8})).candidates[0]
+    assert planned.plan.pipelines == best.plan.pipelines
+    assert planned.score.throughput == pytest.approx(best.result.throughput_samples_per_s)
+
+
+@pytest.mark.parametrize("restart_cost_s", [None, 0.0])
+def test_growing_back_must_pay_for_its_restart(tmp_path: Path, restart_cost_s: float | None):
+    """The regrow gate is the controller's min-gain policy: 320 samples left, the plan across both clusters
+    34 % faster than the lab-only one; a free restart pays, the default 60 s one does not."""
+    site_file = tmp_path / "two.toml"
+    site_file.write_text(dump_toml(two_lab_doc(tmp_path / "lab", tmp_path / "lab2", gbps=100.0)))
+    site = load_site(site_file)
+    archive = write_tiny_archive(tmp_path / "tiny.h5")
+    spec = RunSpec(run_id="g", site=str(site_file), model="tiny-gpt", objective="throughput", data="/d",
+                   save=str(tmp_path / "ckpt"), steps=40, gbs=8, profiles=str(archive), restart_cost_s=restart_cost_s)
+    lab = place_plan(Plan("tiny-gpt", 8, (Pipeline(2, 4, (Stage(0, 2, 1, A100, "a100"), Stage(3, 5, 1, A100, "a100"))),)),
+                     site)
+    both = cross_plan(site, "a100", "a100_lab2")
+    geo = GeoRun(RunDir.create(tmp_path / "run", spec), {}, plan_for=lambda cs: {("lab", "lab2"): both}[cs])
+    geo.journal = geo.rundir.journal()
+    grows = geo._worth_regrowing(Group(1, lab, {"lab": "1"}, {}, {}, 0.0, 0), ("lab2",))
+    sims = {name: simulate(p, site, read_archive(archive, EMBEDDED_ARCHIVE)).throughput_samples_per_s
+            for name, p in (("lab", lab), ("both", both))}
+    keep, move = 320 / sims["lab"], (restart_cost_s if restart_cost_s is not None else 60.0) + 320 / sims["both"]
+    rec = geo.journal.records[-1]
+    assert rec["kind"] == Kind.REGROW_DECISION and rec["clusters"] == ["lab2"]
+    assert rec["gain"] == pytest.approx(keep / move - 1) and grows == rec["resize"] == (keep / move - 1 >= 0.10)
+    assert grows == (restart_cost_s == 0.0)
