@@ -56,15 +56,18 @@ def newest_step(save: Path) -> int:
     return int(read_manifest(ck)["step"]) if ck is not None else 0
 
 
-def idle_by_node(site: Site, clusters: Sequence[str], env: Mapping[str, str]) -> dict[str, dict[str, int]]:
+def idle_by_node(site: Site, clusters: Sequence[str], env: Mapping[str, str],
+                 whole: Mapping[str, set[str]] | None = None) -> dict[str, dict[str, int]]:
     """Idle GPUs per usable node of ``clusters``' partitions, partition -> node -> GPUs (``sinfo`` through each
-    cluster's SLURM_CONF; node names may repeat across clusters, partition names do not)."""
+    cluster's SLURM_CONF; node names may repeat across clusters, partition names do not). Nodes in
+    ``whole[cluster]`` count with every GPU (a running group's own, as if it had stopped)."""
     out: dict[str, dict[str, int]] = {}
     for cluster in clusters:
         parts = [p.name for p in site.partitions if p.cluster == cluster]
+        full = (whole or {}).get(cluster, set())
         for n in sinfo_nodes(cluster_submit_env(site, cluster, env), parts):
             if n.usable and n.partition in parts:
-                out.setdefault(n.partition, {})[n.name] = max(0, n.gpus - n.gpus_used)
+                out.setdefault(n.partition, {})[n.name] = n.gpus if n.name in full else max(0, n.gpus - n.gpus_used)
     return out
 
 

@@ -23,11 +23,11 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from sailor_hpc.controller.cosched import CoScheduler, Group, PlanFor, newest_step, planner_plan_for
+from sailor_hpc.controller.cosched import CoScheduler, Group, PlanFor, idle_by_node, newest_step, planner_plan_for
 from sailor_hpc.controller.journal import Kind
 from sailor_hpc.controller.planning import plan_on
 from sailor_hpc.controller.policy import Score, judge, restart_cost
-from sailor_hpc.controller.recorder import Recorder
+from sailor_hpc.controller.recorder import EXIT_FINISHED, EXIT_GAVE_UP, EXIT_INTERRUPTED, Recorder
 from sailor_hpc.controller.slurm_ops import expand_nodes
 from sailor_hpc.controller.state import RunDir, RunState
 from sailor_hpc.core.archive import open_archive
@@ -36,10 +36,8 @@ from sailor_hpc.core.plan import Plan
 from sailor_hpc.core.plan_io import load_plan
 from sailor_hpc.core.site import Site, load_site
 from sailor_hpc.jobs.render import cluster_submit_env
-from sailor_hpc.slurm.commands import sinfo_nodes
 from simulator import simulate
 
-EXIT_FINISHED, EXIT_GAVE_UP, EXIT_INTERRUPTED = 0, 1, 130
 #: the co-scheduler's event kinds -> journal kinds
 EVENT_KINDS = {"submitted": Kind.GROUP_SUBMITTED, "all_running": Kind.GROUP_RUNNING, "dropped": Kind.CLUSTER_DROPPED,
                "lost": Kind.CLUSTER_LOST, "failed": Kind.GROUP_FAILED, "rejoin": Kind.REGROWN,
@@ -56,18 +54,10 @@ def across_clusters(site: Site) -> bool:
 def free_with_group(site: Site, clusters: tuple[str, ...], env: Mapping[str, str], group: Group) -> dict[str, dict[str, int]]:
     """GPUs free per node of ``clusters`` if ``group`` stopped: idle ones, and every GPU of the group's nodes
     (it may not hold them all; the plan made once it stopped is checked against what is really free)."""
-    out: dict[str, dict[str, int]] = {}
-    for cluster in clusters:
-        cenv = cluster_submit_env(site, cluster, env)
-        ours: set[str] = set()
-        if cluster in group.jobs:
-            status = group.poll()[cluster]
-            ours = set(expand_nodes([c.nodes for c in status.components if c.nodes], cenv))
-        parts = [p.name for p in site.partitions if p.cluster == cluster]
-        for n in sinfo_nodes(cenv, parts):
-            if n.usable and n.partition in parts:
-                out.setdefault(n.partition, {})[n.name] = n.gpus if n.name in ours else max(0, n.gpus - n.gpus_used)
-    return out
+    states = group.poll() if any(c in group.jobs for c in clusters) else {}
+    ours = {c: set(expand_nodes([p.nodes for p in states[c].components if p.nodes], cluster_submit_env(site, c, env)))
+            for c in clusters if c in group.jobs}
+    return idle_by_node(site, clusters, env, ours)
 
 
 class GeoRun(Recorder):

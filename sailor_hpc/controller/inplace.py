@@ -62,7 +62,7 @@ from sailor_hpc.core.plan import Plan
 from sailor_hpc.core.plan_io import load_plan
 from sailor_hpc.core.site import load_site
 from sailor_hpc.jobs.layout import job_layout
-from sailor_hpc.jobs.render import PORT_BASE, PORT_SPAN
+from sailor_hpc.jobs.render import PORT_BASE, PORT_SPAN, components_for
 from sailor_hpc.slurm.commands import parse_kv_line, run_slurm, show_nodes, sinfo_nodes
 
 EXIT_NEXT_STEP, EXIT_END_JOB = 0, 1
@@ -167,8 +167,7 @@ def next_step(run_dir: Path, job_plan_file: Path, step_plan_file: Path, step: in
         return None  # finished, saved on a signal, asked to resize, or failed: the job ends as it always did
     free = survivors(comps, job_plan, lost)
     planned: Planned = plan_on(spec, site, open_archive(spec.profiles, site), free)
-    cpus = [max(1, site.partition(c.partition).cpus_per_node // site.partition(c.partition).gpus_per_node)
-            for c in job_layout(job_plan).components]
+    cpus = [c.cpus_per_task for c in components_for(job_layout(job_plan), site)]
     opts, nodes = step_components(planned.plan, comps, free, len(comps) > 1, cpus)
     released, refused = release(comps, set(nodes), lost)
     plan_path = job_plan_file.with_name(f"{job_plan_file.stem}.step-{step}.json")

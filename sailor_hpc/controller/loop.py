@@ -54,7 +54,7 @@ from sailor_hpc.controller.journal import Kind
 from sailor_hpc.controller.planning import Planned, plan_on
 from sailor_hpc.controller.policy import Score, Verdict, judge, plan_shape, restart_cost
 from sailor_hpc.controller.progress import LogTail
-from sailor_hpc.controller.recorder import Recorder
+from sailor_hpc.controller.recorder import EXIT_FINISHED, EXIT_GAVE_UP, EXIT_INTERRUPTED, Recorder
 from sailor_hpc.controller.state import RESIZE_REASON, Attempt, RunDir, RunState, job_name
 from sailor_hpc.core.archive import open_archive
 from sailor_hpc.core.checkpoint import latest_complete, read_manifest
@@ -73,7 +73,6 @@ STOP_MARGIN = 3.0  # ... unless its measured step + save times, with this margin
 JOB_LOST_AFTER_S = 120.0  # a job neither squeue nor sacct knows for this long is gone
 
 DRAIN_REASON = "node draining"
-EXIT_FINISHED, EXIT_GAVE_UP, EXIT_INTERRUPTED = 0, 1, 130
 
 
 class Controller(Recorder, GrowBeside):  # Recorder.note before GrowBeside's stub

@@ -12,6 +12,9 @@ from sailor_hpc.controller.spec import RunSpec
 from sailor_hpc.controller.state import RunDir, RunState, apply, fold
 from sailor_hpc.controller.story import describe
 
+#: how a run's driver exits (``sailor-hpc run`` returns it): done, gave up, interrupted by a signal
+EXIT_FINISHED, EXIT_GAVE_UP, EXIT_INTERRUPTED = 0, 1, 130
+
 
 class Recorder:
     """Mixed into a run's driver, which provides these attributes."""
