@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import io
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -32,6 +33,14 @@ FIELDS = ("param", "exp_avg", "exp_avg_sq")
 
 def layer_file(layer: int) -> str:
     return f"layer_{layer:03d}.pt"
+
+
+def write_layer(tmp: Path, layer: int, entries: dict[str, dict[str, torch.Tensor]]) -> dict[str, Any]:
+    """Write pipeline layer ``layer``'s entries (name -> {"param", ...} tensors) into the checkpoint being
+    built in ``tmp``; returns its manifest record (size, checksum, layer)."""
+    buf = io.BytesIO()
+    torch.save(entries, buf)
+    return {**ck.write_file(tmp / layer_file(layer), buf.getvalue()), "layer": layer}
 
 
 def owner_pipeline(layer: int, num_pipelines: int) -> int:
@@ -98,9 +107,7 @@ def save(trainer: Trainer, root: str, keep: int = 3) -> str:
             entries[info.name] = full
             params[info.name] = {"file": layer_file(layer), "shape": list(full["param"].shape)}
         if role.tp_rank == 0:
-            buf = io.BytesIO()
-            torch.save(entries, buf)
-            files[layer_file(layer)] = {**ck.write_file(tmp / layer_file(layer), buf.getvalue()), "layer": layer}
+            files[layer_file(layer)] = write_layer(tmp, layer, entries)
     gathered: list[Any] = [None] * t.world if rank == 0 else []
     dist.gather_object((files, params if role.tp_rank == 0 else {}), gathered if rank == 0 else None, dst=0)
     final = ""

@@ -193,8 +193,7 @@ class GlobalSamples:
         return self._tokens(j * self.seq_len, self.seq_len + 1)
 
     def batch(self, start: int, count: int) -> torch.Tensor:
-        """Samples ``start .. start + count - 1`` as a [count, seq_len + 1] int64 tensor."""
-        return torch.from_numpy(np.stack([self.sample(g) for g in range(start, start + count)]))
+        return stack_samples(self, start, count)
 
 
 def check_vocab(prefix: str | Path, vocab_size: int, model: str = "the model") -> int:
@@ -269,22 +268,24 @@ class BlendedSamples:
         return self.parts[d].sample(i)
 
     def batch(self, start: int, count: int) -> torch.Tensor:
-        return torch.from_numpy(np.stack([self.sample(g) for g in range(start, start + count)]))
+        return stack_samples(self, start, count)
+
+
+def stack_samples(source: GlobalSamples | BlendedSamples, start: int, count: int) -> torch.Tensor:
+    """Samples ``start .. start + count - 1`` of ``source`` as a [count, seq_len + 1] int64 tensor."""
+    return torch.from_numpy(np.stack([source.sample(g) for g in range(start, start + count)]))
 
 
 Samples = GlobalSamples | BlendedSamples
 
 
-def build_samples(blend: DataBlend, seq_len: int, seed: int, split: tuple[float, float, float],
-                  vocab_size: int | None = None, model: str = "the model") -> dict[str, Samples | None]:
+def build_samples(blend: DataBlend, seq_len: int, seed: int,
+                  split: tuple[float, float, float]) -> dict[str, Samples | None]:
     """train/valid/test samples of a blend (each dataset split on its own, as Megatron does; a split
-    none of the datasets has is None). ``vocab_size``: check every token first (:func:`check_vocab`).
-    One dataset with weight 1 gives the :class:`GlobalSamples` themselves (the same samples as before
-    blends existed, so older checkpoints resume on the same data)."""
+    none of the datasets has is None). One dataset with weight 1 gives the :class:`GlobalSamples`
+    themselves (the same samples as before blends existed, so older checkpoints resume on the same data)."""
     for prefix in blend.prefixes:
         GlobalSamples(prefix, seq_len, seed)  # missing or inconsistent files first, with their own error
-        if vocab_size is not None:
-            check_vocab(prefix, vocab_size, model)
     per = [split_samples(p, seq_len, seed, split) for p in blend.prefixes]
     out: dict[str, Samples | None] = {}
     for name in SPLITS:

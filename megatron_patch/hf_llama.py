@@ -19,7 +19,6 @@ under any plan. Export takes the master (fp32) weights of any checkpoint of a Ll
 """
 from __future__ import annotations
 
-import io
 import json
 import math
 import os
@@ -31,7 +30,7 @@ from typing import Any
 import torch
 
 from megatron_patch import safetensors_io
-from megatron_patch.checkpoint_io import CheckpointReader, layer_file
+from megatron_patch.checkpoint_io import CheckpointReader, layer_file, write_layer
 from megatron_patch.data import ORDER
 from megatron_patch.layout import ParamInfo, arch_of, param_layout
 from megatron_patch.model import DTYPES
@@ -235,9 +234,7 @@ def import_hf(hf_dir: str | Path, model: str, save: str | Path) -> Path:
                 full = to_megatron(spec, info, [found[n].get(n).float() for n in parts])
                 entries[info.name] = {"param": full.contiguous()}
                 params[info.name] = {"file": layer_file(layer), "shape": list(full.shape)}
-            buf = io.BytesIO()
-            torch.save(entries, buf)
-            files[layer_file(layer)] = {**ck.write_file(tmp / layer_file(layer), buf.getvalue()), "layer": layer}
+            files[layer_file(layer)] = write_layer(tmp, layer, entries)
         manifest = {"step": 0, "consumed_samples": 0, "adam_steps": 0, "optimizer_state": False,
                     "data_order": ORDER, "model": spec.name, "vocab_size": spec.vocab_size, "dtype": "fp32",
                     "torch": torch.__version__, "source": {"format": "huggingface", "path": str(hf_dir.resolve())},

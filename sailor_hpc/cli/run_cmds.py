@@ -70,7 +70,7 @@ def new_run(opts: dict[str, Any]) -> Path:
     partitions_for_time(opts.get("time_limit"), site)  # a --time no partition admits: refused now
     profiles = str(Path(opts["profiles"]).absolute()) if opts.get("profiles") else None
     open_archive(profiles, site)  # a missing archive is an error now, not in the loop
-    data = absolute_blend(opts["data"], check_files=True)
+    data = absolute_blend(opts["data"])
     train_args = (*pop_training_args(opts), *(opts.get("train_arg") or ()))
     save = Path(opts["save"]).absolute()
     spec = RunSpec(run_id=new_run_id(), site=str(site_path), model=get_model(opts["model"]).name,

@@ -33,11 +33,11 @@ def pop_training_args(kw: dict[str, Any]) -> list[str]:
     return launch_args({f.dest: kw.pop(f.dest, None) for f in FLAGS})
 
 
-def absolute_blend(data: str, *, check_files: bool = False) -> str:
-    """``--data`` with absolute prefixes (a job runs elsewhere); ``check_files``: refuse missing ones now."""
+def absolute_blend(data: str) -> str:
+    """``--data`` with absolute prefixes (a job runs elsewhere); missing files are refused now, not in the job."""
     blend = DataBlend.parse(data)
     prefixes = [str(Path(p).expanduser().absolute()) for p in blend.prefixes]
-    for prefix in prefixes if check_files else ():
+    for prefix in prefixes:
         for suffix in (".bin", ".idx"):
             if not Path(prefix + suffix).is_file():
                 raise SailorError("indexed dataset file not found", file=prefix + suffix, field="--data",
