@@ -28,7 +28,17 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 from planner.request import PlanRequest
-from planner.search import ESTIMATE_SLACK, Candidate, SearchResult, SearchSettings, candidate_dtypes, ranking, search, usable_gpus
+from planner.search import (
+    ESTIMATE_SLACK,
+    Candidate,
+    SearchResult,
+    SearchSettings,
+    candidate_dtypes,
+    copy_counts,
+    ranking,
+    search,
+    usable_gpus,
+)
 from planner.templates import uniform_split
 from sailor_hpc.core.archive import ProfileArchive
 from sailor_hpc.core.errors import SailorError
@@ -181,7 +191,7 @@ def chains(ev: StageEvaluator, archive: ProfileArchive, site: Site, request: Pla
         room = [sum(slots[p] for p in g.partitions) for g in groups]
         total = sum(room)
         max_stages = min(L, request.max_stages or L, total)
-        counts = sorted({math.ceil(gbs // mbs / m) for m in range(1, gbs // mbs + 1)})
+        counts = copy_counts(total, gbs // mbs)
         for P in range(1, max_stages + 1):
             split = tuple(uniform_split(L, P))
             for D in (d for d in counts if d * P <= total):
@@ -327,21 +337,23 @@ def geo_search(site: Site, archive: ProfileArchive, request: PlanRequest, *,
     clusters), with each stage's data parallelism inside one cluster, and inside one group of
     :func:`linked_groups` (clusters joined by fast links, Sailor's merged region)."""
     t0 = time.perf_counter()
+    local_error: SailorError | None = None
     try:
         local = search(site, archive, request, settings=settings)
-    except SailorError:
-        local = None
+    except SailorError as exc:
+        local, local_error = None, exc
     crossing: list[Candidate] = []
     if len(site.clusters) > 1:
         dtypes = candidate_dtypes(site, archive, request) if request.dtype == "auto" else [request.dtype]
         groupings = [cluster_groups(site)]
-        if linked_groups(site) != groupings[0]:
-            groupings.append(linked_groups(site))
+        linked = linked_groups(site)
+        if linked != groupings[0]:
+            groupings.append(linked)
         for dtype in dtypes:
             for groups in groupings:
                 crossing += chain_search(site, archive, replace(request, dtype=dtype), groups, settings=chain_settings)
-    if local is None and not crossing:
-        search(site, archive, request, settings=settings)  # raises the local search's explanation
+    if local_error is not None and not crossing:
+        raise local_error  # the local search's explanation
     unique = {repr(c.plan.pipelines): c for c in [*(local.candidates if local else []), *crossing]}  # both find some
     merged = sorted(unique.values(), key=ranking(request))
     return SearchResult(request, merged, time.perf_counter() - t0,

@@ -202,12 +202,18 @@ class StageEvaluator:
         (every rank's message in both directions fits the staging buffer, :mod:`simulator.runtimes`)."""
         act, grad, asy = [], [], []
         for j in range(len(costs) - 1):
-            a, a_msg = self._transfer(ends[j], ends[j + 1], costs[j].out_bytes)
-            g, g_msg = self._transfer(ends[j + 1], ends[j], costs[j].out_bytes)
+            a, g, asynchronous = self._boundary(ends[j], ends[j + 1], costs[j].out_bytes)
             act.append(a)
             grad.append(g)
-            asy.append(max(a_msg, g_msg) <= self.options.staging_bytes)
+            asy.append(asynchronous)
         return Exchanges(act, grad, asy)
+
+    def _boundary(self, a: Endpoint, b: Endpoint, nbytes: float) -> tuple[float, float, bool]:
+        """One boundary from ``a`` to ``b``: activation seconds, gradient seconds, and whether it is
+        asynchronous (every rank's message both ways fits the staging buffer)."""
+        act, act_msg = self._transfer(a, b, nbytes)
+        grad, grad_msg = self._transfer(b, a, nbytes)
+        return act, grad, max(act_msg, grad_msg) <= self.options.staging_bytes
 
     def transfer_times(self, costs: Sequence[StageCost], ends: Sequence[Endpoint]) -> tuple[list[float], list[float]]:
         """Activation and gradient seconds of each boundary of one pipeline."""
@@ -352,8 +358,7 @@ class StageEvaluator:
                 _, ta, pa = batch.stage_kinds[ka]
                 _, tb, pb = batch.stage_kinds[kb]
                 a, b = Endpoint(pa, 0, ta), Endpoint(pb, 0 if sm else 1, tb)
-                (ts, am), (tg, gm) = self._transfer(a, b, nbytes), self._transfer(b, a, nbytes)
-                vals[u] = ts, tg, max(am, gm) <= self.options.staging_bytes
+                vals[u] = self._boundary(a, b, nbytes)
             act, grad = (vals[inv.reshape(-1), c].reshape(n, P - 1) for c in (0, 1))
             asy = vals[inv.reshape(-1), 2].reshape(n, P - 1) > 0
         sched = self.pipeline_times(F, Bw, act, grad, m, asy)
