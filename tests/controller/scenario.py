@@ -118,6 +118,33 @@ class Scenario:
         (self.downed.add if taken else self.downed.discard)(node)
         return t
 
+    def plan_file(self, attempt: int) -> Path:
+        """The plan job ``attempt`` was submitted with."""
+        return self.run_dir / "plans" / f"attempt-{attempt:03d}.json"
+
+    def pause_ranks(self, plan_file: str | Path, sig: signal.Signals = signal.SIGSTOP) -> list[int]:
+        """Send ``sig`` to every rank of the step started with ``--plan plan_file``. SIGSTOP makes a step as
+        slow as the story needs, so a change the story makes next never races with the run's last step."""
+        pids = rank_pids(plan_file)
+        assert pids, f"no rank process runs plan {plan_file}"
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        return pids
+
+    def continue_ranks(self, plan_file: str | Path, once_pending: signal.Signals | None = None,
+                       timeout: float = 60.0) -> list[int]:
+        """SIGCONT the paused ranks; with ``once_pending``, only once that signal (the controller's request,
+        which takes seconds through slurmctld and slurmd) waits on every one of them."""
+        if once_pending is not None:
+            bit = 1 << (once_pending - 1)
+            deadline = time.monotonic() + timeout
+            for pid in rank_pids(plan_file):
+                while not _pending(pid) & bit:
+                    assert time.monotonic() < deadline, f"no {once_pending.name} reached rank {pid} in {timeout} s"
+                    time.sleep(0.05)
+        return self.pause_ranks(plan_file, signal.SIGCONT)
+
     def cleanup(self) -> None:
         """Stop the controller, cancel the run's jobs and the blockers, bring nodes back (idempotent)."""
         if self.proc is not None and self.proc.poll() is None:
@@ -191,6 +218,24 @@ class Scenario:
             raise AssertionError(f"controller still running after {timeout} s:\n{self.controller_output()}") from None
 
 
+def rank_pids(plan_file: str | Path) -> list[int]:
+    """The training processes of the step started with ``--plan plan_file`` (every fake node runs on this
+    machine); srun and rank_env carry the same arguments, so only ``python -m megatron_patch.launch`` counts."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError, PermissionError):
+            argv = (proc / "cmdline").read_bytes().split(b"\0") if proc.name.isdigit() else []
+            if argv[1:3] == [b"-m", b"megatron_patch.launch"] and str(plan_file).encode() in argv:
+                pids.append(int(proc.name))
+    return pids
+
+
+def _pending(pid: int) -> int:
+    """The signals waiting on a process (its own and its threads' shared set), as a bit mask."""
+    status = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return sum(int(line.split()[1], 16) for line in status if line.startswith(("SigPnd:", "ShdPnd:")))
+
+
 def kind(k: str, **match: Any) -> Callable[[dict[str, Any]], bool]:
     """A journal predicate: record kind ``k`` whose fields equal ``match``."""
     return lambda r: r["kind"] == k and all(r.get(key) == v for key, v in match.items())
@@ -206,6 +251,16 @@ def step_events(log: Path) -> list[dict[str, Any]]:
             except json.JSONDecodeError:
                 pass
     return out
+
+
+def wait_in_log(log: Path, text: str, timeout: float = 120.0) -> None:
+    """Wait until a job's log holds ``text`` (read directly: the controller may be down or lagging)."""
+    deadline = time.monotonic() + timeout
+    while not (log.exists() and text in log.read_text(errors="replace")):
+        if time.monotonic() > deadline:
+            tail = log.read_text(errors="replace")[-3000:] if log.exists() else "(no log yet)"
+            raise AssertionError(f"no {text} in {log} after {timeout} s; its end:\n{tail}")
+        time.sleep(0.1)
 
 
 def finish(sc: Scenario, reference: subprocess.Popen) -> subprocess.CompletedProcess:

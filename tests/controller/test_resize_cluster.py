@@ -25,6 +25,7 @@ sample was lost or repeated), and the run's Slurm jobs are exactly the journal's
 from __future__ import annotations
 
 import json
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -43,11 +44,11 @@ from tests.controller.scenario import (
     records_of,
     start_reference,
     step_events,
+    wait_in_log,
 )
 
-# enough steps that the job of step 5 still trains when the preemption signal lands: the 2-A100 job of step 3
-# runs ~10 steps/s and stops only at the controller's next poll after the drain, and while it grew beside the
-# 2-V100 job, that one trained on (to step 61 of 80 in one run, which then ended before the drain)
+# the story pauses a job's ranks (SIGSTOP) while the controller acts on a change, so no change races with the
+# run's last step however slow the machine; 120 steps leave every later change steps to act on
 STEPS = 120
 # fp32 summation order differs between plans and with the sequence of plans the run went through: measured
 # 4e-7 .. 1.4e-6 on parameters and Adam's moments at step 60 (CI); a lost or repeated sample is caught
@@ -79,8 +80,15 @@ def story(slurm_cluster, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
         sc.start_controller(resume=True)
         sc.wait_for("the first step after the node loss", kind("first_step", attempt=2))
         times["resume"] = sc.set_node("a100-1", "resume")
-        sc.wait_for("the first step after growing back", kind("first_step", attempt=3))
+        grow = sc.wait_for("the bigger job submitted", kind("grow_submitted"))
+        sc.pause_ranks(sc.plan_file(2))  # the old job stays where it was until asked to hand over
+        sc.wait_for("the old job asked to hand over", kind("signal_sent", reason="resize"))
+        sc.continue_ranks(sc.plan_file(2), once_pending=signal.SIGUSR1)
+        wait_in_log(Path(grow["log"]), '"event": "step"')  # the journal may lag seconds behind the job
+        sc.pause_ranks(sc.plan_file(3))
         times["drain"] = sc.set_node("a100-1", "drain")
+        sc.wait_for("the checkpoint request", kind("signal_sent", attempt=3, reason="node draining"))
+        sc.continue_ranks(sc.plan_file(3), once_pending=signal.SIGUSR1)
         job4 = sc.wait_for("the first step after the drain", kind("first_step", attempt=4))["job_id"]
         times["term"] = time.time()
         sc.slurm("scancel", "--signal=TERM", job4)  # what preemption (or the time-limit warning) sends
