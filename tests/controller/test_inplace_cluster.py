@@ -29,6 +29,7 @@ import pytest
 from sailor_hpc.core.checkpoint import latest_complete, read_manifest
 from tests.controller import scenario as story_kit
 from tests.controller.scenario import GBS, Scenario, kind, step_events
+from tests.slurm import ranks
 
 STEPS = 120
 PARAM_TOL = 1e-6
@@ -56,11 +57,11 @@ def story(slurm_cluster, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
         # changes below then never race with the run's last step, however slow this machine is today
         inplace_plan = sc.wait_for("the in-place step", kind("in_place", attempt=1))["plan_file"]
         grow = sc.wait_for("the bigger job submitted", kind("grow_submitted"))
-        sc.pause_ranks(inplace_plan)
+        ranks.pause(inplace_plan)
         sc.wait_for("the old job asked to hand over", kind("signal_sent", reason="resize"))
-        sc.continue_ranks(inplace_plan, once_pending=signal.SIGUSR1)
+        ranks.resume(inplace_plan, once_pending=signal.SIGUSR1)
         story_kit.wait_in_log(Path(grow["log"]), '"event": "step"')
-        sc.pause_ranks(grow["plan_file"])
+        ranks.pause(grow["plan_file"])
         times["killed"] = sc.kill_controller()  # the job re-plans in place by itself, without a controller
         times["down"] = sc.set_node("a100-2", "down")
         story_kit.wait_in_log(Path(grow["log"]), '"event": "in_place"')

@@ -46,6 +46,7 @@ from tests.controller.scenario import (
     step_events,
     wait_in_log,
 )
+from tests.slurm import ranks
 
 # the story pauses a job's ranks (SIGSTOP) while the controller acts on a change, so no change races with the
 # run's last step however slow the machine; 120 steps leave every later change steps to act on
@@ -81,14 +82,14 @@ def story(slurm_cluster, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
         sc.wait_for("the first step after the node loss", kind("first_step", attempt=2))
         times["resume"] = sc.set_node("a100-1", "resume")
         grow = sc.wait_for("the bigger job submitted", kind("grow_submitted"))
-        sc.pause_ranks(sc.plan_file(2))  # the old job stays where it was until asked to hand over
+        ranks.pause(sc.plan_file(2))  # the old job stays where it was until asked to hand over
         sc.wait_for("the old job asked to hand over", kind("signal_sent", reason="resize"))
-        sc.continue_ranks(sc.plan_file(2), once_pending=signal.SIGUSR1)
+        ranks.resume(sc.plan_file(2), once_pending=signal.SIGUSR1)
         wait_in_log(Path(grow["log"]), '"event": "step"')  # the journal may lag seconds behind the job
-        sc.pause_ranks(sc.plan_file(3))
+        ranks.pause(sc.plan_file(3))
         times["drain"] = sc.set_node("a100-1", "drain")
         sc.wait_for("the checkpoint request", kind("signal_sent", attempt=3, reason="node draining"))
-        sc.continue_ranks(sc.plan_file(3), once_pending=signal.SIGUSR1)
+        ranks.resume(sc.plan_file(3), once_pending=signal.SIGUSR1)
         job4 = sc.wait_for("the first step after the drain", kind("first_step", attempt=4))["job_id"]
         times["term"] = time.time()
         sc.slurm("scancel", "--signal=TERM", job4)  # what preemption (or the time-limit warning) sends

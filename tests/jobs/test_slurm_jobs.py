@@ -3,6 +3,7 @@ status / logs / cancel through the CLI, and the het-aware watcher (arrays, cance
 from __future__ import annotations
 
 import json
+import signal
 import time
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from sailor_hpc.slurm.status import poll_jobs
 from sailor_hpc.slurm.submit import check_script
 from sailor_hpc.slurm.watch import JobWatcher
 from tests.jobs.conftest import LOCAL_LAB, PLANS, write_plan
+from tests.slurm import ranks
 
 pytestmark = pytest.mark.slurm
 
@@ -162,14 +164,16 @@ def test_training_job_checkpoints_on_the_limit_signal_requeues_and_resumes(slurm
         "pipelines": [{"micro_batch_size": 1, "num_micro_batches": 4, "stages": [
             {"layers": [0, 2], "tp": 1, "gpu_type": "A100-40", "partition": "a100", "placement": {"node": 0, "gpus": [0]}},
             {"layers": [3, 5], "tp": 1, "gpu_type": "V100-16", "partition": "v100", "placement": {"node": 0, "gpus": [0]}}]}]})
-    steps = 40
+    steps = 12
     job = _cli(slurm_cluster, job_env, "submit", str(plan), "--site", str(LOCAL_LAB), "--data", str(data),
                "--save", str(job_dir / "ckpt"), "--steps", str(steps), "--time", "00:10:00").stdout.strip()
     log = Path(_cli(slurm_cluster, job_env, "logs", job, "--path").stdout.strip())
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline and not (log.exists() and '"event": "step"' in log.read_text()):
         time.sleep(0.2)
+    ranks.pause(plan)  # the signal takes seconds to arrive: the run must not end before it does
     slurm_cluster.run(["scancel", "--signal=USR1", job], check=True)
+    ranks.resume(plan, once_pending=signal.SIGUSR1)
     watcher = JobWatcher(job_env, poll_s=0.5)
     watcher.add([job])
     result = watcher.wait(timeout_s=150)

@@ -1,0 +1,55 @@
+"""Pause and resume the training ranks of a Slurm step from a test (every fake node runs on this machine).
+
+A tiny model trains ~12 steps/s on CPU while Slurm and the controller take seconds to act on a change, so
+a test that changes the allocation under a running job pauses the job's ranks (SIGSTOP) while the change
+is acted on: what happens is then the same on a slow machine as on a fast one.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from pathlib import Path
+
+
+def rank_pids(plan_file: str | Path) -> list[int]:
+    """The training processes of the step started with ``--plan plan_file`` (every fake node runs on this
+    machine); srun and rank_env carry the same arguments, so only ``python -m megatron_patch.launch`` counts."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError, PermissionError):
+            argv = (proc / "cmdline").read_bytes().split(b"\0") if proc.name.isdigit() else []
+            if argv[1:3] == [b"-m", b"megatron_patch.launch"] and str(plan_file).encode() in argv:
+                pids.append(int(proc.name))
+    return pids
+
+
+def pause(plan_file: str | Path, sig: signal.Signals = signal.SIGSTOP) -> list[int]:
+    """Send ``sig`` to every rank of the step started with ``--plan plan_file``. SIGSTOP makes a step as
+    slow as a test needs, so a change the test makes next never races with the run's last step."""
+    pids = rank_pids(plan_file)
+    assert pids, f"no rank process runs plan {plan_file}"
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+    return pids
+
+
+def resume(plan_file: str | Path, once_pending: signal.Signals | None = None, timeout: float = 60.0) -> list[int]:
+    """SIGCONT the paused ranks; with ``once_pending``, only once that signal (a controller's or a test's
+    ``scancel --signal``, which takes seconds through slurmctld and slurmd) waits on every one of them."""
+    if once_pending is not None:
+        bit = 1 << (once_pending - 1)
+        deadline = time.monotonic() + timeout
+        for pid in rank_pids(plan_file):
+            while not _pending(pid) & bit:
+                assert time.monotonic() < deadline, f"no {once_pending.name} reached rank {pid} in {timeout} s"
+                time.sleep(0.05)
+    return pause(plan_file, signal.SIGCONT)
+
+
+def _pending(pid: int) -> int:
+    """The signals waiting on a process (its own and its threads' shared set), as a bit mask."""
+    status = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return sum(int(line.split()[1], 16) for line in status if line.startswith(("SigPnd:", "ShdPnd:")))
