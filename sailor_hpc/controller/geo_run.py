@@ -36,7 +36,7 @@ from sailor_hpc.core.plan import Plan
 from sailor_hpc.core.plan_io import load_plan
 from sailor_hpc.core.site import Site, load_site
 from sailor_hpc.jobs.render import cluster_submit_env
-from simulator import simulate
+from simulator import SimOptions, simulate
 
 #: the co-scheduler's event kinds -> journal kinds
 EVENT_KINDS = {"submitted": Kind.GROUP_SUBMITTED, "all_running": Kind.GROUP_RUNNING, "dropped": Kind.CLUSTER_DROPPED,
@@ -148,7 +148,8 @@ class GeoRun(Recorder):
             self._trigger = None
 
     def _score(self, plan: Plan) -> Score:
-        r = simulate(plan, self.site, self.archive)
+        """The plan scored as the planner scores it: simulated as the runtime that will run it runs it."""
+        r = simulate(plan, self.site, self.archive, options=SimOptions(runtime=self.spec.plan_request({}).runtime))
         return Score(r.throughput_samples_per_s, r.cost_per_hour)
 
     def _worth_regrowing(self, group: Group, back: tuple[str, ...]) -> bool:

@@ -20,7 +20,7 @@ from sailor_hpc.core.placement import place_plan
 from sailor_hpc.core.plan import Pipeline, Plan, Stage
 from sailor_hpc.core.site import load_site
 from sailor_hpc.core.toml_writer import dump_toml
-from simulator import simulate
+from simulator import SimOptions, simulate
 from tests.data.tiny_archive import write_tiny_archive
 from tests.jobs.conftest import A100, cross_plan, two_lab_doc, two_lab_site
 
@@ -109,7 +109,9 @@ def test_growing_back_must_pay_for_its_restart(tmp_path: Path, restart_cost_s: f
     geo = GeoRun(RunDir.create(tmp_path / "run", spec), {}, plan_for=lambda cs: {("lab", "lab2"): both}[cs])
     geo.journal = geo.rundir.journal()
     grows = geo._worth_regrowing(Group(1, lab, {"lab": "1"}, {}, {}, 0.0, 0), ("lab2",))
-    sims = {name: simulate(p, site, read_archive(archive, EMBEDDED_ARCHIVE)).throughput_samples_per_s
+    # scored as the planner scores plans: as megatron_patch, which runs them (not Sailor's measured runtime)
+    sims = {name: simulate(p, site, read_archive(archive, EMBEDDED_ARCHIVE),
+                           options=SimOptions(runtime="megatron_patch")).throughput_samples_per_s
             for name, p in (("lab", lab), ("both", both))}
     keep, move = 320 / sims["lab"], (restart_cost_s if restart_cost_s is not None else 60.0) + 320 / sims["both"]
     rec = geo.journal.records[-1]
