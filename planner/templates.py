@@ -219,15 +219,15 @@ class TemplateBuilder:
         """Exact per-stage numbers (placement-aware transfers) and flush times for m = 1..max_m."""
         costs = [self._cost(mbs, tp, i, j) for i, j, tp in stages]
         ends = endpoints(stages, self.part)
-        act, grad = self.ev.transfer_times(costs, ends)
+        x = self.ev.exchanges(costs, ends)  # buffered or blocking per boundary, as simulate() prices it
         F = np.array([c.fwd_s for c in costs])
         B = np.array([c.bwd_s for c in costs])
-        A, G = np.array(act), np.array(grad)
+        A, G, Z = np.array(x.act), np.array(x.grad), np.array(x.asynchronous, dtype=bool)
         # exact flush for m = 1 .. past the transient; beyond it each micro-batch adds the same period
         M = max(1, min(self.max_m // mbs, 2 * len(stages) + 4))
         ms = np.arange(1, M + 1)
         sched = self.ev.pipeline_times(np.tile(F, (M, 1)), np.tile(B, (M, 1)), np.tile(A, (M, 1)),
-                                       np.tile(G, (M, 1)), ms)
+                                       np.tile(G, (M, 1)), ms, np.tile(Z, (M, 1)))
         flush = sched.makespan
         slope = float(flush[-1] - flush[-2]) if M >= 2 else float(sched.steady_period[0])
         return Template(self.part.name, self.part.gpu_type, mbs, stages, float(sched.steady_period[0]),

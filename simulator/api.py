@@ -215,11 +215,6 @@ class StageEvaluator:
         grad, grad_msg = self._transfer(b, a, nbytes)
         return act, grad, max(act_msg, grad_msg) <= self.options.staging_bytes
 
-    def transfer_times(self, costs: Sequence[StageCost], ends: Sequence[Endpoint]) -> tuple[list[float], list[float]]:
-        """Activation and gradient seconds of each boundary of one pipeline."""
-        x = self.exchanges(costs, ends)
-        return x.act, x.grad
-
     def pipeline(self, costs: Sequence[StageCost], ends: Sequence[Endpoint], micro_batches: int) -> ScheduleResult:
         """Finish time of every stage of one pipeline."""
         x = self.exchanges(costs, ends)
