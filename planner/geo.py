@@ -48,6 +48,7 @@ from sailor_hpc.core.placement import place_plan
 from sailor_hpc.core.plan import Pipeline, Plan, Stage, validate_plan
 from sailor_hpc.core.site import Site
 from simulator import SimOptions, StageEvaluator, simulate
+from simulator.cost import Transfer, egress, ring_transfers
 from simulator.memory import GRAD_BYTES
 from simulator.network import Endpoint
 
@@ -265,21 +266,29 @@ class Estimator:
         return flush + sync + max(c.update_s for c in costs)
 
     def cost(self, chain: Chain, where: Where, seconds: float, gbs: int) -> float:
-        """Cost of one iteration of ``seconds``: the GPUs held, plus the egress of replica 0's boundaries
-        times D, and of each stage's ring where its replicas span clusters (as :mod:`simulator.cost`)."""
+        """Cost of one iteration of ``seconds``: the GPUs held, plus the egress of every pipeline's
+        boundaries, each stage's gradient ring and the tied embeddings' all-reduce, priced by
+        :func:`simulator.cost.egress` as simulate() prices the plan."""
         site, ev = self.ev.site, self.ev
         per_hour = sum(n * chain.tp * site.partition(name).cost_per_gpu_hour for w in where for name, n in w)
-        m = math.ceil(gbs / (chain.mbs * chain.replicas))
-        price = 0.0
-        for s, (lo, hi) in enumerate(chain.split):
-            c = ev.stage(site.partition(where[s][0][0]).gpu_type, chain.tp, chain.mbs, lo, hi)
-            if s + 1 < len(chain.split):
-                price += (2 * c.out_bytes * m * chain.replicas / 1e9
-                          * site.egress_cost_per_gb(where[s][0][0], where[s + 1][0][0]))
-            names = [name for name, _ in where[s]]
-            ring_edge = 2 * (chain.replicas - 1) / chain.replicas * c.grad_bytes * chain.tp / 1e9
-            price += sum(ring_edge * site.egress_cost_per_gb(a, b) for a, b in zip(names, names[1:] + names[:1]))
-        return per_hour * seconds / 3600 + price
+        base, extra = divmod(gbs // chain.mbs, chain.replicas)  # micro-batches per pipeline, as chain_plan
+        parts = [replica_partitions(where, s) for s in range(len(chain.split))]
+        L = ev.model.num_pipeline_layers
+
+        def transfers() -> Iterator[Transfer]:
+            for s, (lo, hi) in enumerate(chain.split):
+                c = ev.stage(site.partition(parts[s][0]).gpu_type, chain.tp, chain.mbs, lo, hi)
+                if s + 1 < len(chain.split):  # every micro-batch's activation forward and its gradient back
+                    for j, (a, b) in enumerate(zip(parts[s], parts[s + 1])):
+                        total = c.out_bytes * (base + (j < extra))
+                        yield from ((a, b, total), (b, a, total))
+                yield from ring_transfers(parts[s], c.grad_bytes * chain.tp)
+            if ev.model.tied_embeddings and len(chain.split) > 1:  # each pipeline's first and last stage
+                tied = ev.memory_table(chain.tp).params(L - 1, L - 1) * GRAD_BYTES[ev.dtype] * chain.tp
+                for a, b in zip(parts[0], parts[-1]):
+                    yield from ring_transfers([a, b], tied)
+
+        return per_hour * seconds / 3600 + egress(site, transfers())[1]
 
 
 def chain_search(site: Site, archive: ProfileArchive, request: PlanRequest, groups: Sequence[Group], *,

@@ -10,6 +10,7 @@ from planner import PlanRequest, search
 from planner.geo import (
     Chain,
     ChainSettings,
+    Estimator,
     assign,
     chain_plan,
     chain_search,
@@ -20,10 +21,11 @@ from planner.geo import (
 )
 from planner.templates import uniform_split
 from sailor_hpc.core.errors import SailorError
+from sailor_hpc.core.models import get_model
 from sailor_hpc.core.placement import place_plan
 from sailor_hpc.core.plan import validate_plan
 from sailor_hpc.core.site import load_site
-from simulator import simulate
+from simulator import SimOptions, StageEvaluator, simulate
 from tests.data import SITE_CONFIGS
 from tests.simulator.conftest import TINY_L, tiny_archive, two_cluster_site
 
@@ -96,3 +98,29 @@ def test_fast_links_merge_clusters_like_sailors_regions() -> None:
     site = load_site(SITE_CONFIGS / "gcp-multizone.toml")
     assert [g.partitions for g in linked_groups(site)] == [
         ("a100-us-central1-a", "a100-us-central1-b", "a100-us-central1-c", "a100-us-central1-f"), ("a100-us-west1-b",)]
+
+
+def test_the_estimators_cost_is_the_simulators_for_every_assignment(world) -> None:
+    """chain_search prunes on Estimator.cost: GPU-hours plus the egress of activations and gradient rings,
+    priced as simulate() prices the placed plan (the same transfers, through simulator.cost.egress)."""
+    site, archive = world
+    request = PlanRequest("tiny-gpt", GBS, available=AVAILABLE)
+    groups = cluster_groups(site)
+    estimate = Estimator(StageEvaluator(archive, site, get_model("tiny-gpt"),
+                                        options=SimOptions(runtime=request.runtime)))
+    crossing = 0
+    for mbs, tp, P, D in itertools.product((1, 2), (1, 2), (1, 2, 3), (1, 2)):
+        for a in itertools.product(range(len(groups)), repeat=P):
+            chain = Chain(mbs, tp, tuple(uniform_split(TINY_L, P)), D, a)
+            where = assign(chain, groups, {p: AVAILABLE[p] // tp for p in AVAILABLE})
+            if where is None:
+                continue
+            try:
+                plan = place_plan(chain_plan(site, request, chain, where), site)
+            except SailorError:
+                continue
+            res = simulate(plan, site, archive, options=SimOptions(runtime=request.runtime))
+            crossing += res.egress_cost > 0
+            assert estimate.cost(chain, where, res.iteration_time_s, GBS) == pytest.approx(res.cost_per_iteration,
+                                                                                          rel=1e-9), chain
+    assert crossing > 0
