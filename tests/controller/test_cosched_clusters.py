@@ -8,8 +8,8 @@ planner's own choice is tested below), told by the run's journal:
 1. A blocker holds every GPU of lab2: lab2's job stays pending past the bound (``--grow-timeout``), the group
    is cancelled and the run re-planned on lab alone (one pipeline of 2 ranks).
 2. The blocker ends: lab2 has idle GPUs again; once the lab-only group saved a checkpoint, the min-gain policy
-   judges the plan across both (34 % more samples/s, simulated) worth it, the group checkpoints and stops,
-   and the run continues across both clusters (growth).
+   judges the plan across both (35 % more samples/s, simulated as megatron_patch) worth it, the group
+   checkpoints and stops, and the run continues across both clusters (growth).
 3. The co-scheduler is killed once that group runs; ``--resume`` (a new GeoRun on the run directory) adopts
    the running jobs.
 4. lab2's job is cancelled mid-run (a lost cluster): the group is cancelled, the run continues on lab from
@@ -179,9 +179,9 @@ def test_drops_the_pending_cluster_loses_one_grows_back_and_resumes(story):
     assert k[-1] == ("finished", 5, None) and story["exits"] == ["killed", 0]
     assert not any(r["kind"] == "group_submitted" and r["group"] == 3 for r in story["records"][
         next(i for i, r in enumerate(story["records"]) if r["kind"] == "group_adopted"):])  # adopted, not resubmitted
-    # the policy's verdict: the plan across both clusters simulates 34 % faster than the lab-only one
+    # the policy's verdict: the plan across both clusters simulates 35 % faster than the lab-only one (as megatron_patch)
     grows = [r for r in story["records"] if r["kind"] == "regrow_decision"]
-    assert all(r["resize"] and r["gain"] == pytest.approx(47.61 / 35.40 - 1, abs=0.01) for r in grows), grows
+    assert all(r["resize"] and r["gain"] == pytest.approx(48.00 / 35.47 - 1, abs=0.005) for r in grows), grows
     recovered = [r["trigger"] for r in story["records"] if r["kind"] == "group_recovered"]
     assert recovered == ["dropped", "rejoin", "lost", "rejoin"]
 

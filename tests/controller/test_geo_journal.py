@@ -96,7 +96,7 @@ def test_replanning_on_several_clusters_uses_the_chains_of_geo_search(tmp_path: 
 @pytest.mark.parametrize("restart_cost_s", [None, 0.0])
 def test_growing_back_must_pay_for_its_restart(tmp_path: Path, restart_cost_s: float | None):
     """The regrow gate is the controller's min-gain policy: 320 samples left, the plan across both clusters
-    34 % faster than the lab-only one; a free restart pays, the default 60 s one does not."""
+    35 % faster than the lab-only one; a free restart pays, the default 60 s one does not."""
     site_file = tmp_path / "two.toml"
     site_file.write_text(dump_toml(two_lab_doc(tmp_path / "lab", tmp_path / "lab2", gbps=100.0)))
     site = load_site(site_file)
