@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sailor_hpc.controller import slurm_ops
 from sailor_hpc.controller.events import Observation, all_running
@@ -52,17 +52,14 @@ class GrowBeside:
     clock: Callable[[], float]
     _succ_tails: dict[str, LogTail]
 
-    def note(self, kind: str, **data: Any) -> Record:
-        raise NotImplementedError  # Recorder.note (sailor_hpc.controller.recorder)
+    if TYPE_CHECKING:  # declared for the type checker only, so no stub can shadow the Controller's methods
+        def note(self, kind: str, **data: Any) -> Record: ...  # Recorder.note
 
-    def _plan(self, path: str | Path) -> Plan:
-        raise NotImplementedError  # Controller._plan
+        def _plan(self, path: str | Path) -> Plan: ...  # Controller._plan
 
-    def _stop(self, cur: Attempt, reason: str) -> None:
-        raise NotImplementedError  # Controller._stop
+        def _stop(self, cur: Attempt, reason: str) -> None: ...  # Controller._stop
 
-    def _saved_on_signal(self, tail: LogTail | None) -> bool:
-        raise NotImplementedError  # Controller._saved_on_signal
+        def _saved_on_signal(self, tail: LogTail | None) -> bool: ...  # Controller._saved_on_signal
 
     def _grow(self, cur: Attempt, obs: Observation, trigger_t: float, remaining: int, restart_s: float) -> bool:
         """Submit the bigger job on idle GPUs alone, beside the running one, if such a plan is worth it too;

@@ -75,7 +75,7 @@ JOB_LOST_AFTER_S = 120.0  # a job neither squeue nor sacct knows for this long i
 DRAIN_REASON = "node draining"
 
 
-class Controller(Recorder, GrowBeside):  # Recorder.note before GrowBeside's stub
+class Controller(Recorder, GrowBeside):
     """Drives one run (a run directory) until it is finished or gives up."""
 
     def __init__(self, rundir: RunDir, env: Mapping[str, str] | None = None, *,
