@@ -60,11 +60,6 @@ def link_fit(site: Site, a: Endpoint, b: Endpoint, senders: int) -> NetworkFit:
     return site.inter_node_fit(a.partition, b.partition, senders)
 
 
-def p2p_seconds(site: Site, a: Endpoint, b: Endpoint, nbytes: float) -> float:
-    """One message from a to b on its own (a single stream)."""
-    return link_fit(site, a, b, 1).transfer_time(nbytes)
-
-
 def p2p_transfer(site: Site, a: Endpoint, b: Endpoint, nbytes: float, *, partitioned: bool) -> tuple[float, float]:
     """An activation of ``nbytes`` (or its gradient) from stage a to stage b: (seconds, bytes per rank's message).
 

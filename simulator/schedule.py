@@ -264,8 +264,3 @@ def _skip_steady(x: np.ndarray, prev2: np.ndarray | None, t: int, P: int, m_cur:
         return m_cur, offset
     skip = np.where(jump, room, 0)
     return m_cur - skip, offset + skip * diff.max(axis=0)
-
-
-def pipeline_time(F, B, act, grad, m: int, asynchronous=None, serial: bool = True) -> float:
-    """Makespan of one pipeline (convenience for scalars and tests)."""
-    return float(pipeline_schedule(F, B, act, grad, m, asynchronous, serial).makespan[0])

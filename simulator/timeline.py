@@ -99,11 +99,6 @@ def deepspeed_steps(num_stages: int, stage: int, micro_batches: int) -> list[lis
     return steps
 
 
-def deepspeed_instructions(num_stages: int, stage: int, micro_batches: int) -> list[tuple[str, int]]:
-    """:func:`deepspeed_steps` as one list."""
-    return [op for step in deepspeed_steps(num_stages, stage, micro_batches) for op in step]
-
-
 _BOUNDARY_SIDE = {"send_act": 0, "recv_grad": 0, "recv_act": -1, "send_grad": -1}  # boundary = stage + this
 
 

@@ -6,8 +6,18 @@ import random
 import numpy as np
 import pytest
 
-from simulator.schedule import pipeline_schedule, pipeline_time, stage_cycles, steady_period
-from simulator.timeline import build_programs, deepspeed_instructions, run_programs
+from simulator.schedule import pipeline_schedule, stage_cycles, steady_period
+from simulator.timeline import build_programs, deepspeed_steps, run_programs
+
+
+def pipeline_time(F, B, act, grad, m: int, asynchronous=None, serial: bool = True) -> float:
+    """Makespan of one pipeline."""
+    return float(pipeline_schedule(F, B, act, grad, m, asynchronous, serial).makespan[0])
+
+
+def deepspeed_instructions(num_stages: int, stage: int, micro_batches: int) -> list[tuple[str, int]]:
+    """DeepSpeed's TrainSchedule of one stage as one list."""
+    return [op for step in deepspeed_steps(num_stages, stage, micro_batches) for op in step]
 
 
 def events_flush(F, B, act, grad, m):
