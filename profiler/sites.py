@@ -42,5 +42,6 @@ def measured_site(site: Site, archive: ProfileArchive, *, cpu: bool) -> Site:
     links = dict(site.between)
     for pair, fits in between.items():
         links[pair] = _overlay(links.get(pair), fits)  # type: ignore[assignment]
-    return replace(site, name=key if cpu else site.name, gpu_types=gpu_types, partitions=parts, between=links)
+    return replace(site, name=key if cpu else site.name, gpu_types=gpu_types, partitions=parts,
+                   links=replace(site.links, partitions=links))
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 import tomllib
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -89,14 +89,18 @@ class Site:
     partitions: tuple[Partition, ...]
     gpu_types: dict[str, GpuType]
     cost_unit: str = "GPU-hours"
-    between: dict[frozenset[str], LinkTable] = field(default_factory=dict)  # partition pairs
     slurm: SlurmDefaults = SlurmDefaults()
     prelude: tuple[str, ...] = ()
     archive: str = ""  # path of the shared profile archive ("" = embedded default)
     source: str | None = None  # file it was read from
     clusters: tuple[Cluster, ...] = ()  # empty: one cluster, the default Slurm
-    # between islands and clusters, with egress prices (partition pairs stay in `between`, as before)
+    # measured links between partitions, islands and clusters, with egress prices
     links: Links = field(default_factory=Links)
+
+    @property
+    def between(self) -> dict[frozenset[str], LinkTable]:
+        """The measured links between partition pairs."""
+        return self.links.partitions
 
     def cluster_of(self, partition: str) -> str:
         """The cluster a partition belongs to ("" on a one-cluster site)."""
@@ -188,7 +192,7 @@ class Site:
         if self.clusters:
             doc["clusters"] = [c.to_dict() for c in self.clusters]
         doc["partitions"] = parts
-        between = replace(self.links, partitions=self.between).to_list()
+        between = self.links.to_list()
         if between:
             doc["network"] = {"between": between}
         return doc
@@ -349,9 +353,9 @@ def load_site_dict(data: dict[str, Any], source: object | None = None) -> Site:
     net.done()
     cost_unit = f.opt("cost_unit", str, "GPU-hours")
     f.done()
-    return Site(name=name, partitions=parts, gpu_types=gpu_types, cost_unit=cost_unit, between=links.partitions,
+    return Site(name=name, partitions=parts, gpu_types=gpu_types, cost_unit=cost_unit,
                 slurm=defaults, prelude=tuple(prelude), archive=archive, source=None if source is None else str(source),
-                clusters=clusters, links=replace(links, partitions={}))
+                clusters=clusters, links=links)
 
 
 def _island_clusters(f: Fields, parts: tuple[Partition, ...]) -> dict[str, str]:

@@ -38,7 +38,8 @@ def test_same_node_uses_intra_node_link(tiny_site):
 
 def test_between_partitions_takes_the_slower_network(mit, tiny_site):
     # no measured cross-partition link: the slower partition's fit (RTX-3090 nodes: 1-Gbit class)
-    fit = link_fit(dataclasses.replace(mit, between={}), Endpoint("rtx3090", 0, 2), Endpoint("titan", 0, 2), 1)
+    unmeasured = dataclasses.replace(mit, links=dataclasses.replace(mit.links, partitions={}))
+    fit = link_fit(unmeasured, Endpoint("rtx3090", 0, 2), Endpoint("titan", 0, 2), 1)
     assert fit.peak_bytes_per_s == pytest.approx(0.1157e9)
     assert p2p_seconds(tiny_site, Endpoint("p1", 0, 1), Endpoint("p2", 0, 1), 1e9) == pytest.approx(1e9 / 5e9)
 
