@@ -129,6 +129,7 @@ def test_cancelled_profiling_jobs_are_reported_failed_and_resume_completes(slurm
         t0 = time.monotonic()
         out, err = sweep.communicate(timeout=90)
         reported_after = time.monotonic() - t0
+        print(f"\ncancelled sweep reported {reported_after:.1f} s after scancel")
     finally:
         if sweep.poll() is None:
             sweep.kill()
