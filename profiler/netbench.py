@@ -104,8 +104,7 @@ def run(spec: NetSpec) -> dict[str, object]:
     p2p = [p2p_gbps(pairs, s, spec.iters, spec.warmup, device) for s in spec.sizes]
     ar = [allreduce_busbw(s, spec.iters, spec.warmup, device) for s in spec.sizes]
     return {"sizes": list(spec.sizes), "p2p_gbps": p2p, "allreduce_busbw_gbps": ar, "pairs": pairs, "hosts": hosts,
-            "device": device.type, "backend": dist.get_backend(), "world": dist.get_world_size(),
-            "versions": versions()}  # the measuring process's (the job's driver never imports torch)
+            "device": device.type, "backend": dist.get_backend(), "world": dist.get_world_size()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,8 +119,8 @@ def main(argv: list[str] | None = None) -> int:
                             timeout=datetime.timedelta(minutes=10))
     try:
         result = run(spec)
-        if rank == 0:
-            atomic_write_text(args.out, json.dumps(result) + "\n")
+        if rank == 0:  # its versions: the job's driver, which writes the entry, never imports torch
+            atomic_write_text(args.out, json.dumps({**result, "versions": versions()}) + "\n")
     finally:
         dist.destroy_process_group()
     return 0

@@ -78,6 +78,7 @@ def test_cpu_sweep_fills_the_archive_and_the_simulator_reads_it(slurm_cluster, p
     for e in links.values():
         hosts = e.provenance["hosts"]
         assert len(set(hosts)) == 1 and parts[hosts[0]] == e.a
+        assert e.provenance["gpu"] == "cpu" and e.provenance["torch"] and e.provenance["megatron_core"]  # rank 0's
         sizes, gbps = e.provenance["sizes"], e.provenance["p2p_gbps"]
         assert e.fit.max_gbps == pytest.approx(max(gbps)) and (e.fit.min_bytes, e.fit.max_bytes) == (min(sizes), max(sizes))
         assert np.allclose(e.fit.coeffs, np.polyfit(np.log2(np.asarray(sizes) / 1e6), gbps, 2))
