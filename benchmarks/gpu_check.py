@@ -57,6 +57,14 @@ class Device:
     peak_tflops: float | None
 
 
+def say_torch() -> None:
+    """The torch build and device this check runs on, first thing (in this process: another interpreter
+    only to print it cost seconds of torch import)."""
+    import torch
+    print("torch", torch.__version__, "cuda", torch.version.cuda,
+          torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU", flush=True)
+
+
 def detect(smoke: bool, dtype: str, peak: float | None) -> Device:
     import torch
     if smoke:
@@ -170,6 +178,7 @@ def main() -> int:
     ap.add_argument("--peak-tflops", type=float, default=None, help="the GPU's dense peak when it is not known")
     ap.add_argument("--workdir", type=Path, default=None)
     args = ap.parse_args()
+    say_torch()
     smoke = args.smoke
     spec = get_model(args.model or ("tiny-gpt" if smoke else "GPT-1.3B"))
     dtype = args.dtype or ("fp32" if smoke else "bf16")
@@ -178,9 +187,9 @@ def main() -> int:
     dev = detect(smoke, dtype, args.peak_tflops)
     work = args.workdir or Path(tempfile.mkdtemp(prefix="gpu-check-"))
     work.mkdir(parents=True, exist_ok=True)
-    from megatron_patch import local
+    from megatron_patch.data import build_dataset, shipped_texts
     data = str(work / "data")
-    local.build_dataset(data)
+    build_dataset(data, shipped_texts())  # here, not in a child process: torch and megatron are loaded already
 
     prof = profile(spec, dev, work / "profiles.h5", mbs, dtype)
     site, archive = site_of(dev), read_archive(work / "profiles.h5")

@@ -17,6 +17,4 @@ if compgen -G ".whl/*.whl" > /dev/null; then
     export PYTHONPATH="/tmp/gpu-check-site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-"$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda,
-      torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')"
 exec "$PY" benchmarks/gpu_check.py "$@"

@@ -25,6 +25,8 @@ from typing import Any
 import numpy as np
 
 from profiler.fit import fit_bandwidth
+from profiler.netspec import NetSpec
+from profiler.versions import versions
 from sailor_hpc.core.archive import (
     ComputeEntry,
     MemoryEntry,
@@ -95,28 +97,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
         return int(s.getsockname()[1])
-
-
-def versions() -> dict[str, Any]:
-    """Device name, driver, CUDA and torch versions for provenance."""
-    import torch
-    out: dict[str, Any] = {"torch": torch.__version__, "cuda": torch.version.cuda}
-    try:
-        import megatron.core
-        out["megatron_core"] = megatron.core.__version__
-    except (ImportError, AttributeError):
-        pass
-    if torch.cuda.is_available():
-        out["gpu"] = torch.cuda.get_device_name()
-        try:
-            smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                 capture_output=True, text=True, timeout=20)
-            out["driver"] = smi.stdout.split("\n")[0].strip() or None
-        except (OSError, subprocess.TimeoutExpired):
-            pass
-    else:
-        out["gpu"] = "cpu"
-    return out
 
 
 def _slurm_where() -> dict[str, Any]:
@@ -206,8 +186,6 @@ def _srun_command(task: NetworkTask, spec_file: Path, out_file: Path) -> list[st
 
 def network_job(task: NetworkTask) -> dict[str, Any]:
     """Run the bandwidth benchmark on the allocation's ranks, fit it, write the network entry."""
-    from profiler.netbench import NetSpec
-
     folder = Path(task.folder)
     job = os.environ.get("SLURM_JOB_ID", str(os.getpid()))
     spec_file, out_file = folder / f"net-{job}.spec.json", folder / f"net-{job}.result.json"
@@ -229,7 +207,7 @@ def network_job(task: NetworkTask) -> dict[str, Any]:
     prov = make_provenance(f"sailor-hpc profile ({task.sweep})", device=result["device"], backend=result["backend"],
                            hosts=result["hosts"], pairs=result["pairs"], sizes=result["sizes"],
                            p2p_gbps=result["p2p_gbps"], allreduce_busbw_gbps=result["allreduce_busbw_gbps"],
-                           allreduce_fit=list(ar_fit.coeffs or ()), **_slurm_where(), **versions())
+                           allreduce_fit=list(ar_fit.coeffs or ()), **_slurm_where(), **result["versions"])
     entry = NetworkEntry(task.site_key, "intra" if task.kind == "intra" else "inter", task.a, task.b, task.senders,
                          fit, prov)
     write_entries(task.archive, [entry])

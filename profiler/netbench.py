@@ -12,7 +12,7 @@ Ranks come from ``SLURM_PROCID`` / ``SLURM_NTASKS``, the rendezvous from ``MASTE
   the slowest rank's, from a barrier to its last completed transfer; the median over iterations.
 * all-reduce over all ranks, as bus bandwidth (``2(n-1)/n * bytes / time``, nccl-tests' convention).
 
-Rank 0 writes the result JSON (sizes, both series, the host of every rank).
+Rank 0 writes the result JSON (sizes, both series, the host of every rank, its software versions).
 """
 from __future__ import annotations
 
@@ -23,31 +23,13 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
 
+from profiler.netspec import NetSpec
+from profiler.versions import versions
 from sailor_hpc.core.atomic import atomic_write_text
-
-
-@dataclass(frozen=True)
-class NetSpec:
-    kind: str  # "intra" or "inter"
-    senders: int
-    sizes: tuple[int, ...]  # message bytes
-    iters: int = 5
-    warmup: int = 2
-    device: str = "auto"  # "auto", "cpu" or "cuda"
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> NetSpec:
-        d = json.loads(text)
-        d["sizes"] = tuple(d["sizes"])
-        return cls(**d)
 
 
 def stream_pairs(kind: str, senders: int, world: int) -> list[tuple[int, int]]:
@@ -137,8 +119,8 @@ def main(argv: list[str] | None = None) -> int:
                             timeout=datetime.timedelta(minutes=10))
     try:
         result = run(spec)
-        if rank == 0:
-            atomic_write_text(args.out, json.dumps(result) + "\n")
+        if rank == 0:  # its versions: the job's driver, which writes the entry, never imports torch
+            atomic_write_text(args.out, json.dumps({**result, "versions": versions()}) + "\n")
     finally:
         dist.destroy_process_group()
     return 0

@@ -344,7 +344,10 @@ def job_result(folder: Path, job_id: str, status: JobStatus, wait_s: float = 10.
     """(result, "") from task 0's result file, or (None, reason) when the job ended without one."""
     job: submitit.SlurmJob[Any] = submitit.SlurmJob(folder=folder, job_id=job_id, tasks=[0])
     pickle = job.paths.result_pickle
-    deadline = time.monotonic() + (wait_s if status.ok else 1.0)
+    # a job that never got a node (cancelled while pending) has no result to wait for: a cancelled sweep
+    # of many queued jobs would otherwise report a second per job late
+    grace = wait_s if status.ok else 1.0 if status.nodes else 0.0
+    deadline = time.monotonic() + grace
     while not pickle.exists() and time.monotonic() < deadline:  # shared filesystems can lag
         time.sleep(0.2)
     if pickle.exists():

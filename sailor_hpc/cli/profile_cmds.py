@@ -60,6 +60,8 @@ def _names(text: str | None) -> tuple[str, ...]:
 @click.option("--timeout", "timeout_s", type=float, default=None, help="Give up (cancel open jobs) after this many s.")
 @click.option("--lost-after", type=float, default=120.0, show_default=True,
               help="Seconds a job may be unknown to squeue and sacct before it counts as lost.")
+@click.option("--poll", "poll_s", type=click.FloatRange(min=0.05), default=1.0, show_default=True,
+              help="Seconds between looks at Slurm while the jobs run.")
 @click.option("--resume", is_flag=True, help="Complete a partial sweep: skip what the archive has, re-attach to jobs.")
 @click.option("--write-site", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write the site with the measured network fits (and cpu- GPU types with --cpu).")
@@ -67,8 +69,8 @@ def _names(text: str | None) -> tuple[str, ...]:
 def profile_cmd(site_file: Path, model: str, partitions: str | None, mbs: str, tp: str, archive: Path | None,
                 cpu: bool, network: str, no_compute: bool, net_senders: str, net_sizes: str | None, dtype: str,
                 blocks: int | None, iters: int, warmup: int, points_per_job: int, time_min: int, begin: str | None,
-                folder: Path | None, python: str, timeout_s: float | None, lost_after: float, resume: bool,
-                write_site: Path | None, as_json: bool) -> None:
+                folder: Path | None, python: str, timeout_s: float | None, lost_after: float, poll_s: float,
+                resume: bool, write_site: Path | None, as_json: bool) -> None:
     """Profile MODEL on the site's partitions with Slurm jobs and merge the results into the archive.
 
     Exit code 0 when every point and link was measured, 1 when some failed (each is reported and
@@ -92,7 +94,8 @@ def profile_cmd(site_file: Path, model: str, partitions: str | None, mbs: str, t
                       senders=_ints(net_senders, "--net-senders"), sizes=sizes, dtype=dtype, blocks=blocks,
                       warmup=warmup, iters=iters, time_min=time_min, begin=begin,
                       folder=folder or Path("sailor-profile") / f"{site.name}-{name}", python=python,
-                      points_per_job=points_per_job, timeout_s=timeout_s, lost_after_s=lost_after, resume=resume)
+                      points_per_job=points_per_job, timeout_s=timeout_s, lost_after_s=lost_after, poll_s=poll_s,
+                      resume=resume)
     report = run_sweep(cfg)
     if write_site is not None:
         measured = measured_site(site, read_archive(report.archive), cpu=cpu)

@@ -30,6 +30,7 @@ from pathlib import Path
 from sailor_hpc.core.errors import SailorError
 
 _GUARD_DEPTH = 2  # levels of takeover mutexes (see _guard)
+_FILE_POLL_S = 0.05  # between tries at a held lock file: each try is a few metadata calls on the file server
 
 
 @contextlib.contextmanager
@@ -203,7 +204,7 @@ def _acquire(path: Path, timeout_s: float, stale_s: float, depth: int) -> str:
         if time.monotonic() > deadline:
             raise SailorError(f"timed out after {timeout_s:.0f} s waiting for the lock", file=path,
                               fix="if no writer is running, remove the stale lock file")
-        time.sleep(0.05)
+        time.sleep(_FILE_POLL_S)
 
 
 @contextlib.contextmanager

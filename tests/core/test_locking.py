@@ -84,6 +84,9 @@ def _contender(target: str, me: int, rounds: int, barrier: mp.synchronize.Barrie
     import sailor_hpc.core.locking as locking
 
     locking._lockf_with_timeout = _fallback_only
+    # waiters retry every 5 ms, not 50: the rounds (each six holders in turn) go faster, and the stale
+    # lock each round starts with is still found by all six at once
+    locking._FILE_POLL_S = 0.005
     _slow_metadata()
     base = Path(target)
     counter, inside, overlaps = (Path(f"{target}.{n}") for n in ("counter", "inside", f"overlaps{me}"))

@@ -60,12 +60,14 @@ def runtime_env(tmp_path_factory: pytest.TempPathFactory) -> Env:
     pytest.importorskip("megatron.core")
     root = tmp_path_factory.mktemp("runtime")
     data = str(root / "data" / "shipped")
-    res = python("-m", "megatron_patch.data", data)
-    assert res.returncode == 0, res.stderr[-3000:]
     ref = root / "ref"
     snapshots = ",".join(map(str, range(1, REF_STEPS + 1)))
-    res = python("-m", "megatron_patch.reference", "--model", MODEL, "--data", data, "--global-batch",
-                 str(GLOBAL_BATCH), "--steps", str(REF_STEPS), "--snapshots", snapshots, "--out", str(ref), *ADAM)
+    # `python -m megatron_patch.data DATA` then `python -m megatron_patch.reference ...`, in one interpreter:
+    # a second one cost ~4 s of torch and megatron-core imports
+    both = "import sys; from megatron_patch import data, reference; sys.exit(data.main(sys.argv[1:2]) or " \
+           "reference.main(sys.argv[2:]))"
+    res = python("-c", both, data, "--model", MODEL, "--data", data, "--global-batch", str(GLOBAL_BATCH),
+                 "--steps", str(REF_STEPS), "--snapshots", snapshots, "--out", str(ref), *ADAM)
     assert res.returncode == 0, res.stderr[-3000:]
     env = Env(root, data, {}, ref)
     for name, plan in PLANS.items():

@@ -20,7 +20,8 @@ pytestmark = pytest.mark.slurm
 
 REPO = Path(__file__).resolve().parents[2]
 LOCAL_LAB = REPO / "site_configs" / "local-lab.toml"
-QUICK = ["--iters", "3", "--warmup", "1", "--net-sizes", "16,18,20,22", "--time", "10", "--lost-after", "60"]
+QUICK = ["--iters", "3", "--warmup", "1", "--net-sizes", "16,18,20,22", "--time", "10", "--lost-after", "60",
+         "--poll", "0.2"]  # a job's end is seen 0.2 s after, not up to a second
 
 
 @pytest.fixture()
@@ -77,6 +78,7 @@ def test_cpu_sweep_fills_the_archive_and_the_simulator_reads_it(slurm_cluster, p
     for e in links.values():
         hosts = e.provenance["hosts"]
         assert len(set(hosts)) == 1 and parts[hosts[0]] == e.a
+        assert e.provenance["gpu"] == "cpu" and e.provenance["torch"] and e.provenance["megatron_core"]  # rank 0's
         sizes, gbps = e.provenance["sizes"], e.provenance["p2p_gbps"]
         assert e.fit.max_gbps == pytest.approx(max(gbps)) and (e.fit.min_bytes, e.fit.max_bytes) == (min(sizes), max(sizes))
         assert np.allclose(e.fit.coeffs, np.polyfit(np.log2(np.asarray(sizes) / 1e6), gbps, 2))
@@ -129,6 +131,7 @@ def test_cancelled_profiling_jobs_are_reported_failed_and_resume_completes(slurm
         t0 = time.monotonic()
         out, err = sweep.communicate(timeout=90)
         reported_after = time.monotonic() - t0
+        print(f"\ncancelled sweep reported {reported_after:.1f} s after scancel")
     finally:
         if sweep.poll() is None:
             sweep.kill()

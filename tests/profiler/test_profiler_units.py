@@ -360,7 +360,7 @@ def test_a_failure_on_one_tp_rank_fails_that_point_on_every_rank_and_the_job_goe
 
     archive = tmp_path / "cpu.h5"
     task = ComputeTask(model="tiny-gpt", partition="a100", gpu_key="cpu-A100-40", tp=2, mbs=(1, 2, 4),
-                       archive=str(archive), cpu=True, sweep="test", warmup=1, iters=2, collective_timeout_s=10)
+                       archive=str(archive), cpu=True, sweep="test", warmup=1, iters=2, collective_timeout_s=5)
     ctx = mp.get_context("spawn")
     job_id = _free_job_id()
     ranks = [ctx.Process(target=_compute_rank, args=(r, job_id, task, {FAIL_ENV: "1:2"})) for r in (0, 1)]
