@@ -35,9 +35,10 @@ def test_checkpoint_killed_mid_write_is_never_loaded(runtime_env: Env, ref_file:
     assert latest_complete(root) == step_dir(root, 2)
     assert max_diff(step_dir(root, 2), ref_file(2))["param"] <= 1e-6
 
-    # a requeued job under plan C resumes from step 2 (not the torn step 4) and trains on exactly;
-    # rank 0 then dies after writing every file and the manifest of step 4, before the rename
-    logs = launch(runtime_env, "C", 4, root, "--auto-resume", program=KILLER, expect=None,
+    # a requeued job under another plan (two ranks, micro-batches 3x2 vs 1x2) resumes from step 2 (not the
+    # torn step 4) and trains on exactly; rank 0 then dies after writing every file and the manifest of
+    # step 4, before the rename
+    logs = launch(runtime_env, "2", 4, root, "--auto-resume", program=KILLER, expect=None,
                   extra_env={"FAULT": "before_commit", "FAULT_STEP": "4"}, grace=1)
     assert events(logs[0], "loaded")[0]["step"] == 2
     steps = events(logs[0], "step")
