@@ -22,6 +22,7 @@ warnings.filterwarnings("ignore")
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from megatron_patch.hf_llama import hf_config  # noqa: E402
+from megatron_patch.launch import exit_now  # noqa: E402
 from megatron_patch.local import free_port  # noqa: E402
 from sailor_hpc.core.models import get_model  # noqa: E402
 
@@ -120,4 +121,5 @@ if __name__ == "__main__":
     if sys.argv[1] == "make":
         make(Path(sys.argv[2]))
     else:
-        print(json.dumps(compare(Path(sys.argv[2]), sys.argv[3], sys.argv[4:])))
+        print(json.dumps(compare(Path(sys.argv[2]), sys.argv[3], sys.argv[4:])), flush=True)
+        exit_now(0)  # as launch does: gloo threads freed at interpreter exit abort a finished rank (SIGABRT)
