@@ -17,9 +17,14 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from megatron.core import tensor_parallel
-from megatron.core.transformer.dot_product_attention import DotProductAttention
-from megatron.core.transformer.enums import AttnMaskType
+
+from megatron_patch.mcore_import import import_megatron
+
+import_megatron()  # before megatron's first module (why: mcore_import)
+
+from megatron.core import tensor_parallel  # noqa: E402
+from megatron.core.transformer.dot_product_attention import DotProductAttention  # noqa: E402
+from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
 
 
 class SdpaAttention(DotProductAttention):

@@ -42,6 +42,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from megatron_patch.mcore_import import import_megatron
 from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.sailor_compat import SAILOR_DATA
 from sailor_hpc.core.training import SPLITS, DataBlend, split_bounds
@@ -58,6 +59,7 @@ def encode(text: str) -> np.ndarray:
 def build_dataset(prefix: str | Path, texts: Iterable[str]) -> Path:
     """Write ``prefix.bin`` / ``prefix.idx`` with megatron-core's IndexedDatasetBuilder (one document per
     text). Written under temporary names and renamed at the end: a bad document leaves nothing behind."""
+    import_megatron()
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder, get_bin_path, get_idx_path
     prefix = Path(prefix)
     prefix.parent.mkdir(parents=True, exist_ok=True)
@@ -139,6 +141,7 @@ class GlobalSamples:
 
     def __init__(self, prefix: str | Path, seq_len: int, seed: int = 1234, docs: tuple[int, int] | None = None,
                  name: str = "") -> None:
+        import_megatron()
         from megatron.core.datasets.indexed_dataset import IndexedDataset, get_bin_path, get_idx_path
         prefix = str(prefix)
         for path in (get_bin_path(prefix), get_idx_path(prefix)):
@@ -201,6 +204,7 @@ def check_vocab(prefix: str | Path, vocab_size: int, model: str = "the model") -
     its position; returns the largest id. At TP 1 such an id is a device-side assert on a GPU, at TP > 1
     a silently zero embedding row and a wrong loss, so the runtime checks before training: one pass of
     ``max`` over the memory-mapped tokens, a chunk at a time (memory bounded, any corpus size)."""
+    import_megatron()
     from megatron.core.datasets.indexed_dataset import IndexedDataset, get_bin_path
     ds = IndexedDataset(str(prefix))
     path = get_bin_path(str(prefix))

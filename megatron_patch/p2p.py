@@ -20,7 +20,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+from megatron_patch.mcore_import import import_megatron
+
+import_megatron()  # before megatron's first module (why: mcore_import)
+
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator  # noqa: E402
 
 
 class StageGroup:

@@ -136,9 +136,7 @@ class ReferenceTrainer:
         return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Train the reference and save ``{name: {param, exp_avg, exp_avg_sq}}`` at the requested steps."""
-
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m megatron_patch.reference", description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True)
     ap.add_argument("--data", required=True, nargs="+", help="PREFIX, or a blend W1 PREFIX1 W2 PREFIX2 ...")
@@ -153,11 +151,25 @@ def main(argv: list[str] | None = None) -> int:
     add_flags(ap, DATA_FLAGS)
     args = ap.parse_args(argv)
     check_train_args(args)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Train the reference and save ``{name: {param, exp_avg, exp_avg_sq}}`` at the requested steps."""
+    args = parse_args(argv)
     warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|TransformerEngine).*")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:
         os.environ["MASTER_PORT"] = str(free_port())
     dist.init_process_group("gloo", rank=0, world_size=1)
+    train(args)
+    dist.destroy_process_group()
+    return 0
+
+
+def train(args: argparse.Namespace) -> None:
+    """:func:`main` in a process whose torch.distributed already holds one rank (a test's worker that
+    also runs other single-process models): trains and writes ``--out``."""
     spec = get_model(args.model)
     opts = TrainOptions(adam=adam_from_args(args), seed=args.seed,
                         schedule=schedule_from_args(args, args.global_batch, args.steps))
@@ -177,8 +189,6 @@ def main(argv: list[str] | None = None) -> int:
             evals[ref.step] = ref.evaluate(data["valid"], args.eval_iters)
     (out / "losses.json").write_text(json.dumps(losses))
     (out / "eval_losses.json").write_text(json.dumps(evals))
-    dist.destroy_process_group()
-    return 0
 
 
 if __name__ == "__main__":

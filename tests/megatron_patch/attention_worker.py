@@ -17,6 +17,7 @@ warnings.filterwarnings("ignore")
 
 from megatron_patch import patch  # noqa: E402
 from megatron_patch.groups import singleton_collection  # noqa: E402
+from megatron_patch.launch import exit_now  # noqa: E402
 from megatron_patch.model import transformer_config  # noqa: E402
 from megatron_patch.reference import gpt_model  # noqa: E402
 from sailor_hpc.core.models import get_model  # noqa: E402
@@ -99,3 +100,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now(0)  # as launch does: gloo threads freed at interpreter exit abort a finished rank (SIGABRT)

@@ -1,8 +1,10 @@
 """Shared pieces of the runtime tests: the dataset, the three heterogeneous plans, the reference run.
 
-Everything heavy runs in subprocesses (``megatron_patch.local`` starts gloo ranks with torchrun's
-variables), so the pytest process never initialises torch.distributed or megatron's globals.
-All runs use Adam with eps = 1e-5 (see test_exactness.py for why) and OMP_NUM_THREADS=1.
+Training runs in subprocesses (``megatron_patch.local`` starts gloo ranks with torchrun's variables),
+so the pytest process never initialises torch.distributed or megatron's globals; building a dataset
+needs neither and runs in process. One reference run (``REF_STEPS`` steps, snapshots up to
+``REF_SNAPSHOTS``) serves every test that compares with the single-process trajectory from the
+initialisation. All runs use Adam with eps = 1e-5 (see test_exactness.py for why) and OMP_NUM_THREADS=1.
 """
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ from sailor_hpc.core.plan_io import load_plan
 MODEL = "tiny-gpt"  # 4 blocks: pipeline layers 0 (embedding), 1..4, 5 (final norm + head + loss)
 GLOBAL_BATCH = 8
 ADAM = ["--adam-eps", "1e-5", "--lr", "1e-3", "--clip-grad", "1.0", "--weight-decay", "0.01"]
-REF_STEPS = 20
+REF_STEPS = 50  # losses of every step (test_precision compares 50-step curves)
+REF_SNAPSHOTS = 20  # full states (ref_step_N.pt) of steps 1..20
 
 
 def _stage(first: int, last: int, tp: int) -> Stage:
@@ -38,7 +41,9 @@ PLAN_B = Plan(MODEL, GLOBAL_BATCH, (Pipeline(2, 2, (_stage(0, 3, 2), _stage(4, 5
 # C: three stages (embedding alone) vs one, micro-batches 1x2 vs 3x2
 PLAN_C = Plan(MODEL, GLOBAL_BATCH, (Pipeline(2, 1, (_stage(0, 0, 1), _stage(1, 3, 1), _stage(4, 5, 1))),
                                     Pipeline(2, 3, (_stage(0, 5, 1),))))
-PLANS = {"A": PLAN_A, "B": PLAN_B, "C": PLAN_C}
+# two ranks: two one-stage pipelines, micro-batches 3x2 vs 1x2 (the smallest world that still has a non-zero rank)
+PLAN_2 = Plan(MODEL, GLOBAL_BATCH, (Pipeline(2, 3, (_stage(0, 5, 1),)), Pipeline(1, 2, (_stage(0, 5, 1),))))
+PLANS = {"A": PLAN_A, "B": PLAN_B, "C": PLAN_C, "2": PLAN_2}
 
 
 @dataclass
@@ -46,7 +51,7 @@ class Env:
     root: Path
     data: str
     plans: dict[str, Path]
-    ref: Path  # ref_step_N.pt for N in 1..REF_STEPS, losses.json
+    ref: Path  # ref_step_N.pt for N in 1..REF_SNAPSHOTS, losses.json (REF_STEPS losses)
 
 
 def python(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -54,20 +59,31 @@ def python(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=timeout)
 
 
+def build_data(prefix: Path, *files: str) -> str:
+    """``python -m megatron_patch.data PREFIX [FILES...]`` run in process (no torch.distributed, no
+    megatron globals): the shipped Sailor data by default. Returns the prefix."""
+    from megatron_patch import data
+    assert data.main([str(prefix), *files]) == 0
+    return str(prefix)
+
+
 @pytest.fixture(scope="session")
-def runtime_env(tmp_path_factory: pytest.TempPathFactory) -> Env:
+def shipped_data(tmp_path_factory: pytest.TempPathFactory) -> str:
+    pytest.importorskip("megatron.core")
+    return build_data(tmp_path_factory.mktemp("data") / "shipped")
+
+
+@pytest.fixture(scope="session")
+def runtime_env(tmp_path_factory: pytest.TempPathFactory, shipped_data: str) -> Env:
     pytest.importorskip("torch")
     pytest.importorskip("megatron.core")
     root = tmp_path_factory.mktemp("runtime")
-    data = str(root / "data" / "shipped")
+    data = shipped_data
     ref = root / "ref"
-    snapshots = ",".join(map(str, range(1, REF_STEPS + 1)))
-    # `python -m megatron_patch.data DATA` then `python -m megatron_patch.reference ...`, in one interpreter:
-    # a second one cost ~4 s of torch and megatron-core imports
-    both = "import sys; from megatron_patch import data, reference; sys.exit(data.main(sys.argv[1:2]) or " \
-           "reference.main(sys.argv[2:]))"
-    res = python("-c", both, data, "--model", MODEL, "--data", data, "--global-batch", str(GLOBAL_BATCH),
-                 "--steps", str(REF_STEPS), "--snapshots", snapshots, "--out", str(ref), *ADAM)
+    snapshots = ",".join(map(str, range(1, REF_SNAPSHOTS + 1)))
+    res = python("-m", "megatron_patch.reference", "--model", MODEL, "--data", data, "--global-batch",
+                 str(GLOBAL_BATCH), "--steps", str(REF_STEPS), "--snapshots", snapshots, "--out", str(ref), *ADAM,
+                 timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     env = Env(root, data, {}, ref)
     for name, plan in PLANS.items():

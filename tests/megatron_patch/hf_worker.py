@@ -2,7 +2,9 @@
 
 ``make OUT``: a random tiny-llama ``LlamaForCausalLM`` (fp32, weights far from the usual 0.02 init so
 that attention is not uniform and a mis-mapped head shows) saved with ``save_pretrained``.
-``compare ROOT DATA``: one JSON line of measurements over what the test left under ROOT (see the test).
+``compare ROOT DATA ADAM...``: first the single-process reference (``megatron_patch.reference``, in this
+process: it needs the same one-rank torch.distributed) trains 2 steps from ROOT/imported into ROOT/ref;
+then one JSON line of measurements over what the test left under ROOT (see the test).
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ warnings.filterwarnings("ignore")
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from megatron_patch.hf_llama import hf_config  # noqa: E402
+from megatron_patch.launch import exit_now  # noqa: E402
 from megatron_patch.local import free_port  # noqa: E402
 from sailor_hpc.core.models import get_model  # noqa: E402
 
@@ -64,16 +67,19 @@ def hf_logits(folder: Path, tokens: torch.Tensor) -> tuple[torch.Tensor, LlamaFo
         return model(tokens).logits, model
 
 
-def compare(root: Path, data: str) -> dict[str, float]:
+def compare(root: Path, data: str, adam: list[str]) -> dict[str, float]:
     from megatron.core import parallel_state
 
-    from megatron_patch import patch
+    from megatron_patch import patch, reference
     from megatron_patch.checkpoint_io import CheckpointReader
     from megatron_patch.data import GlobalSamples
     from megatron_patch.hf_llama import export_hf, import_hf
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1, 1)
+    reference.train(reference.parse_args([
+        "--model", SPEC.name, "--data", data, "--global-batch", str(GLOBAL_BATCH), "--steps", "2",
+        "--out", str(root / "ref"), "--load", str(root / "imported"), *adam]))
     patch.apply(cpu=True)
     patch.seed_model_parallel_rng(SEED, 0)
     batch = GlobalSamples(data, SPEC.seq_len, SEED).batch(0, GLOBAL_BATCH)  # the runtime's first global batch
@@ -115,4 +121,5 @@ if __name__ == "__main__":
     if sys.argv[1] == "make":
         make(Path(sys.argv[2]))
     else:
-        print(json.dumps(compare(Path(sys.argv[2]), sys.argv[3])))
+        print(json.dumps(compare(Path(sys.argv[2]), sys.argv[3], sys.argv[4:])), flush=True)
+        exit_now(0)  # as launch does: gloo threads freed at interpreter exit abort a finished rank (SIGABRT)

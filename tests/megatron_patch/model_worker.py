@@ -19,6 +19,7 @@ warnings.filterwarnings("ignore")
 from megatron_patch import patch  # noqa: E402
 from megatron_patch.groups import create_groups, group, singleton_collection  # noqa: E402
 from megatron_patch.init_weights import canonical_init  # noqa: E402
+from megatron_patch.launch import exit_now  # noqa: E402
 from megatron_patch.layout import arch_of, param_layout, shard_of  # noqa: E402
 from megatron_patch.model import build_stage_module  # noqa: E402
 from megatron_patch.reference import gpt_model  # noqa: E402
@@ -94,3 +95,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now(0)  # as launch does: gloo threads freed at interpreter exit abort a finished rank (SIGABRT)

@@ -1,58 +1,52 @@
-"""Rank program for test_grad_buckets.py: when do the gradient buckets launch, against the backward?
+"""``python -m megatron_patch.launch`` that also reports when the gradient buckets launched (test_grad_buckets).
 
-Trains ``--steps`` steps of a plan with a Trainer (as ``launch`` does) and times megatron's own
-``backward_step`` (the real one, wrapped for its end time). Each rank prints one JSON line for the
-last step: every bucket's launch time and whether the backward's hook launched it, and the end of
-the last micro-batch's backward.
+The run is the runtime's own (same arguments, checkpoint and logs); megatron's real ``backward_step`` is
+wrapped for its end time. After training, each rank prints one more JSON line, ``"event": "overlap"``,
+for the last step: every bucket's launch time and whether the backward's hook launched it, and the end
+of the last micro-batch's backward.
 """
 from __future__ import annotations
 
-import argparse
 import json
+import sys
 import time
 import warnings
-
-import torch.distributed as dist
+from typing import Any
 
 warnings.filterwarnings("ignore")
 
-from megatron.core.pipeline_parallel import schedules  # noqa: E402
-
-from megatron_patch.data import GlobalSamples  # noqa: E402
+from megatron_patch import launch  # noqa: E402
 from megatron_patch.engine import Trainer  # noqa: E402
-from megatron_patch.options import TrainOptions  # noqa: E402
-from sailor_hpc.core.plan_io import load_plan  # noqa: E402
 
 _ENDS: list[float] = []
-_backward_step = schedules.backward_step
+_LAST: list[dict[str, Any]] = []
+_train_step = Trainer.train_step
 
 
-def _timed_backward_step(*args: object, **kwargs: object) -> object:
-    out = _backward_step(*args, **kwargs)
-    _ENDS.append(time.perf_counter())
-    return out
+def _recorded_train_step(self: Trainer, *args: Any, **kwargs: Any) -> Any:
+    _ENDS.clear()
+    res = _train_step(self, *args, **kwargs)
+    _LAST[:] = [{"event": "overlap", "rank": self.role.rank, "backward_end": _ENDS[-1],
+                 "launches": [[list(x.ranks), x.index, x.at, x.by_hook] for x in self.sync.last_launches]}]
+    return res
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--plan", required=True)
-    ap.add_argument("--data", required=True)
-    ap.add_argument("--steps", type=int, default=2)
-    ap.add_argument("--grad-bucket-mb", type=float, required=True)
-    args = ap.parse_args()
-    schedules.backward_step = _timed_backward_step
-    dist.init_process_group("gloo")
-    plan = load_plan(args.plan)
-    trainer = Trainer(plan, GlobalSamples(args.data, plan.sequence_length, 1234),
-                      TrainOptions(grad_bucket_mb=args.grad_bucket_mb))
-    for _ in range(args.steps):
-        _ENDS.clear()
-        trainer.train_step()
-    print(json.dumps({"rank": dist.get_rank(), "backward_end": _ENDS[-1],
-                      "launches": [[list(x.ranks), x.index, x.at, x.by_hook] for x in trainer.sync.last_launches]}),
-          flush=True)
-    dist.destroy_process_group()
+def main() -> int:
+    from megatron.core.pipeline_parallel import schedules  # after the runtime's modules: via mcore_import
+    backward_step = schedules.backward_step
+
+    def timed_backward_step(*args: Any, **kwargs: Any) -> Any:
+        out = backward_step(*args, **kwargs)
+        _ENDS.append(time.perf_counter())
+        return out
+
+    schedules.backward_step = timed_backward_step
+    Trainer.train_step = _recorded_train_step  # type: ignore[method-assign]
+    code = launch.main(sys.argv[1:])
+    for record in _LAST:
+        print(json.dumps(record), flush=True)
+    return code
 
 
 if __name__ == "__main__":
-    main()
+    launch.exit_now(main())

@@ -1,9 +1,12 @@
 """Hugging Face interop: tiny Llama weights round-trip through the runtime's checkpoints, exactly.
 
-One pipeline, each step in its own process as a user would run it: a random ``LlamaForCausalLM``
-(transformers) -> ``sailor-hpc checkpoint import`` -> the runtime trains 2 steps from it under a
-TP 2 + 2-stage plan (gloo ranks) and the single-process reference trains the same 2 steps ->
-``sailor-hpc checkpoint export`` of the import and of the trained checkpoint -> transformers again.
+One pipeline as a user would run it: a random ``LlamaForCausalLM`` (transformers) -> ``sailor-hpc
+checkpoint import`` -> the runtime trains 2 steps from it under a TP 2 + 2-stage plan (gloo ranks) and
+the single-process reference trains the same 2 steps -> ``sailor-hpc checkpoint export`` of the import
+and of the trained checkpoint -> transformers again. Training runs in its own ranks; the reference runs
+in the process that compares (hf_worker.py, a one-rank torch.distributed); the two CLI commands run in
+this one through click's runner (no torch.distributed, no megatron globals: the same command, without
+one more torch start-up each).
 The independent references are transformers' own forward and megatron-core's ``GPTModel``.
 """
 from __future__ import annotations
@@ -40,25 +43,25 @@ def _ok(res: subprocess.CompletedProcess) -> None:
     assert res.returncode == 0, (res.stdout[-2000:], res.stderr[-4000:])
 
 
+def _cli_ok(*args: str) -> None:
+    res = _cli(*args)
+    assert res.exit_code == 0, (res.output[-3000:], res.exception)
+
+
 @pytest.fixture(scope="module")
-def roundtrip(tmp_path_factory: pytest.TempPathFactory) -> RoundTrip:
+def roundtrip(tmp_path_factory: pytest.TempPathFactory, shipped_data: str) -> RoundTrip:
     root = tmp_path_factory.mktemp("hf")
-    data = str(root / "data" / "shipped")
-    _ok(python("-m", "megatron_patch.data", data))
+    data = shipped_data
     _ok(python("tests/megatron_patch/hf_worker.py", "make", str(root / "hf")))
-    _ok(python("-m", "sailor_hpc.cli", "checkpoint", "import", str(root / "hf"), "--model", MODEL,
-               "--save", str(root / "imported")))
+    _cli_ok("checkpoint", "import", str(root / "hf"), "--model", MODEL, "--save", str(root / "imported"))
     PLAN.save(root / "plan.json")
     ranks = local.run(["-m", "megatron_patch.launch", "--plan", str(root / "plan.json"), "--model", MODEL,
                        "--data", data, "--load", str(root / "imported"), "--save", str(root / "trained"),
                        "--steps", "2", *ADAM], PLAN.num_gpus, timeout=300)
     for r in ranks:
         assert r.returncode == 0, (r.rank, r.stderr[-4000:])
-    _ok(python("-m", "megatron_patch.reference", "--model", MODEL, "--data", data, "--global-batch", "4",
-               "--steps", "2", "--out", str(root / "ref"), "--load", str(root / "imported"), *ADAM))
-    _ok(python("-m", "sailor_hpc.cli", "checkpoint", "export", str(root / "imported"), "--to", "hf",
-               str(root / "roundtrip")))
-    res = python("tests/megatron_patch/hf_worker.py", "compare", str(root), data)
+    _cli_ok("checkpoint", "export", str(root / "imported"), "--to", "hf", str(root / "roundtrip"))
+    res = python("tests/megatron_patch/hf_worker.py", "compare", str(root), data, *ADAM)  # + the reference
     _ok(res)
     loaded = events(ranks[0], "loaded")
     assert loaded and loaded[0]["step"] == 0 and loaded[0]["consumed_samples"] == 0

@@ -23,7 +23,18 @@ import pytest
 
 from sailor_hpc.core.checkpoint import step_dir
 from sailor_hpc.core.plan import Pipeline, Plan, Stage
-from tests.megatron_patch.conftest import ADAM, GLOBAL_BATCH, MODEL, Env, add_plan, events, launch, max_diff, python
+from tests.megatron_patch.conftest import (
+    ADAM,
+    GLOBAL_BATCH,
+    MODEL,
+    Env,
+    add_plan,
+    build_data,
+    events,
+    launch,
+    max_diff,
+    python,
+)
 
 TOL = 1e-6
 CLIP = 0.05
@@ -49,9 +60,7 @@ def blend(runtime_env: Env) -> list[str]:
     root.mkdir()
     lines = [json.dumps({"text": " ".join(f"w{(i * 7 + j) % 53}={i * j}" for j in range(60))}) for i in range(120)]
     (root / "b.jsonl").write_text("\n".join(lines) + "\n")
-    res = python("-m", "megatron_patch.data", str(root / "B"), str(root / "b.jsonl"))
-    assert res.returncode == 0, res.stderr[-3000:]
-    return ["--data", "0.7", runtime_env.data, "0.3", str(root / "B")]
+    return ["--data", "0.7", runtime_env.data, "0.3", build_data(root / "B", str(root / "b.jsonl"))]
 
 
 @pytest.fixture(scope="module")
@@ -116,14 +125,15 @@ def test_resuming_under_another_schedule_is_refused(run: dict, runtime_env: Env,
 
 
 def test_out_of_vocabulary_token_stops_every_rank(runtime_env: Env, tmp_path: Path) -> None:
-    """One id past tiny-gpt's 256 in a copy of the data: all four ranks exit 2 before training."""
+    """One id past tiny-gpt's 256 in a copy of the data: both ranks exit 2 before training (rank 0 reads
+    the data, rank 1 learns the verdict from it)."""
     bad = tmp_path / "bad"
     for suffix in (".bin", ".idx"):
         shutil.copy(runtime_env.data + suffix, str(bad) + suffix)
     tokens = np.memmap(f"{bad}.bin", dtype=np.uint16, mode="r+")
     tokens[123_457] = 256
     tokens.flush()
-    logs = launch(runtime_env, "A", 1, tmp_path / "ckpt", "--data", str(bad), expect=2)
+    logs = launch(runtime_env, "2", 1, tmp_path / "ckpt", "--data", str(bad), expect=2)
     assert f"{bad}.bin: --data: token id 256 at token 123457" in logs[0].stderr
     assert "vocabulary of 256 ids" in logs[0].stderr
     assert not any(events(r, "step") for r in logs) and not (tmp_path / "ckpt").exists()
