@@ -19,7 +19,7 @@ from sailor_hpc.jobs.render import cluster_submit_env, plan_clusters, render_job
 from sailor_hpc.slurm.submit import log_path, submit_script
 from sailor_hpc.slurm.watch import JobWatcher
 from tests.jobs.conftest import cross_plan, two_lab_site
-from tests.megatron_patch.conftest import ADAM, max_diff, ref_file, runtime_env  # noqa: F401 - fixtures
+from tests.megatron_patch.conftest import ADAM, max_diff, ref_file, runtime_env, shipped_data  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.slurm
 
