@@ -15,7 +15,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import socket
 import subprocess
 import time
 from dataclasses import dataclass
@@ -93,10 +92,11 @@ def node_address(node: str | None) -> str:
     return node
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
+def job_port() -> int:
+    """This job's rendezvous port, base + job id % span: concurrent jobs on a node get different ones. A port
+    probed free and released can be bound by another job's step before ours binds it (EADDRINUSE, seen
+    with several network jobs on one machine)."""
+    return PORT_BASE + int(os.environ.get("SLURM_JOB_ID", "0")) % PORT_SPAN
 
 
 def _slurm_where() -> dict[str, Any]:
@@ -133,8 +133,7 @@ def compute_job(task: ComputeTask) -> dict[str, Any] | None:
     torch.set_num_threads(max(1, threads))
     # one node: every TP rank is here. The store is ours (not init_process_group's own) because the ranks
     # also agree through it on every step's outcome (profiler.compute.TPAgreement)
-    port = PORT_BASE + int(os.environ.get("SLURM_JOB_ID", "0")) % PORT_SPAN
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=datetime.timedelta(minutes=20))
+    store = dist.TCPStore("127.0.0.1", job_port(), world, is_master=rank == 0, timeout=datetime.timedelta(minutes=20))
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world, store=store,
                             timeout=datetime.timedelta(minutes=20))
     t0 = time.perf_counter()
@@ -193,7 +192,7 @@ def network_job(task: NetworkTask) -> dict[str, Any]:
                                  sizes=task.sizes, iters=task.iters, warmup=task.warmup,
                                  device="cpu" if task.cpu else "cuda").to_json())
     env = dict(os.environ)
-    env.update(MASTER_ADDR=node_address(os.environ.get("SLURMD_NODENAME")), MASTER_PORT=str(free_port()))
+    env.update(MASTER_ADDR=node_address(os.environ.get("SLURMD_NODENAME")), MASTER_PORT=str(job_port()))
     for var in ("SLURM_NTASKS", "SLURM_NPROCS", "SLURM_NTASKS_PER_NODE", "SLURM_NNODES", "SLURM_STEP_NUM_TASKS"):
         env.pop(var, None)  # the driver's own one-task step must not shape the benchmark step
     cmd = _srun_command(task, spec_file, out_file)
