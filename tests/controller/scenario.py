@@ -212,16 +212,6 @@ def step_events(log: Path) -> list[dict[str, Any]]:
     return out
 
 
-def wait_in_log(log: Path, text: str, timeout: float = 120.0) -> None:
-    """Wait until a job's log holds ``text`` (read directly: the controller may be down or lagging)."""
-    deadline = time.monotonic() + timeout
-    while not (log.exists() and text in log.read_text(errors="replace")):
-        if time.monotonic() > deadline:
-            tail = log.read_text(errors="replace")[-3000:] if log.exists() else "(no log yet)"
-            raise AssertionError(f"no {text} in {log} after {timeout} s; its end:\n{tail}")
-        time.sleep(0.1)
-
-
 def finish(sc: Scenario, reference: subprocess.Popen) -> subprocess.CompletedProcess:
     """Wait for the controller to finish the run (exit 0) and for the reference run; the run's status."""
     rc = sc.wait_exit(timeout=300)

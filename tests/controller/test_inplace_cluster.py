@@ -60,13 +60,13 @@ def story(slurm_cluster, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
         ranks.pause(inplace_plan)
         sc.wait_for("the old job asked to hand over", kind("signal_sent", reason="resize"))
         ranks.resume(inplace_plan, once_pending=signal.SIGUSR1)
-        story_kit.wait_in_log(Path(grow["log"]), '"event": "step"')
+        ranks.wait_in_log(Path(grow["log"]), '"event": "step"')
         ranks.pause(grow["plan_file"])
         # the handover journaled whole (the grown job is the run's attempt) before the controller dies
         sc.wait_for("the grown job's first step journaled", kind("first_step", attempt=2))
         times["killed"] = sc.kill_controller()  # the job re-plans in place by itself, without a controller
         times["down"] = sc.set_node("a100-2", "down")
-        story_kit.wait_in_log(Path(grow["log"]), '"event": "in_place"')
+        ranks.wait_in_log(Path(grow["log"]), '"event": "in_place"')
         sc.start_controller(resume=True)
         status = story_kit.finish(sc, reference)
         records = sc.records()

@@ -44,7 +44,6 @@ from tests.controller.scenario import (
     records_of,
     start_reference,
     step_events,
-    wait_in_log,
 )
 from tests.slurm import ranks
 
@@ -85,7 +84,7 @@ def story(slurm_cluster, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
         ranks.pause(sc.plan_file(2))  # the old job stays where it was until asked to hand over
         sc.wait_for("the old job asked to hand over", kind("signal_sent", reason="resize"))
         ranks.resume(sc.plan_file(2), once_pending=signal.SIGUSR1)
-        wait_in_log(Path(grow["log"]), '"event": "step"')  # the journal may lag seconds behind the job
+        ranks.wait_in_log(Path(grow["log"]), '"event": "step"')  # the journal may lag seconds behind the job
         ranks.pause(sc.plan_file(3))
         times["drain"] = sc.set_node("a100-1", "drain")
         sc.wait_for("the checkpoint request", kind("signal_sent", attempt=3, reason="node draining"))

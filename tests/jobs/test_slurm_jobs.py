@@ -168,9 +168,7 @@ def test_training_job_checkpoints_on_the_limit_signal_requeues_and_resumes(slurm
     job = _cli(slurm_cluster, job_env, "submit", str(plan), "--site", str(LOCAL_LAB), "--data", str(data),
                "--save", str(job_dir / "ckpt"), "--steps", str(steps), "--time", "00:10:00").stdout.strip()
     log = Path(_cli(slurm_cluster, job_env, "logs", job, "--path").stdout.strip())
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline and not (log.exists() and '"event": "step"' in log.read_text()):
-        time.sleep(0.2)
+    ranks.wait_in_log(log, '"event": "step"', timeout=90)
     ranks.pause(plan)  # the signal takes seconds to arrive: the run must not end before it does
     slurm_cluster.run(["scancel", "--signal=USR1", job], check=True)
     ranks.resume(plan, once_pending=signal.SIGUSR1)

@@ -1,4 +1,4 @@
-"""Pause and resume the training ranks of a Slurm step from a test (every fake node runs on this machine).
+"""Watch, pause and resume the training ranks of a Slurm step from a test (every fake node runs on this machine).
 
 A tiny model trains ~12 steps/s on CPU while Slurm and the controller take seconds to act on a change, so
 a test that changes the allocation under a running job pauses the job's ranks (SIGSTOP) while the change
@@ -53,3 +53,13 @@ def _pending(pid: int) -> int:
     """The signals waiting on a process (its own and its threads' shared set), as a bit mask."""
     status = Path(f"/proc/{pid}/status").read_text().splitlines()
     return sum(int(line.split()[1], 16) for line in status if line.startswith(("SigPnd:", "ShdPnd:")))
+
+
+def wait_in_log(log: Path, text: str, timeout: float = 120.0) -> None:
+    """Wait until a job's log holds ``text`` (read directly: the controller may be down or lagging)."""
+    deadline = time.monotonic() + timeout
+    while not (log.exists() and text in log.read_text(errors="replace")):
+        if time.monotonic() > deadline:
+            tail = log.read_text(errors="replace")[-3000:] if log.exists() else "(no log yet)"
+            raise AssertionError(f"no {text} in {log} after {timeout} s; its end:\n{tail}")
+        time.sleep(0.1)
