@@ -15,7 +15,8 @@ slows all sides alike; medians throughout.
 Then multi-stage heterogeneous plans (on by default): three gloo ranks run two-stage pipelines whose
 stages have different TP degrees (TP 2 -> TP 1 and TP 1 -> TP 2, micro-batch 4, 8 micro-batches). TP 1
 and TP 2 are profiled first, each by a world of its own as a profiling job would, the archive built from
-those profiles predicts each plan as ``megatron_patch`` runs it, and the plans run; the step time is the
+those profiles predicts each plan as ``megatron_patch`` runs it over gloo (``backend="gloo"``: gloo stages
+nothing, so every stage-to-stage transfer blocks both ranks), and the plans run; the step time is the
 slowest rank's. The site's link is the gloo bandwidth between ranks 0 and 1 at the boundary's message
 size, measured by the profiler's p2p measurement in the same world right after the plans ran. Each rank is
 one thread: on a host with fewer free cores than ranks the stages cannot all compute at once, which no
@@ -98,7 +99,7 @@ def rank_main() -> None:
     rows = []
     for b in SIZES:
         predicted = {label: simulate(plans[b], site, archive,
-                                     options=SimOptions.megatron_patch(chain_timing=chain)).iteration_time_s
+                                     options=SimOptions.megatron_patch(chain_timing=chain, backend="gloo")).iteration_time_s
                      for label, chain in (("layers", False), ("chain", True))}
         rows.append({"mbs": b, "measured_s": statistics.median(measured[b]), **{f"{k}_s": v for k, v in predicted.items()},
                      "layer_sum_s": float(times[b][:, :2].sum()), "stack_s": sum(stacks[b]),
@@ -204,7 +205,7 @@ def pipelines(env: dict[str, str]) -> list[dict]:
         measured = _launch({**env, "BENCH_PART": "pipelines"}, ranks)
         site = load_site_dict(measured_site(measured["gbps"]), source="<this machine, gloo link measured>")
         for name, plan in pipeline_plans(ranks).items():
-            res = simulate(plan, site, archive, options=SimOptions.megatron_patch())
+            res = simulate(plan, site, archive, options=SimOptions.megatron_patch(backend="gloo"))
             # what the step would take if the stages could not compute at once (fewer free cores than ranks)
             serial = MICRO * sum(s.fwd_s + s.bwd_s for s in res.stages) + max(s.update_s for s in res.stages)
             rows.append({"plan": name, "ranks": ranks, "gbps": measured["gbps"], "measured_s": measured["steps"][name],

@@ -22,7 +22,7 @@ from simulator.cost import Transfer, egress, pipeline_transfers, plan_cost_per_h
 from simulator.iteration import Collective, IterationEnd, expected_max_normal, finish_iteration, gradient_segments
 from simulator.memory import ALLOCATOR_SLACK, DEFAULT_BUCKET_ELEMS, GRAD_BYTES, StageMemory, in_flight, stage_memory
 from simulator.network import Endpoint, p2p_transfer, ring_allreduce_seconds
-from simulator.runtimes import NCCL_BUFFSIZE, Runtime, get_runtime
+from simulator.runtimes import Runtime, get_runtime, staging_bytes
 from simulator.schedule import ScheduleResult, pipeline_schedule
 from simulator.tables import ComputeTable, MemoryTable, ProfileTables, tables_for
 from simulator.timeline import Timeline, build_programs, run_programs
@@ -50,10 +50,15 @@ class SimOptions:
     overlap_grad_sync: bool | None = None  # None: the runtime's
     overlap_bucket_bytes: float = 40 * 2**20  # the runtime's --grad-bucket-mb default
     extra_reduce_buffer: bool | None = None  # DeepSpeed flattens each bucket into a buffer of its own
-    staging_bytes: float = NCCL_BUFFSIZE  # a stage-to-stage message up to this size is sent asynchronously
+    # "nccl" on GPUs, "gloo" where the runtime runs without CUDA (simulator.runtimes)
+    backend: str = "nccl"
+    staging_bytes: float | None = None  # a stage-to-stage message up to this size is sent asynchronously; None: the backend's
 
     def __post_init__(self) -> None:
         rt = get_runtime(self.runtime)
+        backend_staging = staging_bytes(self.backend)  # also rejects an unknown backend
+        if self.staging_bytes is None:
+            object.__setattr__(self, "staging_bytes", backend_staging)
         if self.overlap_grad_sync is None:
             object.__setattr__(self, "overlap_grad_sync", rt.overlap_grad_sync)
         if self.extra_reduce_buffer is None:
@@ -213,7 +218,9 @@ class StageEvaluator:
         asynchronous (every rank's message both ways fits the staging buffer)."""
         act, act_msg = self._transfer(a, b, nbytes)
         grad, grad_msg = self._transfer(b, a, nbytes)
-        return act, grad, max(act_msg, grad_msg) <= self.options.staging_bytes
+        limit = self.options.staging_bytes
+        assert limit is not None  # set from the backend when the options are made
+        return act, grad, max(act_msg, grad_msg) <= limit
 
     def pipeline(self, costs: Sequence[StageCost], ends: Sequence[Endpoint], micro_batches: int) -> ScheduleResult:
         """Finish time of every stage of one pipeline."""

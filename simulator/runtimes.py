@@ -19,11 +19,15 @@ A plan is simulated as the runtime that will run it runs it; both share every ot
       the buckets being the fp32 main grads themselves.
     * Once a stage's output is sent, it is freed (``deallocate_pipeline_outputs``).
 
-Both run on NCCL, which copies a send that fits its staging buffer (``NCCL_BUFFSIZE``, 4 MiB by
-default) and lets the sender's GPU go on: such a message moves while both GPUs compute and only a late
+On GPUs both run on NCCL, which copies a send that fits its staging buffer (``NCCL_BUFFSIZE``, 4 MiB
+by default) and lets the sender's GPU go on: such a message moves while both GPUs compute and only a late
 receiver waits (an *asynchronous* transfer, :func:`simulator.schedule._exchange`). A larger one needs the
 receiver to drain the buffer as it fills, so both GPUs wait until it has moved (*blocking*). A boundary is
 asynchronous when each rank's message in both directions fits.
+
+Without CUDA the runtime communicates over gloo, which stages nothing: a send completes only once the
+receiver has posted the matching receive, at any size (``tests/megatron_patch/test_p2p_backend.py``: a
+64 B send waits as long as a 16 MiB one for a receiver that posts late). Every gloo transfer is blocking.
 """
 from __future__ import annotations
 
@@ -32,6 +36,8 @@ from dataclasses import dataclass
 from sailor_hpc.core.errors import SailorError
 
 NCCL_BUFFSIZE = 4 * 2**20  # NCCL's default staging buffer per channel and peer (bytes)
+# what a sender may hand off and go on, by communication backend (bytes per message)
+STAGING_BYTES: dict[str, float] = {"nccl": NCCL_BUFFSIZE, "gloo": 0.0}
 
 
 @dataclass(frozen=True)
@@ -59,4 +65,12 @@ def get_runtime(name: str) -> Runtime:
                           fix=f"use one of {', '.join(RUNTIMES)}") from None
 
 
-__all__ = ["NCCL_BUFFSIZE", "RUNTIMES", "Runtime", "get_runtime"]
+def staging_bytes(backend: str) -> float:
+    try:
+        return STAGING_BYTES[backend]
+    except KeyError:
+        raise SailorError(f"unknown communication backend {backend!r}", field="backend",
+                          fix=f"use one of {', '.join(STAGING_BYTES)}") from None
+
+
+__all__ = ["NCCL_BUFFSIZE", "RUNTIMES", "Runtime", "STAGING_BYTES", "get_runtime", "staging_bytes"]

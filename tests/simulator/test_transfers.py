@@ -141,6 +141,23 @@ def test_messages_streams_and_the_staging_buffer(tiny_site, tiny):
     assert SimOptions().staging_bytes == NCCL_BUFFSIZE == 4 * 2**20
 
 
+def test_gloo_stages_nothing(tiny_site, tiny):
+    """Without CUDA the runtime talks gloo, whose sends wait for their receiver at any size
+    (tests/megatron_patch/test_p2p_backend.py): even tiny-gpt's 8192 B boundary is blocking, and the
+    blocking exchange makes the step longer than NCCL's buffered one. An unknown backend is refused."""
+    plan = Plan("tiny-gpt", 8, (Pipeline(1, 8, (Stage(0, 2, 1, "G1"), Stage(3, 5, 1, "G1"))),))
+    gloo = SimOptions.megatron_patch(backend="gloo")
+    assert gloo.staging_bytes == 0
+    x, _ = _boundary(StageEvaluator(tiny, tiny_site, "tiny-gpt", options=gloo), 1, 1)
+    assert x.asynchronous == [False]
+    x, _ = _boundary(StageEvaluator(tiny, tiny_site, "tiny-gpt", options=SimOptions.megatron_patch()), 1, 1)
+    assert x.asynchronous == [True]
+    blocking = simulate(plan, tiny_site, tiny, options=gloo).iteration_time_s
+    assert blocking > simulate(plan, tiny_site, tiny, options=SimOptions.megatron_patch()).iteration_time_s
+    with pytest.raises(SailorError, match="backend"):
+        SimOptions(backend="mpi")
+
+
 def test_batch_scoring_uses_the_same_transfers(tiny_site, tiny):
     """score_batch (the planner's path) and simulate agree on a 2-stage TP-2 -> TP-1 plan in both runtimes,
     buffered (8192 B messages fit 10 kB) or not."""
