@@ -12,16 +12,20 @@ per-layer times alone (the simulator's default), and with the chain timing the p
 Everything runs in one process and alternates (profile, run, profile, run ...) so that a busy host
 slows all sides alike; medians throughout.
 
-Then multi-stage heterogeneous plans (on by default): three gloo ranks run two-stage pipelines whose
-stages have different TP degrees (TP 2 -> TP 1 and TP 1 -> TP 2, micro-batch 4, 8 micro-batches). TP 1
-and TP 2 are profiled first, each by a world of its own as a profiling job would, the archive built from
-those profiles predicts each plan as ``megatron_patch`` runs it over gloo (``backend="gloo"``: gloo stages
-nothing, so every stage-to-stage transfer blocks both ranks), and the plans run; the step time is the
-slowest rank's. The site's link is the gloo bandwidth between ranks 0 and 1 at the boundary's message
-size, measured by the profiler's p2p measurement in the same world right after the plans ran. Each rank is
-one thread: on a host with fewer free cores than ranks the stages cannot all compute at once, which no
-per-GPU model predicts, so a two-rank TP 1 -> TP 1 plan (ranks that fit two cores) runs too, by a world of
-its own: it separates the model's error from the host's.
+Then multi-stage heterogeneous plans (on by default), in two shapes of tiny-gpt (:data:`SHAPES`): as in
+the catalog, whose sub-millisecond layers leave the runtime's per-micro-batch work (schedule, p2p calls,
+loss) a large share of a step, as launch-bound GPU layers do; and "wide", its blocks widened until a layer
+takes milliseconds on one core, as the layers of real models take on a GPU. Tiny: three gloo ranks run
+two-stage pipelines whose stages have different TP degrees (TP 2 -> TP 1 and TP 1 -> TP 2), and two ranks
+a TP 1 -> TP 1 one. Wide, two ranks: an even and an uneven split, and two data-parallel one-stage
+pipelines with different micro-batching (4 x 4 and 2 x 8, one gradient all-reduce). Each TP degree is
+profiled first by a world of its own as a profiling job would, the archive built from those profiles
+predicts each plan as ``megatron_patch`` runs it over gloo (``backend="gloo"``: gloo stages nothing, so
+every stage-to-stage transfer blocks both ranks), and the plans run; the step time is the slowest rank's.
+The site's link is the gloo bandwidth between ranks 0 and 1 at the boundary's message size, measured by
+the profiler's p2p measurement in the same world right after the plans ran. Each rank is one thread: on a
+host with fewer free cores than ranks the stages cannot all compute at once, which no per-GPU model
+predicts; the two-rank plans fit this machine's two cores and separate the model's error from the host's.
 
     .venv/bin/python benchmarks/simulator_vs_runtime.py [--rounds 5] [--no-pipelines]
 """
@@ -47,10 +51,39 @@ SITE = {"name": "this-machine", "cost_unit": "GPU-hours", "gpu_types": {"CPU": {
                         "network": {"intra_node": {"1": {"constant_gbps": 10.0}},
                                     "inter_node": {"1": {"constant_gbps": 1.0}}}}]}
 PIPE_MBS = 4
-# ranks -> plans run by a world of that many ranks: (first, last, tp) per stage. The two-rank plan fits this
-# machine's two cores; the three-rank ones cannot all compute at once here, whatever else runs.
-PIPE_PLANS = {3: {"TP2 -> TP1": ((0, 2, 2), (3, 5, 1)), "TP1 -> TP2": ((0, 2, 1), (3, 5, 2))},
-              2: {"TP1 -> TP1": ((0, 2, 1), (3, 5, 1))}}
+# Shapes of the multi-stage runs: tiny-gpt itself (sub-millisecond layers, launch-bound: per-micro-batch
+# runtime overhead is a large share) and its 4 blocks widened until a layer takes milliseconds on one core
+# (compute-bound, as GPU layers of real models are). Only the archive knows the widths; the plans and the
+# simulator see tiny-gpt's 6 pipeline layers either way.
+SHAPES = {"tiny": {}, "wide": {"hidden_size": 256, "ffn_hidden_size": 1024, "seq_len": 64}}
+# (shape, ranks) -> plans run by a world of that many ranks: pipelines of (mbs, micro-batches, stages
+# (first, last, tp)). The two-rank plans fit this machine's two cores; the three-rank ones cannot all
+# compute at once here, whatever else runs.
+PIPE_PLANS = {("tiny", 3): {"TP2 -> TP1": ((4, 8, ((0, 2, 2), (3, 5, 1))),),
+                            "TP1 -> TP2": ((4, 8, ((0, 2, 1), (3, 5, 2))),)},
+              ("tiny", 2): {"TP1 -> TP1": ((4, 8, ((0, 2, 1), (3, 5, 1))),)},
+              ("wide", 2): {"3 | 3 layers": ((4, 8, ((0, 2, 1), (3, 5, 1))),),
+                            "2 | 4 layers": ((4, 8, ((0, 1, 1), (2, 5, 1))),),
+                            "DP 4x4 + 2x8": ((4, 4, ((0, 5, 1),)), (2, 8, ((0, 5, 1),)))}}
+
+
+def shape_spec(shape: str):
+    """tiny-gpt in one of :data:`SHAPES`."""
+    import dataclasses
+
+    from sailor_hpc.core.models import get_model
+
+    return dataclasses.replace(get_model(MODEL), **SHAPES[shape])
+
+
+def profiled_tps(shape: str) -> list[int]:
+    return sorted({tp for (sh, _), plans in PIPE_PLANS.items() if sh == shape for pipes in plans.values()
+                   for _, _, stages in pipes for _, _, tp in stages})
+
+
+def profiled_sizes(shape: str) -> list[int]:
+    return sorted({mbs for (sh, _), plans in PIPE_PLANS.items() if sh == shape for pipes in plans.values()
+                   for mbs, _, _ in pipes})
 
 
 def rank_main() -> None:
@@ -109,29 +142,32 @@ def rank_main() -> None:
 
 
 def profile_rank_main() -> None:
-    """One TP group (the whole world) profiles tiny-gpt at :data:`PIPE_MBS`, as a profiling job would."""
+    """One TP group (the whole world) profiles a shape at every micro-batch size its plans use, as a
+    profiling job would."""
     warnings.filterwarnings("ignore")
     import numpy as np
     import torch
     import torch.distributed as dist
 
     from profiler.compute import LayerProfiler, resident_bytes
-    from sailor_hpc.core.models import get_model
 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    prof = LayerProfiler(get_model(MODEL), tp_group=dist.group.WORLD, device=torch.device("cpu"), warmup=2, iters=9)
-    times = np.median(np.stack([prof.measure(PIPE_MBS) for _ in range(int(os.environ["BENCH_ROUNDS"]))]), axis=0)
+    shape = os.environ["BENCH_SHAPE"]
+    prof = LayerProfiler(shape_spec(shape), tp_group=dist.group.WORLD, device=torch.device("cpu"), warmup=2, iters=9)
+    rounds = int(os.environ["BENCH_ROUNDS"])
+    times = {b: np.median(np.stack([prof.measure(b) for _ in range(rounds)]), axis=0).tolist()
+             for b in profiled_sizes(shape)}
     memory = prof.memory_table()  # runs the TP group's collectives: every rank
     if dist.get_rank() == 0:
-        print(json.dumps({"times": times.tolist(), "memory": memory.tolist(), "overhead": resident_bytes()}),
-              flush=True)
+        print(json.dumps({"times": times, "memory": memory.tolist(), "overhead": resident_bytes()}), flush=True)
     dist.destroy_process_group()
 
 
 def pipelines_rank_main() -> None:
-    """Run each plan of :data:`PIPE_PLANS` for this world size; rank 0 prints the median step (slowest rank)
-    and the gloo link between ranks 0 and 1 at the boundary's message size (what the site is given)."""
+    """Run each plan of :data:`PIPE_PLANS` for this shape and world size; rank 0 prints the median step
+    (slowest rank) and the gloo link between ranks 0 and 1 at the boundary's message size (what the site
+    is given)."""
     warnings.filterwarnings("ignore")
     import torch
     import torch.distributed as dist
@@ -139,13 +175,14 @@ def pipelines_rank_main() -> None:
     from megatron_patch.data import GlobalSamples
     from megatron_patch.engine import Trainer
     from profiler.netbench import p2p_gbps
-    from sailor_hpc.core.models import get_model
 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    spec = get_model(MODEL)
+    shape = os.environ["BENCH_SHAPE"]
+    spec = shape_spec(shape)
     samples = GlobalSamples(os.environ["BENCH_DATA"], spec.seq_len)
-    trainers = {name: Trainer(plan, samples, spec=spec) for name, plan in pipeline_plans(dist.get_world_size()).items()}
+    trainers = {name: Trainer(plan, samples, spec=spec)
+                for name, plan in pipeline_plans(shape, dist.get_world_size()).items()}
     for t in trainers.values():  # first steps pay for allocations
         t.train_step()
     measured: dict[str, list[float]] = {name: [] for name in trainers}
@@ -155,26 +192,27 @@ def pipelines_rank_main() -> None:
                 step = torch.tensor([t.train_step().seconds])
                 dist.all_reduce(step, op=dist.ReduceOp.MAX)  # the step ends with its slowest rank
                 measured[name].append(float(step))
-    gbps = p2p_gbps([(0, 1)], boundary_bytes(), 20, 5, torch.device("cpu"))  # the profiler's measurement
+    gbps = p2p_gbps([(0, 1)], boundary_bytes(shape), 20, 5, torch.device("cpu"))  # the profiler's measurement
     if dist.get_rank() == 0:
         print(json.dumps({"steps": {name: statistics.median(v) for name, v in measured.items()}, "gbps": gbps}),
               flush=True)
     dist.destroy_process_group()
 
 
-def boundary_bytes() -> int:
-    """One micro-batch's activation at a stage boundary of tiny-gpt (fp32)."""
-    from sailor_hpc.core.models import get_model
-
-    spec = get_model(MODEL)
+def boundary_bytes(shape: str) -> int:
+    """One micro-batch's activation at a stage boundary (fp32, micro-batch :data:`PIPE_MBS`)."""
+    spec = shape_spec(shape)
     return PIPE_MBS * spec.seq_len * spec.hidden_size * 4
 
 
-def pipeline_plans(ranks: int):
+def pipeline_plans(shape: str, ranks: int):
     from sailor_hpc.core.plan import Pipeline, Plan, Stage
 
-    return {name: Plan(MODEL, PIPE_MBS * MICRO, (Pipeline(PIPE_MBS, MICRO, tuple(
-        Stage(a, b, tp, "CPU") for a, b, tp in stages)),)) for name, stages in PIPE_PLANS[ranks].items()}
+    def plan(pipes) -> Plan:
+        built = tuple(Pipeline(mbs, m, tuple(Stage(a, b, tp, "CPU") for a, b, tp in stages)) for mbs, m, stages in pipes)
+        return Plan(MODEL, sum(p.samples for p in built), built)
+
+    return {name: plan(pipes) for name, pipes in PIPE_PLANS[(shape, ranks)].items()}
 
 
 def measured_site(gbps: float) -> dict:
@@ -185,31 +223,36 @@ def measured_site(gbps: float) -> dict:
 
 
 def pipelines(env: dict[str, str]) -> list[dict]:
-    """Profile TP 1 and TP 2 (a world each), run the plans (3 ranks), predict them from the profiles."""
+    """Per shape: profile each TP degree its plans use (a world each), run the plans, predict them from the
+    profiles as megatron_patch runs them over gloo."""
     import numpy as np
 
     from sailor_hpc.core.archive import ComputeEntry, MemoryEntry, OverheadEntry, ProfileArchive
     from sailor_hpc.core.site import load_site_dict
     from simulator import SimOptions, simulate
 
-    archive, base = ProfileArchive(), {"source": "benchmark"}
-    overhead = {}
-    for tp in (1, 2):
-        prof = _launch({**env, "BENCH_PART": "profile"}, tp)
-        archive.add(ComputeEntry(MODEL, "CPU", PIPE_MBS, tp, np.array(prof["times"]), base))
-        archive.add(MemoryEntry(MODEL, tp, np.array(prof["memory"]), base))
-        overhead[tp] = prof["overhead"]
-    archive.add(OverheadEntry("CPU", overhead, base))
     rows = []
-    for ranks in sorted(PIPE_PLANS):
-        measured = _launch({**env, "BENCH_PART": "pipelines"}, ranks)
-        site = load_site_dict(measured_site(measured["gbps"]), source="<this machine, gloo link measured>")
-        for name, plan in pipeline_plans(ranks).items():
-            res = simulate(plan, site, archive, options=SimOptions.megatron_patch(backend="gloo"))
-            # what the step would take if the stages could not compute at once (fewer free cores than ranks)
-            serial = MICRO * sum(s.fwd_s + s.bwd_s for s in res.stages) + max(s.update_s for s in res.stages)
-            rows.append({"plan": name, "ranks": ranks, "gbps": measured["gbps"], "measured_s": measured["steps"][name],
-                         "predicted_s": res.iteration_time_s, "serial_s": serial})
+    for shape in SHAPES:
+        archive, base = ProfileArchive(), {"source": "benchmark", "shape": shape}
+        overhead = {}
+        for tp in profiled_tps(shape):
+            prof = _launch({**env, "BENCH_PART": "profile", "BENCH_SHAPE": shape}, tp)
+            for mbs, times in prof["times"].items():
+                archive.add(ComputeEntry(MODEL, "CPU", int(mbs), tp, np.array(times), base))
+            archive.add(MemoryEntry(MODEL, tp, np.array(prof["memory"]), base))
+            overhead[tp] = prof["overhead"]
+        archive.add(OverheadEntry("CPU", overhead, base))
+        for ranks in sorted(r for sh, r in PIPE_PLANS if sh == shape):
+            measured = _launch({**env, "BENCH_PART": "pipelines", "BENCH_SHAPE": shape}, ranks)
+            site = load_site_dict(measured_site(measured["gbps"]), source="<this machine, gloo link measured>")
+            for name, plan in pipeline_plans(shape, ranks).items():
+                res = simulate(plan, site, archive, options=SimOptions.megatron_patch(backend="gloo"))
+                # what the step would take if the stages could not compute at once (fewer free cores than ranks)
+                serial = sum(plan.pipelines[s.pipeline].num_micro_batches * (s.fwd_s + s.bwd_s) for s in res.stages) \
+                    + max(s.update_s for s in res.stages)
+                rows.append({"shape": shape, "plan": name, "ranks": ranks, "gbps": measured["gbps"],
+                             "measured_s": measured["steps"][name], "predicted_s": res.iteration_time_s,
+                             "serial_s": serial, "boundary_bytes": boundary_bytes(shape)})
     return rows
 
 
@@ -241,14 +284,15 @@ def main() -> int:
         print(f"{r['mbs']:>4}{r['measured_s']:>10.4f}{r['layers_s']:>11.4f}{e1:>+7.1f}{r['chain_s']:>10.4f}{e2:>+7.1f}"
               f"{r['stack_s'] / r['measured_layers_alone_s']:>33.3f}")
     if pipes:
-        print(f"\n{MODEL}, two-stage pipelines, mbs {PIPE_MBS} x {MICRO} micro-batches; median s/step (slowest "
-              f"rank), predicted as megatron_patch runs them; gloo link measured at {boundary_bytes()} B")
-        print(f"{'plan':>12}{'ranks':>6}{'link GB/s':>10}{'measured':>10}{'predicted':>11}{'err %':>7}"
+        print(f"\n{MODEL} (tiny: as in the catalog; wide: blocks of width {SHAPES['wide']['hidden_size']}, sequence "
+              f"{SHAPES['wide']['seq_len']}), heterogeneous plans, global batch {PIPE_MBS * MICRO}; median s/step "
+              "(slowest rank), predicted as megatron_patch runs them over gloo; gloo link measured at the boundary's size")
+        print(f"{'shape':>6}{'plan':>14}{'ranks':>6}{'link GB/s':>10}{'measured':>10}{'predicted':>11}{'err %':>7}"
               f"{'stages one at a time':>22}{'err %':>7}")
         for r in pipes:
-            print(f"{r['plan']:>12}{r['ranks']:>6}{r['gbps']:>10.3f}{r['measured_s']:>10.4f}{r['predicted_s']:>11.4f}"
-                  f"{(r['predicted_s'] / r['measured_s'] - 1) * 100:>+7.1f}{r['serial_s']:>22.4f}"
-                  f"{(r['serial_s'] / r['measured_s'] - 1) * 100:>+7.1f}")
+            print(f"{r['shape']:>6}{r['plan']:>14}{r['ranks']:>6}{r['gbps']:>10.3f}{r['measured_s']:>10.4f}"
+                  f"{r['predicted_s']:>11.4f}{(r['predicted_s'] / r['measured_s'] - 1) * 100:>+7.1f}"
+                  f"{r['serial_s']:>22.4f}{(r['serial_s'] / r['measured_s'] - 1) * 100:>+7.1f}")
     return 0
 
 
