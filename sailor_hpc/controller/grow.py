@@ -121,6 +121,8 @@ class GrowBeside:
         """Let the bigger job's waiting ranks load as soon as this job's ranks are gone (they saved on the
         resize signal): its batch script still ends, but no rank of it writes checkpoints any more."""
         succ = cur.successor
+        if cur.successor_loading:  # opened before this controller was resumed
+            return True
         if not (cur.waits_for_successor and succ and succ.get("running_t") and self._saved_on_signal(tail)):
             return False
         if not slurm_ops.training_steps_gone(cur.job_id, self.env):  # type: ignore[arg-type]

@@ -217,7 +217,11 @@ class Controller(Recorder, GrowBeside):
         return self._tails[cur.number]
 
     def _checkpoint(self, cur: Attempt | None) -> None:
-        """Journal a newer complete checkpoint (the one a next job would load)."""
+        """Journal a newer complete checkpoint (the one a next job would load). Not while a bigger job's
+        gate is open: newer checkpoints are that job's, journaled once it is the run's job (a controller
+        resumed between the gate and the handover would otherwise credit them to the old job)."""
+        if cur is not None and cur.successor_loading:
+            return
         path = latest_complete(self.spec.save, deep=False)
         if path is None:
             return

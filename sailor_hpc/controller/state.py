@@ -154,6 +154,11 @@ class Attempt:
         """A bigger job was submitted beside this one and neither took over nor was cancelled."""
         return self.successor is not None and "cancelled" not in self.successor
 
+    @property
+    def successor_loading(self) -> bool:
+        """The bigger job's gate is open: its ranks load and save from here on, this job's never again."""
+        return self.waits_for_successor and "gate_t" in self.successor  # type: ignore[operator]
+
 
 @dataclass
 class GeoGroup:
@@ -281,6 +286,9 @@ def apply(state: RunState, rec: Record) -> None:
     elif kind == Kind.GROW_RUNNING:
         assert att is not None and att.successor is not None
         att.successor.update(running_t=t, nodes=rec.get("nodes", []))
+    elif kind == Kind.GATE_OPENED:
+        assert att is not None and att.successor is not None
+        att.successor.setdefault("gate_t", t)
     elif kind == Kind.GROW_CANCELLED:
         assert att is not None and att.successor is not None
         att.successor["cancelled"] = rec.get("reason", "cancelled")

@@ -19,13 +19,29 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sailor_hpc.controller.journal import read_journal
+from sailor_hpc.controller import RunDir, RunSpec, new_run_id
+from sailor_hpc.controller.journal import Journal, read_journal
+from sailor_hpc.controller.state import job_name
 from tests.data.tiny_archive import write_tiny_archive
 
 REPO = Path(__file__).resolve().parents[2]
 LOCAL_LAB = REPO / "site_configs" / "local-lab.toml"
 MODEL, GBS = "tiny-gpt", 64
 ADAM = ["--adam-eps", "1e-5"]  # see tests/megatron_patch/test_exactness.py: exactness tests Adam with eps 1e-5
+
+
+def started_run(root: Path, steps: int) -> tuple[RunDir, Journal]:
+    """A run directory on the local lab whose journal holds the intent to submit attempt 1 (one V100), as a
+    controller killed right after ``sbatch`` leaves it; the journal stays open for more records."""
+    spec = RunSpec(run_id=new_run_id(), site=str(LOCAL_LAB), model=MODEL, objective="throughput",
+                   data=str(root / "d"), save=str(root / "ckpt"), steps=steps, gbs=GBS,
+                   profiles=str(write_tiny_archive(root / "tiny.h5")))
+    rd = RunDir.create(root / "run", spec)
+    j = Journal(rd.journal_file)
+    j.append("run_started", run_id=spec.run_id)
+    j.append("submit_intent", attempt=1, job_name=job_name(spec.run_id, 1), plan_file="p", script="s",
+             reason="start", gpus={"v100": 1}, throughput=1.0, cost_per_hour=0.5)
+    return rd, j
 
 
 def build_inputs(root: Path) -> tuple[str, Path]:

@@ -10,24 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from sailor_hpc.controller import Controller, RunDir, RunSpec, new_run_id
-from sailor_hpc.controller.journal import Journal
+from sailor_hpc.controller import Controller, RunDir
 from sailor_hpc.controller.state import job_name
-from tests.controller.scenario import LOCAL_LAB
-from tests.data.tiny_archive import write_tiny_archive
+from tests.controller.scenario import started_run
 
 
 @pytest.fixture()
 def run_dir(tmp_path: Path) -> RunDir:
-    spec = RunSpec(run_id=new_run_id(), site=str(LOCAL_LAB), model="tiny-gpt", objective="throughput",
-                   data=str(tmp_path / "d"), save=str(tmp_path / "ckpt"), steps=10, gbs=64,
-                   profiles=str(write_tiny_archive(tmp_path / "tiny.h5")))
-    rd = RunDir.create(tmp_path / "run", spec)
-    j = Journal(rd.journal_file)
-    j.append("run_started", run_id=spec.run_id)
-    j.append("submit_intent", attempt=1, job_name=job_name(spec.run_id, 1), plan_file="p", script="s",
-             reason="start", gpus={"v100": 1}, throughput=1.0, cost_per_hour=0.5)
-    return rd
+    return started_run(tmp_path, steps=10)[0]
 
 
 def _held_job(cluster, name: str, log: Path) -> str:
