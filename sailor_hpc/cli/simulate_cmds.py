@@ -12,7 +12,7 @@ from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.plan_io import load_plan
 from sailor_hpc.core.site import load_site
 from simulator import SimOptions, plan_timeline, simulate
-from simulator.runtimes import RUNTIMES
+from simulator.runtimes import RUNTIMES, STAGING_BYTES
 from simulator.validation import validate_runs
 
 site_option = click.option("--site", "site_file", required=True, type=click.Path(dir_okay=False, path_type=Path),
@@ -37,16 +37,20 @@ def _archive(profiles: Path | None, site):
 @click.option("--timeline", "timeline_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the per-rank schedule of one iteration: a Gantt chart (.png) or its events (.json).")
 @runtime_option
+@click.option("--backend", type=click.Choice(list(STAGING_BYTES)), default="nccl", show_default=True,
+              help="How the ranks communicate: nccl on GPUs; gloo where the runtime runs without CUDA (a CPU "
+                   "lab), whose sends wait for their receiver, so every stage-to-stage transfer blocks.")
 @json_option
 def simulate_cmd(plan_file: Path, site_file: Path, profiles: Path | None, model: str | None,
-                 timeline_file: Path | None, runtime: str, as_json: bool) -> None:
+                 timeline_file: Path | None, runtime: str, backend: str, as_json: bool) -> None:
     """Iteration time, throughput, peak memory per GPU and cost of PLAN (ours or a Sailor plan_config)."""
+    options = SimOptions(runtime=runtime, backend=backend)
 
     site = load_site(site_file)
     plan = load_plan(plan_file, model=model, site=site)
     archive = _archive(profiles, site)
     try:
-        res = simulate(plan, site, archive, options=SimOptions(runtime=runtime))
+        res = simulate(plan, site, archive, options=options)
     except SailorError as exc:  # what the simulator finds wrong with the plan (seq_len, layers) is in PLAN
         if exc.file is None:
             exc.file = str(plan_file)
@@ -55,13 +59,14 @@ def simulate_cmd(plan_file: Path, site_file: Path, profiles: Path | None, model:
         if timeline_file.suffix.lower() not in (".png", ".json"):
             raise SailorError(f"cannot write a timeline as {timeline_file.suffix or 'a file without suffix'}",
                               field="--timeline", fix="name it *.png (chart) or *.json (events)")
-        tl = plan_timeline(plan, site, archive, options=SimOptions(runtime=runtime))
+        tl = plan_timeline(plan, site, archive, options=options)
         if timeline_file.suffix.lower() == ".json":
             tl.write_json(timeline_file)
         else:
             tl.write_png(timeline_file, title=f"{plan_file.name}: {res.iteration_time_s:.4g} s per iteration")
     if as_json:
-        out = {"file": str(plan_file), "site": site.name, "archive": archive.where, "runtime": runtime, **res.to_dict()}
+        out = {"file": str(plan_file), "site": site.name, "archive": archive.where, "runtime": runtime,
+               "backend": backend, **res.to_dict()}
         if timeline_file is not None:
             out["timeline"] = str(timeline_file)
         echo_json(out)

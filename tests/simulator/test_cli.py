@@ -56,6 +56,16 @@ def test_simulate_runtime_option_selects_the_runtime_model(tmp_path):
     r = run("simulate", validation_dir() / PLAN, "--site", SITES / "clariden.toml", "--model", "OPT-350M",
             "--runtime", "pytorch")
     assert r.exit_code == 2 and "deepspeed-pipe" in r.output
+    # a CPU lab's ranks talk gloo: DeepSpeed's 4-stage N4_D1 sends 2 MiB per rank, buffered on NCCL, blocking
+    four = validation_dir() / "clariden/OPT-350/N4/plan_config_N4_D1.json"
+    args = ("simulate", four, "--site", SITES / "clariden.toml", "--model", "OPT-350M", "--runtime", "deepspeed-pipe",
+            "--json")
+    nccl, gloo = (json.loads(run(*args, *extra).output) for extra in ((), ("--backend", "gloo")))
+    assert (nccl["backend"], gloo["backend"]) == ("nccl", "gloo")
+    assert gloo["iteration_time_s"] > nccl["iteration_time_s"]
+    r = run("simulate", validation_dir() / PLAN, "--site", SITES / "clariden.toml", "--model", "OPT-350M",
+            "--backend", "mpi")
+    assert r.exit_code == 2 and "gloo" in r.output
 
 
 def test_simulate_bad_input_exits_2(tmp_path):
