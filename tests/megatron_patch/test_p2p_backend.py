@@ -49,6 +49,6 @@ def test_a_gloo_send_waits_for_its_receiver_at_any_size() -> None:
     print(waited)
     for nbytes in SIZES:
         on_time, late = waited[f"0.0 {nbytes}"], waited[f"{LATE_S} {nbytes}"]
-        assert late >= 0.9 * LATE_S, (nbytes, late)  # blocked until the receive was posted
-        assert on_time < 0.5 * LATE_S, (nbytes, on_time)  # the control: nothing else made it slow
+        assert late >= 0.6 * LATE_S, (nbytes, late)  # blocked until the receive was posted (less the barrier skew)
+        assert on_time < 0.3 * LATE_S, (nbytes, on_time)  # the control: nothing else made it slow
     assert STAGING_BYTES["gloo"] == 0
