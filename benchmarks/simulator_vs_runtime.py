@@ -76,14 +76,17 @@ def shape_spec(shape: str):
     return dataclasses.replace(get_model(MODEL), **SHAPES[shape])
 
 
+def _pipes(shape: str) -> list[tuple]:
+    """Every (mbs, micro-batches, stages) pipeline of the shape's plans."""
+    return [pipe for (sh, _), plans in PIPE_PLANS.items() if sh == shape for pipes in plans.values() for pipe in pipes]
+
+
 def profiled_tps(shape: str) -> list[int]:
-    return sorted({tp for (sh, _), plans in PIPE_PLANS.items() if sh == shape for pipes in plans.values()
-                   for _, _, stages in pipes for _, _, tp in stages})
+    return sorted({tp for _, _, stages in _pipes(shape) for _, _, tp in stages})
 
 
 def profiled_sizes(shape: str) -> list[int]:
-    return sorted({mbs for (sh, _), plans in PIPE_PLANS.items() if sh == shape for pipes in plans.values()
-                   for mbs, _, _ in pipes})
+    return sorted({mbs for mbs, _, _ in _pipes(shape)})
 
 
 def rank_main() -> None:
@@ -252,7 +255,7 @@ def pipelines(env: dict[str, str]) -> list[dict]:
                     + max(s.update_s for s in res.stages)
                 rows.append({"shape": shape, "plan": name, "ranks": ranks, "gbps": measured["gbps"],
                              "measured_s": measured["steps"][name], "predicted_s": res.iteration_time_s,
-                             "serial_s": serial, "boundary_bytes": boundary_bytes(shape)})
+                             "serial_s": serial})
     return rows
 
 

@@ -57,20 +57,19 @@ RUNTIMES: dict[str, Runtime] = {
 }
 
 
-def get_runtime(name: str) -> Runtime:
+def _one_of(table: dict, key: str, what: str, field: str):
     try:
-        return RUNTIMES[name]
+        return table[key]
     except KeyError:
-        raise SailorError(f"unknown runtime {name!r}", field="runtime",
-                          fix=f"use one of {', '.join(RUNTIMES)}") from None
+        raise SailorError(f"unknown {what} {key!r}", field=field, fix=f"use one of {', '.join(table)}") from None
+
+
+def get_runtime(name: str) -> Runtime:
+    return _one_of(RUNTIMES, name, "runtime", "runtime")
 
 
 def staging_bytes(backend: str) -> float:
-    try:
-        return STAGING_BYTES[backend]
-    except KeyError:
-        raise SailorError(f"unknown communication backend {backend!r}", field="backend",
-                          fix=f"use one of {', '.join(STAGING_BYTES)}") from None
+    return _one_of(STAGING_BYTES, backend, "communication backend", "backend")
 
 
 __all__ = ["NCCL_BUFFSIZE", "RUNTIMES", "Runtime", "STAGING_BYTES", "get_runtime", "staging_bytes"]

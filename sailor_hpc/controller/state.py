@@ -157,7 +157,7 @@ class Attempt:
     @property
     def successor_loading(self) -> bool:
         """The bigger job's gate is open: its ranks load and save from here on, this job's never again."""
-        return self.waits_for_successor and "gate_t" in self.successor  # type: ignore[operator]
+        return self.waits_for_successor and "gate_t" in (self.successor or {})
 
 
 @dataclass

@@ -71,8 +71,11 @@ _micro_batches = Trainer._micro_batches
 
 
 def _data_recorded(self: Trainer, *args: Any, **kwargs: Any) -> Any:
+    """The step's micro-batches, cut before its first forward: left out of the count from the start."""
     out = _micro_batches(self, *args, **kwargs)
-    self._data_ptrs = {t.untyped_storage().data_ptr() for mb in out for t in mb.values()}  # type: ignore[attr-defined]
+    counter = getattr(self, "_saved_bytes", None)
+    if counter is not None:
+        counter.exclude.update(t.untyped_storage().data_ptr() for mb in out for t in mb.values())
     return out
 
 
@@ -81,16 +84,13 @@ def _counted_train_step(self: Trainer, *args: Any, **kwargs: Any) -> Any:
 
     if self.role.rank == 0 and not _PROFILE:
         _PROFILE.append(_profile(int(os.environ["PROFILE_MBS"])))
-    params = {p.untyped_storage().data_ptr() for p in self.module.parameters()}
-    counter = SavedBytes(params)
-    real_pack = counter.pack
-
-    def pack(t: Any) -> Any:  # the micro-batches are cut when the step starts: read their storages lazily
-        counter.exclude = params | getattr(self, "_data_ptrs", set())
-        return real_pack(t)
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
-        res = _train_step(self, *args, **kwargs)
+    counter = SavedBytes({p.untyped_storage().data_ptr() for p in self.module.parameters()})
+    self._saved_bytes = counter  # type: ignore[attr-defined]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(counter.pack, _unpack):
+            res = _train_step(self, *args, **kwargs)
+    finally:
+        self._saved_bytes = None  # type: ignore[attr-defined]
     _PEAK[:] = [{"event": "saved_bytes", "rank": self.role.rank, "stage": self.role.stage, "peak": counter.peak,
                  "live_after": counter.live}]
     return res
