@@ -197,7 +197,8 @@ def _options_per_partition(ev: StageEvaluator, archive: ProfileArchive, request:
         if (gpus <= 0 or request.dtype not in site.gpu(part.gpu_type).dtypes
                 or not archive.has_compute(ev.model.name, part.gpu_type, request.dtype)):
             continue
-        templates = _rank_templates(_partition_templates(ev, archive, part, request, settings), gpus, solo, settings)
+        templates = _rank_templates(_partition_templates(ev, archive, part, request, settings, gpus), gpus, solo,
+                                     settings)
         options = _partition_options(templates, gpus, request.global_batch_size, settings)
         if options:
             per_part.append(options)
@@ -217,13 +218,14 @@ def _partition_gpus(part: Partition, available: int, capacity: int, request: Pla
 
 
 def _partition_templates(ev: StageEvaluator, archive: ProfileArchive, part: Partition, request: PlanRequest,
-                         settings: SearchSettings) -> list[Template]:
-    """The pipeline shapes of ``part`` at every profiled micro-batch size and TP degree that fits a node."""
+                         settings: SearchSettings, gpus: int) -> list[Template]:
+    """The pipeline shapes of ``part`` on at most ``gpus`` GPUs at every profiled micro-batch size and TP
+    degree that fits a node."""
     model, gbs = ev.model, request.global_batch_size
     points = archive.compute_points(model.name, part.gpu_type, request.dtype)
     tps = sorted({t for _, t in points if t <= part.gpus_per_node and model.num_heads % t == 0})
     usable = [m for m in sorted({b for b, _ in points if b <= gbs}) if any((m, t) in points for t in tps)]
-    builder = TemplateBuilder(ev, part, tps, request.max_stages or settings.max_stages, gbs)
+    builder = TemplateBuilder(ev, part, tps, request.max_stages or settings.max_stages, gbs, max_gpus=gpus)
     templates: list[Template] = []
     for mbs in usable:
         builder.tps = sorted(t for t in tps if (mbs, t) in points)

@@ -74,12 +74,15 @@ class TemplateBuilder:
     """Builds templates of one partition (cached per micro-batch size)."""
 
     def __init__(self, ev: StageEvaluator, part: Partition, tps: list[int], max_stages: int,
-                 max_micro_batches: int) -> None:
+                 max_micro_batches: int, max_gpus: int | None = None) -> None:
         self.ev = ev
         self.part = part
         self.tps = sorted(tps)
         self.L = ev.model.num_pipeline_layers
-        self.max_stages = max(1, min(max_stages, self.L))
+        job_gpus = part.gpus_per_node * part.max_nodes_per_job
+        # a pipeline never has more GPUs than one job may get, nor more stages than GPUs
+        self.max_gpus = job_gpus if max_gpus is None else max(1, min(max_gpus, job_gpus))
+        self.max_stages = max(1, min(max_stages, self.L, self.max_gpus // max(1, min(self.tps, default=1))))
         self.max_m = max_micro_batches
         self.capacity = ev.capacity(part.gpu_type)
         self._fits: dict[tuple, int] = {}
@@ -109,13 +112,24 @@ class TemplateBuilder:
             hit = self._fits[key] = lo
         return hit
 
-    def _boundary(self, mbs: int, j: int) -> float:
-        """Seconds of activation + gradient across the boundary after layer j (between nodes)."""
-        if j >= self.L - 1:
-            return 0.0
-        cost = self._cost(mbs, self.tps[0], j, j)
-        a = Endpoint(self.part.name, None, 1)
-        return self.ev.p2p(a, a, cost.out_bytes) * 2
+    def _boundary_endpoint(self) -> Endpoint | None:
+        """Where the DP prices a stage boundary: nowhere when no pipeline of this builder has two stages;
+        inside one node when every pipeline it can make fits on one node; else between nodes (a
+        conservative bound: :meth:`finish` prices each placed boundary exactly). So a site without an
+        inter-node fit plans whatever stays on one node, and a pipeline that could cross nodes asks for
+        the fit by name."""
+        if self.max_stages == 1:
+            return None
+        widest = min(self.max_gpus, self.max_stages * max(self.tps, default=1))
+        return Endpoint(self.part.name, 0 if widest <= self.part.gpus_per_node else None, 1)
+
+    def _boundaries(self, mbs: int) -> list[float]:
+        """Seconds of activation + gradient across the boundary after each layer j (0 after the last)."""
+        end = self._boundary_endpoint()
+        if end is None:
+            return [0.0] * self.L
+        return [self.ev.p2p(end, end, self._cost(mbs, self.tps[0], j, j).out_bytes) * 2 if j < self.L - 1 else 0.0
+                for j in range(self.L)]
 
     def _stage_time(self, mbs: int, tp: int, i: int, j: int, bnd: list[float]) -> float:
         """The DP's per-stage objective: forward + backward plus the exchanges at both of its boundaries."""
@@ -127,7 +141,7 @@ class TemplateBuilder:
         """Best split for every stage count P (policy: a uniform TP, or None for min-fit), with the DP's
         period estimate; :meth:`finish` turns the ones worth keeping into templates."""
         L, K = self.L, self.max_stages
-        bnd = [self._boundary(mbs, j) for j in range(L)]
+        bnd = self._boundaries(mbs)
 
         def stage_tp(i: int, j: int, k: int) -> int | None:
             options = [policy] if policy is not None else self.tps
@@ -180,7 +194,7 @@ class TemplateBuilder:
 
     def enumerate_all(self, mbs_values: list[int], limit: int) -> list[tuple[int, tuple]] | None:
         """Every (mbs, stages) whose stages fit in memory and in one node, or None if more than ``limit``."""
-        L, n = self.L, self.part.gpus_per_node
+        L = self.L
         shapes = sum(math.comb(L - 1, P - 1) * len(self.tps) ** P for P in range(1, self.max_stages + 1))
         if shapes * len(mbs_values) > limit:
             return None
@@ -190,7 +204,7 @@ class TemplateBuilder:
                 for cuts in itertools.combinations(range(1, L), P - 1):
                     bounds = list(zip((0, *cuts), (*[c - 1 for c in cuts], L - 1)))
                     for tps in itertools.product(self.tps, repeat=P):
-                        if sum(tps) > n * self.part.nodes:
+                        if sum(tps) > self.max_gpus:
                             continue
                         if all(self._fits_mem(mbs, tp, i, j, P - s) for s, ((i, j), tp) in enumerate(zip(bounds, tps))):
                             out.append((mbs, tuple((i, j, tp) for (i, j), tp in zip(bounds, tps))))
@@ -212,7 +226,7 @@ class TemplateBuilder:
 
     def period_estimate(self, mbs: int, stages: tuple[tuple[int, int, int], ...]) -> float:
         """The DP's objective for a given split: the busiest stage with its exchanges."""
-        bnd = [self._boundary(mbs, j) for j in range(self.L)]
+        bnd = self._boundaries(mbs)
         return max(self._stage_time(mbs, tp, i, j, bnd) for i, j, tp in stages)
 
     def finish(self, mbs: int, stages: tuple[tuple[int, int, int], ...]) -> Template:
@@ -267,6 +281,10 @@ def build_templates(builder: TemplateBuilder, mbs_values: list[int], *, sailor_s
         for policy in [None, *builder.tps]:
             for stages, period in builder.build(mbs, policy):
                 found.setdefault((mbs, stages), period)
+    # a pipeline wider than the GPUs a plan may use is never placed, so it is not priced either (it could
+    # cross nodes, and a one-node site has no fit for that)
+    found = {k: v for k, v in found.items() if sum(t for _, _, t in k[1]) <= builder.max_gpus}
+
     # rank by the DP's estimate first, so only the promising few are timed exactly
     def estimate(item: tuple) -> tuple:
         (mbs, stages), period = item
@@ -274,7 +292,7 @@ def build_templates(builder: TemplateBuilder, mbs_values: list[int], *, sailor_s
         return (-(mbs / (period * gpus)) if period > 0 else 0.0, gpus, mbs, stages)
 
     ranked = [k for k, _ in sorted(found.items(), key=estimate)]
-    uniform = [(mbs, stages) for mbs in mbs_values for stages in builder.uniform(mbs)]
+    uniform = [(mbs, stages) for mbs in mbs_values for stages in builder.uniform(mbs) if (mbs, stages) in found]
     # efficiency per GPU favours deep pipelines; with few micro-batches per pipeline (a small global
     # batch on many GPUs) the bubble dominates and one or two stages at a higher TP are faster: keep
     # the DP's 1- and 2-stage splits at every TP degree as well
