@@ -38,8 +38,15 @@ def parse_available(spec: str, site: Site) -> dict[str, int]:
             raise SailorError(f"{item!r} is not PART=GPUS", field="--available",
                               fix="use 'site', 'live' or e.g. 'a100=64,v100=128'")
         with in_plan_terms(None, field="--available", drop_file=True):
-            site.partition(name.strip())
-        out[name.strip()] = int(count)
+            part = site.partition(name.strip())
+        job_gpus = min(part.nodes, part.max_nodes_per_job) * part.gpus_per_node
+        if int(count) > job_gpus:  # a silent cap would plan for GPUs the user believes were counted
+            raise SailorError(f"{item.strip()!r} asks for more GPUs than one job can get of partition {part.name} "
+                              f"({min(part.nodes, part.max_nodes_per_job)} nodes x {part.gpus_per_node} GPUs = "
+                              f"{job_gpus})", field="--available",
+                              fix=f"use at most {part.name}={job_gpus}, or correct the partition's nodes, "
+                                  "gpus_per_node or max_nodes_per_job in the site file")
+        out[part.name] = int(count)
     return out
 
 

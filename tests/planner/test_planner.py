@@ -385,6 +385,7 @@ def _unknown_options(text: str) -> set[str]:
     (("--gbs", "32", "--sbatch", "x.sbatch", "--data", "/d"), "--save"),
     (("--available", "gpu=8"), "--available"),
     (("--available", "a100=x"), "--available"),
+    (("--available", "a100=999"), "--available"),
     (("--gbs", "0"), "--gbs"),
     (("--gbs", "32", "--seq-len", "4096"), "--seq-len"),
     (("--gbs", "32", "--min-throughput", "1e9"), "--min-throughput"),
