@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import base64
 import io
-from collections.abc import Iterable, Iterator
+import sys
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -141,7 +142,9 @@ class CheckpointReader:
     which is when another file is opened (one open file: a reader never holds a stage's layers)."""
 
     def __init__(self, path: str, deep: bool = True) -> None:
-        self.path = ck.resolve(path, deep=deep)
+        self.choice = ck.choose(path, deep=deep)  # with the newer checkpoints passed over, for the caller to name
+        assert self.choice.path is not None
+        self.path = self.choice.path
         self.manifest = ck.read_manifest(self.path)
         self._open: tuple[str, dict[str, dict[str, torch.Tensor]]] | None = None
 
@@ -201,18 +204,29 @@ def _check_schedule(manifest: dict[str, Any], t: Trainer, path: object) -> None:
                                  "changes), or start a new run")
 
 
-def load(trainer: Trainer, path: str, *, missing_ok: bool = False) -> str | None:
+def _warn_skipped(skipped: ck.Skipped, using: str | None) -> None:
+    print(f"warning: checkpoint {skipped.path} is unusable ({skipped.reason}); "
+          f"{'loading ' + Path(using).name if using else 'no older checkpoint verifies'}", file=sys.stderr, flush=True)
+
+
+def load(trainer: Trainer, path: str, *, missing_ok: bool = False,
+         on_skip: Callable[[ck.Skipped, str | None], None] = _warn_skipped) -> str | None:
     """Collective: load a checkpoint written under any plan into this trainer's layout.
 
     Rank 0 alone picks it (the newest complete one under ``path``, every checksum verified once, not
     once per rank) and tells the others, so all ranks load the same one or all stop with the same
-    error. ``missing_ok``: no checkpoint under ``path`` yet returns None (a fresh start)."""
+    error. ``missing_ok``: no checkpoint under ``path`` yet returns None (a fresh start). Every newer
+    checkpoint passed over (torn, truncated, corrupt) goes to ``on_skip`` on rank 0 with the one loaded
+    (None: none verifies), so a fallback to an older step is never silent; an explicit ``step_*`` path
+    that does not verify is an error, never a fallback."""
     t = trainer
-    decision = [None]
+    decision: list[Any] = [None]
     if t.rank == 0:
         try:
-            found = ck.latest_complete(path) if missing_ok else ck.resolve(path)
-            decision = [("load", str(found)) if found is not None else ("fresh", "")]
+            choice = ck.newest_usable(path) if missing_ok else ck.choose(path)
+            decision = [("load", str(choice.path)) if choice.path is not None else ("fresh", "")]
+            for skipped in choice.skipped:
+                on_skip(skipped, None if choice.path is None else str(choice.path))
         except ck.CheckpointError as exc:
             decision = [("error", exc)]
     dist.broadcast_object_list(decision, src=0)

@@ -24,6 +24,7 @@ import math
 import os
 import shutil
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -253,7 +254,17 @@ def _hf_tensors(spec: ModelSpec, reader: CheckpointReader) -> Iterator[tuple[str
         yield from zip(parts, to_hf(spec, info, full), strict=True)
 
 
-def export_hf(ckpt: str | Path, out: str | Path, dtype: str = "fp32") -> Path:
+@dataclass(frozen=True)
+class Exported:
+    """What an export wrote, from which step, and the newer checkpoints it passed over (for the caller to say)."""
+
+    path: Path
+    step: int
+    checkpoint: Path
+    choice: ck.Choice
+
+
+def export_hf(ckpt: str | Path, out: str | Path, dtype: str = "fp32") -> Exported:
     """Write checkpoint ``ckpt`` (a checkpoint, or a root: its newest complete one) as a Hugging Face folder.
 
     ``dtype``: fp32 (the checkpoint's master weights as they are), bf16 or fp16 (rounded)."""
@@ -281,4 +292,4 @@ def export_hf(ckpt: str | Path, out: str | Path, dtype: str = "fp32") -> Path:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return out
+    return Exported(out, int(reader.manifest["step"]), reader.path, reader.choice)

@@ -42,8 +42,10 @@ def export_cmd(ckpt: Path, out: Path, fmt: str, dtype: str) -> None:
     """Write checkpoint CKPT (a step_* folder, or a --save root: its newest complete one) to folder OUT.
 
     Only Llama-architecture models export (sailor-hpc models); OUT must be new or empty."""
-    path = _converter().export_hf(ckpt, out, dtype)
-    click.echo(f"exported {ckpt} to {path} ({fmt}, {dtype})")
+    done = _converter().export_hf(ckpt, out, dtype)
+    for line in done.choice.warnings():  # an older step exported is said, never silent
+        click.echo(f"warning: {line}", err=True)
+    click.echo(f"exported step {done.step} ({done.checkpoint}) to {done.path} ({fmt}, {dtype})")
 
 
 @checkpoint.command("import")

@@ -8,6 +8,8 @@ SHA-256 of every file, is written last, and only then is the directory renamed i
 - a directory named ``step_*`` without a readable manifest, or whose files do not match the
   manifest's sizes and checksums, is torn or corrupt and is never loaded;
 - ``latest_complete(ROOT)`` returns the newest checkpoint that verifies, falling back to older ones;
+  ``newest_usable(ROOT)`` also names every newer one it passed over and why, so no caller falls back
+  without saying so;
 - the manifest is JSON: step, consumed samples (the data position), seed, RNG, the plan that wrote it
   are readable without torch (the controller uses them).
 
@@ -20,6 +22,7 @@ import json
 import os
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -100,27 +103,70 @@ def candidates(root: str | Path) -> list[Path]:
     return [p for _, p in sorted(found, reverse=True)]
 
 
-def latest_complete(root: str | Path, deep: bool = True) -> Path | None:
-    """The newest checkpoint under ``root`` that verifies, or None; torn/corrupt ones are skipped."""
+@dataclass(frozen=True)
+class Skipped:
+    """A checkpoint passed over because it does not verify."""
+
+    path: Path
+    reason: str
+
+    def to_dict(self) -> dict[str, str]:
+        return {"path": str(self.path), "reason": self.reason}
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The checkpoint a load or export uses, and the newer ones it passed over (newest first)."""
+
+    path: Path | None
+    skipped: tuple[Skipped, ...] = ()
+
+    def warnings(self) -> list[str]:
+        """One human line per checkpoint passed over: a fallback is never silent."""
+        using = f"using {self.path.name}" if self.path is not None else "no older checkpoint verifies"
+        return [f"checkpoint {s.path} is unusable ({s.reason}); {using}" for s in self.skipped]
+
+
+def newest_usable(root: str | Path, deep: bool = True) -> Choice:
+    """The newest checkpoint under ``root`` that verifies (path None if none does), with every newer
+    ``step_*`` directory that did not and why (a torn write, a truncated or corrupt file)."""
+    skipped: list[Skipped] = []
     for path in candidates(root):
         try:
             verify(path, deep=deep)
-        except CheckpointError:
+        except CheckpointError as exc:
+            where = Path(str(exc.file)).name if exc.file is not None else path.name
+            skipped.append(Skipped(path, f"{where}: {exc.message}"))
             continue
-        return path
-    return None
+        return Choice(path, tuple(skipped))
+    return Choice(None, tuple(skipped))
 
 
-def resolve(path: str | Path, deep: bool = True) -> Path:
-    """``path`` itself if it is a checkpoint, else the newest complete one under it."""
+def latest_complete(root: str | Path, deep: bool = True) -> Path | None:
+    """The newest checkpoint under ``root`` that verifies, or None (see :func:`newest_usable`)."""
+    return newest_usable(root, deep).path
+
+
+def choose(path: str | Path, deep: bool = True) -> Choice:
+    """``path`` itself if it names a checkpoint (which must verify: an explicit step never falls back),
+    else the newest usable one under it, with the newer ones passed over."""
     path = Path(path)
     if (path / MANIFEST).exists() or _STEP_RE.match(path.name):
         verify(path, deep=deep)
-        return path
-    found = latest_complete(path, deep=deep)
-    if found is None:
-        raise CheckpointError("no complete checkpoint found", file=path,
+        return Choice(path)
+    choice = newest_usable(path, deep=deep)
+    if choice.path is None:
+        why = f" ({len(choice.skipped)} unusable: {choice.skipped[0].path.name}: {choice.skipped[0].reason})" \
+            if choice.skipped else ""
+        raise CheckpointError(f"no complete checkpoint found{why}", file=path,
                               fix="train without --load, or point --load at a directory with step_* checkpoints")
+    return choice
+
+
+def resolve(path: str | Path, deep: bool = True) -> Path:
+    """``path`` itself if it is a checkpoint, else the newest complete one under it (see :func:`choose`)."""
+    found = choose(path, deep).path
+    assert found is not None  # choose raises instead
     return found
 
 

@@ -53,7 +53,36 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path: Path, da
         manifest.write_text(json.dumps(m))
     assert ck.latest_complete(tmp_path) == ck.step_dir(tmp_path, 1)
     with pytest.raises(ck.CheckpointError):
-        ck.resolve(newest)
+        ck.resolve(newest)  # an explicit step never falls back
+    # the fallback names what it passed over and why (file and reason), for every caller to say
+    choice = ck.choose(tmp_path)
+    assert choice.path == ck.step_dir(tmp_path, 1)
+    (skipped,) = choice.skipped
+    assert skipped.path == newest
+    named = "manifest.json" if damage in ("no_manifest", "bad_json", "other_format", "param_to_unlisted_file") \
+        else "layer_001.pt"
+    assert skipped.reason.startswith(f"{named}: "), skipped.reason
+    (line,) = choice.warnings()
+    assert str(newest) in line and "using step_00000001" in line
+
+
+def test_nothing_passed_over_means_nothing_to_say(tmp_path: Path) -> None:
+    make(tmp_path, 1)
+    make(tmp_path, 2)
+    assert ck.choose(tmp_path) == ck.Choice(ck.step_dir(tmp_path, 2), ())
+    assert ck.choose(tmp_path).warnings() == []
+
+
+def test_no_usable_checkpoint_names_the_unusable_ones(tmp_path: Path) -> None:
+    only = make(tmp_path, 3)
+    (only / "layer_000.pt").write_bytes(b"short")
+    choice = ck.newest_usable(tmp_path)
+    assert choice.path is None and [s.path for s in choice.skipped] == [only]
+    assert choice.warnings() == [f"checkpoint {only} is unusable ({choice.skipped[0].reason}); "
+                                 "no older checkpoint verifies"]
+    with pytest.raises(ck.CheckpointError) as exc:
+        ck.resolve(tmp_path)
+    assert "1 unusable: step_00000003: layer_000.pt: size 5" in exc.value.message
 
 
 def test_temporary_directories_are_never_candidates(tmp_path: Path) -> None:

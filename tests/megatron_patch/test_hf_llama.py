@@ -192,3 +192,23 @@ def test_export_and_import_refuse_to_overwrite_or_convert_a_gpt(tmp_path: Path) 
     assert not (tmp_path / "gpt_hf").exists() and not list(tmp_path.glob(".gpt_hf*"))
     res = _cli("checkpoint", "export", str(tmp_path / "ckpt"), "--to", "hf", str(tmp_path / "bf16"), "--dtype", "bf16")
     assert res.exit_code == 0 and json.loads((tmp_path / "bf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+
+
+def test_export_says_which_step_it_wrote_and_what_it_passed_over(tmp_path: Path) -> None:
+    """A --save root whose newest checkpoint is torn exports the older one, and says so: never silently."""
+    import shutil
+
+    from sailor_hpc.core import checkpoint as ck
+    hf = _hf_folder(tmp_path / "hf")
+    assert _cli("checkpoint", "import", str(hf), "--model", MODEL, "--save", str(tmp_path / "ckpt")).exit_code == 0
+    newest = ck.step_dir(tmp_path / "ckpt", 7)
+    shutil.copytree(ck.step_dir(tmp_path / "ckpt", 0), newest)
+    layer = sorted(newest.glob("layer_*.pt"))[-1]
+    layer.write_bytes(layer.read_bytes()[:100])  # truncated by a full disk, say
+    res = _cli("checkpoint", "export", str(tmp_path / "ckpt"), "--to", "hf", str(tmp_path / "out"))
+    assert res.exit_code == 0, res.output
+    assert f"warning: checkpoint {newest} is unusable ({layer.name}: size 100 != " in res.output
+    assert "using step_00000000" in res.output
+    assert f"exported step 0 ({ck.step_dir(tmp_path / 'ckpt', 0)}) to {tmp_path / 'out'}" in res.output
+    res = _cli("checkpoint", "export", str(newest), "--to", "hf", str(tmp_path / "explicit"))
+    assert res.exit_code == 2 and layer.name in res.output and not (tmp_path / "explicit").exists()
