@@ -322,6 +322,24 @@ def read_documents(files: Iterable[str | Path], json_key: str = "text") -> Itera
                                       field=json_key, fix="one JSON object per line, or pass --json-key") from None
 
 
+def check_build_paths(prefix: str | Path, files: Iterable[str | Path]) -> None:
+    """Every input is a readable file and the output's folder can be written, before anything is read
+    or written: a typo ends in one message naming the path, not a traceback halfway through."""
+    for f in files:
+        path = Path(f)
+        if not path.exists():
+            raise SailorError("no such file", file=path, field="files", fix="check the path of the raw text file")
+        if not path.is_file():
+            raise SailorError("is not a file", file=path, field="files", fix="name the text files, not a folder")
+        if not os.access(path, os.R_OK):
+            raise SailorError("cannot be read (permissions)", file=path, field="files", fix="check its permissions")
+    folder = Path(prefix).parent
+    existing = next((p for p in (folder, *folder.parents) if p.exists()), Path("."))
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise SailorError("cannot create the dataset here" + ("" if existing.is_dir() else f" ({existing} is a file)"),
+                          file=Path(prefix), field="prefix", fix="choose an output prefix in a folder you can write")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m megatron_patch.data", description=__doc__.split("\n")[0])
     ap.add_argument("prefix", help="output prefix (writes PREFIX.bin and PREFIX.idx)")
@@ -330,8 +348,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json-key", default="text", help="the field of a .jsonl line that holds the text")
     args = ap.parse_args(argv)
     try:
+        check_build_paths(args.prefix, args.files)
         texts = read_documents(args.files, args.json_key) if args.files else shipped_texts()
         build_dataset(args.prefix, texts)
+    except OSError as exc:  # a file that vanished or a disk that filled after the checks
+        print(f"error: {SailorError(exc.strerror or str(exc), file=exc.filename, fix='check the path')}",
+              file=sys.stderr)
+        return 2
     except SailorError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -72,3 +72,27 @@ def test_no_array_per_document_or_sample(tmp_path: Path) -> None:
     assert all(r.shape == (8, 5) for r in rows)
     print(f"peak traced memory of a GlobalSamples over 100k documents / {s.num_samples} samples: {peak} bytes")
     assert peak < 200_000  # an int64 per document alone would be 800 kB, per sample 1.6 MB
+
+
+@pytest.mark.parametrize("case", ["missing_file", "folder_as_file", "prefix_under_a_file"])
+def test_data_tool_refuses_bad_paths_with_exit_2_and_writes_nothing(tmp_path: Path, case: str,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    from megatron_patch.data import main
+    good = tmp_path / "good.txt"
+    good.write_text("some text")
+    prefix, files, named = tmp_path / "out" / "web", [str(good)], ""
+    if case == "missing_file":
+        files.append(str(tmp_path / "missing.txt"))
+        named = str(tmp_path / "missing.txt")
+    elif case == "folder_as_file":
+        (tmp_path / "folder").mkdir()
+        files.append(str(tmp_path / "folder"))
+        named = str(tmp_path / "folder")
+    else:
+        (tmp_path / "blocker").write_text("a file where a folder should be")
+        prefix = tmp_path / "blocker" / "web"
+        named = str(prefix)
+    assert main([str(prefix), *files]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and named in err and "fix:" in err and "Traceback" not in err
+    assert not list(tmp_path.rglob("*.bin")) and not list(tmp_path.rglob("*.idx")) and not (tmp_path / "out").exists()
