@@ -193,7 +193,10 @@ class DataBlend:
     @classmethod
     def parse(cls, tokens: Sequence[str] | str, field: str = "--data") -> DataBlend:
         """A single prefix, or ``W1 P1 W2 P2 ...``. A string of several words starting with a number is a
-        blend (split on whitespace), any other string one prefix (a path with spaces stays whole)."""
+        blend (split on whitespace), any other string one prefix (a path with spaces stays whole). One
+        argument is read as that string, so ``--data '0.7 A 0.3 B'`` is the same blend on every command."""
+        if not isinstance(tokens, str) and len(tokens) == 1:
+            tokens = tokens[0]
         if isinstance(tokens, str):
             words = tokens.split()
             tokens = words if len(words) > 1 and _is_weight(words[0]) else [tokens]

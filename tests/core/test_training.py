@@ -76,6 +76,8 @@ def test_data_blend_parsing() -> None:
     assert b.prefixes == ("/d/A", "/d/B") and b.fractions() == [Fraction(7, 10), Fraction(3, 10)]
     assert DataBlend.parse(b.tokens()) == b and DataBlend.parse(b.text()) == b
     assert DataBlend.parse(["/d/A"]).tokens() == ["/d/A"]
+    assert DataBlend.parse(["0.7 /d/A 0.3 /d/B"]) == b  # one quoted argument: the same blend as the string
+    assert DataBlend.parse(["/d/one prefix"]).prefixes == ("/d/one prefix",)
     for bad in (["0.7", "/d/A", "/d/B"], ["x", "/d/A", "0.3", "/d/B"], ["0", "/d/A", "0", "/d/B"],
                 ["1", "/d/A", "2", "/d/A"]):
         with pytest.raises(SailorError, match="--data"):

@@ -104,6 +104,23 @@ def test_vocab_check_names_the_file_the_id_and_its_position(prefixes: tuple[Path
     assert check_vocab(bad, 301) == 300
 
 
+def test_a_missing_prefix_or_one_given_with_its_suffix_is_named_before_megatron_reads_it(
+        prefixes: tuple[Path, Path], tmp_path: Path) -> None:
+    with pytest.raises(SailorError) as err:
+        check_vocab(tmp_path / "missing", 256)
+    assert err.value.file == str(tmp_path / "missing") and err.value.field == "--data"
+    assert "missing.bin, missing.idx missing" in err.value.message and "megatron_patch.data" in err.value.fix
+    for suffix in (".bin", ".idx"):
+        with pytest.raises(SailorError) as err:
+            check_vocab(f"{prefixes[0]}{suffix}", 256)
+        assert "not its prefix" in err.value.message and err.value.fix.endswith(str(prefixes[0]))
+    half = tmp_path / "half"
+    Path(f"{half}.bin").write_bytes(
+        Path(f"{prefixes[0]}.bin").read_bytes())  # a .bin without its .idx (an interrupted copy)
+    with pytest.raises(SailorError, match=r"half\.idx missing"):
+        check_vocab(half, 256)
+
+
 def test_raw_text_tool_reads_jsonl_and_leaves_nothing_on_a_bad_line(tmp_path: Path,
                                                                     capsys: pytest.CaptureFixture) -> None:
     good = tmp_path / "docs.jsonl"
@@ -117,3 +134,21 @@ def test_raw_text_tool_reads_jsonl_and_leaves_nothing_on_a_bad_line(tmp_path: Pa
     assert main([str(tmp_path / "never"), str(bad)]) == 2
     assert "line 2" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "docs.jsonl", "extra.txt", "out.bin", "out.idx"]
+
+
+def test_launch_refuses_a_missing_prefix_of_a_quoted_blend_on_every_rank(prefixes: tuple[Path, Path],
+                                                                         tmp_path: Path) -> None:
+    """The README's quoted blend form, one prefix of it missing: both ranks exit 2 naming that prefix
+    (rank 0 checks, the others get its verdict), no collective left waiting, no megatron assert."""
+    from megatron_patch import local
+    from sailor_hpc.core.plan import Pipeline, Plan, Stage
+    plan = tmp_path / "plan.json"
+    Plan("tiny-gpt", 4, (Pipeline(2, 2, (Stage(0, 2, 1, "A100-40"), Stage(3, 5, 1, "A100-40"))),)).save(plan)
+    missing = tmp_path / "never-built"
+    ranks = local.run(["-m", "megatron_patch.launch", "--plan", str(plan), "--model", "tiny-gpt", "--steps", "1",
+                       "--data", f"0.7 {prefixes[0]} 0.3 {missing}"], 2, timeout=300)
+    for r in ranks:
+        last = r.stderr.strip().splitlines()[-1]
+        assert r.returncode == 2 and last.startswith(f"error: {missing}: --data: no indexed dataset"), \
+            (r.rank, r.stderr[-2000:])
+        assert "Traceback" not in r.stderr
