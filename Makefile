@@ -25,11 +25,12 @@ $(VENV)/.installed-test: setup.cfg pyproject.toml | $(VENV)/bin/python
 install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test
 
-# the main job on embedded defaults: plan OPT-350M on the paper's A100 + V100 site
+# the main job on embedded defaults: plan OPT-350M on the paper's A100 + V100 site; the job's dataset lives
+# on that site's filesystem, not here (--skip-path-check)
 demo: $(VENV)/.installed
 	$(VENV)/bin/sailor-hpc site show site_configs/a100-v100.toml
 	$(VENV)/bin/sailor-hpc plan --site site_configs/a100-v100.toml --model OPT-350M --gbs 1024 \
-		-o $(DEMO_OUT)/plan.json --sbatch $(DEMO_OUT)/train.sbatch \
+		-o $(DEMO_OUT)/plan.json --sbatch $(DEMO_OUT)/train.sbatch --skip-path-check \
 		--data $(CURDIR)/$(DEMO_OUT)/data/tokens --save $(CURDIR)/$(DEMO_OUT)/checkpoints
 	@echo "--- $(DEMO_OUT)/train.sbatch (head)"; head -n 30 $(DEMO_OUT)/train.sbatch
 

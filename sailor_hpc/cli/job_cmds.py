@@ -11,7 +11,13 @@ import click
 from sailor_hpc.cli.app import main
 from sailor_hpc.cli.output import echo_json, json_option, table
 from sailor_hpc.cli.run_cmds import status_cmd as run_status
-from sailor_hpc.cli.training_options import DATA_HELP, pop_training_args, training_options
+from sailor_hpc.cli.training_options import (
+    DATA_HELP,
+    job_paths,
+    pop_training_args,
+    skip_path_check_option,
+    training_options,
+)
 from sailor_hpc.core.atomic import removed_on_error
 from sailor_hpc.core.site import load_site
 from sailor_hpc.jobs.render import (
@@ -60,7 +66,7 @@ def _job_options(f: Any) -> Any:
     ]
     for opt in reversed(opts):
         f = opt(f)
-    return training_options(f)
+    return training_options(skip_path_check_option(f))
 
 
 def _with_training_args(kw: dict[str, Any]) -> dict[str, Any]:
@@ -85,7 +91,7 @@ def _render(plan_file: Path, site_file: Path, model: str | None, data: str | Non
             load: str | None, steps: int, time_limit: str | None, time_min: str | None, job_name: str | None,
             extra_sbatch: tuple[str, ...],
             train_arg: tuple[str, ...], python: str, signal_grace: int | None, workdir: str | None,
-            log_dir: str | None, dry_run: bool, *, job_dir: Path) -> tuple[str, Path]:
+            log_dir: str | None, dry_run: bool, skip_path_check: bool, *, job_dir: Path) -> tuple[str, Path]:
     """Render the job; a placed copy of the plan (if one is needed) goes into ``job_dir`` (see
     :func:`_job_dir`), never next to the input plan, which may be read-only shared data."""
 
@@ -94,6 +100,8 @@ def _render(plan_file: Path, site_file: Path, model: str | None, data: str | Non
         save = str(check_job_dir(plan_file.absolute().parent, "--save (default: next to the plan)")
                    / f"{plan_file.stem}-ckpt")
     check_training_args(data, save, steps, dry_run=dry_run, dry_run_option="--dry-run")
+    if not dry_run:  # ranks that only print their role read none of them
+        data, save, load = job_paths(data, save, load, skip=skip_path_check)
     work = check_job_dir(workdir, "--workdir") if workdir is not None else job_dir
     logs = check_job_dir(log_dir, "--log-dir") if log_dir is not None else work
     plan, plan_path = placed_plan(plan_file, site, model)

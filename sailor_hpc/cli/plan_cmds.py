@@ -9,7 +9,7 @@ from sailor_hpc.cli.app import main
 from sailor_hpc.cli.output import echo_json, json_option, table
 from sailor_hpc.cli.planning import run_planner
 from sailor_hpc.cli.simulate_cmds import runtime_option
-from sailor_hpc.cli.training_options import DATA_HELP, pop_training_args, training_options
+from sailor_hpc.cli.training_options import DATA_HELP, pop_training_args, skip_path_check_option, training_options
 from sailor_hpc.core.plan import Plan
 from sailor_hpc.core.plan_io import load_plan
 from sailor_hpc.core.precision import DTYPES
@@ -63,6 +63,7 @@ def describe_plan(plan: Plan) -> str:
 @click.option("--data", default=None, help="For the --sbatch job: " + DATA_HELP)
 @click.option("--save", default=None, help="Checkpoint directory for the --sbatch job.")
 @click.option("--steps", type=int, default=100, show_default=True, help="Training steps of the --sbatch job.")
+@skip_path_check_option
 @training_options
 @json_option
 @click.pass_context

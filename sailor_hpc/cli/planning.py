@@ -13,6 +13,7 @@ from planner import Constraints, PlanRequest, search
 from planner.geo import geo_search, gpus_per_cluster
 from planner.pareto import plot_pareto
 from sailor_hpc.cli.output import echo_json, memory_by_gpu_type_cell, table
+from sailor_hpc.cli.training_options import job_paths
 from sailor_hpc.core.archive import open_archive
 from sailor_hpc.core.atomic import removed_on_error
 from sailor_hpc.core.errors import SailorError
@@ -81,11 +82,12 @@ def run_planner(site_file: Path, model_name: str, *, archive_path: Path | None, 
                 max_cost_per_iteration: float | None, min_throughput: float | None, max_gpus: int | None,
                 available: str, space: str, runtime: str, top_k: int, output: Path | None, pareto: Path | None,
                 sbatch_out: Path | None, data: str | None, save: str | None, steps: int, as_json: bool,
-                train_args: Sequence[str] = ()) -> None:
+                train_args: Sequence[str] = (), skip_path_check: bool = False) -> None:
     site = load_site(site_file)
     check_options(model_name, seq_len)
     if sbatch_out is not None:
         check_training_args(data, save, steps)  # before the search, not after it (plan has no --dry-run)
+        data, save, _ = job_paths(data, save, None, skip=skip_path_check)
     with in_plan_terms("--archive", field="--profiles",
                        fix="pass --profiles FILE, set SAILOR_PROFILES, or reinstall to get the embedded default"):
         archive = open_archive(archive_path, site)

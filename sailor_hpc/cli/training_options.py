@@ -13,6 +13,7 @@ import click
 
 from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.training import FLAGS, DataBlend, launch_args
+from sailor_hpc.jobs.render import check_job_dir
 
 DATA_HELP = ("Dataset prefix (PREFIX.bin/.idx) the ranks train on, or a blend of prefixes with weights as one "
              "argument: '0.7 PREFIX_A 0.3 PREFIX_B' (as Megatron's data path).")
@@ -43,3 +44,35 @@ def absolute_blend(data: str) -> str:
                 raise SailorError("indexed dataset file not found", file=prefix + suffix, field="--data",
                                   fix="build one: python -m megatron_patch.data PREFIX [TEXT or .jsonl FILES]")
     return blend.with_prefixes(prefixes).text()
+
+
+SKIP_PATH_CHECK = "--skip-path-check"
+
+
+def skip_path_check_option(f: Any) -> Any:
+    return click.option("--skip-path-check", "skip_path_check", is_flag=True,
+                        help="Do not check --data, --save and --load on this machine: they are paths only the "
+                             "compute nodes see (the job then finds out).")(f)
+
+
+def job_paths(data: str | None, save: str | None, load: str | None, *,
+              skip: bool) -> tuple[str | None, str | None, str | None]:
+    """``--data``, ``--save`` and ``--load`` of a job rendered or submitted here, as the job will read them:
+    absolute (the job starts in another directory, on another machine) and checked now (dataset files
+    exist, the checkpoint directory can be created and written, the checkpoint to load exists), so a typo
+    is refused before the job waits in the queue. ``skip``: as given, for paths only compute nodes see."""
+    if skip:
+        return data, save, load
+    try:
+        data = absolute_blend(data) if data is not None else None
+        save = str(check_job_dir(save, "--save")) if save is not None else None
+        if load is not None:
+            target = Path(load).expanduser().absolute()
+            if not target.exists():
+                raise SailorError("no checkpoint (or checkpoint root) here", file=target, field="--load",
+                                  fix="check the path")
+            load = str(target)
+    except SailorError as exc:
+        exc.fix = f"{exc.fix + '; ' if exc.fix else ''}or pass {SKIP_PATH_CHECK} if only the compute nodes see it"
+        raise
+    return data, save, load

@@ -428,7 +428,7 @@ def test_placed_plan_goes_next_to_the_script_not_the_input(tmp_path):
     shared.chmod(0o555)
     try:
         res = CliRunner().invoke(main, ["sbatch", str(plan), "--site", str(LOCAL_LAB), "--data", "/d",
-                                        "--save", str(jobs / "ckpt"), "-o", str(jobs / "train.sh")])
+                                        "--skip-path-check", "--save", str(jobs / "ckpt"), "-o", str(jobs / "train.sh")])
         assert res.exit_code == 0, res.output
         assert sorted(p.name for p in shared.iterdir()) == ["unplaced.json"]
     finally:
@@ -446,7 +446,8 @@ def test_default_checkpoints_stay_next_to_the_plan_whatever_the_script_path(tmp_
     plan = write_plan(tmp_path, "unplaced")
     saves = set()
     for out in (tmp_path / "jobs" / "a.sh", tmp_path / "other" / "b.sh"):
-        res = CliRunner().invoke(main, ["sbatch", str(plan), "--site", str(LOCAL_LAB), "--data", "/d", "-o", str(out)])
+        res = CliRunner().invoke(main, ["sbatch", str(plan), "--site", str(LOCAL_LAB), "--data", "/d", "-o", str(out),
+                                        "--skip-path-check"])
         assert res.exit_code == 0, res.output
         saves |= {line for line in out.read_text().splitlines() if line.startswith("SAVE=")}
     assert saves == {f"SAVE={(tmp_path / 'unplaced-ckpt').absolute()}"}
@@ -572,3 +573,59 @@ def test_time_min_is_rendered_and_one_longer_than_the_limit_is_refused(tmp_path)
     assert res.exit_code == 0 and "--time-min=00:05:00" in _header((tmp_path / "j.sh").read_text())[0], res.output
     res = CliRunner().invoke(main, [*args, "--time-min", "00:20:00"])
     assert res.exit_code == 2 and "--time-min" in res.output
+
+
+# ---- what the job will read is checked before anything is written or submitted
+
+def _dataset(prefix: Path) -> Path:
+    """The two files of an indexed dataset (their contents are the runtime's business, not the renderer's)."""
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    for suffix in (".bin", ".idx"):
+        Path(f"{prefix}{suffix}").write_bytes(b"x")
+    return prefix
+
+
+@pytest.mark.parametrize("case", ["missing_prefix", "missing_blend_prefix", "save_under_a_file", "missing_load"])
+def test_sbatch_and_plan_refuse_paths_the_job_could_not_read(tmp_path, case):
+    data = str(_dataset(tmp_path / "data" / "web"))
+    save, load, named, field = str(tmp_path / "ckpt"), None, "", "--data"
+    if case == "missing_prefix":
+        data, named = str(tmp_path / "data" / "wbe"), str(tmp_path / "data" / "wbe.bin")
+    elif case == "missing_blend_prefix":
+        data, named = f"0.7 {data} 0.3 {tmp_path / 'code'}", str(tmp_path / "code.bin")
+    elif case == "save_under_a_file":
+        (tmp_path / "afile").write_text("")
+        save, named, field = str(tmp_path / "afile" / "ckpt"), str(tmp_path / "afile"), "--save"
+    else:
+        load, named, field = str(tmp_path / "no-such-ckpt"), str(tmp_path / "no-such-ckpt"), "--load"
+    out = tmp_path / "jobs" / "train.sh"
+    args = ["sbatch", str(write_plan(tmp_path, "unplaced")), "--site", str(LOCAL_LAB), "--data", data, "--save", save,
+            "-o", str(out), *(["--load", load] if load else [])]
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 2 and named in res.output and field in res.output, res.output
+    assert "--skip-path-check" in res.output  # the way out for paths only the compute nodes see
+    assert not out.exists() and not (tmp_path / "jobs").exists()  # no script, no placed plan
+    res = CliRunner().invoke(main, [*args, "--skip-path-check"])
+    assert res.exit_code == 0, res.output
+    launch = _bash_argv(out.read_text(), "LAUNCH")
+    assert launch[launch.index("--data") + 1:launch.index("--data") + 1 + len(data.split())] == data.split()
+    if load is None:
+        return
+    sbatch = tmp_path / "p.sbatch"
+    res = CliRunner().invoke(main, ["plan", "--site", str(LOCAL_LAB), "--model", "OPT-350M", "--gbs", "32",
+                                    "--sbatch", str(sbatch), "--data", str(tmp_path / "nothing"), "--save", save])
+    assert res.exit_code == 2 and "nothing.bin" in res.output and not sbatch.exists()
+
+
+def test_checked_paths_go_into_the_job_absolute(tmp_path, monkeypatch):
+    """The job starts elsewhere (its work directory, another machine): relative paths are made absolute
+    against the directory they were checked in."""
+    monkeypatch.chdir(tmp_path)
+    _dataset(tmp_path / "data" / "web")
+    out = tmp_path / "train.sh"
+    res = CliRunner().invoke(main, ["sbatch", str(write_plan(tmp_path, "unplaced")), "--site", str(LOCAL_LAB),
+                                    "--data", "data/web", "--save", "ck", "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    launch = _bash_argv(out.read_text(), "LAUNCH")
+    assert launch[launch.index("--data") + 1] == str(tmp_path / "data" / "web")
+    assert f"SAVE={tmp_path / 'ck'}" in out.read_text()

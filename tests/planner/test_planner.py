@@ -102,7 +102,8 @@ def test_cli_plan_json_and_output(tmp_path: Path) -> None:
     exe = shutil.which("sailor-hpc", path=str(Path(sys.executable).parent)) or "sailor-hpc"
     out = subprocess.run([exe, "plan", "--site", str(LAB), "--model", "OPT-350", "--gbs", "32", "--json",
                           "-o", str(tmp_path / "best.json"), "--pareto", str(tmp_path / "front.png"),
-                          "--sbatch", str(tmp_path / "train.sbatch"), "--data", "/data/tokens", "--save", "/ck"],
+                          "--sbatch", str(tmp_path / "train.sbatch"), "--data", "/data/tokens", "--save", "/ck",
+                          "--skip-path-check"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
