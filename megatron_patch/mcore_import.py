@@ -7,12 +7,17 @@ tool, although on the CPU the fusions are off and the kernels never run. Through
 ``jit_fuser`` is a decorator that calls the real ``torch.compile`` (same arguments) on a kernel's first
 call instead: the same compiled function wherever a fusion runs (GPU), no dynamo where none does.
 Every module of this package that imports megatron calls it first; ``torch.compile`` itself is restored.
+
+megatron-core warns, once per module, that neither Transformer Engine nor Apex is installed and that it
+falls back to torch: 4-6 lines on every rank of every command. This runtime uses neither by design (torch's
+SDPA and AdamW), so those lines say nothing a user can act on and are filtered; any other warning shows.
 """
 from __future__ import annotations
 
 import functools
 import inspect
 import sys
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -40,6 +45,7 @@ def import_megatron() -> None:
     """Import ``megatron.core`` (once per process) with :func:`deferred_compile` as its ``jit_fuser``."""
     if "megatron.core" in sys.modules:
         return
+    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed", category=UserWarning)
     import torch
     real = torch.compile
     torch.compile = deferred_compile(real)  # type: ignore[assignment]

@@ -49,3 +49,13 @@ def test_the_runtime_imports_megatron_without_dynamo() -> None:
     res = python("-c", code)
     assert res.returncode == 0, res.stderr[-3000:]
     assert json.loads(res.stdout.strip().splitlines()[-1]) == ["compile_later", "torch", []]
+
+
+def test_only_the_transformer_engine_and_apex_notices_are_filtered() -> None:
+    code = ("from megatron_patch.mcore_import import import_megatron\nimport_megatron()\n"
+            "import megatron.core.optimizer, megatron.core.optimizer.clip_grads\n"
+            "import warnings\nwarnings.warn('another warning')\n")
+    res = python("-c", code)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "Transformer Engine and Apex are not installed" not in res.stderr
+    assert "UserWarning: another warning" in res.stderr
