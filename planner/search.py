@@ -154,7 +154,19 @@ def _search_dtypes(site: Site, archive: ProfileArchive, request: PlanRequest, se
                    progress: Progress | None) -> SearchResult:
     """``--dtype auto``: search each candidate dtype and keep the best plans of all (a mix of GPU types may
     plan faster in fp16 than its bf16 part alone)."""
-    dtypes = candidate_dtypes(site, archive, request) or ["fp32"]  # none: fp32's search explains what is missing
+    dtypes = candidate_dtypes(site, archive, request)
+    if not dtypes:  # said in auto's terms: suggesting --dtype auto to a user who passed it helps nobody
+        model = get_model(request.model).name
+        types = sorted({p.gpu_type for p in site.partitions if usable_gpus(site, request).get(p.name, 0) > 0})
+        if not types:
+            raise SailorError(f"the request leaves no GPU of site {site.name!r} to plan on", file=site.source,
+                              field="partitions", fix="give some partition GPUs (--available, --max-gpus)")
+        raise SailorError(f"no partition of site {site.name!r} the plan may use has profiles of {model} in a dtype "
+                          f"its GPU type trains in (GPU types: {', '.join(types) or 'none available'})",
+                          file=site.source, field="partitions",
+                          fix=f"profile {model} on them (sailor-hpc profile --site SITE --model {model} --dtype D), "
+                              "check what the archive holds (sailor-hpc profiles list), or pass --profiles with an "
+                              "archive that has them")
     results: list[SearchResult] = []
     first_error: SailorError | None = None
     for dtype in dtypes:

@@ -54,3 +54,16 @@ def test_embedded_profiles_plan_in_fp32(world) -> None:
     bad = runner.invoke(main, ["plan", "--site", "site_configs/a100-v100.toml", "--model", "OPT-350M", "--dtype",
                                "bf16", "--max-gpus", "16"])
     assert bad.exit_code == 2 and "in bf16" in bad.output
+
+
+def test_auto_with_no_profiled_dtype_says_what_to_profile_not_to_use_auto(world) -> None:
+    site, archive = world
+    with pytest.raises(SailorError) as info:
+        search(site, archive, PlanRequest(model="tiny-llama", global_batch_size=16, dtype="auto"))
+    e = info.value
+    assert "has profiles of tiny-llama" in e.message and "G1, G2" in e.message
+    assert "--dtype auto" not in e.fix and "sailor-hpc profile" in e.fix
+    with pytest.raises(SailorError) as info:
+        search(site, archive, PlanRequest(model="tiny-gpt", global_batch_size=16, dtype="auto",
+                                          available={"p1": 0, "p2": 0}))
+    assert "no GPU" in info.value.message and "--available" in info.value.fix
