@@ -27,7 +27,8 @@ from simulator.iteration import Collective, StageKey, last_met
 
 COLORS = {"fwd": "#4c72b0", "bwd": "#55a868", "send_act": "#c4a000", "recv_act": "#c4a000", "send_grad": "#dd8452",
           "recv_grad": "#dd8452", "post_act": "#e9d98a", "post_grad": "#f0c0a0", "exchange": "#c4a000",
-          "tied": "#8172b3", "grads": "#c44e52", "optimizer": "#333333", "wait": "#bbbbbb"}
+          "tied": "#8172b3", "grads": "#c44e52", "optimizer": "#333333", "wait": "#bbbbbb", "idle": "#eeeeee",
+          "compute": "#4f8d7d"}
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,7 @@ class Event:
     pipeline: int
     stage: int
     kind: str  # fwd, bwd, send_act, recv_act, send_grad, recv_grad, exchange, post_act, post_grad (a message in
-    # flight: its sender went on), tied, grads, wait, optimizer
+    # flight: its sender went on), idle (waiting for a message or a peer), tied, grads, wait, optimizer
     micro_batch: int | None
     start: float
     end: float
@@ -195,7 +196,8 @@ def run_programs(progs: dict[StageKey, list[_Op]]) -> list[Event]:
                     if op.key not in in_flight:
                         break
                     start, clock[k] = clock[k], max(clock[k], in_flight.pop(op.key))
-                    events.append(Event(k[0], k[1], op.kind, op.mb, start, clock[k], op.peer))
+                    # the bytes moved on the sender's link (its post_ event): here the rank only waits for them
+                    events.append(Event(k[0], k[1], "idle", op.mb, start, clock[k], f"{op.kind} from {op.peer}"))
                 else:
                     arrived = waiting.setdefault(op.key, [])
                     if all(r != k for r, _ in arrived):  # a collective runs on the rank's communication stream
@@ -266,6 +268,9 @@ def _meet(progs: dict[StageKey, list[_Op]], pc: dict[StageKey, int], clock: dict
     coll = op.key is not None and op.key[0] == "coll"
     if coll:
         met.append((frozenset(r for r, _ in arrived), start + op.seconds))
+    else:  # a blocking transfer: whoever came first waits for its peer (a collective waits on its comm stream)
+        events.extend(Event(r[0], r[1], "idle", op.mb, ready, start, f"{progs[r][pc[r]].kind}: peer not ready")
+                      for r, ready in arrived if ready < start)
     for r, _ in arrived:
         rop = progs[r][pc[r]]
         events.append(Event(r[0], r[1], rop.kind, rop.mb, start, start + rop.seconds, rop.peer))
@@ -297,7 +302,7 @@ class Timeline:
         """When each rank ended its last pipeline instruction (compute or transfer)."""
         out: dict[StageKey, float] = {}
         for e in self.events:
-            if e.kind in ("fwd", "bwd", "send_act", "recv_act", "send_grad", "recv_grad", "exchange"):
+            if e.kind in ("fwd", "bwd", "send_act", "recv_act", "send_grad", "recv_grad", "exchange", "idle"):
                 k = (e.pipeline, e.stage)
                 out[k] = max(out.get(k, 0.0), e.end)
         return out
@@ -312,33 +317,129 @@ class Timeline:
         write_gantt(self, path, title)
 
 
+DENSE_EVENTS = 80  # work events in one row beyond which the whole iteration is drawn binned, with a zoom
+BINS = 600
+_TRANSFERS = ("send_act", "recv_act", "send_grad", "recv_grad", "exchange")
+_LEGEND = [("fwd", "forward"), ("bwd", "backward"), ("send_act", "activation transfer"),
+           ("send_grad", "gradient transfer"), ("post_act", "activation in flight"), ("post_grad", "gradient in flight"),
+           ("idle", "waiting for a message or a peer"), ("tied", "tied-embedding all-reduce"),
+           ("wait", "wait for the slowest replica"), ("grads", "gradient all-reduce"), ("optimizer", "optimizer")]
+
+
+def chart_rows(timeline: Timeline) -> list[tuple[str, StageKey]]:
+    """One row per distinct rank schedule: replicas whose events are identical (same kinds, same times) share
+    a row, labelled with how many it stands for; a 64-replica plan is as many rows as it has shapes."""
+    by_rank: dict[StageKey, list[tuple]] = {}
+    for e in timeline.events:
+        by_rank.setdefault((e.pipeline, e.stage), []).append((e.kind, round(e.start, 9), round(e.end, 9)))
+    groups: dict[tuple, list[StageKey]] = {}
+    for k in sorted(by_rank):
+        groups.setdefault((k[1], tuple(sorted(by_rank[k]))), []).append(k)
+    rows = []
+    for ranks in sorted(groups.values()):
+        p, s = ranks[0]
+        rows.append((f"p{p} s{s}" + (f" (+{len(ranks) - 1} identical)" if len(ranks) > 1 else ""), ranks[0]))
+    return rows
+
+
+def _binned(events: list[Event], end: float) -> list[tuple[float, float, str]]:
+    """A row's iteration in :data:`BINS` slices, each coloured by what takes most of it (compute = forward and
+    backward together), merged into runs: readable however many micro-batches the plan has."""
+    width = end / BINS
+    share = [dict[str, float]() for _ in range(BINS)]
+    for e in events:
+        kind = "compute" if e.kind in ("fwd", "bwd") else "send_act" if e.kind in _TRANSFERS else e.kind
+        lo, hi = int(e.start / width), min(BINS - 1, int(e.end / width))
+        for b in range(lo, hi + 1):
+            overlap = min(e.end, (b + 1) * width) - max(e.start, b * width)
+            if overlap > 0:
+                share[b][kind] = share[b].get(kind, 0.0) + overlap
+    runs: list[tuple[float, float, str]] = []
+    for b, sh in enumerate(share):
+        if not sh:
+            continue
+        kind = max(sh, key=lambda k: sh[k])
+        if runs and runs[-1][2] == kind and abs(runs[-1][0] + runs[-1][1] - b * width) < width / 2:
+            runs[-1] = (runs[-1][0], runs[-1][1] + width, kind)
+        else:
+            runs.append((b * width, width, kind))
+    return runs
+
+
+def _draw(ax, rows: list[tuple[str, StageKey]], events: dict[StageKey, list[Event]], t_end: float | None,
+          binned: bool) -> None:
+    """One panel: every row's events up to ``t_end`` (None: all), one ``broken_barh`` per row and kind."""
+    for n, (_, k) in enumerate(rows):
+        mine = [e for e in events[k] if e.end > e.start and (t_end is None or e.start < t_end)]
+        posted = [e for e in mine if e.kind.startswith("post_")]
+        work = [e for e in mine if not e.kind.startswith("post_")]
+        spans: dict[str, list[tuple[float, float]]] = {}
+        if binned:
+            for start, width, kind in _binned(work, max(e.end for e in work)):
+                spans.setdefault(kind, []).append((start, width))
+        else:
+            for e in work:
+                spans.setdefault(e.kind, []).append((e.start, min(e.end, t_end or e.end) - e.start))
+        for kind, xs in spans.items():
+            ax.broken_barh(xs, (n - 0.4, 0.8), facecolors=COLORS.get(kind, "#999"), edgecolor="none",
+                           hatch="////" if kind == "idle" else None)
+        if not binned:  # in flight while the sender computes: a thin bar under its row
+            for kind in ("post_act", "post_grad"):
+                xs = [(e.start, e.end - e.start) for e in posted if e.kind == kind]
+                if xs:
+                    ax.broken_barh(xs, (n + 0.2, 0.2), facecolors=COLORS[kind], edgecolor="none")
+    ax.set_yticks(range(len(rows)), [label for label, _ in rows], fontsize=8)
+    ax.set_ylim(len(rows) - 0.5, -0.5)
+
+
+def present_transfer(timeline: Timeline) -> bool:
+    return any(e.kind in _TRANSFERS for e in timeline.events)
+
+
 def write_gantt(timeline: Timeline, path: str | Path, title: str = "") -> None:
-    """Per-rank Gantt chart of one iteration (matplotlib, no display needed)."""
+    """Per-rank Gantt chart of one iteration (matplotlib, no display needed).
+
+    Identical replicas share a row (:func:`chart_rows`). Up to :data:`DENSE_EVENTS` events a row, every
+    event is drawn; beyond, the first panel shows the whole iteration binned (what takes most of each
+    slice: pipeline fill and drain, steady state, all-reduce tail) and a second panel the first micro-batches
+    in full, where the schedule's pattern shows (later micro-batches repeat it)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    ranks = sorted({(e.pipeline, e.stage) for e in timeline.events})
-    row = {k: n for n, k in enumerate(ranks)}
-    fig, ax = plt.subplots(figsize=(14, max(2.6, 0.35 * len(ranks) + 1.2)))
+    rows = chart_rows(timeline)
+    events: dict[StageKey, list[Event]] = {}
     for e in timeline.events:
-        if e.end <= e.start:
-            continue
-        posted = e.kind.startswith("post_")  # in flight while the sender computes: a thin bar under its row
-        ax.barh(row[(e.pipeline, e.stage)] + (0.3 if posted else 0.0), e.end - e.start, left=e.start,
-                height=0.2 if posted else 0.8, color=COLORS.get(e.kind, "#999"), edgecolor="none")
-    ax.set_yticks(range(len(ranks)), [f"p{p} s{s}" for p, s in ranks])
-    ax.invert_yaxis()
+        events.setdefault((e.pipeline, e.stage), []).append(e)
+    work = max(sum(1 for e in events[k] if e.kind in ("fwd", "bwd")) for _, k in rows)
+    dense = work > DENSE_EVENTS
+    height = max(2.6, 0.3 * len(rows) + 1.2)
+    fig, axes = plt.subplots(2 if dense else 1, 1, figsize=(14, height * (2 if dense else 1)), squeeze=False)
+    ax = axes[0][0]
+    _draw(ax, rows, events, None, binned=dense)
     ax.set_xlabel("seconds")
     ax.set_title(title or f"one iteration: {timeline.iteration_time_s:.4g} s")
-    kinds = ["fwd", "bwd", "send_act", "send_grad", "post_act", "post_grad", "tied", "wait", "grads", "optimizer"]
-    labels = ["forward", "backward", "activation transfer", "gradient transfer", "activation in flight",
-              "gradient in flight", "tied-embedding all-reduce",
-              "wait for the slowest replica", "gradient all-reduce", "optimizer"]
-    ax.legend(handles=[Patch(color=COLORS[k], label=lab) for k, lab in zip(kinds, labels)], loc="upper left",
-              bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    legend = [(k, lab) for k, lab in _LEGEND if k != "fwd" and k != "bwd"] if dense else _LEGEND
+    if dense:
+        legend = [("compute", "forward + backward"), *legend]
+        zoom_ax = axes[1][0]
+        first = rows[0][1]
+        bwd = sorted(e.end for e in events[first] if e.kind == "bwd")
+        stages = 1 + max(s for p, s in events if p == first[0])
+        t_zoom = bwd[min(len(bwd), 2 * stages + 2) - 1]
+        _draw(zoom_ax, rows, events, t_zoom, binned=False)
+        zoom_ax.set_xlim(0, t_zoom)
+        zoom_ax.set_xlabel("seconds")
+        zoom_ax.set_title(f"the first {min(len(bwd), 2 * stages + 2)} micro-batches of {rows[0][0].split(' (')[0]} "
+                          f"in full ({work} forward and backward events a row in all)", fontsize=10)
+        legend += [(k, lab) for k, lab in _LEGEND if k in ("fwd", "bwd")]
+    present = {e.kind for e in timeline.events} | {"compute", "send_act" if present_transfer(timeline) else ""}
+    ax.set_xlim(0, timeline.iteration_time_s)
+    ax.legend(handles=[Patch(facecolor=COLORS[k], hatch="////" if k == "idle" else None, label=lab)
+                       for k, lab in legend if k in present], loc="upper left", bbox_to_anchor=(1.01, 1.0),
+              fontsize=8, frameon=False)
     fig.tight_layout()
     with atomic_path(path) as tmp:  # the user's path in any error; nothing half-written
         fig.savefig(tmp, dpi=110, format="png")

@@ -195,3 +195,22 @@ def test_runtime_is_an_explicit_named_choice(mit, sailor_archive):
     for row in report.rows:
         assert row.result is not None
         assert row.est_s == simulate(row.result.plan, mit, sailor_archive, options=ds).iteration_time_s
+
+
+@pytest.mark.parametrize("asynchronous, serial, idle", [
+    # DeepSpeed buffered: s1 waits for act0 (arrives 1.5) and act1 (sent only after grad0 came, 5.5); s0 waits
+    # for grad0 (5.0) and grad1 (9.0)
+    (True, True, {(1, 0.0, 1.5), (0, 2.0, 5.0), (1, 4.5, 5.5), (0, 7.0, 9.0)}),
+    (False, False, {(1, 0.0, 1.0), (0, 2.5, 4.5), (0, 7.0, 8.0)}),  # megatron blocking: each side waits for the other
+], ids=["deepspeed-async", "megatron-blocking"])
+def test_waiting_is_drawn_as_waiting_not_as_link_time(asynchronous, serial, idle):
+    """The by-hand timelines above: a rank that waits for a message or for its peer to reach a blocking
+    exchange gets an ``idle`` event over exactly that wait; the link's own seconds stay transfers."""
+    F, B, act, grad, m = TWO
+    progs = build_programs([F], [B], [act], [grad], [m], [], {(0, s): 0.0 for s in range(len(F))}, [[asynchronous]],
+                           serial)
+    events = run_programs(progs)
+    waits = {(e.stage, round(e.start, 9), round(e.end, 9)) for e in events if e.kind == "idle" and e.end > e.start}
+    assert waits == idle
+    transfers = [e for e in events if e.kind in ("exchange", "send_act", "recv_act", "send_grad", "recv_grad")]
+    assert all(e.end - e.start == pytest.approx(0.5) for e in transfers)
