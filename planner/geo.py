@@ -31,6 +31,7 @@ from planner.request import PlanRequest
 from planner.search import (
     ESTIMATE_SLACK,
     Candidate,
+    Progress,
     SearchResult,
     SearchSettings,
     candidate_dtypes,
@@ -292,8 +293,10 @@ class Estimator:
 
 
 def chain_search(site: Site, archive: ProfileArchive, request: PlanRequest, groups: Sequence[Group], *,
-                 settings: ChainSettings | None = None, greedy_only: bool = False) -> list[Candidate]:
-    """The best chains for ``request``, simulated whole and ranked like :func:`planner.search.search`."""
+                 settings: ChainSettings | None = None, greedy_only: bool = False,
+                 progress: Progress | None = None) -> list[Candidate]:
+    """The best chains for ``request``, simulated whole and ranked like :func:`planner.search.search`;
+    ``progress(done, total)`` follows the simulations (the slow part)."""
     settings = settings or ChainSettings()
     ev = StageEvaluator(archive, site, get_model(request.model), dtype=request.dtype,
                         options=SimOptions(runtime=request.runtime))
@@ -315,7 +318,10 @@ def chain_search(site: Site, archive: ProfileArchive, request: PlanRequest, grou
     exhaustive = len(priced) <= settings.exhaustive_chains
     out: list[Candidate] = []
     simulated = 0
+    budget = len(priced) if exhaustive else min(len(priced), settings.simulate_limit)
     for _, chain, where in priced:
+        if progress is not None:
+            progress(min(simulated, budget), max(1, budget))
         # past the estimate's best, only while the bounds keep rejecting what the estimate let through
         if not exhaustive and (simulated >= settings.simulate_limit
                                or (simulated >= settings.simulate_top and out)):
@@ -329,8 +335,28 @@ def chain_search(site: Site, archive: ProfileArchive, request: PlanRequest, grou
         simulated += 1
         if res.fits and _meets(request, res.throughput_samples_per_s, res.cost_per_iteration):
             out.append(Candidate(plan, res))
+    if progress is not None:
+        progress(1, 1)
     out.sort(key=ranking(request))
     return out
+
+
+class _Phases:
+    """One (done, total) progress over several searches run in turn: phase ``i`` of ``n`` fills its share."""
+
+    SCALE = 1000
+
+    def __init__(self, progress: Progress | None, phases: int) -> None:
+        self.progress, self.phases, self.phase = progress, max(1, phases), 0
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.progress is not None:
+            share = (self.phase + min(1.0, done / max(1, total))) / self.phases
+            self.progress(int(share * self.SCALE), self.SCALE)
+
+    def next(self) -> None:
+        self.phase += 1
+        self(0, 1)
 
 
 def _meets(request: PlanRequest, throughput: float, cost_per_iteration: float) -> bool:
@@ -340,27 +366,33 @@ def _meets(request: PlanRequest, throughput: float, cost_per_iteration: float) -
 
 
 def geo_search(site: Site, archive: ProfileArchive, request: PlanRequest, *,
-               settings: SearchSettings | None = None, chain_settings: ChainSettings | None = None) -> SearchResult:
+               settings: SearchSettings | None = None, chain_settings: ChainSettings | None = None,
+               progress: Progress | None = None) -> SearchResult:
     """The best plans of both shapes: the partition-local pipelines of :func:`planner.search.search`
     (data parallelism may cross clusters) and the chains of :func:`chain_search` (pipelines cross
     clusters), with each stage's data parallelism inside one cluster, and inside one group of
     :func:`linked_groups` (clusters joined by fast links, Sailor's merged region)."""
     t0 = time.perf_counter()
     local_error: SailorError | None = None
-    try:
-        local = search(site, archive, request, settings=settings)
-    except SailorError as exc:
-        local, local_error = None, exc
-    crossing: list[Candidate] = []
+    dtypes: list[str] = []
+    groupings: list[list[Group]] = []
     if len(site.clusters) > 1:
         dtypes = candidate_dtypes(site, archive, request) if request.dtype == "auto" else [request.dtype]
         groupings = [cluster_groups(site)]
         linked = linked_groups(site)
         if linked != groupings[0]:
             groupings.append(linked)
-        for dtype in dtypes:
-            for groups in groupings:
-                crossing += chain_search(site, archive, replace(request, dtype=dtype), groups, settings=chain_settings)
+    phases = _Phases(progress, 1 + len(dtypes) * len(groupings))
+    try:
+        local = search(site, archive, request, settings=settings, progress=phases)
+    except SailorError as exc:
+        local, local_error = None, exc
+    crossing: list[Candidate] = []
+    for dtype in dtypes:
+        for groups in groupings:
+            phases.next()
+            crossing += chain_search(site, archive, replace(request, dtype=dtype), groups, settings=chain_settings,
+                                     progress=phases)
     if local_error is not None and not crossing:
         raise local_error  # the local search's explanation
     unique = {repr(c.plan.pipelines): c for c in [*(local.candidates if local else []), *crossing]}  # both find some

@@ -98,7 +98,7 @@ def run_planner(site_file: Path, model_name: str, *, archive_path: Path | None, 
     bar = _ProgressBar() if not as_json and sys.stderr.isatty() else None
     try:
         # several clusters: also the plans whose pipelines cross them (planner.geo)
-        result = (geo_search(site, archive, request) if len(site.clusters) > 1
+        result = (geo_search(site, archive, request, progress=bar) if len(site.clusters) > 1
                   else search(site, archive, request, progress=bar))
     finally:
         if bar is not None:

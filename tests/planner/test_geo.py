@@ -87,7 +87,10 @@ def test_assign_refuses_more_replicas_than_a_cluster_holds(world) -> None:
 def test_geo_search_keeps_the_best_of_both_shapes(world) -> None:
     site, archive = world
     request = PlanRequest("tiny-gpt", GBS, available=AVAILABLE)
-    geo = geo_search(site, archive, request)
+    seen: list[tuple[int, int]] = []
+    geo = geo_search(site, archive, request, progress=lambda done, total: seen.append((done, total)))
+    # one progress over the local search and every chain search: from the start to the end
+    assert seen[-1] == (1000, 1000) and min(d for d, _ in seen) < 500 and {t for _, t in seen} == {1000}
     local = search(site, archive, request).candidates[0].throughput
     chain = chain_search(site, archive, request, cluster_groups(site))[0].throughput
     assert geo.candidates[0].throughput == pytest.approx(max(local, chain))
