@@ -32,7 +32,7 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -88,11 +88,41 @@ def _megatron(spec: ModelSpec, world: int, samples: Any) -> Callable[[], float]:
     return megatron_core_step(spec, world, samples, mbs=micro_batch_size(spec.seq_len), micro=MICRO)
 
 
+def optimizer_param_problems(named: Iterable[tuple[str, Any]], device: str, dtype: Any) -> list[str]:
+    """The trainable parameters megatron's optimizer would refuse or train differently from Megatron's own
+    training, each as "name: why". Its ``Float16OptimizerWithFloat16Params`` (bf16/fp16) accepts only CUDA
+    tensors (``torch.cuda.{Half,BFloat16,Float}Tensor``) and raises a bare TypeError on the first other one;
+    Megatron's training gives every parameter the model's device and, through ``Float16Module``, its dtype."""
+    out = []
+    for name, p in named:
+        if not p.requires_grad:
+            continue
+        why = ([f"on {p.device.type}, not {device}"] if p.device.type != device else []) + \
+              ([f"{p.dtype}, not {dtype}"] if p.dtype != dtype else [])
+        if why:
+            out.append(f"{name}: {', '.join(why)}")
+    return out
+
+
+def check_optimizer_params(model: Any, device: str, dtype: Any) -> None:
+    """Raise, naming every offending parameter, before megatron's optimizer fails on the first one."""
+    import torch
+    if dtype in (torch.bfloat16, torch.float16) and device != "cuda":  # its type check names CUDA tensor types
+        raise RuntimeError(f"megatron-core's {dtype} optimizer (Float16OptimizerWithFloat16Params) takes CUDA "
+                           f"tensors only: its mixed-precision path cannot run on {device}; use fp32 there")
+    bad = optimizer_param_problems(model.named_parameters(), device, dtype)
+    if bad:
+        raise RuntimeError(f"{len(bad)} parameter(s) not on {device} in {dtype}, as megatron's optimizer needs "
+                           f"(build the model as megatron_patch.reference.gpt_model does): " + "; ".join(bad[:12])
+                           + (" ..." if len(bad) > 12 else ""))
+
+
 def megatron_core_step(spec: ModelSpec, world: int, samples: Any, *, mbs: int, micro: int, device: str = "cpu",
                        dtype: str = "fp32", attention: str = "sdpa") -> Callable[[], float]:
-    """megatron-core's own homogeneous data-parallel training step (DDP with overlapped grad reduce, fp32
-    gradient reduction, its mixed-precision optimizer for bf16/fp16); ``attention="megatron"``: its own local
-    spec's attention. The process group must be initialised."""
+    """megatron-core's own homogeneous data-parallel training step (its GPTModel, in ``Float16Module`` for
+    bf16/fp16 as its training wraps it; DDP with overlapped grad reduce, fp32 gradient reduction, its
+    mixed-precision optimizer); ``attention="megatron"``: its own local spec's attention. The process group
+    must be initialised."""
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -112,6 +142,7 @@ def megatron_core_step(spec: ModelSpec, world: int, samples: Any, *, mbs: int, m
     patch.seed_model_parallel_rng(SEED, 0)
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     model = gpt_model(spec, SEED, attention, dtype=torch_dtype, cuda=not cpu)
+    check_optimizer_params(model, device, torch_dtype)
     config = model.config
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(overlap_grad_reduce=True,
                                                                          use_distributed_optimizer=False,

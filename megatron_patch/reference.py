@@ -45,7 +45,11 @@ def gpt_model(spec: ModelSpec, seed: int, attention: str = "sdpa", *, dtype: tor
     """megatron-core's GPTModel at TP 1 (local layer spec, unpadded vocabulary), canonically initialised.
 
     Its core attention is the runtime's (SDPA) unless ``attention="megatron"`` (DotProductAttention).
-    ``dtype``/``cuda``: megatron's own mixed-precision GPU model (the GPU check's baseline)."""
+    ``dtype``/``cuda``: megatron's own mixed-precision GPU model (the GPU check's baseline), made as Megatron's
+    training (``get_model``) makes it: moved with ``.cuda()`` (torch's LayerNorm, which the local spec uses
+    without apex, and the learned position embedding are built on the host in fp32 whatever the config says),
+    then wrapped in ``Float16Module`` for bf16/fp16 (every parameter in that dtype, fp32 losses out), whose
+    parameter names carry a ``module.`` prefix."""
     from megatron.core.models.gpt import GPTModel
     a = arch_of(spec)
     model = GPTModel(transformer_config(spec, tp=1, dtype=dtype, cuda=cuda), layer_spec(spec, attention),
@@ -59,6 +63,11 @@ def gpt_model(spec: ModelSpec, seed: int, attention: str = "sdpa", *, dtype: tor
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(canonical_init(infos[name], seed, spec.vocab_size))
+    if cuda:
+        model.cuda(torch.cuda.current_device())
+    if dtype in (torch.bfloat16, torch.float16):
+        from megatron.core.transformer.module import Float16Module
+        return Float16Module(model.config, model)
     return model
 
 
