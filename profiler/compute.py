@@ -7,19 +7,32 @@ TP group of all processes of the job. Blocks K+1..T have the same shapes as bloc
 numbers (Sailor's convention, recorded as ``profiled_blocks`` = K), so a 48-block model is profiled
 with the memory of K blocks.
 
-How it is timed, per micro-batch size: every pipeline layer runs on its own, on the detached output of
-the layer before (so its forward and its backward, weight gradients included, are isolated the way a
-pipeline stage boundary isolates them; TP collectives inside the layer are included). CUDA events on a
-GPU, the wall clock on CPU; ``warmup`` untimed iterations, then the median of ``iters``. The update
-column is the optimizer step (megatron_patch's AdamW, :class:`megatron_patch.optimizer.StageOptimizer`)
-of the whole profiled model, repeated on every row, as the simulator reads it.
+How it is timed, per micro-batch size (why: the first H100 run timed each layer alone with a host
+synchronisation after it and built the output gradients on the CPU between forward and backward, so
+the GPU idled most of the sweep, its clocks fell, every layer paid launch latency, and the profile was
+neither monotonic nor what training runs; see :class:`Repetitions`):
 
-Besides each layer alone, the measured layers also run as one chain (one forward through all of them,
-one backward), the way a pipeline stage runs them: on a GPU the host launches the next layer's kernels
-while the previous ones run, which per-layer timing cannot see (small micro-batches are launch-bound).
-The chain's forward and backward seconds go into the point's provenance (``stack_fwd_s``,
-``stack_bwd_s``, ``stack_layers``); the simulator turns the difference to the per-layer sum into a
-saving per layer boundary inside a stage.
+* the measured layers run as one chain per repetition, as a pipeline stage runs them: a forward through
+  all of them, each on the detached output of the one before (so each layer's backward, weight
+  gradients and TP collectives included, can be bracketed on its own), then their backwards from the
+  last to the first, each fed the input gradient the layer after it produced, then the optimizer step.
+  A mark (a CUDA event on a GPU, ``perf_counter`` on CPU) is recorded between consecutive layers and
+  nothing waits for the device inside a repetition, so a layer's time is its slice of the chain and
+  the per-layer times of a repetition sum to the chain's time exactly;
+* tokens, labels and the gradient of the chain's last output are made on the device once per micro-batch
+  size, outside any timed region;
+* before each size, untimed repetitions warm the device up: on a GPU until the repetition time stops
+  falling (clocks ramp up under load), on CPU a few;
+* then repetitions run back to back (a GPU synchronises once per batch of them) until there are at
+  least ``iters`` of them and ``min_time_s`` of timed work; each layer's number is the median, and the
+  relative interquartile range of every layer and of the whole model goes into the archive beside it
+  (:class:`sailor_hpc.core.archive.PointSpread`);
+* after all sizes, a point whose whole-model forward or backward is faster than a smaller size's by
+  more than their spreads allow (:mod:`profiler.monotonic`) is measured once more, and if it still
+  breaks monotonicity it is written with a flag saying so.
+
+The update column is the optimizer step (megatron_patch's AdamW, :class:`megatron_patch.optimizer.StageOptimizer`)
+of the whole profiled model, repeated on every row, as the simulator reads it.
 
 Memory at micro-batch 1: parameters per TP rank per layer from megatron_patch's layout (checked against
 the built modules by ``build_stage_module``); each layer's output and input elements; retained
@@ -30,7 +43,7 @@ memory in use that the caching allocator does not hold
 (context, cuBLAS/NCCL workspaces; ``nvidia-smi`` minus reserved) after the TP collectives ran; on CPU,
 the process's resident memory after start-up (a stand-in, recorded under the ``cpu-`` key only).
 
-Failures: a step (the memory table, a micro-batch size, its chain timing) that fails on any TP rank,
+Failures: a step (the memory table, a micro-batch size, its re-measure) that fails on any TP rank,
 out of memory or otherwise, is recorded as failed on every rank with the reasons, and the sweep of the
 job goes on with the next size (:class:`TPAgreement`: no rank is left waiting in a collective).
 """
@@ -40,12 +53,12 @@ import contextlib
 import datetime
 import functools
 import gc
+import json
 import math
 import os
-import statistics
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,23 +79,64 @@ from megatron_patch.model import (
     padded_vocab_size,
 )
 from megatron_patch.optimizer import AdamConfig, StageOptimizer
+from profiler.monotonic import ModelTotals, violations
+from sailor_hpc.core.archive import PointSpread
 from sailor_hpc.core.models import ModelSpec
 
 DEFAULT_BLOCKS = 2
 
 
+@dataclass(frozen=True)
+class Repetitions:
+    """How long a point is measured. The defaults are the issue's: at least 20 repetitions and a second of
+    timed work per point, after a warm-up that brings a GPU to steady clocks (an H100 idles at 345 MHz and
+    boosts to 1980 MHz: a profile taken while it ramps up is slow by a factor no model can undo). Tests
+    pass smaller numbers; the CPU is warm after a few repetitions, so the steady-clock search is GPU-only."""
+
+    warmup: int = 3  # untimed repetitions at least
+    iters: int = 20  # timed repetitions at least
+    min_time_s: float = 1.0  # timed work at least (sum of the repetitions' times)
+    max_reps: int = 2000  # at most, whatever min_time_s asks (tiny layers would need tens of thousands)
+    steady_tol: float = 0.02  # warm when two consecutive repetitions fell by less than this fraction each
+    warmup_min_s: float = 0.2  # GPU: sustained load before steadiness is judged (the clock governor's reaction)
+    warmup_max_s: float = 5.0  # GPU: give up waiting for steady clocks after this (the point then says so)
+    batch_s: float = 0.5  # GPU: timed work enqueued between host synchronisations
+
+
+@dataclass
+class Samples:
+    """Seconds of every timed repetition of one point, per measured layer (in ``LayerProfiler.measured``
+    order), and how the warm-up went."""
+
+    fwd: np.ndarray  # (R, n)
+    bwd: np.ndarray  # (R, n)
+    upd: np.ndarray  # (R,)
+    warmup_reps: int
+    warmup_settled: bool  # False: the warm-up cap ran out before the repetition time stopped falling
+
+    @property
+    def repetitions(self) -> int:
+        return int(self.upd.shape[0])
+
+
 @dataclass
 class PointResult:
-    """One (micro-batch size, TP) point: (L, 3) seconds, or why it failed."""
+    """One (micro-batch size, TP) point: (L, 3) seconds and their spread, or why it failed."""
 
     mbs: int
     times: np.ndarray | None
     reason: str = ""
-    stack: tuple[float, float] | None = None  # forward, backward seconds of the measured layers as one chain
+    spread: PointSpread | None = None
+    flag: str = ""  # why the point is suspect (see profiler.monotonic), "" when it is not
+    info: dict[str, Any] = field(default_factory=dict)  # per-point provenance (warm-up, re-measure)
 
     @property
     def ok(self) -> bool:
         return self.times is not None
+
+    def totals(self) -> ModelTotals:
+        assert self.times is not None
+        return ModelTotals.of(self.mbs, self.times, self.spread)
 
 
 @dataclass
@@ -96,22 +150,38 @@ class ComputeResult:
 
 
 class _Clock:
-    """Elapsed seconds of a region: CUDA events on a GPU, perf_counter on CPU."""
+    """Marks between the regions of a repetition: CUDA events on a GPU (recorded on the stream, so marking
+    never waits for the device), ``perf_counter`` on CPU."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
 
-    def measure(self, fn: Callable[[], Any]) -> tuple[float, Any]:
+    def mark(self) -> Any:
         if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            out = fn()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / 1000.0, out
-        t0 = time.perf_counter()
-        out = fn()
-        return time.perf_counter() - t0, out
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def seconds(self, marks: Sequence[Any]) -> np.ndarray:
+        """Seconds between consecutive marks; on a GPU after waiting for the last one, the only host
+        synchronisation of the repetitions enqueued before it."""
+        if self.cuda:
+            marks[-1].synchronize()
+            return np.array([a.elapsed_time(b) for a, b in zip(marks, marks[1:])]) / 1000.0
+        return np.diff(np.asarray(marks, dtype=np.float64))
+
+
+def _rel_iqr(x: np.ndarray) -> np.ndarray:
+    """Interquartile range / median along the repetitions (axis 0); 0 where the median is 0."""
+    q25, med, q75 = np.percentile(x, [25, 50, 75], axis=0)
+    return np.divide(q75 - q25, med, out=np.zeros_like(med), where=med > 0)
+
+
+def _settled(times: Sequence[float], tol: float) -> bool:
+    """The repetition time stopped falling: neither of the last two repetitions was faster than the one
+    before it by more than ``tol``."""
+    return len(times) >= 3 and all(times[i] >= (1 - tol) * times[i - 1] for i in (-1, -2))
 
 
 def profiled_blocks(spec: ModelSpec, blocks: int | None) -> int:
@@ -166,8 +236,10 @@ def _inputs(spec: ModelSpec, mbs: int, device: torch.device, seed: int) -> tuple
 
 
 def _grad_like(out: torch.Tensor, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(out.shape, generator=g, dtype=torch.float32).to(device=out.device, dtype=out.dtype)
+    """A gradient for ``out``, made on its device (a CPU tensor copied over from pageable memory stalls the
+    GPU), the same on every TP rank (same seed, same generator kernel)."""
+    g = torch.Generator(device=out.device).manual_seed(seed)
+    return torch.randn(out.shape, generator=g, device=out.device, dtype=torch.float32).to(out.dtype)
 
 
 def _retained_bytes(fn: Callable[[], torch.Tensor], exclude: Sequence[torch.Tensor],
@@ -200,10 +272,12 @@ class LayerProfiler:
     """Builds the profiled stages once and measures any micro-batch size on them."""
 
     def __init__(self, spec: ModelSpec, *, tp_group: Any, device: torch.device, dtype: str = "fp32",
-                 blocks: int | None = None, warmup: int = 3, iters: int = 10, seed: int = 1234) -> None:
+                 blocks: int | None = None, warmup: int = 3, iters: int = 20, min_time_s: float = 1.0,
+                 seed: int = 1234) -> None:
         self.spec, self.device, self.dtype = spec, device, dtype
         self.k = profiled_blocks(spec, blocks)
-        self.warmup, self.iters, self.seed = warmup, iters, seed
+        self.reps = Repetitions(warmup=warmup, iters=iters, min_time_s=min_time_s)
+        self.seed, self.group = seed, tp_group
         self.tp, self.rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
         self.padded = padded_vocab_size(spec, (self.tp,))
         self.clock = _Clock(device)
@@ -224,73 +298,131 @@ class LayerProfiler:
         return next(st for st in self.stages if layer in st.by_layer)
 
     def _forward_chain(self, tokens: torch.Tensor, labels: torch.Tensor,
-                       each: Callable[[int, Callable[[], torch.Tensor], torch.Tensor | None], torch.Tensor]) -> None:
-        """Run every measured layer once, each on the detached output of the one before."""
+                       each: Callable[[int, Callable[[], torch.Tensor], torch.Tensor | None], torch.Tensor]
+                       ) -> torch.Tensor:
+        """Run every measured layer once, each on the detached output of the one before; the last output."""
         prev: torch.Tensor | None = None
         for layer in self.measured:
             x = None if prev is None else prev.detach().requires_grad_(True)
             stage = self._stage_of(layer)
             prev = each(layer, lambda s=stage, l=layer, x=x: s.run(l, x, tokens, labels), x)
+        assert prev is not None
+        return prev
+
+    def _repetition(self, tokens: torch.Tensor, labels: torch.Tensor, grad: torch.Tensor) -> list[Any]:
+        """One forward and backward of the chain and the optimizer step, marked between layers: n forward
+        marks, n backward marks (last layer first), one after the step. Nothing waits for the device."""
+        marks = [self.clock.mark()]
+        inputs: list[torch.Tensor | None] = []
+        outputs: list[torch.Tensor] = []
+
+        def each(_layer: int, run: Callable[[], torch.Tensor], x: torch.Tensor | None) -> torch.Tensor:
+            out = run()
+            marks.append(self.clock.mark())
+            inputs.append(x)
+            outputs.append(out)
+            return out
+
+        self._forward_chain(tokens, labels, each)
+        g: torch.Tensor | None = grad
+        for x, out in zip(reversed(inputs), reversed(outputs)):
+            out.backward(g)  # the gradient the next layer's backward left on its input, as in a stage
+            marks.append(self.clock.mark())
+            g = x.grad if x is not None else None
+        # the step as the runtime takes it: fp32 master gradients first (bf16/fp16 keep their grads on the
+        # low-precision copies; without this the step would find no gradient and skip every parameter)
+        for opt in self.optimizers:
+            opt.main_grads()
+            opt.step(1.0)
+        marks.append(self.clock.mark())
+        for opt in self.optimizers:  # after the last mark: not timed
+            opt.zero_grad()
+        return marks
+
+    def _most(self, wish: int) -> int:
+        """The largest ``wish`` of the TP ranks. Why: a rank decides from its own timings how many more
+        repetitions to run, and a rank that ran one more than the others would wait in its layers' TP
+        collectives for ranks that never come. Asked between batches only, never inside a timed region."""
+        if self.tp == 1:
+            return wish
+        t = torch.tensor([wish], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return int(t.item())
+
+    def _warm_up(self, run: Callable[[], list[Any]], reps: Repetitions) -> tuple[int, bool, float]:
+        """Untimed repetitions until the device is warm: (how many, whether the time settled, the last
+        repetition's seconds). On a GPU: at least ``warmup_min_s`` of load and until the repetition time
+        stops falling, at most ``warmup_max_s``; on CPU ``warmup`` repetitions (at least one, whose time
+        sizes the batches). Every TP rank goes on while any of them is not warm yet."""
+        t0 = time.perf_counter()
+        times: list[float] = []
+        settled = False
+        while True:
+            times.append(float(self.clock.seconds(run()).sum()))
+            spent = time.perf_counter() - t0
+            settled = not self.clock.cuda or (spent >= reps.warmup_min_s and _settled(times, reps.steady_tol))
+            done = len(times) >= max(1, reps.warmup) and (settled or spent >= reps.warmup_max_s)
+            if not self._most(int(not done)):
+                return len(times), settled, times[-1]
+
+    def _batch(self, done: int, timed: float, rep_s: float, reps: Repetitions) -> int:
+        """How many repetitions to enqueue next (0: enough), the same on every TP rank."""
+        if done >= reps.max_reps or (done >= reps.iters and timed >= reps.min_time_s):
+            wish = 0
+        else:
+            need = max(reps.iters - done, math.ceil((reps.min_time_s - timed) / max(rep_s, 1e-9)))
+            # a GPU runs a batch back to back (the host only enqueues): one synchronisation per batch
+            per_batch = max(1, int(reps.batch_s / max(rep_s, 1e-9))) if self.clock.cuda else 1
+            wish = max(1, min(need, per_batch))
+        return min(self._most(wish), reps.max_reps - done)
+
+    def sample(self, mbs: int, reps: Repetitions | None = None) -> Samples:
+        """Every timed repetition of micro-batch ``mbs`` (see the module doc)."""
+        reps = reps or self.reps
+        _injected_failure(self.rank, mbs)
+        tokens, labels = _inputs(self.spec, mbs, self.device, self.seed + mbs)
+        with torch.no_grad():  # only the shape of the chain's output, for its gradient
+            grad = _grad_like(self._forward_chain(tokens, labels, lambda _l, run, _x: run()), self.seed)
+        run = functools.partial(self._repetition, tokens, labels, grad)
+        warm, settled, rep_s = self._warm_up(run, reps)
+        rows: list[np.ndarray] = []
+        timed = 0.0
+        while count := self._batch(len(rows), timed, rep_s, reps):
+            batch = [run() for _ in range(count)]
+            rows += [self.clock.seconds(marks) for marks in batch]
+            timed = float(sum(r.sum() for r in rows))
+            rep_s = timed / len(rows)
+        d = np.stack(rows)
+        n = len(self.measured)
+        return Samples(fwd=d[:, :n], bwd=d[:, n:2 * n][:, ::-1], upd=d[:, 2 * n], warmup_reps=warm,
+                       warmup_settled=settled)
+
+    def summarise(self, mbs: int, s: Samples) -> PointResult:
+        """Medians per pipeline layer (blocks beyond K copy block K) and their spreads."""
+        L = self.spec.num_pipeline_layers
+        index = [self.measured.index(source_layer(self.spec, l, self.k)) for l in range(L)]
+        upd = np.repeat(s.upd[:, None], L, axis=1)  # the profiled model's step, on every row
+        per_rep = np.stack([s.fwd[:, index], s.bwd[:, index], upd], axis=2)  # (R, L, 3)
+        model = _rel_iqr(per_rep[:, :, :2].sum(axis=1))
+        spread = PointSpread(layers=_rel_iqr(per_rep), model=(float(model[0]), float(model[1])),
+                             repetitions=s.repetitions)
+        info = {"warmup_reps": s.warmup_reps, **({} if s.warmup_settled else {"warmup_settled": False})}
+        return PointResult(mbs=mbs, times=np.median(per_rep, axis=0), spread=spread, info=info)
+
+    def measure_point(self, mbs: int) -> PointResult:
+        return self.summarise(mbs, self.sample(mbs))
 
     def measure(self, mbs: int) -> np.ndarray:
         """(L, 3) seconds: forward, backward, optimizer step of the profiled model."""
-        tokens, labels = _inputs(self.spec, mbs, self.device, self.seed + mbs)
-        fwd: dict[int, list[float]] = {l: [] for l in self.measured}
-        bwd: dict[int, list[float]] = {l: [] for l in self.measured}
-        upd: list[float] = []
-        for it in range(self.warmup + self.iters):
-            timed = it >= self.warmup
-
-            def each(layer: int, run: Callable[[], torch.Tensor], _x: torch.Tensor | None,
-                     timed: bool = timed) -> torch.Tensor:
-                if layer == 1:
-                    _injected_failure(self.rank, mbs)
-                tf, out = self.clock.measure(run)
-                grad = _grad_like(out, self.seed + layer)
-                tb, _ = self.clock.measure(functools.partial(out.backward, grad))
-                if timed:
-                    fwd[layer].append(tf)
-                    bwd[layer].append(tb)
-                return out
-
-            self._forward_chain(tokens, labels, each)
-            # the step as the runtime takes it: fp32 master gradients first (bf16/fp16 keep their grads on the
-            # low-precision copies; without this the step would find no gradient and skip every parameter)
-            tu, _ = self.clock.measure(lambda: [(opt.main_grads(), opt.step(1.0)) for opt in self.optimizers])
-            for opt in self.optimizers:
-                opt.zero_grad()
-            if timed:
-                upd.append(tu)
-        L = self.spec.num_pipeline_layers
-        times = np.zeros((L, 3))
-        update = statistics.median(upd)
-        for l in range(L):
-            src = source_layer(self.spec, l, self.k)
-            times[l] = (statistics.median(fwd[src]), statistics.median(bwd[src]), update)
+        times = self.measure_point(mbs).times
+        assert times is not None
         return times
 
     def measure_stack(self, mbs: int) -> tuple[float, float]:
-        """Forward and backward seconds of all measured layers run as one chain (medians)."""
-        tokens, labels = _inputs(self.spec, mbs, self.device, self.seed + mbs)
-        fwd: list[float] = []
-        bwd: list[float] = []
-        for it in range(self.warmup + self.iters):
-            def chain() -> torch.Tensor:
-                h: torch.Tensor | None = None
-                for layer in self.measured:
-                    h = self._stage_of(layer).run(layer, h, tokens, labels)
-                assert h is not None
-                return h
-
-            tf, out = self.clock.measure(chain)
-            grad = _grad_like(out, self.seed + self.measured[-1])
-            tb, _ = self.clock.measure(functools.partial(out.backward, grad))
-            for opt in self.optimizers:
-                opt.zero_grad()
-            if it >= self.warmup:
-                fwd.append(tf)
-                bwd.append(tb)
-        return statistics.median(fwd), statistics.median(bwd)
+        """Forward and backward seconds of all measured layers as one chain (medians over repetitions).
+        Kept for callers of the earlier profiler: the per-layer times are now slices of this chain."""
+        s = self.sample(mbs)
+        return float(np.median(s.fwd.sum(axis=1))), float(np.median(s.bwd.sum(axis=1)))
 
     def memory_table(self) -> np.ndarray:
         """(L, 4) at micro-batch 1: params, act_output, act_input (elements per TP rank), act_mem_bytes.
@@ -360,8 +492,8 @@ FAIL_ENV = "SAILOR_PROFILER_FAIL"
 
 def _injected_failure(rank: int, mbs: int) -> None:
     """For tests only: ``SAILOR_PROFILER_FAIL=<rank>:<mbs>`` makes that TP rank fail at that micro-batch size
-    just before the first block's forward, so the other ranks wait in that block's TP collective, as they
-    do when one GPU runs out of memory."""
+    just before the point's first forward (outside any timed region), so the other ranks wait in that
+    forward's first TP collective, as they do when one GPU runs out of memory."""
     if os.environ.get(FAIL_ENV) == f"{rank}:{mbs}":
         raise RuntimeError(f"injected failure ({FAIL_ENV}) on TP rank {rank} at micro-batch {mbs}")
 
@@ -372,7 +504,7 @@ def _describe(exc: BaseException) -> str:
 
 
 class TPAgreement:
-    """Every step of a profiling job (the memory table, one micro-batch size, its chain timing) ends with
+    """Every step of a profiling job (the memory table, one micro-batch size, its re-measure) ends with
     all TP ranks knowing its outcome on every rank.
 
     Why: an exception on one rank (out of memory, typically) leaves the others waiting in a TP collective
@@ -415,6 +547,19 @@ class TPAgreement:
             return value, why
         failures = self._verdicts(key, why)
         return (None, failures) if failures else (value, "")
+
+    def rank0(self, step: str, value: Any) -> Any:
+        """Rank 0's ``value`` (JSON) on every rank. Why: a decision taken from measured times (which points
+        to measure again) differs a little between ranks, and ranks that took different steps would pair
+        their next collectives with the wrong ones."""
+        if self.store is None:
+            return value
+        self.steps += 1
+        key = f"{self.steps}:{step}/rank0"
+        if self.rank == 0:
+            self.store.set(key, json.dumps(value))
+        self.store.wait([key], datetime.timedelta(seconds=self.agree_timeout_s))
+        return json.loads(self.store.get(key).decode())
 
     def _verdicts(self, key: str, why: str) -> str:
         """Post this rank's outcome, then every failing rank's reason in the order they failed ("" if none)."""
@@ -470,18 +615,22 @@ def _release(prof: LayerProfiler, device: torch.device) -> None:
 
 
 def profile_compute(spec: ModelSpec, mbs_list: Sequence[int], *, tp_group: Any, device: torch.device,
-                    dtype: str = "fp32", blocks: int | None = None, warmup: int = 3, iters: int = 10,
-                    baseline_rss: float = 0.0, store: Any | None = None,
-                    collective_timeout_s: float = 300.0) -> ComputeResult:
+                    dtype: str = "fp32", blocks: int | None = None, warmup: int = 3, iters: int = 20,
+                    min_time_s: float = 1.0, remeasure: bool = True, baseline_rss: float = 0.0,
+                    store: Any | None = None, collective_timeout_s: float = 300.0) -> ComputeResult:
     """Measure every micro-batch size of ``mbs_list`` (ascending) at this TP degree. A step that fails on any
     rank (out of memory or any other error) is recorded as failed on every rank with the reasons
     (:class:`TPAgreement`; ``store`` is the job's rendezvous store, needed for TP > 1), and the larger sizes
-    are still tried, after freeing the cache, on a fresh group and freshly built stages."""
+    are still tried, after freeing the cache, on a fresh group and freshly built stages.
+
+    Then the measured points are checked for monotonicity (:mod:`profiler.monotonic`): the points of a
+    pair that breaks it are measured once more (``remeasure``; the sweep driver re-runs a job with it off
+    when the pair spans two jobs), and a pair that still breaks it flags both points."""
     agree = TPAgreement(tp_group, store, collective_timeout_s=collective_timeout_s)
 
     def build() -> LayerProfiler:
         return LayerProfiler(spec, tp_group=agree.group, device=device, dtype=dtype, blocks=blocks, warmup=warmup,
-                             iters=iters)
+                             iters=iters, min_time_s=min_time_s)
 
     def recover() -> None:
         nonlocal prof
@@ -495,25 +644,36 @@ def profile_compute(spec: ModelSpec, mbs_list: Sequence[int], *, tp_group: Any, 
         agree.renew()
         prof = build()
 
+    def measure(mbs: int, step: str) -> PointResult:
+        point, why = agree.run(step, functools.partial(prof.measure_point, mbs))
+        if why:
+            recover()
+            return PointResult(mbs=mbs, times=None, reason=f"micro-batch {mbs}: {why}")
+        return point
+
     prof: LayerProfiler | None = build()
     memory, memory_failure = agree.run("memory", prof.memory_table)
     if memory_failure:
         recover()
-    points = []
-    for mbs in sorted(mbs_list):
-        times, why = agree.run(f"mbs{mbs}", functools.partial(prof.measure, mbs))
-        if why:
-            points.append(PointResult(mbs=mbs, times=None, reason=f"micro-batch {mbs}: {why}"))
-            recover()
-            continue
-        # the chain holds every measured layer's activations at once: it may fail where the layers fit
-        stack, why = agree.run(f"mbs{mbs}-chain", functools.partial(prof.measure_stack, mbs))
-        if why:
-            recover()
-        points.append(PointResult(mbs=mbs, times=times, stack=stack))
+    points = {mbs: measure(mbs, f"mbs{mbs}") for mbs in sorted(set(mbs_list))}
+    suspect = _non_monotonic(points.values())
+    again_mbs: list[int] = agree.rank0("remeasure", sorted(suspect) if remeasure else [])
+    if again_mbs:
+        for mbs in again_mbs:
+            again = measure(mbs, f"mbs{mbs}-again")
+            if again.ok:  # a re-measure that fails leaves the first measurement (and its flag) standing
+                again.info["remeasured"] = True
+                points[mbs] = again
+        suspect = _non_monotonic(points.values())
+    for mbs, why in suspect.items():
+        points[mbs].flag = why
     agree.finish()
-    return ComputeResult(points=points, memory=memory, overhead_bytes=prof.overhead_bytes(baseline_rss),
+    return ComputeResult(points=list(points.values()), memory=memory, overhead_bytes=prof.overhead_bytes(baseline_rss),
                          profiled_blocks=prof.k, device=device.type,
-                         extra={"padded_vocab": prof.padded, "warmup": warmup, "iters": iters,
-                                "stack_layers": len(prof.measured),
+                         extra={"padded_vocab": prof.padded, "warmup": warmup, "iters": iters, "min_time_s": min_time_s,
+                                "timing": "chain", "chain_layers": len(prof.measured),
                                 **({"memory_failure": memory_failure} if memory_failure else {})})
+
+
+def _non_monotonic(points: Iterable[PointResult]) -> dict[int, str]:
+    return violations(p.totals() for p in points if p.ok)

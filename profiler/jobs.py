@@ -53,9 +53,11 @@ class ComputeTask:
     sweep: str
     dtype: str = "fp32"
     blocks: int | None = None
-    warmup: int = 3
-    iters: int = 10
+    warmup: int = 3  # untimed repetitions at least (a GPU warms up until its repetition time is steady)
+    iters: int = 20  # timed repetitions per point at least ...
     collective_timeout_s: float = 300.0  # how long a TP rank waits in a collective for the others
+    min_time_s: float = 1.0  # ... and seconds of timed work at least (profiler.compute.Repetitions)
+    remeasure: bool = True  # measure a non-monotonic point once more before flagging it (off: re-runs)
 
 
 @dataclass(frozen=True)
@@ -141,7 +143,8 @@ def compute_job(task: ComputeTask) -> dict[str, Any] | None:
         group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=task.collective_timeout_s))
         spec = get_model(task.model)
         res = profile_compute(spec, task.mbs, tp_group=group, device=device, dtype=task.dtype, blocks=task.blocks,
-                              warmup=task.warmup, iters=task.iters, baseline_rss=baseline, store=store,
+                              warmup=task.warmup, iters=task.iters, min_time_s=task.min_time_s,
+                              remeasure=task.remeasure, baseline_rss=baseline, store=store,
                               collective_timeout_s=task.collective_timeout_s)
     finally:
         dist.destroy_process_group()
@@ -155,12 +158,14 @@ def compute_job(task: ComputeTask) -> dict[str, Any] | None:
     points = []
     for p in res.points:
         times = p.times if p.ok else np.full((L, 3), np.nan)
-        point_prov = prov if p.stack is None else {**prov, "stack_fwd_s": p.stack[0], "stack_bwd_s": p.stack[1]}
-        entries.append(ComputeEntry(spec.name, task.gpu_key, p.mbs, task.tp, times, point_prov,
-                                    status="ok" if p.ok else "failed", reason=p.reason, dtype=task.dtype))
+        entries.append(ComputeEntry(spec.name, task.gpu_key, p.mbs, task.tp, times, {**prov, **p.info},
+                                    status="ok" if p.ok else "failed", reason=p.reason, dtype=task.dtype,
+                                    spread=p.spread, flag=p.flag))
+        totals = p.totals() if p.ok else None
         points.append({"mbs": p.mbs, "tp": task.tp, "ok": p.ok, "reason": p.reason,
-                       "fwd_s": float(np.sum(p.times[:, 0])) if p.ok else None,
-                       "bwd_s": float(np.sum(p.times[:, 1])) if p.ok else None})
+                       "fwd_s": totals.seconds[0] if totals else None, "bwd_s": totals.seconds[1] if totals else None,
+                       "spread": list(totals.spread) if totals else None,
+                       "repetitions": p.spread.repetitions if p.spread else None, "flag": p.flag})
     if res.memory is not None:
         entries.append(MemoryEntry(spec.name, task.tp, res.memory, prov, dtype=task.dtype))
     if res.overhead_bytes:  # written by the job itself, so a resumed sweep does not lose it (0: not measurable)

@@ -12,7 +12,10 @@ Outcomes, every one reported and recorded, none dropped:
 - a job's own result: per point ok, or failed with its reason (out of memory: the job records it);
 - a job that ends without a result (cancelled, node failure, time limit, lost, exception): each of its
   grid points is written to the archive as a failed entry with the Slurm state as the reason;
-- ``timeout_s`` reached: the open jobs are cancelled and their points recorded as failed.
+- ``timeout_s`` reached: the open jobs are cancelled and their points recorded as failed;
+- a measured point that breaks monotonicity in the micro-batch size against a point another job measured
+  (:mod:`profiler.monotonic`; a job checks its own points itself) is measured once more, the pair's
+  points in one job per partition and TP degree, and if it still breaks it, flagged in the archive.
 
 State lives in ``<folder>/sweep-state.json`` (unit -> job id, status). ``resume=True`` skips every point
 the archive already holds as ok (and every network link it has), re-attaches to jobs of the previous
@@ -38,6 +41,7 @@ from profiler.executors import Allocation, JobSettings, make_executor
 from profiler.fit import check_message_sizes
 from profiler.jobs import ComputeTask, NetworkTask, compute_job, network_job
 from profiler.keys import ComputePoint, NetworkLink, device_key, network_site_key
+from profiler.monotonic import ModelTotals, violations
 from profiler.progress import Progress
 from sailor_hpc.core.archive import (
     EMBEDDED_ARCHIVE,
@@ -78,7 +82,8 @@ class SweepConfig:
     dtype: str = "fp32"
     blocks: int | None = None
     warmup: int = 3
-    iters: int = 10
+    iters: int = 20
+    min_time_s: float = 1.0  # timed work per point at least (profiler.compute.Repetitions)
     net_iters: int = 5
     time_min: int = 30
     begin: str | None = None
@@ -278,7 +283,7 @@ def _fail(units: Sequence[Unit], reason: str) -> None:
         u.status, u.reason = "failed", reason
 
 
-def submit_compute(cfg: SweepConfig, units: Sequence[Unit]) -> None:
+def submit_compute(cfg: SweepConfig, units: Sequence[Unit], *, remeasure: bool = True) -> None:
     groups: dict[tuple[str, int], list[Unit]] = defaultdict(list)
     for u in units:
         if u.point is not None and u.status == "pending":
@@ -291,7 +296,7 @@ def submit_compute(cfg: SweepConfig, units: Sequence[Unit]) -> None:
         tasks = [ComputeTask(model=spec.name, partition=part_name, gpu_key=c[0].point.gpu_key, tp=tp,  # type: ignore
                              mbs=tuple(u.point.mbs for u in c), archive=str(cfg.archive), cpu=cfg.cpu,  # type: ignore
                              sweep=str(cfg.folder), dtype=cfg.dtype, blocks=cfg.blocks, warmup=cfg.warmup,
-                             iters=cfg.iters) for c in chunks]
+                             iters=cfg.iters, min_time_s=cfg.min_time_s, remeasure=remeasure) for c in chunks]
         alloc = Allocation(cfg.site.partition(part_name), nodes=1, tasks_per_node=tp)
         try:
             ex = make_executor(settings, alloc, job_name=f"sailor-prof-{spec.name}-{part_name}-tp{tp}")
@@ -413,6 +418,93 @@ def _counts(units: Sequence[Unit]) -> Counter[str]:
     return Counter(u.status for u in units)
 
 
+def _watch(cfg: SweepConfig, units: Sequence[Unit], progress: Progress, deadline: float | None) -> None:
+    """Follow the queued units' jobs until each has ended (or the deadline cancelled it), recording outcomes."""
+    by_job: dict[str, list[Unit]] = defaultdict(list)
+    for u in units:
+        if u.status == "queued" and u.job_id:
+            by_job[u.job_id].append(u)
+    watcher = JobWatcher(poll_s=cfg.poll_s, lost_after_s=cfg.lost_after_s)
+    watcher.add(by_job)
+    progress.update(_counts(units))
+    while watcher.open:
+        for jid, st in watcher.poll().items():
+            members = by_job[jid]
+            if not st.final:
+                for u in members:
+                    u.status = "running" if st.state == "RUNNING" else "queued"
+                continue
+            value, reason = job_result(cfg.folder, jid, st)
+            apply_result(members, value, reason)
+            for u in members:
+                if u.status == "failed":
+                    progress.message(f"failed: {u.key}: {u.reason}")
+        save_state(cfg, units)
+        progress.update(_counts(units))
+        if not watcher.open:
+            break
+        if deadline is not None and time.monotonic() >= deadline:
+            for jid in watcher.open:
+                cancel_job(jid)
+                _fail(by_job[jid], f"job {jid} still {watcher.status(jid).state if watcher.status(jid) else 'queued'}"
+                                   f" after the sweep's timeout of {cfg.timeout_s:.0f} s: cancelled")
+                for u in by_job[jid]:
+                    progress.message(f"failed: {u.key}: {u.reason}")
+            break
+        time.sleep(cfg.poll_s)
+
+
+def non_monotonic(cfg: SweepConfig, units: Sequence[Unit], archive: ProfileArchive) -> dict[str, tuple[Unit, str]]:
+    """unit key -> (unit, why) for this sweep's measured points that break monotonicity against any measured
+    point of the same profile (GPU key, TP degree, dtype) in the archive, whichever job measured it."""
+    name = get_model(cfg.model).name
+    mine = {(u.point.gpu_key, u.point.tp, u.point.mbs): u for u in units if u.point is not None and u.status == "ok"}
+    found: dict[str, tuple[Unit, str]] = {}
+    for gpu_key, tp in sorted({(g, t) for g, t, _ in mine}):
+        points = archive.compute.get((name, gpu_key, cfg.dtype), {})
+        totals = [ModelTotals.of(b, e.times, e.spread) for (b, t), e in points.items() if t == tp]
+        for mbs, why in violations(totals).items():
+            u = mine.get((gpu_key, tp, mbs))
+            if u is not None:
+                found[u.key] = (u, why)
+    return found
+
+
+def recheck_monotonic(cfg: SweepConfig, units: Sequence[Unit], progress: Progress, deadline: float | None) -> None:
+    """Points that break monotonicity across jobs are measured once more (those a job flagged itself were
+    already), then flagged in the archive if they still break it. A re-measure that fails keeps the first
+    measurement: the point is in the archive, and a resumed sweep would not measure it again."""
+    archive = _archive_or_empty(cfg.archive)
+    name = get_model(cfg.model).name
+
+    def entry(u: Unit) -> ComputeEntry:
+        assert u.point is not None
+        return archive.compute[(name, u.point.gpu_key, cfg.dtype)][(u.point.mbs, u.point.tp)]
+
+    again = [(u, why) for u, why in non_monotonic(cfg, units, archive).values() if not entry(u).flag]
+    if again:
+        for u, why in again:
+            progress.message(f"measuring again: {u.key}: {why}")
+            u.status, u.reason = "pending", ""
+        # the pair's points in one job per partition and TP degree, which checks them itself and flags
+        # what still breaks, without a third measurement
+        submit_compute(replace(cfg, points_per_job=len(again)), [u for u, _ in again], remeasure=False)
+        save_state(cfg, units)
+        _watch(cfg, units, progress, deadline)
+        for u, why in again:
+            u.reason = f"measured again ({why})" if u.status == "ok" else \
+                f"first measurement kept; measuring again failed: {u.reason}"
+            u.status = "ok"
+        archive = _archive_or_empty(cfg.archive)
+    flags = [(u, replace(entry(u), flag=why)) for u, why in non_monotonic(cfg, units, archive).values()]
+    for u, e in flags:
+        u.reason = f"flagged: {e.flag}"
+        progress.message(f"flagged: {u.key}: {e.flag}")
+    changed = [e for u, e in flags if e.flag != entry(u).flag]
+    if changed:
+        write_entries(cfg.archive, changed)
+
+
 def run_sweep(cfg: SweepConfig, progress: Progress | None = None) -> SweepReport:
     """Run (or, with ``cfg.resume``, complete) a sweep; returns every unit's outcome."""
     cfg = replace(cfg, archive=real_path(cfg.archive), folder=real_path(cfg.folder))
@@ -430,40 +522,11 @@ def run_sweep(cfg: SweepConfig, progress: Progress | None = None) -> SweepReport
     for u in units:
         if u.status == "failed":
             progress.message(f"failed: {u.key}: {u.reason}")
-    by_job: dict[str, list[Unit]] = defaultdict(list)
-    for u in units:
-        if u.status == "queued" and u.job_id:
-            by_job[u.job_id].append(u)
-    watcher = JobWatcher(poll_s=cfg.poll_s, lost_after_s=cfg.lost_after_s)
-    watcher.add(by_job)
     deadline = None if cfg.timeout_s is None else time.monotonic() + cfg.timeout_s
-    progress.update(_counts(units))
     try:
-        while watcher.open:
-            for jid, st in watcher.poll().items():
-                members = by_job[jid]
-                if not st.final:
-                    for u in members:
-                        u.status = "running" if st.state == "RUNNING" else "queued"
-                    continue
-                value, reason = job_result(cfg.folder, jid, st)
-                apply_result(members, value, reason)
-                for u in members:
-                    if u.status == "failed":
-                        progress.message(f"failed: {u.key}: {u.reason}")
-            save_state(cfg, units)
-            progress.update(_counts(units))
-            if not watcher.open:
-                break
-            if deadline is not None and time.monotonic() >= deadline:
-                for jid in watcher.open:
-                    cancel_job(jid)
-                    _fail(by_job[jid], f"job {jid} still {watcher.status(jid).state if watcher.status(jid) else 'queued'}"
-                                       f" after the sweep's timeout of {cfg.timeout_s:.0f} s: cancelled")
-                    for u in by_job[jid]:
-                        progress.message(f"failed: {u.key}: {u.reason}")
-                break
-            time.sleep(cfg.poll_s)
+        _watch(cfg, units, progress, deadline)
+        if cfg.compute:
+            recheck_monotonic(cfg, units, progress, deadline)
     finally:
         save_state(cfg, units)
         progress.update(_counts(units))

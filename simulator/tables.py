@@ -23,12 +23,14 @@ Conventions kept from Sailor's profiles (the archive's format):
   slower than mbs 2 on the embedding, the head and some blocks; single-stage GH200 runs at mbs 1 are
   13 % faster than its per-layer sum). Forward and backward times are therefore the running minimum
   over the profiled micro-batch sizes at or above the asked one. Nothing is scaled or fitted.
-* per-layer timing isolates every layer; a stage runs its layers as one chain, where the host launches a
-  layer's kernels while the previous layer still runs. A profile that also timed the measured layers as
-  one chain (``stack_fwd_s``, ``stack_bwd_s`` over ``stack_layers`` layers in its provenance, written by
-  ``sailor-hpc profile``) gives the difference per layer boundary, which every boundary inside a stage
-  then saves (or costs, if the chain was slower): only in tables asked for with ``chain_timing=True``
-  (``SimOptions(chain_timing=True)``; not validated on a GPU yet). Sailor's profiles have no such timing.
+* a stage runs its layers as one chain, where the host launches a layer's kernels while the previous
+  layer still runs. ``sailor-hpc profile`` now times every layer as its slice of such a chain
+  (provenance ``timing = "chain"``), so a stage's layers add up to the stage's time and need no
+  correction. Profiles from the earlier profiler timed each layer alone and the measured layers once
+  as one chain (``stack_fwd_s``, ``stack_bwd_s`` over ``stack_layers`` layers in the provenance); for
+  those the difference per layer boundary is what every boundary inside a stage saves (or costs, if
+  the chain was slower), only in tables asked for with ``chain_timing=True``
+  (``SimOptions(chain_timing=True)``). Sailor's profiles have neither.
 * memory profiles are taken at micro-batch 1 in the dtype recorded on the entry; activations scale
   linearly with the micro-batch size and with the element size of the plan's dtype. Under
   recomputation a stage keeps each block's input (the full hidden state, on every TP rank) and the
@@ -184,9 +186,10 @@ class ProfileTables:
 
     def _boundary_saving(self, entry, times: np.ndarray, blocks: int) -> tuple[float, float]:
         """(forward, backward) seconds per layer boundary: (sum of the measured layers alone - their
-        chain) / (layers - 1), from the point's own chain timing; (0, 0) without one."""
+        chain) / (layers - 1), from the point's own chain timing; (0, 0) without one, and for a point whose
+        layers were timed inside the chain (their sum is the chain: nothing to correct)."""
         prov = entry.provenance
-        if "stack_fwd_s" not in prov or "stack_bwd_s" not in prov:
+        if prov.get("timing") == "chain" or "stack_fwd_s" not in prov or "stack_bwd_s" not in prov:
             return 0.0, 0.0
         T = self.model.num_layers
         measured = list(range(0, min(blocks, T) + 1)) + list(range(T + 1, self.num_layers))

@@ -85,6 +85,11 @@ def list_cmd(archive: Path | None, as_json: bool) -> None:
                        r["failed"], r["status"], _reasons(r) or "-") for r in rows]))
 
 
+def _pct(spread: dict[str, Any] | None, direction: str) -> str:
+    """A spread as a percentage, "-" where the profile recorded none (Sailor's, older archives)."""
+    return "-" if spread is None else f"{100 * spread[direction]:.1f} %"
+
+
 @profiles.command("show")
 @click.argument("model")
 @click.argument("gpu")
@@ -101,16 +106,23 @@ def show_cmd(model: str, gpu: str, dtype: str, archive: Path | None, as_json: bo
     points = {} if failed_only else a.compute_points(name, gpu, dtype)  # a profile never taken is an error
     rows = []
     for (mbs, tp), e in sorted(points.items()):
+        spread = None if e.spread is None else {"fwd": e.spread.model[0], "bwd": e.spread.model[1],
+                                                "repetitions": e.spread.repetitions}
         rows.append({"mbs": mbs, "tp": tp, "fwd_s": float(np.sum(e.times[:, 0])), "bwd_s": float(np.sum(e.times[:, 1])),
-                     "update_s": float(np.max(e.times[:, 2])), "layers": int(e.times.shape[0]),
-                     "provenance": e.provenance})
+                     "update_s": float(np.max(e.times[:, 2])), "layers": int(e.times.shape[0]), "spread": spread,
+                     "flag": e.flag, "provenance": e.provenance})
     failed = [{"mbs": b, "tp": t, "reason": e.reason} for (b, t), e in sorted(a.failed.get(key, {}).items())]
     if as_json:
         echo_json({"model": name, "gpu": gpu, "dtype": dtype, "points": rows, "failed": failed})
         return
-    click.echo(f"{name} on {gpu} in {dtype} ({a.where}); whole-model seconds per micro-batch")
-    click.echo(table(("mbs", "tp", "fwd s", "bwd s", "update s", "layers", "source"),
-                     [(r["mbs"], r["tp"], r["fwd_s"], r["bwd_s"], r["update_s"], r["layers"],
-                       r["provenance"].get("source", "")[:40]) for r in rows]))
+    click.echo(f"{name} on {gpu} in {dtype} ({a.where}); whole-model seconds per micro-batch, "
+               "± their interquartile range over the repetitions")
+    click.echo(table(("mbs", "tp", "fwd s", "fwd ±", "bwd s", "bwd ±", "update s", "layers", "reps", "flag", "source"),
+                     [(r["mbs"], r["tp"], r["fwd_s"], _pct(r["spread"], "fwd"), r["bwd_s"], _pct(r["spread"], "bwd"),
+                       r["update_s"], r["layers"], r["spread"]["repetitions"] if r["spread"] else "-",
+                       "NOT MONOTONIC" if r["flag"] else "-", r["provenance"].get("source", "")[:40]) for r in rows]))
+    for r in rows:
+        if r["flag"]:
+            click.echo(f"flagged: mbs {r['mbs']} tp {r['tp']}: {r['flag']}")
     for f in failed:
         click.echo(f"failed: mbs {f['mbs']} tp {f['tp']}: {f['reason']}")

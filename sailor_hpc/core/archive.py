@@ -8,7 +8,13 @@ Layout (version 1; attributes in brackets)::
                                           layer for one micro-batch of B on one GPU of a TP-T group, in
                                           ``dtype`` (the name has no suffix for fp32: archives written
                                           before other dtypes were profiled read unchanged)
-                                          [status="ok"|"failed", reason, dtype, provenance]
+                                          [status="ok"|"failed", reason, dtype, provenance; measured by
+                                          sailor-hpc profile since the chain timing also: spread (L, 3)
+                                          interquartile range / median per layer and column,
+                                          model_spread (2,) the same of the whole model's fwd and bwd,
+                                          repetitions; flag when the point breaks monotonicity in the
+                                          micro-batch size after a re-measure. Absent: not recorded
+                                          (Sailor's profiles, older archives)]
     /memory/<model>/tp<T>                 float64 (L, 4): params, act_output, act_input (elements per TP
                                           rank) and act_mem_bytes (retained activation bytes at mbs 1)
                                           [dtype, provenance]
@@ -75,6 +81,18 @@ def make_provenance(source: str, **extra: Any) -> dict[str, Any]:
     return prov
 
 
+@dataclass(frozen=True)
+class PointSpread:
+    """How much a compute point's repetitions varied, kept beside its medians so that a reader can tell a
+    real difference between two points from noise (and the profiler, a non-monotonic point from a flat
+    one). Relative interquartile ranges (q75 - q25) / median: robust to the odd slow repetition that a
+    shared node produces, and comparable across layers of very different sizes."""
+
+    layers: np.ndarray  # (L, 3): fwd, bwd, update of every pipeline layer
+    model: tuple[float, float]  # the whole model's forward and backward seconds per repetition
+    repetitions: int  # timed repetitions behind every median
+
+
 @dataclass
 class ComputeEntry:
     model: str
@@ -86,6 +104,8 @@ class ComputeEntry:
     status: str = "ok"
     reason: str = ""
     dtype: str = "fp32"
+    spread: PointSpread | None = None  # None: not recorded (Sailor's profiles, archives before it existed)
+    flag: str = ""  # why the point is suspect (not monotonic in the micro-batch size after a re-measure)
 
     @property
     def path(self) -> str:
@@ -377,7 +397,26 @@ class _Reader:
                     self.require(status == "failed" or bool(np.isfinite(times).all() and (times >= 0).all()), ds,
                                  "a measured point has negative or missing (NaN) seconds")
                     yield ComputeEntry(model, gpu, int(match[1]), int(match[2]), times, self.provenance(ds), status,
-                                       self.text(ds, "reason", ""), dtype)
+                                       self.text(ds, "reason", ""), dtype, self.spread(ds, times.shape),
+                                       self.text(ds, "flag", ""))
+
+    def spread(self, ds: h5py.Dataset, shape: tuple[int, ...]) -> PointSpread | None:
+        """A point's spread attributes, None where it has none (every archive written before them)."""
+        if "spread" not in ds.attrs:
+            return None
+        model = self.rates(ds, "model_spread", (2,))
+        reps = int(self.number(ds, "repetitions", int))
+        self.require(reps >= 1, ds, f"repetitions {reps} is not positive")
+        return PointSpread(self.rates(ds, "spread", shape), (float(model[0]), float(model[1])), reps)
+
+    def rates(self, obj: h5py.HLObject, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        """An attribute holding non-negative finite numbers of ``shape``, as float64."""
+        raw = np.asarray(obj.attrs.get(name, []))
+        values = raw.astype(np.float64) if raw.dtype.kind in "fiu" and raw.shape == shape else None
+        self.require(values is not None and bool(np.isfinite(values).all() and (values >= 0).all()), obj,
+                     f"attribute {name!r} is not {' x '.join(map(str, shape))} non-negative numbers")
+        assert values is not None
+        return values
 
     def memory(self) -> Iterator[MemoryEntry]:
         for model, tables in self.groups(self.group(self.h5, "memory")):
@@ -486,6 +525,12 @@ def _write_entry(h5: h5py.File, entry: Entry) -> None:
     if isinstance(entry, ComputeEntry):
         ds = h5.create_dataset(entry.path, data=np.asarray(entry.times, dtype=np.float64))
         ds.attrs.update({"status": entry.status, "reason": entry.reason, "dtype": entry.dtype})
+        if entry.spread is not None:
+            ds.attrs.update({"spread": np.asarray(entry.spread.layers, dtype=np.float64),
+                             "model_spread": np.asarray(entry.spread.model, dtype=np.float64),
+                             "repetitions": int(entry.spread.repetitions)})
+        if entry.flag:
+            ds.attrs["flag"] = entry.flag
     elif isinstance(entry, MemoryEntry):
         ds = h5.create_dataset(entry.path, data=np.asarray(entry.table, dtype=np.float64))
         ds.attrs.update({"dtype": entry.dtype, "columns": ",".join(MEMORY_COLUMNS)})

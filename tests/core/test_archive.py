@@ -16,6 +16,7 @@ from sailor_hpc.core.archive import (
     ComputeEntry,
     NetworkEntry,
     OverheadEntry,
+    PointSpread,
     ProfileArchive,
     make_provenance,
     open_archive,
@@ -166,6 +167,27 @@ def test_failed_points_are_recorded_not_dropped(tmp_path: Path) -> None:
     assert write_entries(path, [bad]) == 0
     kept = read_archive(path).compute_points("tiny-gpt", "V100-16")[(8, 1)]
     assert kept.status == "ok" and kept.times.sum() == 18
+
+
+def test_spread_and_flag_round_trip_and_archives_without_them_still_read(tmp_path: Path) -> None:
+    path = tmp_path / "a.h5"
+    layers = np.linspace(0.0, 0.05, 18).reshape(6, 3)
+    spread = PointSpread(layers, (0.012, 0.02), 37)
+    write_entries(path, [
+        ComputeEntry("tiny-gpt", "G", 1, 1, np.ones((6, 3)), make_provenance("test"), spread=spread),
+        ComputeEntry("tiny-gpt", "G", 2, 1, np.ones((6, 3)), make_provenance("test"), spread=spread,
+                     flag="not monotonic: forward below mbs 1's"),
+        ComputeEntry("tiny-gpt", "G", 4, 1, np.ones((6, 3)), make_provenance("test"))])  # as written before spreads
+    points = read_archive(path).compute_points("tiny-gpt", "G")
+    back = points[(1, 1)].spread
+    assert back is not None and np.array_equal(back.layers, layers) and (back.model, back.repetitions) == ((0.012, 0.02), 37)
+    assert points[(1, 1)].flag == "" and points[(2, 1)].flag == "not monotonic: forward below mbs 1's"
+    assert points[(4, 1)].spread is None and points[(4, 1)].flag == ""
+    with h5py.File(path, "r") as h5:  # nothing new in an entry without them: older readers see what they knew
+        assert set(h5["compute/tiny-gpt/G/mbs4_tp1"].attrs) == {"status", "reason", "dtype", "provenance"}
+    # the shipped Sailor profiles, written before spreads existed, still read, without any
+    shipped = read_archive(EMBEDDED_ARCHIVE)
+    assert all(e.spread is None and not e.flag for pts in shipped.compute.values() for e in pts.values())
 
 
 def test_earlier_archive_hides_later_one(tmp_path: Path) -> None:
@@ -335,6 +357,12 @@ BROKEN = {  # name: (how it is broken, HDF5 path named, words of the message)
     "flat_times": (lambda h5: _point(h5, np.ones(6)), "compute/tiny-gpt/G/mbs1_tp1", "expected n x 3"),
     "status": (lambda h5: _point(h5, status=3), "compute/tiny-gpt/G/mbs1_tp1", "'status'"),
     "provenance": (lambda h5: _point(h5, provenance="[1]"), "compute/tiny-gpt/G/mbs1_tp1", "JSON object"),
+    "spread_shape": (lambda h5: _point(h5, spread=np.ones((5, 3)), model_spread=[0.1, 0.1], repetitions=20),
+                     "compute/tiny-gpt/G/mbs1_tp1", "'spread' is not 6 x 3 non-negative numbers"),
+    "spread_nan": (lambda h5: _point(h5, spread=np.ones((6, 3)), model_spread=[np.nan, 0.1], repetitions=20),
+                   "compute/tiny-gpt/G/mbs1_tp1", "'model_spread' is not 2 non-negative numbers"),
+    "spread_reps": (lambda h5: _point(h5, spread=np.ones((6, 3)), model_spread=[0.1, 0.1]),
+                    "compute/tiny-gpt/G/mbs1_tp1", "no 'repetitions' attribute"),
     "memory_shape": (lambda h5: h5.create_dataset("memory/tiny-gpt/tp1", data=np.ones((6, 2))),
                      "memory/tiny-gpt/tp1", "expected n x 4"),
     "overhead_empty": (lambda h5: h5.create_dataset("overhead/G", data=np.zeros((0, 2))), "overhead/G",

@@ -140,16 +140,27 @@ def _hand_params(h: int, f: int, vocab_padded: int, seq: int, tp: int) -> list[f
     return [vocab_padded * h / tp + seq * h] + [block] * 4 + [vocab_padded * h / tp + 2 * h]
 
 
-def test_layer_profiler_on_tiny_gpt(one_rank):
+QUICK = dict(warmup=1, iters=3, min_time_s=0.0)  # the CPU tests' repetitions: structure, not precision
+
+
+@pytest.fixture(scope="module")
+def tiny_prof(one_rank):
+    """tiny-gpt's profiled stages (embedding, 2 blocks, head), built once for the tests that only measure."""
+    import torch
+
+    from profiler.compute import LayerProfiler
+    torch.manual_seed(0)
+    return LayerProfiler(get_model("tiny-gpt"), tp_group=one_rank, device=torch.device("cpu"), **QUICK)
+
+
+def test_layer_profiler_on_tiny_gpt(one_rank, tiny_prof):
     import torch
 
     from megatron_patch.model import build_stage_module
-    from profiler.compute import LayerProfiler, layer_params
+    from profiler.compute import Repetitions, layer_params
 
-    spec = get_model("tiny-gpt")
+    spec, prof = get_model("tiny-gpt"), tiny_prof
     h, f, s, L = spec.hidden_size, spec.ffn_hidden_size, spec.seq_len, spec.num_pipeline_layers
-    torch.manual_seed(0)
-    prof = LayerProfiler(spec, tp_group=one_rank, device=torch.device("cpu"), warmup=2, iters=7)
     mem = prof.memory_table()
     assert mem.shape == (L, 4)
     assert list(mem[:, 0]) == _hand_params(h, f, 256, s, 1)
@@ -158,15 +169,21 @@ def test_layer_profiler_on_tiny_gpt(one_rank):
     assert list(mem[:, 2]) == [2 * s] + [s * h] * 5  # token + position ids into the embedding
     # a block keeps more than its output for the backward, and blocks 3, 4 copy block 2 (profiled_blocks = 2)
     assert mem[1, 3] > mem[1, 1] * 4 and mem[3, 3] == mem[4, 3] == mem[2, 3]
-    times = prof.measure(2)
+    point = prof.measure_point(2)
+    times = point.times
     assert times.shape == (L, 3) and np.isfinite(times).all() and (times > 0).all()
     assert (times[:, 2] == times[0, 2]).all()  # the profiled model's optimizer step, on every row
     assert (times[3] == times[2]).all() and (times[4] == times[2]).all()
+    # the spread beside the medians: every layer and column, the whole model, the repetitions behind them
+    spread = point.spread
+    assert spread.layers.shape == (L, 3) and np.isfinite(spread.layers).all() and (spread.layers >= 0).all()
+    assert (spread.layers[3] == spread.layers[2]).all() and spread.repetitions == 3 and min(spread.model) >= 0
+    assert point.totals().seconds == pytest.approx((times[:, 0].sum(), times[:, 1].sum()))
     # independent reference: a whole tiny-gpt (one stage, all layers) forward + backward at micro-batch 2.
-    # This machine is shared, so the two are measured interleaved (same load) and compared by medians.
+    # This machine is shared, so the two are measured interleaved (same load) and compared by minima.
     whole = build_stage_module(spec, 0, L - 1, tp_group=one_rank, device="cpu", seed=None)
     tokens = torch.randint(0, spec.vocab_size, (2, s))
-    prof.warmup, prof.iters = 0, 1
+    one_rep = Repetitions(warmup=0, iters=1, min_time_s=0.0)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -175,7 +192,7 @@ def test_layer_profiler_on_tiny_gpt(one_rank):
             t0 = time.perf_counter()
             whole(tokens, tokens).sum().backward()
             ref.append(time.perf_counter() - t0)
-            one = prof.measure(2)
+            one = prof.summarise(2, prof.sample(2, one_rep)).times
             sums.append(float(one[:, 0].sum() + one[:, 1].sum()))
     finally:
         torch.set_num_threads(threads)
@@ -183,16 +200,117 @@ def test_layer_profiler_on_tiny_gpt(one_rank):
     # samples is the estimate of the work itself that contention cannot move
     reference, per_layer = min(ref[2:]), min(sums[2:])
     assert reference / 3 < per_layer < reference * 3, (per_layer, reference, sums, ref)
-    # the chain timing runs the measured layers (embedding, 2 blocks, head) as one stage would: on CPU
-    # there is no launch overlap to win, so it stays near the sum of those layers timed alone
-    prof.warmup, prof.iters = 1, 5
-    assert prof.measured == [0, 1, 2, L - 1]
-    alone, chained = [], []
-    for _ in range(5):
-        one = prof.measure(2)
-        alone.append(float(one[prof.measured, :2].sum()))
-        chained.append(sum(prof.measure_stack(2)))
-    assert min(alone) / 3 < min(chained) < min(alone) * 3, (alone, chained)
+
+
+def _chain_alone(prof, mbs: int) -> float:
+    """The measured layers as one connected autograd graph (no detach between layers), forward + one backward
+    from the end, timed around the whole: the chain measured independently of the profiler's marks."""
+    import torch
+
+    from profiler.compute import _grad_like, _inputs
+    tokens, labels = _inputs(prof.spec, mbs, prof.device, prof.seed + mbs)
+    t0 = time.perf_counter()
+    h = None
+    for layer in prof.measured:
+        h = prof._stage_of(layer).run(layer, h, tokens, labels)
+    with torch.no_grad():
+        grad = _grad_like(h, 0)
+    t1 = time.perf_counter()
+    h.backward(grad)
+    took = time.perf_counter() - t1 + (t1 - t0)
+    for opt in prof.optimizers:
+        opt.zero_grad()
+    return took
+
+
+def test_per_layer_times_sum_to_the_chain(tiny_prof):
+    """Every layer is timed as its slice of one chain: within a repetition the layers' seconds add up to the
+    chain's (the marks telescope), and their medians add up to an independently timed chain of the same
+    layers within a generous tolerance (interleaved, minima: the machine is shared)."""
+    import torch
+
+    from profiler.compute import Repetitions
+    prof = tiny_prof
+    n = len(prof.measured)
+    marks = prof._repetition(*_quick_inputs(prof, 2))
+    assert len(marks) == 2 * n + 2  # n forward slices, n backward slices, the optimizer step
+    gaps = prof.clock.seconds(marks)
+    assert gaps.sum() == pytest.approx(marks[-1] - marks[0], rel=1e-12)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        chained, alone = [], []
+        for _ in range(15):  # seconds on a loaded 2-core machine swing 3x: many pairs, their minima
+            chained.append(_chain_alone(prof, 4))
+            s = prof.sample(4, Repetitions(warmup=0, iters=1, min_time_s=0.0))
+            alone.append(float(s.fwd.sum() + s.bwd.sum()))
+    finally:
+        torch.set_num_threads(threads)
+    assert min(chained[1:]) / 1.5 < min(alone[1:]) < min(chained[1:]) * 1.5, (alone, chained)
+
+
+def _quick_inputs(prof, mbs: int):
+    from profiler.compute import _grad_like, _inputs
+    tokens, labels = _inputs(prof.spec, mbs, prof.device, prof.seed + mbs)
+    import torch
+    with torch.no_grad():
+        out = prof._forward_chain(tokens, labels, lambda _l, run, _x: run())
+    return tokens, labels, _grad_like(out, prof.seed)
+
+
+def test_repetitions_meet_both_minimums_and_the_cap(tiny_prof):
+    from profiler.compute import Repetitions
+    s = tiny_prof.sample(1, Repetitions(warmup=1, iters=4, min_time_s=0.0))
+    assert s.repetitions == 4 and s.fwd.shape == s.bwd.shape == (4, len(tiny_prof.measured))
+    s = tiny_prof.sample(1, Repetitions(warmup=0, iters=2, min_time_s=0.25))
+    assert s.repetitions >= 2 and float(s.fwd.sum() + s.bwd.sum() + s.upd.sum()) >= 0.25
+    s = tiny_prof.sample(1, Repetitions(warmup=0, iters=2, min_time_s=1e6, max_reps=5))
+    assert s.repetitions == 5  # capped, whatever min_time_s asks
+    assert Repetitions().iters >= 20 and Repetitions().min_time_s >= 1.0  # the issue's minimums are the defaults
+
+
+class _FakeCudaClock:
+    """A GPU clock without a GPU: logs marks and host synchronisations, and reports scripted seconds."""
+
+    cuda = True
+
+    def __init__(self, rep_seconds):
+        self.log: list[str] = []
+        self.rep_seconds = list(rep_seconds)
+
+    def mark(self):
+        self.log.append("m")
+        return len(self.log)
+
+    def seconds(self, marks):
+        self.log.append("sync")
+        total = self.rep_seconds.pop(0) if len(self.rep_seconds) > 1 else self.rep_seconds[0]
+        return np.full(len(marks) - 1, total / (len(marks) - 1))
+
+
+def test_gpu_warm_up_runs_until_the_repetition_time_stops_falling(tiny_prof, monkeypatch):
+    from profiler.compute import Repetitions
+    reps = Repetitions(warmup=2, warmup_min_s=0.0, warmup_max_s=60.0)
+    monkeypatch.setattr(tiny_prof, "clock", _FakeCudaClock([10, 8, 6, 5.5, 5.45, 5.5, 5.0]))
+    assert tiny_prof._warm_up(lambda: [0, 1], reps) == (6, True, 5.5)  # 6 -> 5.5 fell; 5.5 -> 5.45 -> 5.5 did not
+    monkeypatch.setattr(tiny_prof, "clock", _FakeCudaClock([10, 9, 8, 7, 6, 5]))
+    count, settled, _ = tiny_prof._warm_up(lambda: [0, 1], Repetitions(warmup=2, warmup_min_s=0.0, warmup_max_s=0.0))
+    assert (count, settled) == (2, False)  # still falling when the cap ran out: the point records it
+
+
+def test_no_host_synchronisation_inside_a_repetition_on_a_gpu(tiny_prof, monkeypatch):
+    """On a GPU the repetitions of a batch are enqueued back to back and the host waits once per batch,
+    never between the layers of a repetition."""
+    from profiler.compute import Repetitions
+    clock = _FakeCudaClock([0.01])
+    monkeypatch.setattr(tiny_prof, "clock", clock)
+    s = tiny_prof.sample(1, Repetitions(warmup=3, iters=20, min_time_s=0.0, warmup_min_s=0.0, batch_s=0.1))
+    per_rep = 2 * len(tiny_prof.measured) + 2
+    assert s.repetitions == 20 and s.warmup_reps == 3
+    runs = "".join("s" if x == "sync" else "m" for x in clock.log).split("s")
+    marks = [len(r) for r in runs if r]
+    assert all(m % per_rep == 0 for m in marks)  # marks between two synchronisations: whole repetitions
+    assert max(marks) == 10 * per_rep  # 0.1 s batches of 10 ms repetitions: 10 enqueued per wait
 
 
 def test_bf16_profile_times_a_real_optimizer_step(one_rank):
@@ -202,26 +320,112 @@ def test_bf16_profile_times_a_real_optimizer_step(one_rank):
 
     from profiler.compute import LayerProfiler
 
-    prof = LayerProfiler(get_model("tiny-gpt"), tp_group=one_rank, device=torch.device("cpu"), dtype="bf16",
-                         warmup=1, iters=2)
+    prof = LayerProfiler(get_model("tiny-gpt"), tp_group=one_rank, device=torch.device("cpu"), dtype="bf16", **QUICK)
     prof.measure(1)
     for opt in prof.optimizers:
         stepped = [m for m in opt.master.values() if opt.adam.state.get(m, {}).get("step", 0) > 0]
         assert len(stepped) == len(opt.master) > 0
 
 
-def test_chain_timing_out_of_memory_keeps_the_per_layer_point(one_rank, monkeypatch):
+# ---------------------------------------------------------------------------- monotonicity
+
+def test_violations_allow_gaps_inside_the_spreads_and_name_both_points():
+    from profiler.monotonic import ModelTotals, violations
+    ok = [ModelTotals(1, (0.045, 0.052), (0.01, 0.01)), ModelTotals(2, (0.066, 0.088), (0.05, 0.05)),
+          ModelTotals(4, (0.063, 0.119), (0.03, 0.03))]  # 3 ms below, 3.3 + 1.9 ms of spread: noise
+    assert violations(ok) == {}
+    tight = [ModelTotals(1, (0.045, 0.052), (0.01, 0.01)), ModelTotals(2, (0.066, 0.088), (0.01, 0.01)),
+             ModelTotals(4, (0.063, 0.119), (0.01, 0.01)), ModelTotals(8, (0.105, 0.203))]
+    found = violations(tight)
+    assert set(found) == {2, 4}
+    assert found[4].startswith("not monotonic: forward 63 ms at mbs 4 is below 66 ms at mbs 2")
+    assert "backward" not in found[4] and found[2] == found[4]
+    assert violations([ModelTotals(1, (0.01, 0.02)), ModelTotals(2, (0.0099, 0.02))])  # no spread recorded: 0
+
+
+def _synthetic_points(monkeypatch, low: dict[int, int]):
+    """LayerProfiler.measure_point replaced by points of 1 ms x mbs per layer (1 % spread), except that the
+    first ``low[mbs]`` measurements of a size come out at a tenth: calls are counted per size."""
+    from profiler.compute import LayerProfiler, PointResult
+    from sailor_hpc.core.archive import PointSpread
+    calls: dict[int, int] = {}
+
+    def fake(self, mbs):
+        calls[mbs] = calls.get(mbs, 0) + 1
+        scale = 0.1 if calls[mbs] <= low.get(mbs, 0) else 1.0
+        L = self.spec.num_pipeline_layers
+        return PointResult(mbs=mbs, times=np.full((L, 3), 1e-3 * mbs * scale),
+                           spread=PointSpread(np.full((L, 3), 0.01), (0.01, 0.01), 20), info={"warmup_reps": 3})
+
+    monkeypatch.setattr(LayerProfiler, "measure_point", fake)
+    return calls
+
+
+def test_a_non_monotonic_point_is_measured_again_and_kept_when_it_recovers(one_rank, monkeypatch):
     import torch
 
-    from profiler.compute import LayerProfiler, profile_compute
+    from profiler.compute import profile_compute
+    calls = _synthetic_points(monkeypatch, {4: 1})  # mbs 4's first measurement is an outlier
+    res = profile_compute(get_model("tiny-gpt"), [1, 2, 4], tp_group=one_rank, device=torch.device("cpu"), **QUICK)
+    assert calls == {1: 2, 2: 2, 4: 2}  # mbs 4 is below 1 and 2: all three points measured once more
+    assert all(p.info.get("remeasured") and not p.flag for p in res.points)
+    assert res.extra["timing"] == "chain"
 
-    def chain_oom(self, mbs):  # the chain holds every measured layer's activations: it fails first
-        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    monkeypatch.setattr(LayerProfiler, "measure_stack", chain_oom)
-    res = profile_compute(get_model("tiny-gpt"), [1], tp_group=one_rank, device=torch.device("cpu"), warmup=1, iters=2)
-    (point,) = res.points
-    assert point.times is not None and point.stack is None and not point.reason
+def test_a_point_that_stays_non_monotonic_is_flagged(one_rank, monkeypatch):
+    import torch
+
+    from profiler.compute import profile_compute
+    calls = _synthetic_points(monkeypatch, {2: 99})  # mbs 2 always below mbs 1
+    res = profile_compute(get_model("tiny-gpt"), [1, 2, 4], tp_group=one_rank, device=torch.device("cpu"), **QUICK)
+    assert calls == {1: 2, 2: 2, 4: 1}
+    flags = {p.mbs: p.flag for p in res.points}
+    assert flags[4] == "" and flags[1] == flags[2] and flags[2].startswith("not monotonic: forward")
+    calls.clear()
+    res = profile_compute(get_model("tiny-gpt"), [1, 2], tp_group=one_rank, device=torch.device("cpu"),
+                          remeasure=False, **QUICK)
+    assert calls == {1: 1, 2: 1} and all(p.flag for p in res.points)  # re-runs of the sweep driver: flag only
+
+
+def _fake_point_rank(job_id: int, task) -> None:
+    """A TP-1 profiling job (compute_job itself, its archive writes included) whose mbs-2 point is always
+    below mbs 1 (the synthetic points above), in a process of its own."""
+    import os
+
+    import pytest as _pytest
+    os.environ.update(SLURM_PROCID="0", SLURM_NTASKS="1", SLURM_JOB_ID=str(job_id), OMP_NUM_THREADS="1")
+    with _pytest.MonkeyPatch.context() as mp:
+        _synthetic_points(mp, {2: 99})
+        from profiler.jobs import compute_job
+        compute_job(task)
+
+
+def test_the_flag_and_the_spread_reach_the_archive_and_profiles_show(tmp_path):
+    import json
+    import multiprocessing as mp
+
+    from profiler.jobs import ComputeTask
+    archive = tmp_path / "a.h5"
+    task = ComputeTask(model="tiny-gpt", partition="a100", gpu_key="cpu-A100-40", tp=1, mbs=(1, 2, 4),
+                       archive=str(archive), cpu=True, sweep="test", warmup=1, iters=3, min_time_s=0.0)
+    proc = mp.get_context("spawn").Process(target=_fake_point_rank, args=(_free_job_id(), task))
+    proc.start()
+    proc.join(240)
+    assert proc.exitcode == 0
+    points = read_archive(archive).compute_points("tiny-gpt", "cpu-A100-40")
+    assert points[(2, 1)].flag.startswith("not monotonic") and points[(1, 1)].flag and not points[(4, 1)].flag
+    assert all(e.spread is not None and e.spread.repetitions == 20 and e.spread.layers.shape == (6, 3)
+               for e in points.values())
+    assert points[(2, 1)].provenance["remeasured"] and points[(2, 1)].provenance["timing"] == "chain"
+    base = ["profiles", "show", "tiny-gpt", "cpu-A100-40", "--archive", str(archive)]
+    shown = json.loads(CliRunner().invoke(main, base + ["--json"]).output)
+    rows = {r["mbs"]: r for r in shown["points"]}
+    assert rows[2]["flag"] == points[(2, 1)].flag and rows[4]["flag"] == ""
+    assert rows[4]["spread"] == {"fwd": 0.01, "bwd": 0.01, "repetitions": 20}
+    text = CliRunner().invoke(main, base).output
+    line = next(x for x in text.splitlines() if x.startswith("2 "))
+    assert "NOT MONOTONIC" in line and "1.0 %" in line and " 20 " in line
+    assert f"flagged: mbs 2 tp 1: {points[(2, 1)].flag}" in text and "flagged: mbs 4" not in text
 
 
 # ---------------------------------------------------------------------------- paths and options of a sweep
@@ -430,3 +634,71 @@ def test_het_profiling_jobs_give_every_component_the_sites_per_component_options
     for head in (first, second):
         assert "#SBATCH --constraint=ib" in head and "#SBATCH --exclusive" in head.split("\n")
     assert "--mail-type=END" in first and "--mail-type" not in second
+
+
+def test_the_sweep_measures_a_pair_across_jobs_again_then_flags_it(tmp_path, monkeypatch):
+    """Two jobs measured mbs 1 and mbs 2 (one point each, so neither could compare them): the driver finds
+    mbs 2 below mbs 1, submits both once more in one job that may not measure a third time, and flags both
+    in the archive when the new numbers still disagree; a consistent point is left alone."""
+    import profiler.sweep as sweep
+    from profiler.keys import ComputePoint
+    from profiler.sweep import Unit, recheck_monotonic
+    from sailor_hpc.core.archive import ComputeEntry, PointSpread, make_provenance, write_entries
+
+    cfg = _cfg(tmp_path, cpu=True, mbs=(1, 2, 4), tp=(1,))
+    spread = PointSpread(np.full((6, 3), 0.01), (0.01, 0.01), 20)
+
+    def write(mbs: int, per_layer: float) -> None:
+        write_entries(cfg.archive, [ComputeEntry("tiny-gpt", "cpu-A100-40", mbs, 1, np.full((6, 3), per_layer),
+                                                 make_provenance("test"), spread=spread)])
+
+    for mbs, per_layer in ((1, 1e-3), (2, 0.5e-3), (4, 4e-3)):
+        write(mbs, per_layer)
+    units = [Unit(f"compute:a100:mbs{b}:tp1", point=ComputePoint("a100", "cpu-A100-40", b, 1), status="ok")
+             for b in (1, 2, 4)]
+    submitted: list = []
+
+    def resubmit(cfg_, todo, *, remeasure):
+        submitted.append(([u.point.mbs for u in todo], remeasure, cfg_.points_per_job))
+        for u in todo:
+            u.status, u.job_id = "queued", "77"
+
+    def finish(cfg_, units_, progress, deadline):
+        for u in units_:
+            if u.status == "queued":
+                write(u.point.mbs, {1: 1e-3, 2: 0.6e-3}[u.point.mbs])  # measured again: still below
+                u.status = "ok"
+
+    monkeypatch.setattr(sweep, "submit_compute", resubmit)
+    monkeypatch.setattr(sweep, "_watch", finish)
+    out = io.StringIO()
+    recheck_monotonic(cfg, units, Progress(3, stream=out, tty=False), None)
+    assert submitted == [([1, 2], False, 2)]  # one job for the pair, told not to measure a third time
+    points = read_archive(cfg.archive).compute_points("tiny-gpt", "cpu-A100-40")
+    assert points[(2, 1)].flag.startswith("not monotonic: forward") and points[(1, 1)].flag == points[(2, 1)].flag
+    assert points[(4, 1)].flag == "" and points[(2, 1)].times[0, 0] == 0.6e-3
+    assert [u.status for u in units] == ["ok"] * 3 and units[1].reason.startswith("flagged: not monotonic")
+    assert "measuring again: compute:a100:mbs2:tp1" in out.getvalue() and "flagged: compute:a100:mbs1:tp1" in out.getvalue()
+    submitted.clear()  # flagged points are not measured again by a later sweep (--resume)
+    recheck_monotonic(cfg, units, Progress(3, stream=io.StringIO(), tty=False), None)
+    assert submitted == []
+
+
+def test_the_simulator_takes_chain_timed_layers_as_they_are():
+    """A point whose layers are slices of one chain needs no chain-timing correction, even asked for one and
+    even carrying an older profiler's stack figures; an older point's correction still applies."""
+    from sailor_hpc.core.archive import ComputeEntry, MemoryEntry, ProfileArchive
+    from simulator.tables import ProfileTables
+
+    spec = get_model("tiny-gpt")
+    times = np.tile([[1e-3, 2e-3, 1e-4]], (6, 1))
+    def stack(mbs: int) -> dict:  # the 4 measured layers' chain 0.3 ms faster forward: 0.1 ms per boundary
+        return {"stack_layers": 4, "stack_fwd_s": 4e-3 * mbs - 3e-4, "stack_bwd_s": 8e-3 * mbs}
+
+    archive = ProfileArchive()
+    archive.add(MemoryEntry("tiny-gpt", 1, np.ones((6, 4)), {}))
+    for mbs, prov in ((1, {"timing": "chain", **stack(1)}), (2, stack(2))):
+        archive.add(ComputeEntry("tiny-gpt", "G", mbs, 1, times * mbs, prov))
+    tables = ProfileTables(archive, spec)
+    assert tables.compute("G", 1, 1, chain_timing=True).fwd(0, 5) == pytest.approx(6e-3)
+    assert tables.compute("G", 2, 1, chain_timing=True).fwd(0, 5) == pytest.approx(12e-3 - 5 * 1e-4)
