@@ -97,8 +97,10 @@ def node_address(node: str | None) -> str:
 def job_port() -> int:
     """This job's rendezvous port, base + job id % span: concurrent jobs on a node get different ones. A port
     probed free and released can be bound by another job's step before ours binds it (EADDRINUSE, seen
-    with several network jobs on one machine)."""
-    return PORT_BASE + int(os.environ.get("SLURM_JOB_ID", "0")) % PORT_SPAN
+    with several network jobs on one machine). A one-task run outside Slurm (the GPU check, a laptop) has no
+    job id: its process id stands for one, so two such runs at once do not meet on one port."""
+    alone = os.environ.get("SLURM_NTASKS", "1") == "1"
+    return PORT_BASE + int(os.environ.get("SLURM_JOB_ID") or (os.getpid() if alone else 0)) % PORT_SPAN
 
 
 def _slurm_where() -> dict[str, Any]:
