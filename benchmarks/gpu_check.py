@@ -581,9 +581,9 @@ def child_setup(a: dict[str, Any]) -> dict[str, Any]:
 
 def child_profile(a: dict[str, Any]) -> dict[str, Any]:
     from profiler.jobs import ComputeTask, compute_job
+    # the profiling job's defaults: >= 20 repetitions and >= 1 s per point, the device warmed to steady clocks
     res = compute_job(ComputeTask(model=a["model"], partition="gpu", gpu_key=a["gpu_key"], tp=1, mbs=tuple(a["mbs"]),
-                                  archive=a["archive"], cpu=a["cpu"], sweep="gpu-check", dtype=a["dtype"],
-                                  warmup=3, iters=10))
+                                  archive=a["archive"], cpu=a["cpu"], sweep="gpu-check", dtype=a["dtype"]))
     assert res is not None  # rank 0
     return res
 

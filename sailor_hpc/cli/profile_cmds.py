@@ -48,8 +48,11 @@ def _names(text: str | None) -> tuple[str, ...]:
 @click.option("--net-sizes", default=None, help="Message sizes as log2 bytes, e.g. 16,20,24 (default by device).")
 @click.option("--dtype", default="fp32", show_default=True)
 @click.option("--blocks", type=int, default=None, help="Transformer blocks measured (default 2; the rest copy the last).")
-@click.option("--iters", type=int, default=10, show_default=True, help="Timed iterations per point.")
-@click.option("--warmup", type=int, default=3, show_default=True)
+@click.option("--iters", type=int, default=20, show_default=True, help="Timed repetitions per point, at least.")
+@click.option("--min-time", "min_time_s", type=click.FloatRange(min=0.0), default=1.0, show_default=True,
+              help="Seconds of timed work per point, at least (more repetitions where one is short).")
+@click.option("--warmup", type=int, default=3, show_default=True,
+              help="Untimed repetitions, at least (a GPU runs them until its repetition time is steady).")
 @click.option("--points-per-job", type=int, default=1, show_default=True,
               help="Micro-batch sizes measured by one array element (more: fewer start-ups, coarser failures).")
 @click.option("--time", "time_min", type=int, default=30, show_default=True, help="Time limit per job (minutes).")
@@ -68,7 +71,8 @@ def _names(text: str | None) -> tuple[str, ...]:
 @json_option
 def profile_cmd(site_file: Path, model: str, partitions: str | None, mbs: str, tp: str, archive: Path | None,
                 cpu: bool, network: str, no_compute: bool, net_senders: str, net_sizes: str | None, dtype: str,
-                blocks: int | None, iters: int, warmup: int, points_per_job: int, time_min: int, begin: str | None,
+                blocks: int | None, iters: int, min_time_s: float, warmup: int, points_per_job: int, time_min: int,
+                begin: str | None,
                 folder: Path | None, python: str, timeout_s: float | None, lost_after: float, poll_s: float,
                 resume: bool, write_site: Path | None, as_json: bool) -> None:
     """Profile MODEL on the site's partitions with Slurm jobs and merge the results into the archive.
@@ -92,7 +96,7 @@ def profile_cmd(site_file: Path, model: str, partitions: str | None, mbs: str, t
     cfg = SweepConfig(site=site, model=name, archive=archive, partitions=_names(partitions), mbs=_ints(mbs, "--mbs"),
                       tp=_ints(tp, "--tp"), cpu=cpu, compute=not no_compute, network=kinds,
                       senders=_ints(net_senders, "--net-senders"), sizes=sizes, dtype=dtype, blocks=blocks,
-                      warmup=warmup, iters=iters, time_min=time_min, begin=begin,
+                      warmup=warmup, iters=iters, min_time_s=min_time_s, time_min=time_min, begin=begin,
                       folder=folder or Path("sailor-profile") / f"{site.name}-{name}", python=python,
                       points_per_job=points_per_job, timeout_s=timeout_s, lost_after_s=lost_after, poll_s=poll_s,
                       resume=resume)
