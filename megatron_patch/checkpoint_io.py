@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import io
+import pickle
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -135,6 +136,21 @@ def save(trainer: Trainer, root: str, keep: int = 3) -> str:
     return out[0]
 
 
+_DAMAGED = "the checkpoint is damaged: delete this step_* directory (an older one is used) or restore it"
+# what torch.load raised on damaged layer files in tests/fuzz (a truncated or flipped zip, pickle or tensor data)
+_LOAD_ERRORS = (RuntimeError, pickle.UnpicklingError, UnicodeDecodeError)
+
+
+def _load_layer(path: Path) -> Any:
+    """A layer file's tensors, memory-mapped; a file torch cannot read is a CheckpointError naming it."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except _LOAD_ERRORS as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise ck.CheckpointError(f"layer file cannot be read ({type(exc).__name__}: {first[:200]})", file=path,
+                                 fix=_DAMAGED) from None
+
+
 class CheckpointReader:
     """Reads a verified checkpoint's tensors by Megatron name, one memory-mapped layer file at a time.
 
@@ -170,11 +186,27 @@ class CheckpointReader:
         fname = self.file_of(name)
         if self._open is None or self._open[0] != fname:
             self._open = None  # release the previous file's mapping first
-            self._open = (fname, torch.load(self.path / fname, map_location="cpu", weights_only=True, mmap=True))
-        entry = self._open[1][name]
+            self._open = (fname, _load_layer(self.path / fname))
+        entry = self._checked(self._open[1], name, self.path / fname)
         if self.fresh_optimizer:
             zeros = torch.zeros((), dtype=entry["param"].dtype).expand(entry["param"].shape)
             return {"param": entry["param"], "exp_avg": zeros, "exp_avg_sq": zeros}
+        return entry
+
+    def _checked(self, layer: Any, name: str, path: Path) -> dict[str, torch.Tensor]:
+        """``name``'s fields in a loaded layer file: floating tensors of the manifest's shape. A file whose
+        checksum matches can still hold something else (written by a bug, or loaded without the checks),
+        and a resume would otherwise fail deep in the slicing with a shape error."""
+        entry = layer.get(name) if isinstance(layer, dict) else None
+        if not isinstance(entry, dict):
+            raise ck.CheckpointError(f"layer file holds no parameter {name!r}", file=path, field=name, fix=_DAMAGED)
+        shape = list(self.manifest["params"][name]["shape"])
+        for key in ("param",) if self.fresh_optimizer else FIELDS:
+            t = entry.get(key)
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point() or list(t.shape) != shape:
+                got = f"a {t.dtype} tensor of shape {list(t.shape)}" if isinstance(t, torch.Tensor) else repr(t)[:80]
+                raise ck.CheckpointError(f"{key} is {got}, the manifest says a float tensor of shape {shape}",
+                                         file=path, field=name, fix=_DAMAGED)
         return entry
 
     def shards(self, infos: Iterable[ParamInfo], tp: int,

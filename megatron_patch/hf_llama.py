@@ -26,7 +26,7 @@ import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 
@@ -134,13 +134,38 @@ def hf_config(spec: ModelSpec) -> dict[str, Any]:
     }
 
 
-def _rope(cfg: dict[str, Any]) -> tuple[float, str]:
+def _rope(cfg: dict[str, Any], path: Path) -> tuple[float, str]:
     """(theta, type) from a config of either transformers generation (``rope_parameters`` or ``rope_theta``)."""
-    params = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling") or {}
+    def table(key: str) -> dict[str, Any]:
+        value = cfg.get(key) or {}
+        if not isinstance(value, dict):
+            raise SailorError(f"{key} is {value!r}, not a JSON object", file=path, field=key, fix=_FIX_CONFIG)
+        return value
+
+    params, scaling = table("rope_parameters"), table("rope_scaling")
     theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    if not _finite(theta):
+        raise SailorError(f"rope_theta is {theta!r}, not a number", file=path, field="rope_theta", fix=_FIX_CONFIG)
     kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
     return float(theta), str(kind)
+
+
+_FIX_CONFIG = "pass the config.json that save_pretrained wrote (a Llama's, unedited)"
+
+
+def _positive_int(value: Any) -> TypeGuard[int]:
+    """A positive JSON integer (JSON's true is no count)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _finite(value: Any) -> TypeGuard[int | float]:
+    """A JSON number a float can hold (not a bool, NaN, an infinity or an integer beyond float's range)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def check_config(spec: ModelSpec, cfg: dict[str, Any], path: Path) -> None:
@@ -149,13 +174,15 @@ def check_config(spec: ModelSpec, cfg: dict[str, Any], path: Path) -> None:
     if cfg.get("model_type") != "llama":
         raise SailorError(f"model_type is {cfg.get('model_type')!r}, not 'llama'", file=path, field="model_type",
                           fix="only Llama-architecture (LlamaForCausalLM) checkpoints import")
-    heads = cfg.get("num_attention_heads")
+    heads, hidden = cfg.get("num_attention_heads"), cfg.get("hidden_size")
+    # head_dim is optional (hidden_size / heads); computed only from sane values, the comparison names the rest
+    derived = hidden // heads if _positive_int(heads) and _positive_int(hidden) else None
     got = {**cfg, "num_key_value_heads": cfg.get("num_key_value_heads", heads),
-           "head_dim": cfg.get("head_dim") or (cfg.get("hidden_size", 0) // heads if heads else None),
+           "head_dim": cfg.get("head_dim") or derived,
            "hidden_act": cfg.get("hidden_act", "silu"), "rms_norm_eps": cfg.get("rms_norm_eps", 1e-6),
            "tie_word_embeddings": cfg.get("tie_word_embeddings", False),
            "attention_bias": cfg.get("attention_bias", False), "mlp_bias": cfg.get("mlp_bias", False)}
-    got["rope_theta"], kind = _rope(cfg)
+    got["rope_theta"], kind = _rope(cfg, path)
     if kind != "default":
         raise SailorError(f"RoPE scaling {kind!r} is not supported (the runtime's RoPE is unscaled)", file=path,
                           field="rope_scaling", fix="import a checkpoint without rope_scaling (e.g. Llama 3, not 3.1)")
@@ -163,7 +190,7 @@ def check_config(spec: ModelSpec, cfg: dict[str, Any], path: Path) -> None:
                 "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps", "rope_theta",
                 "tie_word_embeddings", "attention_bias", "mlp_bias"):
         a, b = got.get(key), want[key]
-        same = math.isclose(a, b, rel_tol=1e-9) if isinstance(b, float) and isinstance(a, int | float) else a == b
+        same = math.isclose(a, b, rel_tol=1e-9) if isinstance(b, float) and _finite(a) else a == b
         if not same:
             raise SailorError(f"{key} is {a!r}, {spec.name} has {b!r}", file=path, field=key, fix=_FIX_MODEL)
 

@@ -14,6 +14,7 @@ descriptor, then ``fsync``. A controller killed in the middle of a write can lea
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from collections.abc import Callable
@@ -74,32 +75,55 @@ class Kind(StrEnum):
     SUBMITTED = "submitted"
 
 
-def _parse(text: str, path: Path) -> tuple[list[Record], int]:
-    """Records of a journal's text and the byte length of its complete lines (a torn tail is left out)."""
+_EDITED = "the journal was edited or corrupted; restore it or start a new run"
+
+
+def _check_envelope(rec: Record, number: int, path: Path) -> None:
+    """The fields every reader uses (the writer's next ``seq``, the status' times, the fold's ``kind``) have
+    the types the writer gives them, so a damaged line is named here, not met as a TypeError later."""
+    seq, t, kind = rec["seq"], rec.get("t"), rec["kind"]
+    for field, ok, what in (("seq", isinstance(seq, int) and not isinstance(seq, bool) and seq >= 0,
+                             "a non-negative integer"),
+                            ("t", isinstance(t, int | float) and not isinstance(t, bool) and math.isfinite(t),
+                             "a finite number of seconds"),
+                            ("kind", isinstance(kind, str), "text")):
+        if not ok:
+            raise SailorError(f"line {number}: {field} must be {what}, got {rec.get(field)!r}", file=path,
+                              field=field, fix=_EDITED)
+
+
+def _parse(data: bytes, path: Path) -> tuple[list[Record], int]:
+    """Records of a journal's bytes and the byte length of its complete lines (a torn tail is left out,
+    whatever its bytes: a write cut short may end inside a character)."""
     records: list[Record] = []
-    complete = text.rfind("\n") + 1
-    for number, line in enumerate(text[:complete].splitlines(), start=1):
+    complete = data.rfind(b"\n") + 1
+    try:
+        text = data[:complete].decode()
+    except UnicodeDecodeError as exc:
+        bad = data[:exc.start].count(b"\n") + 1
+        raise SailorError(f"line {bad} is not UTF-8 text ({exc.reason})", file=path, fix=_EDITED) from None
+    for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:
             rec = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise SailorError(f"line {number} is not JSON ({exc})", file=path,
-                              fix="the journal was edited or corrupted; restore it or start a new run") from None
+            raise SailorError(f"line {number} is not JSON ({exc})", file=path, fix=_EDITED) from None
         if not isinstance(rec, dict) or "kind" not in rec or "seq" not in rec:
-            raise SailorError(f"line {number} is not a journal record", file=path)
+            raise SailorError(f"line {number} is not a journal record", file=path, fix=_EDITED)
+        _check_envelope(rec, number, path)
         records.append(rec)
-    return records, len(text[:complete].encode())
+    return records, complete
 
 
 def read_journal(path: str | os.PathLike[str]) -> list[Record]:
     """Every complete record of the journal at ``path`` (none if it does not exist yet)."""
     path = Path(path)
     try:
-        text = path.read_text()
+        data = path.read_bytes()
     except FileNotFoundError:
         return []
-    return _parse(text, path)[0]
+    return _parse(data, path)[0]
 
 
 class Journal:
@@ -116,10 +140,10 @@ class Journal:
 
     def _load(self) -> tuple[list[Record], int]:
         try:
-            text = self.path.read_text()
+            data = self.path.read_bytes()
         except FileNotFoundError:
             return [], 0
-        return _parse(text, self.path)
+        return _parse(data, self.path)
 
     def _cut_torn_tail(self, good: int) -> bool:
         if self.path.exists() and self.path.stat().st_size > good:

@@ -14,7 +14,7 @@ import sys
 import uuid
 from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args, get_origin, get_type_hints
 
 from planner import Constraints, PlanRequest
 from sailor_hpc.core.atomic import atomic_write_text
@@ -127,8 +127,8 @@ class RunSpec:
         missing = sorted(n for n in required if n not in body)
         if missing:
             raise SailorError(f"missing keys {missing}", file=source, field=missing[0])
-        body["train_args"] = tuple(body.get("train_args", ()))
-        body["extra_sbatch"] = tuple(body.get("extra_sbatch", ()))
+        hints = get_type_hints(cls)
+        body = {k: _typed(v, hints[k], source, k) for k, v in body.items()}
         try:
             return cls(**body)
         except SailorError as exc:
@@ -155,3 +155,22 @@ class RunSpec:
                            constraints=Constraints(self.max_cost_per_hour, self.max_cost_per_iteration,
                                                    self.min_throughput, self.max_gpus),
                            available=dict(available), seq_len=self.seq_len, dtype=self.dtype, max_stages=self.max_stages, top_k=1)
+
+
+def _typed(value: Any, hint: Any, source: str | None, name: str) -> Any:
+    """``value`` of run.json's field ``name`` as its annotation ``hint`` says (str, int, float, ``X | None``,
+    ``tuple[str, ...]`` from a JSON list): a hand-edited or damaged file is a SailorError naming the field,
+    not a TypeError when the controller first uses the value."""
+    args = get_args(hint)
+    if type(None) in args:  # an optional field: null, or the one type it has
+        return None if value is None else _typed(value, next(a for a in args if a is not type(None)), source, name)
+    if get_origin(hint) is tuple and isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    number = isinstance(value, int | float) and not isinstance(value, bool)  # JSON's true is no number
+    if hint is float and number and math.isfinite(value):
+        return float(value)
+    if (hint is int and number and isinstance(value, int)) or (hint is str and isinstance(value, str)):
+        return value
+    what = {str: "text", int: "an integer", float: "a finite number"}.get(hint, "a list of text")
+    raise SailorError(f"must be {what}, got {value!r}", file=source, field=name,
+                      fix="run.json was edited or damaged: restore it, or start a new run")

@@ -59,8 +59,14 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+_DAMAGED = "the manifest is damaged: delete this step_* directory (an older checkpoint is used) or restore it"
+
+
 def read_manifest(path: str | Path) -> dict[str, Any]:
-    """The manifest of checkpoint directory ``path`` (no file checks; see :func:`verify`)."""
+    """The manifest of checkpoint directory ``path`` (no file checks; see :func:`verify`).
+
+    Every field a reader uses is checked here, so a damaged manifest is a :class:`CheckpointError` (which
+    makes the loaders fall back to an older step, saying so) rather than a KeyError deep in a resume."""
     mpath = Path(path) / MANIFEST
     try:
         data = json.loads(mpath.read_text())
@@ -72,8 +78,50 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"not a {FORMAT} v{VERSION} manifest", file=mpath)
     for key in ("step", "consumed_samples", "files", "params"):
         if key not in data:
-            raise CheckpointError(f"manifest lacks {key!r}", file=mpath, field=key)
+            raise CheckpointError(f"manifest lacks {key!r}", file=mpath, field=key, fix=_DAMAGED)
+    for key in ("step", "consumed_samples", "adam_steps", "seed"):
+        if key in data:
+            _count(data[key], mpath, key)
+    files = _table(data["files"], mpath, "files")
+    for name, meta in files.items():
+        _file_name(name, mpath, f"files.{name}")
+        meta = _table(meta, mpath, f"files.{name}")
+        _count(meta.get("bytes"), mpath, f"files.{name}.bytes")
+        if not isinstance(meta.get("sha256"), str):
+            raise CheckpointError(f"has no SHA-256 text, got {meta.get('sha256')!r}", file=mpath,
+                                  field=f"files.{name}.sha256", fix=_DAMAGED)
+    for name, meta in _table(data["params"], mpath, "params").items():
+        meta = _table(meta, mpath, f"params.{name}")
+        _file_name(meta.get("file"), mpath, f"params.{name}.file")
+        shape = meta.get("shape")
+        if not isinstance(shape, list):
+            raise CheckpointError(f"is not a list of dimensions, got {shape!r}", file=mpath,
+                                  field=f"params.{name}.shape", fix=_DAMAGED)
+        for i, dim in enumerate(shape):
+            _count(dim, mpath, f"params.{name}.shape[{i}]")
     return data
+
+
+def _count(value: Any, mpath: Path, field: str) -> None:
+    """A step, sample count, size or dimension: a non-negative JSON integer (JSON's true is none)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise CheckpointError(f"must be a non-negative integer, got {value!r}", file=mpath, field=field,
+                              fix=_DAMAGED)
+
+
+def _table(value: Any, mpath: Path, field: str) -> dict[str, Any]:
+    """``value`` as the JSON object the manifest has there."""
+    if not isinstance(value, dict):
+        raise CheckpointError(f"must be a JSON object, got {type(value).__name__}", file=mpath, field=field,
+                              fix=_DAMAGED)
+    return value
+
+
+def _file_name(name: Any, mpath: Path, field: str) -> None:
+    """A file of the checkpoint is named by its plain name: a manifest never points outside its directory."""
+    if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name or "\0" in name:
+        raise CheckpointError(f"{name!r} is not the name of a file in the checkpoint directory", file=mpath,
+                              field=field, fix=_DAMAGED)
 
 
 def verify(path: str | Path, deep: bool = True) -> dict[str, Any]:

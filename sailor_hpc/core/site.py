@@ -21,6 +21,7 @@ from sailor_hpc.core.sbatch_values import constraint, parse_sbatch_option, slurm
 
 SITE_SCHEMA_VERSION = 1
 GIB = 1024**3
+_MAX_MEMORY_GIB = 1e6  # far above any GPU's memory; bounds the byte count a typo could make
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _WALLTIME = re.compile(r"^(?:(\d+)-)?(\d+):(\d{2}):(\d{2})$|^(\d+)$")
 
@@ -207,8 +208,9 @@ def _parse_gpu_types(f: Fields) -> dict[str, GpuType]:
                           fix="letters, digits, '_', '-', '.' (e.g. \"A100-40\"); put other spellings in aliases")
         g = f.sub(name, value)
         mem = g.req("memory_gib", float)
-        if mem <= 0:
-            raise g.error("memory_gib", f"must be positive, got {mem}")
+        if not 0 < mem <= _MAX_MEMORY_GIB:  # a typo of 1e308 would overflow the byte count
+            raise g.error("memory_gib", f"must be positive and at most {_MAX_MEMORY_GIB:g} GiB, got {mem}",
+                          fix="give the memory one GPU has, in GiB (e.g. 39.43 for an A100-40)")
         aliases = g.opt("aliases", list, [])
         peak = g.opt("peak_tflops", float)
         dtypes = g.opt("dtypes", list, list(default_dtypes(name)))

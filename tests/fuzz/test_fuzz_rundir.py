@@ -1,0 +1,86 @@
+"""Run directories: one made as ``sailor-hpc run`` makes it (``RunDir.create`` with a ``RunSpec``, a journal
+written by ``Journal.append``), its ``run.json`` or ``journal.jsonl`` mutated, through the readers the
+controller and ``run --resume`` / ``run status`` use: ``RunDir.existing(...).spec()``, ``read_journal`` and
+the writer's own opening (``Journal``, which cuts a torn last line and nothing else)."""
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from sailor_hpc.controller.journal import Journal, Kind, read_journal
+from sailor_hpc.controller.spec import RunSpec
+from sailor_hpc.controller.state import RunDir, job_name
+from tests.data import LOCAL_LAB
+from tests.fuzz.harness import Doc, count, examples, loads_or_refuses, mutated_bytes, mutated_doc, scratch
+
+
+def _template() -> dict[str, bytes]:
+    """``run.json`` and ``journal.jsonl`` of a run that planned, submitted a job and saw it lose a node."""
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = RunSpec(run_id="feed01", site=str(LOCAL_LAB), model="tiny-gpt", objective="throughput",
+                       data=f"{tmp}/d", save=f"{tmp}/ckpt", steps=60, gbs=64, time_limit="1:00:00",
+                       train_args=("--lr=1e-4",))
+        rd = RunDir.create(Path(tmp) / "run", spec)
+        clock = iter(range(100, 200))
+        j = Journal(rd.journal_file, clock=lambda: float(next(clock)))
+        j.append(Kind.RUN_STARTED, run_id="feed01")
+        j.append(Kind.PLAN, reason="start", available={"a100": 1, "v100": 8}, gpus={"a100": 1}, throughput=26.4)
+        j.append(Kind.SUBMIT_INTENT, attempt=1, job_name=job_name("feed01", 1), plan_file="p", script="s",
+                 reason="start", gpus={"a100": 1}, throughput=26.4, cost_per_hour=1.5)
+        j.append(Kind.SUBMITTED, attempt=1, job_id="13", log="/l")
+        j.append(Kind.NODE_LOST, attempt=1, job_id="13", nodes={"a100-1": "down"})
+        return {p.name: p.read_bytes() for p in (rd.spec_file, rd.journal_file)}
+
+
+TEMPLATE = _template()
+SPEC_DOC: Doc = json.loads(TEMPLATE["run.json"])
+RECORDS: list[Doc] = [json.loads(line) for line in TEMPLATE["journal.jsonl"].splitlines()]
+
+
+def _jsonl(records: Doc) -> bytes:
+    """Records as journal lines (a mutated "record list" that is no list becomes one line)."""
+    lines = records if isinstance(records, list) else [records]
+    return b"".join(json.dumps(r).encode() + b"\n" for r in lines)
+
+
+spec_files = st.one_of(mutated_doc(SPEC_DOC).map(lambda d: json.dumps(d, indent=1).encode()),
+                       mutated_bytes(TEMPLATE["run.json"]))
+journal_files = st.one_of(mutated_doc(RECORDS).map(_jsonl), mutated_bytes(TEMPLATE["journal.jsonl"]))
+
+
+@settings(max_examples=examples(200))
+@given(spec_files)
+@example(json.dumps({**SPEC_DOC, "extra_sbatch": None}).encode())  # was a TypeError
+@example(json.dumps({**SPEC_DOC, "run_id": 7}).encode())  # was an AttributeError
+def test_run_spec_loads_or_names_the_file(data: bytes) -> None:
+    count("run.json")
+    with scratch({**TEMPLATE, "run.json": data}) as root, loads_or_refuses("run.json", root / "run.json"):
+        RunDir.existing(root).spec().to_dict()
+
+
+@settings(max_examples=examples(200))
+@given(journal_files)
+@example(_jsonl([*RECORDS[:-1], {**RECORDS[-1], "seq": "4"}]))  # was a TypeError in the writer's next seq
+@example(TEMPLATE["journal.jsonl"].replace(b"feed01", b"feed\xff1", 1))  # was a UnicodeDecodeError
+def test_journal_loads_or_names_the_file(data: bytes) -> None:
+    count("journal.jsonl")
+    with scratch({**TEMPLATE, "journal.jsonl": data}) as root, loads_or_refuses("journal.jsonl", root / "journal.jsonl"):
+        assert RunDir(root).records() == read_journal(root / "journal.jsonl")
+    count("journal.jsonl (writer)")
+    with scratch({**TEMPLATE, "journal.jsonl": data}, read_only=False) as root:
+        rd = RunDir(root)
+        opened = False
+        with loads_or_refuses("journal.jsonl (writer)", rd.journal_file):
+            journal = rd.journal()
+            opened = True
+            # the writer keeps the complete lines and cuts only a torn last one: nothing half-written stays
+            kept = rd.journal_file.read_bytes()
+            assert kept == data[:data.rfind(b"\n") + 1] and journal.repaired == (kept != data)
+            journal.append(Kind.CONTROLLER_STARTED, resumed=True)
+            assert read_journal(rd.journal_file)[:-1] == journal.records[:-1]
+        if not opened:
+            assert rd.journal_file.read_bytes() == data  # a refused journal is left as it was
