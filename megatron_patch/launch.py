@@ -14,7 +14,7 @@
   processes exit with 75 (``EXIT_SAVED_ON_SIGNAL``); a later job resumes with ``--load DIR`` under
   any plan. Exit codes: 0 done, 75 saved on a signal, 2 bad input, 1 error.
 - Every rank logs JSON lines on stdout: ``start``, ``step`` (loss, lr, grad norm, iteration and sync
-  seconds, peak memory), ``eval``, ``saved``, ``loaded``, ``signal``, ``done``. Rank 0 also writes
+  seconds, peak memory: :func:`memory_record`), ``eval``, ``saved``, ``loaded``, ``signal``, ``done``. Rank 0 also writes
   human lines on stderr and a JSON-lines metrics file (``megatron_patch.metrics``).
 - Before training, rank 0 checks every token id of the data against the model's vocabulary (exit 2
   naming the file, the id and its position).
@@ -111,6 +111,28 @@ def _peak_memory(device: Any) -> int:
     return peak_rss()
 
 
+def memory_record(device: Any) -> dict[str, int]:
+    """The step event's memory fields (peaks since the process started).
+
+    ``mem_bytes`` (kept for the readers that have it): ``max_memory_allocated`` on CUDA, peak RSS on the
+    CPU. On CUDA also ``mem_allocated_bytes`` (``max_memory_allocated``: the simulator's ``peak_allocated``),
+    ``mem_reserved_bytes`` (``max_memory_reserved``: the caching allocator's peak) and ``mem_device_bytes``:
+    device memory in use at the step's end (total - free from ``mem_get_info``: every process's CUDA context,
+    library workspaces and NCCL buffers included), plus ``mem_device_peak_bytes``, the peak reserved plus what
+    is in use outside the allocator (in use - reserved now): the simulator's ``peak_device``. The CPU has
+    no allocator statistics (torch's memory profiler measures them in the tests)."""
+    import torch
+
+    out = {"mem_bytes": _peak_memory(device)}
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        in_use, reserved = int(total - free), int(torch.cuda.memory_reserved(device))
+        peak_reserved = int(torch.cuda.max_memory_reserved(device))
+        out.update(mem_allocated_bytes=int(torch.cuda.max_memory_allocated(device)), mem_reserved_bytes=peak_reserved,
+                   mem_device_bytes=in_use, mem_device_peak_bytes=peak_reserved + in_use - reserved)
+    return out
+
+
 def checked_data(args: argparse.Namespace, plan: Plan, rank: int) -> dict[str, Any]:
     """Collective: train/valid/test samples of ``--data``, after rank 0 checked every token id against the
     model's vocabulary (one pass over the corpus, not one per rank); all ranks raise its error alike."""
@@ -201,7 +223,7 @@ def train(args: argparse.Namespace, plan: Plan, env: DistEnv, role: Role) -> int
         grad_norm = None if res.skipped else res.grad_norm
         emit({"event": "step", **base, "step": res.step, "loss": res.loss, "lr": res.lr, "grad_norm": grad_norm,
               "skipped": res.skipped, "loss_scale": res.loss_scale,
-              "iter_s": res.seconds, "sync_s": res.sync_seconds, "mem_bytes": _peak_memory(device),
+              "iter_s": res.seconds, "sync_s": res.sync_seconds, **memory_record(device),
               "consumed_samples": trainer.consumed_samples, "t": round(time.time(), 3)})
         log.train(res.step, res.loss, res.lr, grad_norm, res.seconds, trainer.consumed_samples)
         if res.stop and trainer.step < args.steps:

@@ -7,7 +7,7 @@ and :func:`simulator.iteration.finish_iteration`; there is no other copy of the 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -20,9 +20,17 @@ from sailor_hpc.core.plan import Plan, validate_plan
 from sailor_hpc.core.site import Site
 from simulator.cost import Transfer, egress, pipeline_transfers, plan_cost_per_hour, ring_transfers
 from simulator.iteration import Collective, IterationEnd, expected_max_normal, finish_iteration, gradient_segments
-from simulator.memory import ALLOCATOR_SLACK, DEFAULT_BUCKET_ELEMS, GRAD_BYTES, StageMemory, in_flight, stage_memory
+from simulator.memory import (
+    ALLOCATOR_SLACK,
+    DEFAULT_BUCKET_ELEMS,
+    GRAD_BYTES,
+    HeadShape,
+    StageMemory,
+    in_flight,
+    stage_memory,
+)
 from simulator.network import Endpoint, p2p_transfer, ring_allreduce_seconds
-from simulator.runtimes import Runtime, get_runtime, staging_bytes
+from simulator.runtimes import OptimizerImpl, Runtime, get_runtime, optimizer_impl, staging_bytes
 from simulator.schedule import ScheduleResult, pipeline_schedule
 from simulator.tables import ComputeTable, MemoryTable, ProfileTables, tables_for
 from simulator.timeline import Timeline, build_programs, run_programs
@@ -34,8 +42,8 @@ class SimOptions:
 
     ``runtime`` names who runs the plan: ``"deepspeed-pipe"`` (the default here, and what Sailor's
     measured runs used: ``validate-sim``) or ``"megatron_patch"`` (this project's runtime: the planner and
-    ``sailor-hpc plan/simulate``). ``overlap_grad_sync`` and ``extra_reduce_buffer`` follow the runtime
-    unless given (tests take one part of a runtime away to measure it).
+    ``sailor-hpc plan/simulate``). ``overlap_grad_sync``, ``extra_reduce_buffer`` and ``optimizer_impl``
+    follow the runtime unless given (tests take one part of a runtime away to measure it).
     """
 
     runtime: str = "deepspeed-pipe"
@@ -53,6 +61,9 @@ class SimOptions:
     # "nccl" on GPUs, "gloo" where the runtime runs without CUDA (simulator.runtimes)
     backend: str = "nccl"
     staging_bytes: float | None = None  # a stage-to-stage message up to this size is sent asynchronously; None: the backend's
+    # the Adam implementation that steps (simulator.runtimes.OPTIMIZER_IMPLS): what the optimizer step allocates;
+    # None: the runtime's on the backend's device (megatron_patch: "fused" on CUDA, "foreach" on the CPU)
+    optimizer_impl: str | None = None
 
     def __post_init__(self) -> None:
         rt = get_runtime(self.runtime)
@@ -63,6 +74,8 @@ class SimOptions:
             object.__setattr__(self, "overlap_grad_sync", rt.overlap_grad_sync)
         if self.extra_reduce_buffer is None:
             object.__setattr__(self, "extra_reduce_buffer", rt.extra_reduce_buffer)
+        impl = rt.optimizer_impl(self.backend) if self.optimizer_impl is None else optimizer_impl(self.optimizer_impl)
+        object.__setattr__(self, "optimizer_impl", impl.name)  # an unknown name was rejected above
 
     @classmethod
     def megatron_patch(cls, **changes: Any) -> SimOptions:
@@ -81,6 +94,11 @@ class SimOptions:
     @property
     def reduce_buffer_elems(self) -> int:
         return self.bucket_elems if self.extra_reduce_buffer else 0
+
+    @property
+    def optimizer_model(self) -> OptimizerImpl:
+        assert self.optimizer_impl is not None  # set from the runtime when the options are made
+        return optimizer_impl(self.optimizer_impl)
 
 
 @dataclass(frozen=True)
@@ -119,6 +137,7 @@ class StageEvaluator:
         self._stages: dict[tuple[str, int, int, int, int], StageCost] = {}
         self._memory: dict[tuple, StageMemory] = {}
         self._p2p: dict[tuple, tuple[float, float]] = {}  # (seconds, bytes of one rank's message)
+        self._heads: dict[int, HeadShape] = {}
 
     # ------------------------------------------------------------------ stages
     def compute_table(self, gpu: str, mbs: int, tp: int) -> ComputeTable:
@@ -163,12 +182,39 @@ class StageEvaluator:
         return hit
 
     def _stage_memory(self, cost: StageCost, stage: int, num_stages: int, micro_batches: int) -> StageMemory:
-        return stage_memory(self.memory_table(cost.tp), cost.first, cost.last, stage=stage, num_stages=num_stages,
-                            mbs=cost.mbs, micro_batches=micro_batches, dtype=self.dtype, optimizer=self.optimizer,
-                            recompute=self.recompute, input_bytes=cost.in_bytes,
-                            overhead=self.archive.overhead_bytes(cost.gpu, cost.tp),
-                            bucket_elems=self.options.reduce_buffer_elems, allocator_slack=self.options.allocator_slack,
-                            freed_output_bytes=self.freed_output(cost.out_bytes, cost.tp))
+        return self._memory_of(cost.tp, cost.first, cost.last, stage=stage, num_stages=num_stages, mbs=cost.mbs,
+                               micro_batches=micro_batches, input_bytes=cost.in_bytes,
+                               overhead=self.archive.overhead_bytes(cost.gpu, cost.tp),
+                               freed_output_bytes=self.freed_output(cost.out_bytes, cost.tp))
+
+    def _memory_of(self, tp: int, first, last, **stage: Any) -> StageMemory:
+        """:func:`simulator.memory.stage_memory` with this evaluator's model, dtype, optimizer and runtime."""
+        rt = self.options.runtime_model
+        return stage_memory(self.memory_table(tp), first, last, dtype=self.dtype, optimizer=self.optimizer,
+                            recompute=self.recompute, bucket_elems=self.options.reduce_buffer_elems,
+                            allocator_slack=self.options.allocator_slack, optimizer_impl=self.options.optimizer_model,
+                            head=self.head_shape(tp) if rt.ties_within_stage else replace(self.head_shape(tp), tied_params=0.0),
+                            per_layer_working=rt.per_layer_working, **stage)
+
+    def head_shape(self, tp: int) -> HeadShape:
+        """The model's head at TP ``tp`` (:class:`simulator.memory.HeadShape`), from the spec and the profile.
+
+        The tied embedding the profile counts twice is what its head layer holds beyond the final norm
+        (LayerNorm weight and bias, RMSNorm weight; replicated on every TP rank): Sailor's GPT-Neo profile
+        leaves the embedding off its head, so nothing is counted twice there. The padded vocabulary is the
+        stage's TP degree's (a plan mixing TP degrees pads to all of them)."""
+        hit = self._heads.get(tp)
+        if hit is None:
+            spec, mem = self.model, self.memory_table(tp)
+            L = spec.num_pipeline_layers
+            tied = 0.0
+            if spec.tied_embeddings and spec.tail_layers == 1:
+                norm = spec.hidden_size * (1 if spec.family == "llama" else 2)
+                tied = float(np.clip(mem.params(L - 1, L - 1) - norm, 0.0, mem.params(0, 0)))
+            vocab = spec.padded_vocab_size((tp,))
+            hit = self._heads[tp] = HeadShape(tied_params=tied, logits_per_sample=spec.seq_len * vocab / tp,
+                                              padded_vocab=vocab != spec.vocab_size)
+        return hit
 
     def freed_output(self, out_bytes, tp: int):
         """Bytes of a stage's sent output the runtime frees per micro-batch (ints or arrays; see simulator.memory)."""
@@ -338,13 +384,10 @@ class StageEvaluator:
             L = self.model.num_pipeline_layers
             out[sel] = np.where(b < L - 1, self.tables.boundary_bytes(np.minimum(b, L - 2), batch.mbs, tp, self.dtype), 0.0)
             inp = np.where(a > 0, self.tables.boundary_bytes(np.maximum(a - 1, 0), batch.mbs, tp, self.dtype), 0.0)
-            mem = stage_memory(self.memory_table(tp), a, b, stage=stage_idx[sel], num_stages=P, mbs=batch.mbs,
-                               micro_batches=mcol[sel], dtype=self.dtype, optimizer=self.optimizer,
-                               recompute=self.recompute, input_bytes=inp,
-                               overhead=self.archive.overhead_bytes(table.gpu, tp),
-                               bucket_elems=self.options.reduce_buffer_elems,
-                               allocator_slack=self.options.allocator_slack,
-                               freed_output_bytes=self.freed_output(out[sel], tp))
+            mem = self._memory_of(tp, a, b, stage=stage_idx[sel], num_stages=P, mbs=batch.mbs,
+                                  micro_batches=mcol[sel], input_bytes=inp,
+                                  overhead=self.archive.overhead_bytes(table.gpu, tp),
+                                  freed_output_bytes=self.freed_output(out[sel], tp))
             mem_total[sel] = mem.total
             fits[sel] = mem.total <= self.capacity(gpu)
         act = np.zeros((n, max(P - 1, 0)))
@@ -400,7 +443,7 @@ class BatchScores:
     update: np.ndarray  # (N, P) optimizer step per stage
     time_s: np.ndarray  # (N,) pipeline time without data-parallel sync: max over stages of flush + update
     steady_period: np.ndarray  # (N,) seconds per micro-batch in the steady state
-    memory: np.ndarray  # (N, P) peak bytes per GPU of each stage
+    memory: np.ndarray  # (N, P) peak device memory per GPU of each stage (StageMemory.total)
     fits: np.ndarray  # (N,) every stage within its GPU's memory
 
 
@@ -445,7 +488,8 @@ class StageReport:
         d = {k: getattr(self, k) for k in ("pipeline", "stage", "first_layer", "last_layer", "gpu_type", "partition",
                                            "tp", "fwd_s", "bwd_s", "update_s", "act_send_s", "grad_send_s",
                                            "flush_s", "end_s", "capacity_bytes", "fits")}
-        d["memory_bytes"] = self.memory.total
+        d["memory_bytes"] = self.memory.total  # peak device memory in use: what decides out-of-memory
+        d["peak_allocated_bytes"] = float(self.memory.peak_allocated)
         d["memory"] = self.memory.to_dict()
         return d
 
@@ -458,7 +502,8 @@ class SimResult:
     iteration_time_s: float
     throughput_samples_per_s: float
     tokens_per_s: float
-    peak_memory_bytes: float  # max over GPUs
+    peak_memory_bytes: float  # max over GPUs of the peak device memory in use (StageMemory.peak_device)
+    peak_allocated_bytes: float  # max over GPUs of what torch's allocator hands out (StageMemory.peak_allocated)
     stages: tuple[StageReport, ...]
     fits: bool
     cost_per_hour: float
@@ -486,7 +531,8 @@ class SimResult:
         return {
             "model": self.plan.model, "global_batch_size": self.plan.global_batch_size,
             "iteration_time_s": self.iteration_time_s, "throughput_samples_per_s": self.throughput_samples_per_s,
-            "tokens_per_s": self.tokens_per_s, "peak_memory_bytes": self.peak_memory_bytes, "fits": self.fits,
+            "tokens_per_s": self.tokens_per_s, "peak_memory_bytes": self.peak_memory_bytes,
+            "peak_allocated_bytes": self.peak_allocated_bytes, "fits": self.fits,
             "out_of_memory": oom, "cost_per_iteration": self.cost_per_iteration, "cost_per_hour": self.cost_per_hour,
             "cost_unit": self.cost_unit, "egress_bytes_per_iteration": self.egress_bytes,
             "egress_cost_per_iteration": self.egress_cost, "memory_by_gpu_type": self.memory_by_gpu_type(),
@@ -595,7 +641,8 @@ def _result(plan: Plan, site: Site, ev: StageEvaluator, costs, timing: Iteration
     crossing, egress_cost = egress(site, _transfers(plan, ev, costs, collectives))
     return SimResult(plan=plan, iteration_time_s=T, throughput_samples_per_s=plan.global_batch_size / T,
                      tokens_per_s=plan.global_batch_size * seq / T,
-                     peak_memory_bytes=max(r.memory.total for r in reports), stages=tuple(reports),
+                     peak_memory_bytes=max(r.memory.total for r in reports),
+                     peak_allocated_bytes=max(float(r.memory.peak_allocated) for r in reports), stages=tuple(reports),
                      fits=all(r.fits for r in reports), cost_per_hour=per_hour,
                      cost_per_iteration=per_hour * T / 3600.0 + egress_cost, cost_unit=site.cost_unit,
                      breakdown=breakdown, collectives=tuple(collectives), collective_starts=end.collective_start,

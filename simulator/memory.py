@@ -1,9 +1,24 @@
-"""Peak memory of one GPU of a stage, as ``nvidia-smi`` sees it.
+"""Peak memory of one GPU of a stage: what torch's allocator hands out, and what decides out-of-memory.
 
-peak = model state + optimizer temporaries + gradient-reduction buffer
-       + retained activations + backward working set + allocator slack + fixed per-GPU overhead
+Two quantities, each a sum of terms that are each what the runtime allocates:
 
-* Model state, bytes per parameter held by the GPU (its TP shard of the stage's layers):
+* ``peak_allocated`` (``torch.cuda.max_memory_allocated``; on the CPU the allocator's running total that
+  torch's memory profiler reports): the larger of two phases of a step,
+
+  - the activation phase: model state + gradient-reduction buffer + retained activations + the backward's
+    working set (+ the optimizer temporary, for a runtime whose step coexists with the activations);
+  - the optimizer step: model state + gradient-reduction buffer + the optimizer temporary. A step runs after
+    the backward freed the activations, so the two phases never add up (:mod:`simulator.runtimes`).
+
+* ``peak_device`` (device memory in use, ``total - free``: what decides out-of-memory): the activation phase
+  plus the caching allocator's slack, or the step phase if larger, plus the fixed memory outside PyTorch.
+  The planner's fit check uses it (``StageMemory.total``).
+
+Terms:
+
+* Model state, bytes per parameter held by the GPU (its TP shard of the stage's layers; the profile counts
+  a tied embedding on the embedding and on the head, and a megatron_patch stage holding both ends holds it
+  once, :func:`stage_params`; for DeepSpeed the profile's sum, :mod:`simulator.runtimes`):
 
   =====  ====  ====  ====================================================================
   dtype  adam  sgd   what
@@ -14,13 +29,16 @@ peak = model state + optimizer temporaries + gradient-reduction buffer
   fp16   18    14    as bf16: megatron_patch accumulates fp16 grads in fp32 main grads too
   =====  ====  ====  ====================================================================
 
-* Optimizer temporaries: torch's multi-tensor (foreach) Adam materialises ``sqrt(v)`` for all
-  parameters of a step at once, one fp32 word per parameter (SGD needs none).
+* Optimizer temporary, per the runtime's Adam implementation (:class:`simulator.runtimes.OptimizerImpl`):
+  torch's multi-tensor (foreach) Adam materialises ``sqrt(v)`` for a parameter group at once, one fp32
+  word per parameter (charged for all of the stage's: the no-decay group, biases and norms, is the
+  small one and steps on its own); the fused CUDA kernel none; SGD none.
 * Gradient reduction: DeepSpeed's reduction flattens the gradients into one contiguous buffer per
   bucket (up to 5e8 elements), at any data-parallel degree (its pipeline engine reduces through the
   same path with a group of one). The caching allocator cannot carve a buffer that large out of the
   freed activation blocks, so it adds to what nvidia-smi reports. Sailor's 24 bytes/parameter for
-  fp32 Adam is these three terms; the data (GH200, OPT-350M and GPT-Neo-2.7B) agrees.
+  fp32 Adam is these three terms; the data (GH200, OPT-350M and GPT-Neo-2.7B) agrees. megatron_patch's
+  buckets are the fp32 main grads themselves (in the state).
 * Retained activations: the profiled bytes of the stage's layers at micro-batch 1, times the
   micro-batch size, times the micro-batches in flight, ``min(P - s, m)`` for stage s of a P-stage
   1F1B pipeline running m micro-batches (Sailor used ``P - s`` even when m is smaller), scaled from
@@ -33,8 +51,17 @@ peak = model state + optimizer temporaries + gradient-reduction buffer
   recomputation (each transformer block checkpointed on its own, as megatron_patch runs it) a stage
   keeps, per micro-batch in flight, its received input, every other block's input and the activations
   of its non-block layers (embedding, head), and recomputes one layer at a time.
-* Backward working set: while a layer runs backward, the gradients of its activations live next to
-  the activations they replace: about one more copy of the stage's largest layer activation.
+* Backward working set: what the backward allocates above the retained activations at its peak.
+  ``deepspeed-pipe`` (Sailor's calibration): one more copy of the stage's largest layer activation, next to
+  all of them. ``megatron_patch`` (per layer, :func:`backward_working`): while layer l runs backward, the
+  layers above it of that micro-batch have released their activations, and l adds its transient:
+  a block or the embedding one copy of its activation (the gradients of its activations stand next to the
+  activations they replace; an upper bound, on the CPU the measured transient is about half); the head
+  only the gradient of its input and its weight gradient in the parameter dtype (before the hook adds it to
+  the fp32 main grad), since the cross entropy computes the logits' gradient in the saved softmax's place,
+  plus one logits-sized copy when the vocabulary is padded (the mask's ``masked_fill`` backward). On a stage
+  holding both ends of a tied embedding, the head's gradient of the shared weight waits in autograd for the
+  embedding's until the embedding's backward: one more weight-sized gradient below the head.
 * Allocator slack: PyTorch's caching allocator keeps freed blocks of one size class that later,
   differently sized activation requests cannot use, so what it has reserved from the driver (what
   nvidia-smi shows) exceeds what is allocated by a few percent of the activation traffic; charged as
@@ -48,23 +75,39 @@ peak = model state + optimizer temporaries + gradient-reduction buffer
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
+from simulator.runtimes import OPTIMIZER_IMPLS, OptimizerImpl
 from simulator.tables import DTYPE_BYTES, MemoryTable
 
 STATE_BYTES = {("fp32", "adam"): 16, ("fp32", "sgd"): 12, ("bf16", "adam"): 18, ("bf16", "sgd"): 14,
                ("fp16", "adam"): 18, ("fp16", "sgd"): 14}
 GRAD_BYTES = {"fp32": 4, "bf16": 4, "fp16": 4}  # element size of the gradients that are all-reduced
-OPTIMIZER_TEMP_BYTES = {"adam": 4, "sgd": 0}  # per parameter, fp32 (master) precision
+FP32_WORD = 4  # an optimizer temporary is fp32 (master precision)
 DEFAULT_BUCKET_ELEMS = 500_000_000  # DeepSpeed's allreduce_bucket_size
 ALLOCATOR_SLACK = 0.078  # share of the activation terms the caching allocator holds but cannot reuse (7.82 %)
+SUMMED = OPTIMIZER_IMPLS["deepspeed"]  # the calibrated model of Sailor's runs: a temporary at the activation peak
+
+
+@dataclass(frozen=True)
+class HeadShape:
+    """What the backward's working set needs to know of a model's head beyond the profile (per TP rank).
+
+    ``tied_params``: elements of the tied embedding the profile counts on both the embedding and the head
+    (0 for untied models and for profiles that leave it off the head); ``logits_per_sample``: logits
+    elements of one sample (sequence x padded vocabulary / TP); ``padded_vocab``: the head masks padding.
+    """
+
+    tied_params: float = 0.0
+    logits_per_sample: float = 0.0
+    padded_vocab: bool = False
 
 
 @dataclass(frozen=True)
 class StageMemory:
-    """Peak bytes on one GPU of a stage, by component."""
+    """Peak bytes on one GPU of a stage, by component (floats, or arrays of one shape for many stages)."""
 
     state: float
     optimizer_temp: float
@@ -73,14 +116,38 @@ class StageMemory:
     working: float
     allocator_slack: float
     overhead: float
+    temp_coexists: bool = field(default=True)  # the optimizer temporary is alive at the activation peak
 
     @property
-    def total(self) -> float:
-        return (self.state + self.optimizer_temp + self.reduce_buffer + self.activations + self.working
-                + self.allocator_slack + self.overhead)
+    def activation_phase(self):
+        """Allocated at the backward's peak."""
+        temp = self.optimizer_temp if self.temp_coexists else 0.0
+        return self.state + self.reduce_buffer + self.activations + self.working + temp
+
+    @property
+    def step_phase(self):
+        """Allocated during the optimizer step (the activations are freed)."""
+        return self.state + self.reduce_buffer + self.optimizer_temp
+
+    @property
+    def peak_allocated(self):
+        """What torch's allocator hands out at most (``max_memory_allocated``)."""
+        return np.maximum(self.activation_phase, self.step_phase)
+
+    @property
+    def peak_device(self):
+        """Device memory in use at most (reserved by the caching allocator + outside PyTorch): what decides OOM."""
+        return np.maximum(self.activation_phase + self.allocator_slack, self.step_phase) + self.overhead
+
+    @property
+    def total(self):
+        """What the planner fits into a GPU's memory: :attr:`peak_device`."""
+        return self.peak_device
 
     def to_dict(self) -> dict[str, float]:
-        return {k: float(v) for k, v in {**asdict(self), "total": self.total}.items()}
+        terms = {f.name: float(getattr(self, f.name)) for f in fields(self) if f.name != "temp_coexists"}
+        return {**terms, "peak_allocated": float(self.peak_allocated), "peak_device": float(self.peak_device),
+                "total": float(self.total)}
 
 
 def in_flight(stage, num_stages, micro_batches):
@@ -88,26 +155,68 @@ def in_flight(stage, num_stages, micro_batches):
     return np.maximum(1, np.minimum(np.subtract(num_stages, stage), micro_batches))
 
 
+def both_ends(mem: MemoryTable, first, last):
+    """Whether a stage holding ``first..last`` holds the embedding and the head (ints or arrays)."""
+    return (np.asarray(first) == 0) & (np.asarray(last) == mem.cum_params.size - 2)
+
+
+def stage_params(mem: MemoryTable, first, last, tied_params: float = 0.0):
+    """Parameters per TP rank a stage holds: the profile's per-layer sum, the tied embedding once."""
+    return mem.params(first, last) - np.where(both_ends(mem, first, last), tied_params, 0.0)
+
+
+def backward_working(mem: MemoryTable, first, last, *, mbs: int, scale: float, elem: int, head: HeadShape,
+                     freed_output_bytes=0.0):
+    """megatron_patch's backward working set (see the module doc): max over the stage's layers l of l's
+    transient, plus the tied gradient waiting below the head, less the activations the layers above l of
+    the micro-batch in backward have released. Ints or arrays of one shape."""
+    first, last = np.asarray(first), np.asarray(last)
+    L = mem.cum_act.size - 1
+    ends = both_ends(mem, first, last)
+    best = np.full(np.broadcast(first, last).shape, -np.inf)
+    for layer in range(L):
+        inside = (first <= layer) & (layer <= last)
+        if not inside.any():
+            continue
+        if layer == L - 1:
+            w = (mem.act_input[layer] * mbs * elem + mem.params(layer, layer) * elem
+                 + (head.logits_per_sample * mbs * elem if head.padded_vocab else 0.0))
+        else:
+            w = mem.act_bytes(layer, layer) * mbs * scale + np.where(ends, head.tied_params * elem, 0.0)
+        above = np.where(layer < last, (mem.cum_act[last + 1] - mem.cum_act[layer + 1]) * mbs * scale
+                         - freed_output_bytes, 0.0)
+        best = np.where(inside, np.maximum(best, w - above), best)
+    return best if best.ndim else float(best)
+
+
 def stage_memory(mem: MemoryTable, first, last, *, stage, num_stages, mbs: int, micro_batches, dtype: str,
                  optimizer: str, recompute: bool, input_bytes, overhead, bucket_elems: int = DEFAULT_BUCKET_ELEMS,
-                 allocator_slack: float = ALLOCATOR_SLACK, freed_output_bytes=0.0) -> StageMemory:
+                 allocator_slack: float = ALLOCATOR_SLACK, freed_output_bytes=0.0,
+                 optimizer_impl: OptimizerImpl = SUMMED, head: HeadShape | None = None,
+                 per_layer_working: bool = False) -> StageMemory:
     """Peak memory of one GPU of a stage holding layers ``first..last`` at TP ``mem.tp``.
 
     ``input_bytes``: the activation a non-first stage receives per micro-batch (0 for stage 0);
-    ``freed_output_bytes``: what the runtime frees of the output it sent, per micro-batch.
-    Layer ranges, stage indices, micro-batch counts and inputs may be arrays of one shape (many
-    stages at once, same TP); every component then is an array of that shape.
+    ``freed_output_bytes``: what the runtime frees of the output it sent, per micro-batch;
+    ``optimizer_impl``: the runtime's Adam (:mod:`simulator.runtimes`); ``head``: the model's head
+    (tied embedding, logits); ``per_layer_working``: megatron_patch's backward working set (else the
+    largest layer activation). Layer ranges, stage indices, micro-batch counts and inputs may be arrays of
+    one shape (many stages at once, same TP); every component then is an array of that shape.
     """
-    params = mem.params(first, last)
+    head = head or HeadShape()
+    params = stage_params(mem, first, last, head.tied_params)
     scale = DTYPE_BYTES[dtype] / DTYPE_BYTES[mem.dtype]
     layer_max = mem.max_layer_act(first, last) * mbs * scale
     flight = in_flight(stage, num_stages, micro_batches)
     if recompute:  # every block's input kept per micro-batch in flight; one layer recomputed at a time
         acts = flight * (mem.recompute_keep(first, last) * mbs * scale + input_bytes) + layer_max
+        working = layer_max
     else:
         acts = flight * (mem.act_bytes(first, last) * mbs * scale + input_bytes - freed_output_bytes)
-    return StageMemory(state=STATE_BYTES[(dtype, optimizer)] * params,
-                       optimizer_temp=OPTIMIZER_TEMP_BYTES[optimizer] * params,
+        working = (backward_working(mem, first, last, mbs=mbs, scale=scale, elem=DTYPE_BYTES[dtype], head=head,
+                                    freed_output_bytes=freed_output_bytes) if per_layer_working else layer_max)
+    temp = optimizer_impl.temp_words * FP32_WORD if optimizer == "adam" else 0
+    return StageMemory(state=STATE_BYTES[(dtype, optimizer)] * params, optimizer_temp=temp * params,
                        reduce_buffer=GRAD_BYTES[dtype] * np.minimum(params, bucket_elems),
-                       activations=acts, working=layer_max, allocator_slack=allocator_slack * (acts + layer_max),
-                       overhead=overhead)
+                       activations=acts, working=working, allocator_slack=allocator_slack * (acts + working),
+                       overhead=overhead, temp_coexists=optimizer_impl.coexists)

@@ -66,7 +66,7 @@ def simulate_cmd(plan_file: Path, site_file: Path, profiles: Path | None, model:
             tl.write_png(timeline_file, title=f"{plan_file.name}: {res.iteration_time_s:.4g} s per iteration")
     if as_json:
         out = {"file": str(plan_file), "site": site.name, "archive": archive.where, "runtime": runtime,
-               "backend": backend, **res.to_dict()}
+               "backend": backend, "optimizer_impl": options.optimizer_impl, **res.to_dict()}
         if timeline_file is not None:
             out["timeline"] = str(timeline_file)
         echo_json(out)
@@ -84,18 +84,19 @@ def describe_result(res, name: str, site_name: str) -> str:
              f"gradient sync after flush {max(res.breakdown['sync_s'], 0.0):.4f} s, "
              f"optimizer {res.breakdown['optimizer_s']:.4f} s)",
              f"throughput       {res.throughput_samples_per_s:.2f} samples/s, {res.tokens_per_s:,.0f} tokens/s",
-             f"peak memory      {human_bytes(res.peak_memory_bytes)} per GPU (max)  -> "
+             f"peak memory      {human_bytes(res.peak_memory_bytes)} per GPU (max, device memory in use)  -> "
              + ("fits" if res.fits else "DOES NOT FIT"),
+             f"peak allocated   {human_bytes(res.peak_allocated_bytes)} per GPU (max, torch's max_memory_allocated)",
              f"cost             {res.cost_per_iteration:.6g} {res.cost_unit} per iteration"
              + (f" (of which egress {res.egress_cost:.6g} {res.cost_unit}: {human_bytes(res.egress_bytes)} between "
                 "clusters)" if res.egress_bytes else "")
              + f", {res.cost_per_hour:.6g} {res.cost_unit} per hour of GPUs", ""]
     rows = [(s.pipeline, s.stage, f"{s.first_layer}-{s.last_layer}", s.gpu_type, s.tp, f"{s.fwd_s * 1e3:.2f}",
              f"{s.bwd_s * 1e3:.2f}", f"{s.act_send_s * 1e3:.2f}", human_bytes(s.memory.total),
-             human_bytes(s.capacity_bytes), "yes" if s.fits else "NO")
+             human_bytes(float(s.memory.peak_allocated)), human_bytes(s.capacity_bytes), "yes" if s.fits else "NO")
             for s in res.stages]
-    lines.append(table(("pipe", "stage", "layers", "gpu", "tp", "fwd ms", "bwd ms", "send ms", "memory", "capacity",
-                        "fits"), rows))
+    lines.append(table(("pipe", "stage", "layers", "gpu", "tp", "fwd ms", "bwd ms", "send ms", "memory", "allocated",
+                        "capacity", "fits"), rows))
     lines.append("")
     lines.append(memory_by_gpu_type_table(res))
     return "\n".join(lines)

@@ -96,7 +96,7 @@ def _counted_train_step(self: Trainer, *args: Any, **kwargs: Any) -> Any:
     return res
 
 
-def _profile(mbs: int) -> dict[str, Any]:
+def _profile(mbs: int, dtype: str = "fp32") -> dict[str, Any]:
     """Every layer at TP 1, as a profiling job measures it, on rank 0's group of one (the runtime made it)."""
     import torch
 
@@ -104,8 +104,10 @@ def _profile(mbs: int) -> dict[str, Any]:
     from profiler.compute import LayerProfiler
     from sailor_hpc.core.models import get_model
 
-    prof = LayerProfiler(get_model("tiny-gpt"), tp_group=group((0,)), device=torch.device("cpu"), warmup=1, iters=2)
-    return {"event": "profile", "times": prof.measure(mbs).tolist(), "memory": prof.memory_table().tolist()}
+    prof = LayerProfiler(get_model("tiny-gpt"), tp_group=group((0,)), device=torch.device("cpu"),
+                         dtype=dtype, warmup=1, iters=2)
+    return {"event": "profile", "dtype": dtype, "times": prof.measure(mbs).tolist(),
+            "memory": prof.memory_table().tolist()}
 
 
 def main() -> int:

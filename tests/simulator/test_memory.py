@@ -84,3 +84,49 @@ def test_a_sent_output_is_freed_as_each_runtime_frees_it(tiny_site, tiny):
         s0, s1 = simulate(plan, tiny_site, tiny, options=options).stages
         assert s0.memory.activations == pytest.approx(2 * (first - freed))
         assert s1.memory.activations == pytest.approx(last + out)
+
+
+def test_optimizer_implementation_follows_runtime_and_device():
+    """megatron_patch steps with torch's fused AdamW on CUDA (NCCL) and the foreach one on the CPU (gloo)."""
+    from sailor_hpc.core.errors import SailorError
+    assert SimOptions.megatron_patch().optimizer_impl == "fused"
+    assert SimOptions.megatron_patch(backend="gloo").optimizer_impl == "foreach"
+    assert SimOptions.deepspeed_pipe().optimizer_impl == "deepspeed"
+    with pytest.raises(SailorError, match="optimizer implementation"):
+        SimOptions.megatron_patch(optimizer_impl="apex")
+
+
+def test_two_phases_never_add_up(tiny):
+    """A step that runs after the backward freed the activations is a peak of its own: allocated is the larger
+    phase, device memory adds the slack to the activation phase and the fixed overhead to both."""
+    from simulator.runtimes import OPTIMIZER_IMPLS
+    mem = table(tiny)
+    kw = dict(stage=0, num_stages=1, mbs=1, micro_batches=1, dtype="fp32", optimizer="adam", recompute=False,
+              input_bytes=0.0, overhead=OVERHEAD)
+    foreach = stage_memory(mem, 0, 5, optimizer_impl=OPTIMIZER_IMPLS["foreach"], **kw)
+    fused = stage_memory(mem, 0, 5, optimizer_impl=OPTIMIZER_IMPLS["fused"], **kw)
+    summed = stage_memory(mem, 0, 5, **kw)  # DeepSpeed's calibrated model: the temporary at the activation peak
+    params = TINY_PARAMS.sum()
+    act_phase = 16 * params + 4 * params + foreach.activations + foreach.working  # + DeepSpeed's reduce buffer
+    assert fused.optimizer_temp == 0 and foreach.optimizer_temp == 4 * params
+    assert foreach.peak_allocated == pytest.approx(max(act_phase, 24 * params))
+    assert summed.peak_allocated == pytest.approx(act_phase + 4 * params)
+    assert foreach.peak_device == pytest.approx(max(act_phase + foreach.allocator_slack, 24 * params) + OVERHEAD)
+    assert foreach.total == foreach.peak_device and fused.peak_allocated == pytest.approx(act_phase)
+
+
+def test_tied_embedding_once_on_a_stage_holding_both_ends(tiny_site, tiny):
+    """megatron_patch's head reads the embedding's weight: one tensor on a stage holding both ends (the profile
+    counts it on layer 0 and on the head); a last stage alone holds its own copy. DeepSpeed: as profiled."""
+    from simulator.api import StageEvaluator
+    ev = StageEvaluator(tiny, tiny_site, "tiny-gpt", options=SimOptions.megatron_patch())
+    tied = ev.head_shape(1).tied_params
+    assert tied == min(TINY_PARAMS[5] - 2 * 64, TINY_PARAMS[0])  # the head beyond its LayerNorm
+    one = Plan("tiny-gpt", 4, (Pipeline(1, 4, (Stage(0, 5, 1, "G1"),)),))
+    two = Plan("tiny-gpt", 4, (Pipeline(1, 4, (Stage(0, 2, 1, "G1"), Stage(3, 5, 1, "G1"))),))
+    (whole,) = simulate(one, tiny_site, tiny, options=SimOptions.megatron_patch()).stages
+    assert whole.memory.state == 16 * (TINY_PARAMS.sum() - tied)
+    assert sum(s.memory.state for s in simulate(two, tiny_site, tiny, options=SimOptions.megatron_patch()).stages) == (
+        16 * TINY_PARAMS.sum())
+    (ds,) = simulate(one, tiny_site, tiny).stages
+    assert ds.memory.state == 16 * TINY_PARAMS.sum()

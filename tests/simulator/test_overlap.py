@@ -47,8 +47,11 @@ def test_one_bucket_is_the_serial_sync(tiny_site, tiny) -> None:
 
 def test_megatron_patch_holds_no_flattened_reduce_buffer(tiny_site, tiny) -> None:
     ours = simulate(PLAN, tiny_site, tiny, options=SimOptions.megatron_patch())
+    flattened = simulate(PLAN, tiny_site, tiny, options=SimOptions.megatron_patch(extra_reduce_buffer=True))
     deepspeed = simulate(PLAN, tiny_site, tiny)
     params = StageEvaluator(tiny, tiny_site, "tiny-gpt").memory_table(1).params(0, 5)
+    held = ours.stages[0].memory.state / 16  # fp32 Adam; megatron_patch holds the tied embedding once
     assert ours.stages[0].memory.reduce_buffer == 0
-    assert deepspeed.stages[0].memory.reduce_buffer == pytest.approx(4 * params)
-    assert deepspeed.peak_memory_bytes - ours.peak_memory_bytes == pytest.approx(4 * params)
+    assert deepspeed.stages[0].memory.reduce_buffer == pytest.approx(4 * params)  # DeepSpeed: as profiled
+    # the other runtime differences (optimizer temporary, working set) aside, the buffer is all that changes
+    assert flattened.peak_memory_bytes - ours.peak_memory_bytes == pytest.approx(4 * held)
