@@ -66,7 +66,7 @@ def _job_options(f: Any) -> Any:
     ]
     for opt in reversed(opts):
         f = opt(f)
-    return training_options(skip_path_check_option(f))
+    return training_options(skip_path_check_option("--data, --save and --load")(f))
 
 
 def _with_training_args(kw: dict[str, Any]) -> dict[str, Any]:

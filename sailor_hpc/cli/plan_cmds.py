@@ -63,7 +63,7 @@ def describe_plan(plan: Plan) -> str:
 @click.option("--data", default=None, help="For the --sbatch job: " + DATA_HELP)
 @click.option("--save", default=None, help="Checkpoint directory for the --sbatch job.")
 @click.option("--steps", type=int, default=100, show_default=True, help="Training steps of the --sbatch job.")
-@skip_path_check_option
+@skip_path_check_option("--data and --save")
 @training_options
 @json_option
 @click.pass_context

@@ -49,10 +49,11 @@ def absolute_blend(data: str) -> str:
 SKIP_PATH_CHECK = "--skip-path-check"
 
 
-def skip_path_check_option(f: Any) -> Any:
+def skip_path_check_option(paths: str) -> Any:
+    """The flag, its help naming the command's own path options (``paths``)."""
     return click.option("--skip-path-check", "skip_path_check", is_flag=True,
-                        help="Do not check --data, --save and --load on this machine: they are paths only the "
-                             "compute nodes see (the job then finds out).")(f)
+                        help=f"Do not check {paths} on this machine: they are paths only the compute nodes see "
+                             "(the job then finds out).")
 
 
 def job_paths(data: str | None, save: str | None, load: str | None, *,
