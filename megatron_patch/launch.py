@@ -29,6 +29,7 @@ import signal
 import sys
 import time
 import warnings
+from pathlib import Path
 from typing import Any
 
 from megatron_patch.memory import peak_rss
@@ -45,8 +46,10 @@ from megatron_patch.options import (
     precision_from_args,
     schedule_from_args,
 )
+from sailor_hpc.core.checkpoint import Skipped
 from sailor_hpc.core.dist_env import EXIT_BAD_INPUT, EXIT_DONE, EXIT_SAVED_ON_SIGNAL, DistEnv, read_env
 from sailor_hpc.core.errors import SailorError
+from sailor_hpc.core.paths import writable_dir
 from sailor_hpc.core.plan import Plan
 from sailor_hpc.core.plan_io import load_plan
 from sailor_hpc.core.roles import Role, role_of
@@ -205,10 +208,19 @@ def train(args: argparse.Namespace, plan: Plan, env: DistEnv, role: Role) -> int
     resume = args.load is None and args.auto_resume and bool(args.save)
     if args.load or resume:
         t0 = time.perf_counter()
-        path = checkpoint_io.load(trainer, args.load or args.save, missing_ok=resume)
+
+        def skipped(gone: Skipped, using: str | None) -> None:  # rank 0: a fallback is said everywhere
+            emit({"event": "checkpoint_skipped", **base, "path": str(gone.path), "reason": gone.reason, "using": using})
+            log.note("checkpoint_skipped", f"warning: checkpoint {gone.path} is unusable ({gone.reason}); "
+                     + (f"loading {Path(using).name}" if using else "no older checkpoint verifies"),
+                     path=str(gone.path), reason=gone.reason, using=using)
+
+        path = checkpoint_io.load(trainer, args.load or args.save, missing_ok=resume, on_skip=skipped)
         if path is not None:
             emit({"event": "loaded", **base, "path": path, "step": trainer.step,
                   "consumed_samples": trainer.consumed_samples, "seconds": time.perf_counter() - t0})
+            log.note("resumed", f"resumed from step {trainer.step} ({path}; {trainer.consumed_samples} samples "
+                     "consumed)", step=trainer.step, path=path, consumed_samples=trainer.consumed_samples)
 
     def save() -> None:
         if args.save:
@@ -262,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_layer_spec(args.layer_spec)
         check_train_args(args)
+        if args.save and not args.dry_run:  # before any rank starts: not an OSError at the first save
+            writable_dir(args.save, "--save")
         env = read_env()
         plan = load_plan(args.plan, model=args.model)
         role = role_of(plan, env.rank, env.world_size)

@@ -82,6 +82,13 @@ class RunLog:
         if step % self.interval == 0 or step == self.steps:
             print(human_line(rec, self.steps), file=self.stream, flush=True)
 
+    def note(self, kind: str, text: str, **fields: Any) -> None:
+        """A run event for a person (``text`` on stderr) and for the metrics file (``kind`` and ``fields``)."""
+        if not self.active:
+            return
+        self._write({"kind": kind, "t": time.time(), **fields})
+        print(text, file=self.stream, flush=True)
+
     def evaluation(self, step: int, loss: float, iters: int, seconds: float) -> None:
         if not self.active:
             return

@@ -26,6 +26,7 @@ from sailor_hpc.core.atomic import atomic_write_text
 from sailor_hpc.core.dist_env import EXIT_SAVED_ON_SIGNAL
 from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.models import get_model
+from sailor_hpc.core.paths import writable_dir
 from sailor_hpc.core.placement import place_plan
 from sailor_hpc.core.plan import Plan, validate_plan
 from sailor_hpc.core.plan_io import load_plan
@@ -150,26 +151,14 @@ def check_training_args(data: object | None, save: object | None, steps: int, *,
 
 def check_job_dir(path: str | os.PathLike[str], field: str) -> Path:
     """A directory the job or sailor-hpc writes to, checked before anything is written: it exists or can
-    be created, and is writable. Slurm does not create a missing ``--output`` directory: the job would
-    start, fail to open its log and end without a word."""
+    be created, and is writable (:func:`sailor_hpc.core.paths.writable_dir`). Slurm does not create a
+    missing ``--output`` directory: the job would start, fail to open its log and end without a word."""
     target = Path(path).expanduser().absolute()
     if "%" in str(target):
         raise SailorError("the path has a '%': Slurm expands %-patterns (%u, %j, ...) in the job's log path, so "
                           "the log would go to a directory that was never created", file=target, field=field,
                           fix="choose a directory path without '%'")
-    broken = next((d for d in (target, *target.parents) if d.is_symlink() and not d.exists()), None)
-    if broken is not None:
-        raise SailorError(f"{broken} is a broken symbolic link", file=target, field=field,
-                          fix="point the link at a directory, or choose another path")
-    existing = next(d for d in (target, *target.parents) if d.exists())
-    if not existing.is_dir():
-        raise SailorError(f"{existing} is not a directory", file=target, field=field,
-                          fix="choose a directory path")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        what = "is not writable" if existing == target else f"cannot be created: {existing} is not writable"
-        raise SailorError(f"the directory {what}", file=target, field=field,
-                          fix=f"choose a directory you can write, with {field}")
-    return target
+    return writable_dir(target, field)
 
 
 @dataclass(frozen=True)

@@ -94,3 +94,30 @@ def test_signal_saves_a_complete_checkpoint_and_exits_75(
     other = launch(runtime_env, "2", step + 2, root, "--auto-resume", "--seed", "987654", expect=2)
     assert all("--seed" in r.stdout + r.stderr for r in other), other[0].stderr[-2000:]
     assert latest_complete(root) == step_dir(root, step)
+
+
+def test_a_corrupt_newest_checkpoint_is_named_wherever_the_run_reports(runtime_env: Env,
+                                                                       ref_file: Callable[[int], Path]) -> None:
+    """The newest checkpoint truncated (a full disk, say): a resume loads the one before and says so on
+    stdout's events, rank 0's human log and the metrics file; an explicit --load of it exits 2; and a
+    --save nobody can write is refused before any rank starts."""
+    root = runtime_env.root / "truncated"
+    launch(runtime_env, "2", 4, root, "--save-interval", "2")
+    layer = sorted(step_dir(root, 4).glob("layer_*.pt"))[-1]
+    layer.write_bytes(layer.read_bytes()[:64])
+    logs = launch(runtime_env, "2", 5, root, "--auto-resume")
+    (skip,) = events(logs[0], "checkpoint_skipped")
+    assert skip["path"] == str(step_dir(root, 4)) and skip["reason"].startswith(f"{layer.name}: size 64 != ")
+    assert skip["using"] == str(step_dir(root, 2)) and events(logs[0], "loaded")[0]["step"] == 2
+    assert f"warning: checkpoint {step_dir(root, 4)} is unusable ({layer.name}: size 64" in logs[0].stderr
+    assert "resumed from step 2 (" in logs[0].stderr
+    kinds = [json.loads(line)["kind"] for line in (root / "metrics.jsonl").read_text().splitlines()]
+    assert kinds.count("checkpoint_skipped") == 1 and kinds.count("resumed") == 1
+    assert max_diff(step_dir(root, 2), ref_file(2))["param"] <= 1e-6  # the step loaded is the reference's
+
+    explicit = launch(runtime_env, "2", 6, runtime_env.root / "other", "--load", str(step_dir(root, 4)), expect=2)
+    assert all(layer.name in r.stderr and "Traceback" not in r.stderr for r in explicit)
+    refused = launch(runtime_env, "2", 1, Path("/proc/sailor-nope"), expect=2)
+    for r in refused:
+        assert "error: /proc/sailor-nope: --save: the directory cannot be created" in r.stderr
+        assert not events(r, "start")  # refused before any rank joined the group
