@@ -28,10 +28,46 @@ Layout (version 1; attributes in brackets)::
 Every entry carries ``provenance``: a JSON object with user, host, time, source and the GPU, driver,
 CUDA and torch versions where known.
 
-Concurrency: readers open the file without HDF5 locking (which fails on many network filesystems) and
-always see a complete file, because writers never modify it in place: a writer takes the archive's
-lock (see :mod:`sailor_hpc.core.locking`), copies the current file and its new entries into a temporary
-file, and renames it over the archive. Concurrent writers therefore serialise and lose nothing.
+Concurrency, on any filesystem a site shares the archive on: no writer ever modifies a file another
+process may read, and correctness rests on two operations every shared filesystem gives atomically on
+its server (NFS, Lustre's MDS, GPFS, BeeGFS's metadata service), not on its locks: a rename publishes a
+complete file under a new name, and a file that was renamed in is seen whole by whoever opens it next
+(NFS: close-to-open consistency; the others are coherent). POSIX locks are only as good as the mount
+(node-local on NFS ``nolock``, Lustre ``localflock``, BeeGFS by default: two nodes both get them), so
+nothing here depends on one.
+
+* The archive is a set of immutable files in the archive's folder: the *public file* (the path users
+  name, e.g. ``profiles.h5``), *bases* ``.profiles.h5.base.<id>.h5`` and *shards*
+  ``.profiles.h5.shard.<id>.h5``, ``<id>`` = the writer's clock (ns), PID, a nonce and its host. Its
+  content is the merge of all of them. Every entry carries a stamp (attribute ``written``: that id and
+  the entry's place in its write; per row for overhead tables) and the merge keeps, per entry (per TP row
+  of an overhead table), the measured point over a failed one, else the newest stamp, ties broken by
+  content: the merge is commutative, associative and idempotent, so reading a file twice, or reading an
+  old copy beside a new one, never changes the result.
+* A writer (:func:`write_entries`) writes its entries into a shard under a temporary name, fsyncs it and
+  renames it in: acknowledged once that rename is done. No lock, so no writer queues behind another.
+* Compaction folds: it reads the public file, every base and shard, writes their merge as a new base
+  (temporary name, fsync, rename), points the public file at it (a hard link renamed over it: the public
+  file always holds a complete, recent merge for tools that open it directly), and only then deletes the
+  bases and shards *it read*. A file is therefore deleted only while a superset of it is published, by
+  induction over every deletion, so no acknowledged entry is ever dropped, whichever compactions run at
+  once: two racing compactions each publish all they read; one that finds a file gone (folded by the
+  other) reads the other's new base instead. A writer compacts after its shard if it gets the archive's
+  lock (:mod:`sailor_hpc.core.locking`) within a moment; the lock only spares duplicate work, and losing
+  it (node-local locks, a stopped holder taken over) costs a redundant compaction, never an entry.
+* Readers take every listed file, merge, and list again: a file that vanished meanwhile was folded into a
+  base published before its deletion, which the next listing shows, so a read misses nothing that was
+  acknowledged before it began. On NFS a new file can take the client's directory cache time
+  (``acdirmax``) to appear in listings from other nodes: the write is safe, it is seen a little later.
+* Killed writers: SIGTERM (a Slurm time limit) runs the writer's clean-up and then dies of the signal
+  (:func:`~sailor_hpc.core.locking.cleanup_on_sigterm`); SIGKILL leaves a temporary file, which the next
+  write removes: at once when its writer ran on the same host and is gone (no clocks), else once its
+  mtime is an hour older than a file just written (both times from the same server on NFS). Removing a
+  live writer's temporary file would only make that write fail loudly, never lose an acknowledged one.
+* Permissions: new files take the public file's mode and group, and in a group-shared folder (setgid or
+  group-writable) are always readable and writable by the folder's group, whatever the writer's umask.
+* One limit: writers of sailor-hpc versions before shards rename their copy over the public file; run
+  one version per archive (`sailor-hpc profiles doctor` tells what lies in the folder).
 
 A file that is not laid out like this (a dataset where a group belongs, a missing attribute, text where
 numbers belong) is reported as a SailorError naming the file, the HDF5 path and the fix, by readers and
@@ -39,13 +75,19 @@ by writers alike (a writer never copies a broken archive on).
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import getpass
+import hashlib
 import json
 import math
 import os
+import pickle
 import re
+import shutil
 import socket
 import time
+import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,9 +98,8 @@ os.environ.setdefault("HDF5_USE_FILE_LOCKING", "FALSE")
 import h5py  # noqa: E402
 import numpy as np  # noqa: E402
 
-from sailor_hpc.core.atomic import atomic_path  # noqa: E402
 from sailor_hpc.core.errors import SailorError  # noqa: E402
-from sailor_hpc.core.locking import file_lock  # noqa: E402
+from sailor_hpc.core.locking import LockTimeout, Sharing, cleanup_on_sigterm, file_lock  # noqa: E402
 from sailor_hpc.core.network import NetworkFit  # noqa: E402
 from sailor_hpc.core.precision import DTYPES  # noqa: E402
 from sailor_hpc.core.site import Site  # noqa: E402
@@ -380,7 +421,7 @@ class _Reader:
             raise SailorError(f"archive version {version!r} is not supported", file=self.path, field="version",
                               fix=f"this sailor-hpc reads version {ARCHIVE_VERSION}")
 
-    def compute(self) -> Iterator[ComputeEntry]:
+    def compute(self) -> Iterator[tuple[h5py.Dataset, ComputeEntry]]:
         for model, gpus in self.groups(self.group(self.h5, "compute")):
             for gpu, points in self.groups(gpus):
                 for name, ds in self.datasets(points):
@@ -396,9 +437,9 @@ class _Reader:
                     times = self.numbers(ds, (None, 3), "fwd, bwd, update seconds per layer")
                     self.require(status == "failed" or bool(np.isfinite(times).all() and (times >= 0).all()), ds,
                                  "a measured point has negative or missing (NaN) seconds")
-                    yield ComputeEntry(model, gpu, int(match[1]), int(match[2]), times, self.provenance(ds), status,
-                                       self.text(ds, "reason", ""), dtype, self.spread(ds, times.shape),
-                                       self.text(ds, "flag", ""))
+                    yield ds, ComputeEntry(model, gpu, int(match[1]), int(match[2]), times, self.provenance(ds),
+                                           status, self.text(ds, "reason", ""), dtype, self.spread(ds, times.shape),
+                                           self.text(ds, "flag", ""))
 
     def spread(self, ds: h5py.Dataset, shape: tuple[int, ...]) -> PointSpread | None:
         """A point's spread attributes, None where it has none (every archive written before them)."""
@@ -418,7 +459,7 @@ class _Reader:
         assert values is not None
         return values
 
-    def memory(self) -> Iterator[MemoryEntry]:
+    def memory(self) -> Iterator[tuple[h5py.Dataset, MemoryEntry]]:
         for model, tables in self.groups(self.group(self.h5, "memory")):
             for name, ds in self.datasets(tables):
                 match = _TP_NAME.match(name)
@@ -427,9 +468,9 @@ class _Reader:
                 table = self.numbers(ds, (None, len(MEMORY_COLUMNS)), ", ".join(MEMORY_COLUMNS) + " per layer")
                 self.require(bool(np.isfinite(table).all() and (table >= 0).all()), ds,
                              "has negative or missing (NaN) values")
-                yield MemoryEntry(model, int(match[1]), table, self.provenance(ds), self.text(ds, "dtype", "fp32"))
+                yield ds, MemoryEntry(model, int(match[1]), table, self.provenance(ds), self.text(ds, "dtype", "fp32"))
 
-    def overhead(self) -> Iterator[OverheadEntry]:
+    def overhead(self) -> Iterator[tuple[h5py.Dataset, OverheadEntry]]:
         for gpu, ds in self.datasets(self.group(self.h5, "overhead")):
             rows = self.numbers(ds, (None, 2), "rows of (TP degree, bytes)")
             tps, nbytes = rows[:, 0], rows[:, 1]
@@ -438,9 +479,9 @@ class _Reader:
             self.require(len(set(tps.tolist())) == len(tps), ds, f"TP degrees {tps.tolist()} repeat")
             self.require(bool(np.isfinite(nbytes).all() and (nbytes > 0).all()), ds,
                          f"fixed memory {nbytes.tolist()} is not a positive number of bytes per TP degree")
-            yield OverheadEntry(gpu, {int(t): float(b) for t, b in rows}, self.provenance(ds))
+            yield ds, OverheadEntry(gpu, {int(t): float(b) for t, b in rows}, self.provenance(ds))
 
-    def network(self) -> Iterator[NetworkEntry]:
+    def network(self) -> Iterator[tuple[h5py.Dataset, NetworkEntry]]:
         for site, links in self.groups(self.group(self.h5, "network")):
             for _, ds in self.datasets(links):
                 coeffs = self.numbers(ds, (3,), "quadratic fit coefficients")
@@ -452,31 +493,236 @@ class _Reader:
                 a, b, c = (float(x) for x in coeffs)
                 fit = NetworkFit(coeffs=(a, b, c), max_gbps=self.number(ds, "max_gbps") or None,
                                  min_bytes=self.number(ds, "min_bytes"), max_bytes=self.number(ds, "max_bytes"))
-                yield NetworkEntry(site, kind, self.text(ds, "a"), self.text(ds, "b"), senders, fit, self.provenance(ds))
+                yield ds, NetworkEntry(site, kind, self.text(ds, "a"), self.text(ds, "b"), senders, fit, self.provenance(ds))
 
-    def entries(self) -> Iterator[Entry]:
+    def atoms(self) -> Iterator[_Atom]:
+        """Every entry with its stamp (an overhead table: one atom per TP row, each with its own stamp)."""
         self.header()
-        yield from self.compute()
-        yield from self.memory()
-        yield from self.overhead()
-        yield from self.network()
+        for ds, point in self.compute():  # the dataset's own name: an unsuffixed one may hold another dtype
+            yield _Atom(point.path, int(point.status == "ok"), self.stamp(ds), point)
+        for ds, table in self.memory():
+            yield _Atom(table.path, 0, self.stamp(ds), table)
+        for ds, link in self.network():
+            yield _Atom(link.path, 0, self.stamp(ds), link)
+        for ds, rows in self.overhead():
+            for (tp, nbytes), stamp in zip(rows.by_tp.items(), self.row_stamps(ds, len(rows.by_tp))):
+                yield _Atom(f"{rows.path}#tp{tp}", 0, stamp, OverheadEntry(rows.gpu, {tp: nbytes}, rows.provenance))
+
+    def stamp(self, ds: h5py.Dataset) -> str:
+        """The ``written`` stamp of an entry ("" before stamps existed: older than every stamped write)."""
+        return self.text(ds, "written", "")
+
+    def row_stamps(self, ds: h5py.Dataset, rows: int) -> list[str]:
+        raw = ds.attrs.get("written")
+        if raw is None:
+            return [""] * rows
+        values = np.asarray(raw)
+        ok = values.shape == (rows,) and values.dtype.kind in "OSU"
+        self.require(ok, ds, f"attribute 'written' is not {rows} stamps (one per TP row)")
+        return [v.decode(errors="replace") if isinstance(v, bytes) else str(v) for v in values.tolist()]
 
 
-def _entries_of(h5: h5py.File, path: Path) -> list[Entry]:
-    """Every entry of an open archive, checked (see :class:`_Reader`)."""
+def _atoms_of(h5: h5py.File, path: Path) -> list[_Atom]:
+    """Every entry of an open archive file, checked (see :class:`_Reader`)."""
     reader = _Reader(h5, path)
     try:
-        return list(reader.entries())
+        return list(reader.atoms())
     except SailorError:
         raise
     except (ValueError, KeyError, TypeError, OSError) as exc:  # what the checks did not foresee
         raise reader.error(reader.at, f"cannot be read: {exc}") from None
 
 
-def _read_into(archive: ProfileArchive, path: Path, *, override: bool) -> None:
-    with h5py.File(path, "r", locking=False) as h5:
-        for entry in _entries_of(h5, path):
-            archive.add(entry, override=override)
+# ---------------------------------------------------------------------- merging: newest wins
+
+@dataclass(frozen=True)
+class _Atom:
+    """The unit of the merge: one entry (of an overhead table, one TP row) with the stamp of its write."""
+
+    key: str  # the HDF5 path (an overhead row: path#tp<T>)
+    rank: int  # 1 for a measured compute point: it beats a failed one whatever their stamps
+    stamp: str
+    entry: Entry
+
+    def beats(self, other: _Atom) -> bool:
+        if (self.rank, self.stamp) != (other.rank, other.stamp):
+            return (self.rank, self.stamp) > (other.rank, other.stamp)
+        return self._digest() >= other._digest()  # equal stamps: the same write, or two unstamped copies
+
+    @property
+    def row(self) -> int:
+        """The TP degree of an overhead row (the order of a table's rows)."""
+        return min(self.entry.by_tp) if isinstance(self.entry, OverheadEntry) else 0
+
+    def _digest(self) -> str:
+        return hashlib.sha256(pickle.dumps(self.entry, protocol=4)).hexdigest()
+
+
+View = dict[str, _Atom]
+
+
+def _join(view: View, atoms: Iterable[_Atom]) -> None:
+    for atom in atoms:
+        held = view.get(atom.key)
+        if held is None or atom.beats(held):
+            view[atom.key] = atom
+
+
+def _entries(view: View) -> list[Entry]:
+    """The merged entries; an overhead table's rows gathered again (provenance: its newest row's)."""
+    out: list[Entry] = []
+    tables: dict[str, list[tuple[int, str, OverheadEntry]]] = {}
+    for atom in view.values():
+        if isinstance(atom.entry, OverheadEntry):
+            tables.setdefault(atom.entry.gpu, []).append((atom.row, atom.stamp, atom.entry))
+        else:
+            out.append(atom.entry)
+    for gpu, rows in tables.items():
+        newest = max(rows, key=lambda r: r[1])[2]
+        by_tp = {tp: e.by_tp[tp] for tp, _, e in sorted(rows, key=lambda r: r[0])}
+        out.append(OverheadEntry(gpu, by_tp, newest.provenance))
+    return out
+
+
+# ---------------------------------------------------------------------- the files of one archive
+
+_HOST = re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname()) or "host"
+_PART_KINDS = ("shard", "base", "copy")  # copy: the public file's next version, a hard link of a base
+_READ_ROUNDS = 50  # listings a read may take while compactions keep folding files it listed
+
+
+@dataclass(frozen=True)
+class ArchiveFiles:
+    """What belongs to one archive in its folder (names: see the module doc)."""
+
+    path: Path  # the public file (the real path; it may not exist yet)
+    bases: tuple[Path, ...]
+    shards: tuple[Path, ...]
+    temps: tuple[Path, ...]  # writers' temporary files: live ones, and those of writers that were killed
+    locks: tuple[Path, ...]
+
+    @property
+    def parts(self) -> tuple[Path, ...]:
+        return self.bases + self.shards
+
+
+def archive_files(path: str | os.PathLike[str]) -> ArchiveFiles:
+    real = Path(os.path.realpath(path))
+    name = re.escape(real.name)
+    part = re.compile(rf"^\.{name}\.(shard|base|copy)\.\d+\.\d+\.[0-9a-f]+\..+\.(h5|tmp)$")
+    # also the temporary copies of the versions before shards (mkstemp) and of the lock-file fallback
+    temp = re.compile(rf"^(\.{name}\.[a-z0-9_]{{8}}\.tmp|{name}\.xlock(\.takeover)*\.[0-9a-f]{{32}}\.tmp)$")
+    lock = re.compile(rf"^{name}\.(lock|xlock(\.takeover)*)$")
+    try:
+        names = sorted(os.listdir(real.parent))
+    except OSError:  # a folder we may not list (or none): only the public file can be read
+        names = []
+    found: dict[str, list[Path]] = {"base": [], "shard": [], "temp": [], "lock": []}
+    for n in names:
+        m = part.match(n)
+        if m:
+            found["temp" if m[2] == "tmp" or m[1] == "copy" else m[1]].append(real.parent / n)
+        elif temp.match(n):
+            found["temp"].append(real.parent / n)
+        elif lock.match(n):
+            found["lock"].append(real.parent / n)
+    return ArchiveFiles(real, *(tuple(found[k]) for k in ("base", "shard", "temp", "lock")))
+
+
+class _Vanished(Exception):
+    """A listed base or shard was deleted before it could be read: a compaction folded it."""
+
+
+_LOADED: dict[tuple[str, int, int, int, int, int], list[_Atom]] = {}  # name and identity -> atoms (see _load)
+_LOADED_MAX = 16
+
+
+def _identity(path: Path, st: os.stat_result) -> tuple[str, int, int, int, int, int]:
+    """The name comes first: an inode number is reused as soon as a file is deleted (a new shard of the
+    same size, within the same coarse mtime, would pass for the deleted one), a base's or shard's name never."""
+    return (str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _remember(path: Path, atoms: Iterable[_Atom]) -> None:
+    """Bases and shards never change once renamed in, and their names are never reused, so their atoms can
+    be kept by name and identity: a writer reads the archive before its write and again to compact it, and
+    a sweep writes point after point; this spares re-reading what it has read (or just written)."""
+    with contextlib.suppress(OSError):
+        _LOADED[_identity(path, os.stat(path))] = list(atoms)
+        while len(_LOADED) > _LOADED_MAX:
+            del _LOADED[next(iter(_LOADED))]
+
+
+def _load(path: Path, shown: Path, *, cached: bool = True) -> list[_Atom]:
+    """The atoms of one file (``shown``: the name errors give it; ``cached``: for bases and shards only)."""
+    try:
+        known = _LOADED.get(_identity(path, os.stat(path))) if cached else None
+        if known is not None:
+            return known
+        h5 = h5py.File(path, "r", locking=False)
+    except FileNotFoundError:
+        raise _Vanished from None
+    except OSError as exc:
+        if not path.exists():
+            raise _Vanished from None
+        raise SailorError(f"cannot read the archive: {exc}", file=shown, fix="is it an HDF5 file?") from None
+    try:
+        with h5:
+            atoms = _atoms_of(h5, shown)
+    except SailorError:
+        if not path.exists():  # deleted while read (NFS: a stale file handle)
+            raise _Vanished from None
+        raise
+    if cached:
+        _remember(path, atoms)
+    return atoms
+
+
+@dataclass
+class _Read:
+    """A merged read of one archive: the view and the bases and shards it took (a compaction may delete
+    exactly these, no other)."""
+
+    view: View
+    parts: list[Path]
+
+
+def _read_all(path: Path, shown: Path) -> _Read:
+    """Merge the public file, then every base and shard. A file listed but gone when opened was folded into
+    a base published before its deletion: list again and read that base too (see the module doc). The
+    public file is read first, afresh (people edit it in place) and never skipped: whatever it held before
+    a compaction replaced it is in a base that compaction published first, which the listings after show."""
+    read = _Read({}, [])
+    try:  # held open while reading: its inode cannot be reused, so a part of that inode is this very file
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        fd = -1
+    try:
+        pinned = None
+        if fd >= 0:
+            _join(read.view, _load(path, shown, cached=False))
+            with contextlib.suppress(OSError):
+                if os.path.samestat(os.fstat(fd), os.stat(path)):  # what was read is the inode held open
+                    pinned = os.fstat(fd)
+        files = archive_files(path)
+        for _ in range(_READ_ROUNDS):
+            vanished = False
+            for f in [p for p in files.parts if p not in read.parts]:
+                try:
+                    if pinned is None or not os.path.samestat(os.stat(f), pinned):  # else the public file's base
+                        _join(read.view, _load(f, f))
+                except (_Vanished, FileNotFoundError):
+                    vanished = True
+                    continue
+                read.parts.append(f)
+            files = archive_files(path)
+            if not vanished and all(b in read.parts for b in files.bases):
+                return read
+    finally:
+        if fd >= 0:
+            os.close(fd)
+    raise SailorError(f"the archive kept changing while it was read ({_READ_ROUNDS} listings)", file=shown,
+                      fix="retry; `sailor-hpc profiles doctor` shows what is in its folder")
 
 
 def read_archive(*paths: str | os.PathLike[str]) -> ProfileArchive:
@@ -487,10 +733,8 @@ def read_archive(*paths: str | os.PathLike[str]) -> ProfileArchive:
         if not path.exists():
             raise SailorError("profile archive not found", file=path,
                               fix="check the path, or create it with `sailor-hpc profiles import-sailor` / `profile`")
-        try:
-            _read_into(archive, path, override=False)
-        except OSError as exc:
-            raise SailorError(f"cannot read the archive: {exc}", file=path, fix="is it an HDF5 file?") from None
+        for entry in _entries(_read_all(Path(os.path.realpath(path)), path).view):
+            archive.add(entry, override=False)
     archive.sources = tuple(str(p) for p in paths)
     return archive
 
@@ -515,13 +759,8 @@ def open_archive(explicit: str | os.PathLike[str] | None = None, site: Site | No
 
 # ---------------------------------------------------------------------- writing
 
-def _write_entry(h5: h5py.File, entry: Entry) -> None:
-    if isinstance(entry, OverheadEntry) and entry.path in h5:
-        # each profiling job measures its own TP degree: it adds to the GPU's table, never drops the others
-        entry = OverheadEntry(entry.gpu, {**{int(t): float(b) for t, b in h5[entry.path][()]}, **entry.by_tp},
-                              entry.provenance)
-    if entry.path in h5:
-        del h5[entry.path]
+def _write_entry(h5: h5py.File, entry: Entry, stamp: str | list[str]) -> None:
+    """One entry into a new file (bases and shards are written whole, never edited)."""
     if isinstance(entry, ComputeEntry):
         ds = h5.create_dataset(entry.path, data=np.asarray(entry.times, dtype=np.float64))
         ds.attrs.update({"status": entry.status, "reason": entry.reason, "dtype": entry.dtype})
@@ -544,6 +783,21 @@ def _write_entry(h5: h5py.File, entry: Entry) -> None:
                          "max_gbps": entry.fit.max_gbps or 0.0, "min_bytes": entry.fit.min_bytes,
                          "max_bytes": entry.fit.max_bytes})
     ds.attrs["provenance"] = json.dumps(entry.provenance, sort_keys=True)
+    ds.attrs["written"] = np.array(stamp, dtype=h5py.string_dtype()) if isinstance(stamp, list) else stamp
+
+
+def _write_view(h5: h5py.File, view: View) -> None:
+    h5.attrs["format"] = ARCHIVE_FORMAT
+    h5.attrs["version"] = ARCHIVE_VERSION
+    tables: dict[str, list[_Atom]] = {}
+    for atom in view.values():
+        if isinstance(atom.entry, OverheadEntry):
+            tables.setdefault(atom.entry.path, []).append(atom)
+        else:
+            _write_entry(h5, atom.entry, atom.stamp)
+    for table in _entries({a.key: a for rows in tables.values() for a in rows}):
+        rows = sorted(tables[table.path], key=lambda a: a.row)  # the dataset's row order
+        _write_entry(h5, table, [a.stamp for a in rows])
 
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
@@ -561,61 +815,225 @@ def _check_names(entry: Entry) -> None:
                               fix="use letters, digits, '_', '-', '.', '+' (rename the GPU type, model or site)")
 
 
-def _open_existing(path: Path) -> h5py.File:
+def _check_public(path: Path) -> None:
+    """A writer never adds to a file that is not an archive (a user's notes at the --archive path)."""
+    if not path.exists():
+        return
     try:
-        return h5py.File(path, "r", locking=False)
+        with h5py.File(path, "r", locking=False) as h5:
+            fmt = h5.attrs.get("format")
     except OSError as exc:
         raise SailorError(f"refusing to overwrite a file that is not a sailor-hpc archive ({exc})",
                           file=path, fix="choose another --archive path") from None
+    if fmt != ARCHIVE_FORMAT:
+        raise SailorError("refusing to overwrite a file that is not a sailor-hpc archive", file=path,
+                          fix="choose another --archive path")
 
 
-def write_entries(path: str | os.PathLike[str], entries: Iterable[Entry], *, lock_timeout_s: float = 300.0) -> int:
-    """Merge entries into the archive at ``path`` (created if missing); returns how many were written
-    (a failed compute point is not written over a measured one).
+_last_ns = 0
 
-    Safe against concurrent writers (lock + copy + atomic rename) and readers (they never see a partial file).
+
+def _write_id() -> str:
+    """Names a write: the writer's clock first (the merge's order: a later write wins, as it did when
+    writers took turns), strictly increasing within a process, then PID, a nonce and the host."""
+    global _last_ns
+    _last_ns = max(time.time_ns(), _last_ns + 1)
+    return f"{_last_ns:020d}.{os.getpid()}.{uuid.uuid4().hex[:12]}.{_HOST}"
+
+
+def _fsync_dir(folder: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _publish(path: Path, kind: str, view: View, *, check: bool = False) -> Path:
+    """Write ``view`` whole under a temporary name, then rename it in as a ``kind`` file (shard or base) of
+    the archive at ``path``: readers see it complete or not at all. ``check``: read it back first under the
+    readers' rules, so an entry readers would refuse is refused here, before anyone can see it."""
+    wid = _write_id()
+    final = path.with_name(f".{path.name}.{kind}.{wid}.h5")
+    tmp = final.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        Sharing.of(path).apply(fd)
+        with h5py.File(tmp, "w", locking=False) as h5:
+            _write_view(h5, view)
+            if check:
+                try:
+                    _atoms_of(h5, path)
+                except SailorError as exc:
+                    raise SailorError(f"refusing to write an entry readers would refuse: {exc.message}", file=path,
+                                      field=exc.field, fix="nothing was written; correct the entry") from None
+        os.fsync(fd)
+        os.close(fd)
+        fd = -1
+        os.replace(tmp, final)
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        tmp.unlink(missing_ok=True)
+    _fsync_dir(path.parent)
+    _remember(final, view.values())
+    return final
+
+
+def _point_public_at(path: Path, base: Path) -> None:
+    """Make the public file the base just published: a hard link renamed over it (a copy where the
+    filesystem has no hard links). What it held before is in that base, or in another published one."""
+    tmp = path.with_name(f".{path.name}.copy.{_write_id()}.tmp")
+    try:
+        try:
+            os.link(base, tmp)
+        except OSError as exc:
+            if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EMLINK, errno.EXDEV, errno.ENOSYS):
+                raise
+            shutil.copy2(base, tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    _fsync_dir(path.parent)
+
+
+def compact(path: str | os.PathLike[str]) -> int:
+    """Fold every base and shard of the archive at ``path`` into one new base and the public file; returns
+    how many files it folded (and deleted). Safe to run at any time, by anyone, concurrently (module doc)."""
+    real = Path(os.path.realpath(path))
+    read = _read_all(real, real)
+    if not read.parts:
+        return 0  # the public file alone (an archive of a version before shards): nothing to fold
+    public = os.stat(real) if real.exists() else None
+    if len(read.parts) == 1 and ".base." in read.parts[0].name and public is not None \
+            and os.path.samestat(public, os.stat(read.parts[0])):
+        return 0  # already one base, and the public file is it
+    base = _publish(real, "base", read.view)
+    _point_public_at(real, base)
+    for part in read.parts:  # only what we read, and only now that a base holding it is published
+        if part != base:
+            part.unlink(missing_ok=True)
+    _fsync_dir(real.parent)
+    return len(read.parts)
+
+
+_COMPACT_WAIT_S = 1.0  # how long a writer waits for another's compaction before leaving its shard to the next
+_COMPACT_STALE_S = 2.0  # a compaction takes well under this; a holder silent this long is taken over (harmless)
+LITTER_AGE_S = 3600.0  # a temporary file of another host's writer this much older than a new file is litter
+
+
+def write_entries(path: str | os.PathLike[str], entries: Iterable[Entry], *, lock_timeout_s: float = _COMPACT_WAIT_S
+                  ) -> int:
+    """Add entries to the archive at ``path`` (created if missing); returns how many were written (a failed
+    compute point is not written over a measured one).
+
+    The entries are safe once this returns: they are in a shard of their own (module doc). Then, if the
+    archive's lock comes within ``lock_timeout_s``, the shards are folded into the public file; else a later
+    writer folds them (readers merge them meanwhile). A SIGTERM meanwhile cleans up before the process dies.
     """
     entries = list(entries)
-    path = Path(os.path.realpath(path))  # through a symlink: the shared file itself, not the link
+    real = Path(os.path.realpath(path))  # through a symlink: the shared file itself, not the link
     for entry in entries:
         _check_names(entry)
-    with file_lock(path, timeout_s=lock_timeout_s):
-        with atomic_path(path) as tmp:
-            with h5py.File(tmp, "w", locking=False) as out:
-                if path.exists():
-                    with _open_existing(path) as old:
-                        if old.attrs.get("format") != ARCHIVE_FORMAT:
-                            raise SailorError("refusing to overwrite a file that is not a sailor-hpc archive",
-                                              file=path, fix="choose another --archive path")
-                        _entries_of(old, path)  # a broken archive is reported, not copied on with new entries
-                        for name in old:
-                            old.copy(old[name], out, name=name)
-                out.attrs["format"] = ARCHIVE_FORMAT
-                out.attrs["version"] = ARCHIVE_VERSION
-                written = 0
-                for entry in entries:
-                    if _hides_a_measurement(out, entry):
-                        continue
-                    _write_entry(out, entry)
-                    written += 1
-                _readable(out, path)
+        if isinstance(entry, OverheadEntry) and not entry.by_tp:  # no row would carry it into the archive
+            raise SailorError("refusing to write an entry readers would refuse: an overhead table without rows",
+                              file=real, field=entry.path, fix="nothing was written; correct the entry")
+    real.parent.mkdir(parents=True, exist_ok=True)
+    with cleanup_on_sigterm():
+        _check_public(real)
+        current = _read_all(real, real).view  # a broken archive is reported, not added to
+        shard = View()
+        written = 0
+        for i, entry in enumerate(entries):
+            held = current.get(entry.path)
+            if isinstance(entry, ComputeEntry) and entry.status != "ok" and held is not None and held.rank:
+                continue  # a failed point never hides a measured one (a lost job, another partition's OOM)
+            _join(shard, _atoms(entry, f"{i:06d}"))
+            written += 1
+        new = _publish(real, "shard", _stamped(shard), check=True) if shard else None
+        try:
+            with file_lock(real, timeout_s=lock_timeout_s, stale_s=_COMPACT_STALE_S):
+                if new is None or new.exists():  # else another writer's compaction has folded it already
+                    compact(real)
+        except LockTimeout:
+            pass  # another writer is compacting; our shard is safe and waits for the next compaction
+        if not real.exists():
+            _point_public_at(real, _publish(real, "base", View()))  # the empty archive readers can open
+        # judged against a file written just now: our shard, else (folded meanwhile) the public file
+        remove_litter(real, new if new is not None and new.exists() else real)
     return written
 
 
-def _readable(h5: h5py.File, path: Path) -> None:
-    """The new archive, before it replaces the old one, reads back under the readers' rules: an entry the
-    readers would refuse (an empty overhead table, NaN seconds in a measured point) is refused here, and
-    the shared file stays as it was."""
+def _atoms(entry: Entry, seq: str) -> list[_Atom]:
+    """An entry as merge atoms, stamped with its place in the write (the write's id is added by _stamped)."""
+    if isinstance(entry, OverheadEntry):
+        return [_Atom(f"{entry.path}#tp{tp}", 0, seq, OverheadEntry(entry.gpu, {int(tp): float(b)}, entry.provenance))
+                for tp, b in entry.by_tp.items()]
+    return [_Atom(entry.path, int(isinstance(entry, ComputeEntry) and entry.status == "ok"), seq, entry)]
+
+
+def _stamped(view: View) -> View:
+    """The write's id before each atom's place: stamps order writes first, entries within a write second."""
+    wid = _write_id()
+    return {k: _Atom(a.key, a.rank, f"{wid[:20]}.{a.stamp}.{wid[21:]}", a.entry) for k, a in view.items()}
+
+
+# ---------------------------------------------------------------------- litter
+
+@dataclass(frozen=True)
+class Litter:
+    """A writer's temporary file and whether it may go (its writer is gone, or it is old enough)."""
+
+    path: Path
+    removable: bool
+    why: str
+
+
+def litter(path: str | os.PathLike[str], reference: Path | None = None, min_age_s: float = LITTER_AGE_S
+           ) -> list[Litter]:
+    """The archive's temporary files, judged without comparing hosts' clocks where it can: one of this host
+    whose writer process is gone may go at once; any other once its mtime is ``min_age_s`` older than that
+    of ``reference``, a file just written in the same folder (on NFS both times are the server's)."""
+    files = archive_files(path)
+    ref_ns = None
+    with contextlib.suppress(OSError):
+        ref_ns = os.stat(reference).st_mtime_ns if reference is not None else None
+    owner = re.compile(r"\.(?:shard|base|copy)\.\d+\.(\d+)\.[0-9a-f]+\.(.+)\.tmp$")
+    out = []
+    for tmp in files.temps:
+        m = owner.search(tmp.name)
+        if m and m[2] == _HOST:
+            gone = not _alive(int(m[1]))
+            out.append(Litter(tmp, gone, f"its writer (PID {m[1]} on this host) is {'gone' if gone else 'running'}"))
+            continue
+        try:
+            age = None if ref_ns is None else (ref_ns - os.stat(tmp).st_mtime_ns) / 1e9
+        except FileNotFoundError:
+            continue
+        old = age is not None and age > min_age_s
+        out.append(Litter(tmp, old, "age unknown" if age is None else f"{age:.0f} s old"))
+    return out
+
+
+def remove_litter(path: str | os.PathLike[str], reference: Path | None = None,
+                  min_age_s: float = LITTER_AGE_S) -> list[Path]:
+    """Remove what :func:`litter` finds removable; returns the removed files. Removing a live writer's file
+    (a host's clock far off) only makes that write fail loudly: no acknowledged entry is in a temporary file."""
+    removed = []
+    for item in litter(path, reference, min_age_s):
+        if item.removable:
+            with contextlib.suppress(FileNotFoundError):
+                item.path.unlink()
+                removed.append(item.path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
     try:
-        _entries_of(h5, path)
-    except SailorError as exc:
-        raise SailorError(f"refusing to write an entry readers would refuse: {exc.message}", file=path,
-                          field=exc.field, fix="nothing was written; correct the entry") from None
-
-
-def _hides_a_measurement(h5: h5py.File, entry: Entry) -> bool:
-    """A failed point never replaces a measured one: a lost job, or a second partition of the same GPU
-    type that ran out of memory, must not erase what another job measured (delete it to re-measure)."""
-    if not isinstance(entry, ComputeEntry) or entry.status == "ok" or entry.path not in h5:
+        os.kill(pid, 0)
+    except ProcessLookupError:
         return False
-    return str(h5[entry.path].attrs.get("status", "ok")) == "ok"
+    except PermissionError:  # another user's process
+        return True
+    return True

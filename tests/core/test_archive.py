@@ -184,7 +184,8 @@ def test_spread_and_flag_round_trip_and_archives_without_them_still_read(tmp_pat
     assert points[(1, 1)].flag == "" and points[(2, 1)].flag == "not monotonic: forward below mbs 1's"
     assert points[(4, 1)].spread is None and points[(4, 1)].flag == ""
     with h5py.File(path, "r") as h5:  # nothing new in an entry without them: older readers see what they knew
-        assert set(h5["compute/tiny-gpt/G/mbs4_tp1"].attrs) == {"status", "reason", "dtype", "provenance"}
+        # (besides the write's stamp that shards are merged by, which older readers ignore)
+        assert set(h5["compute/tiny-gpt/G/mbs4_tp1"].attrs) == {"status", "reason", "dtype", "provenance", "written"}
     # the shipped Sailor profiles, written before spreads existed, still read, without any
     shipped = read_archive(EMBEDDED_ARCHIVE)
     assert all(e.spread is None and not e.flag for pts in shipped.compute.values() for e in pts.values())

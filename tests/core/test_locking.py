@@ -1,5 +1,5 @@
 """The lock-file fallback for filesystems without POSIX locks: a live holder keeps its lock, a dead one's is
-taken over."""
+taken over once a waiter has watched it unchanged for the stale age (on its own clock, never the file's mtime)."""
 from __future__ import annotations
 
 import errno
@@ -108,16 +108,17 @@ def _contender(target: str, me: int, rounds: int, barrier: mp.synchronize.Barrie
 
 
 def test_racing_takeovers_of_a_stale_lock_leave_one_holder(tmp_path: Path) -> None:
-    """Every round: a dead holder's lock, six processes released at once, all of them finding it stale.
+    """Every round: a dead holder's lock, six processes released at once, all of them watching it unchanged
+    for the stale age and so finding it stale together.
     Deleting a stale lock (and so, for the slower waiters, the fresh lock of the faster one) let several
     hold it at once; the takeover must leave exactly one holder each time, and the stale lock is still
     taken over (nobody waits for the timeout)."""
     target = tmp_path / "archive.h5"
     Path(f"{target}.counter").write_text("0")
     ctx = mp.get_context("spawn")
-    workers, rounds = 6, 25
+    workers, rounds = 6, 8
     barrier = ctx.Barrier(workers)
-    procs = [ctx.Process(target=_contender, args=(str(target), w, rounds, barrier, 5.0)) for w in range(workers)]
+    procs = [ctx.Process(target=_contender, args=(str(target), w, rounds, barrier, 0.3)) for w in range(workers)]
     t0 = time.monotonic()
     for p in procs:
         p.start()
@@ -127,7 +128,7 @@ def test_racing_takeovers_of_a_stale_lock_leave_one_holder(tmp_path: Path) -> No
     overlaps = sum(len(p.read_text()) for p in tmp_path.glob("archive.h5.overlaps*"))
     assert overlaps == 0, f"{overlaps} times two processes held the lock at once"
     assert int(Path(f"{target}.counter").read_text()) == workers * rounds
-    assert time.monotonic() - t0 < 200
+    assert time.monotonic() - t0 < 90
     assert not Path(f"{target}.xlock").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         ["archive.h5.lock", "archive.h5.counter"]), "no takeover or temporary files left behind"
@@ -170,7 +171,7 @@ def test_an_outdated_view_of_a_stale_lock_replaces_nothing(tmp_path: Path) -> No
     lock = tmp_path / "a.xlock"
     _plant_dead_holder(lock)
     seen = _read(lock)
-    assert seen is not None and seen.stale(1.0)
+    assert seen is not None and seen.token.startswith("elsewhere")
     with _exclusive_file_lock(lock, timeout_s=2, stale_s=1.0):  # the faster waiter takes it over
         mine = _read(lock)
         assert mine is not None and mine.token.split()[1] == str(os.getpid())
