@@ -1,6 +1,10 @@
 """``sailor-hpc profiles ...``: the HDF5 profile archive."""
 from __future__ import annotations
 
+import contextlib
+import os
+import tempfile
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -9,7 +13,9 @@ import numpy as np
 
 from sailor_hpc.cli.app import main
 from sailor_hpc.cli.output import echo_json, json_option, table
-from sailor_hpc.core.archive import open_archive, read_archive
+from sailor_hpc.core.archive import archive_files, compact, litter, open_archive, read_archive
+from sailor_hpc.core.errors import SailorError
+from sailor_hpc.core.locking import group_shared, mount_locks
 from sailor_hpc.core.models import get_model
 from sailor_hpc.core.precision import DTYPES
 from sailor_hpc.core.sailor_compat.profiles import import_sailor
@@ -126,3 +132,110 @@ def show_cmd(model: str, gpu: str, dtype: str, archive: Path | None, as_json: bo
             click.echo(f"flagged: mbs {r['mbs']} tp {r['tp']}: {r['flag']}")
     for f in failed:
         click.echo(f"failed: mbs {f['mbs']} tp {f['tp']}: {f['reason']}")
+
+
+# ---------------------------------------------------------------------- doctor
+
+@dataclass
+class Finding:
+    """One line of ``profiles doctor``: a problem (fixed or not) or a fact worth knowing (``problem`` False)."""
+
+    what: str
+    problem: bool
+    fixed: bool = False
+
+
+def _probe(folder: Path) -> Path | None:
+    """A file written now in the archive's folder: temporary files are aged against its mtime (on NFS the
+    server's clock for both), not against this host's clock. None where the folder is read-only to us."""
+    try:
+        fd, name = tempfile.mkstemp(prefix=".doctor.", dir=folder)
+    except OSError:
+        return None
+    os.close(fd)
+    return Path(name)
+
+
+def _folding(path: Path, fix: bool) -> list[Finding]:
+    files = archive_files(path)
+    public = path.stat() if path.exists() else None
+    folded = len(files.bases) == 1 and public is not None and os.path.samestat(public, files.bases[0].stat())
+    if not files.shards and (not files.bases or folded):
+        return [Finding(f"{len(files.bases)} base, no shards: folded", False)]
+    what = f"{len(files.shards)} shards and {len(files.bases)} bases not folded into the public file"
+    if not fix:
+        return [Finding(what + " (readers merge them; --fix folds them)", True)]
+    return [Finding(f"{what}: folded {compact(path)} files", True, True)]
+
+
+def _litter(path: Path, fix: bool) -> list[Finding]:
+    probe = _probe(path.parent)
+    try:
+        items = litter(path, probe)
+    finally:
+        if probe is not None:
+            probe.unlink(missing_ok=True)
+    out = []
+    for item in items:
+        if not item.removable:
+            out.append(Finding(f"temporary file {item.path.name}: {item.why}, kept", False))
+            continue
+        if fix:
+            with contextlib.suppress(FileNotFoundError):
+                item.path.unlink()
+        out.append(Finding(f"left by a killed writer: {item.path.name} ({item.why})", True, fix))
+    return out
+
+
+def _permissions(path: Path, fix: bool) -> list[Finding]:
+    folder = path.parent
+    if not group_shared(folder):
+        return [Finding(f"folder {folder} is not group-shared: only its owner's group settings apply "
+                        "(chmod g+ws on it to share the archive with a group)", False)]
+    gid = folder.stat().st_gid
+    files = archive_files(path)
+    out = []
+    for f in (files.path, *files.parts, *files.locks):
+        with contextlib.suppress(FileNotFoundError):
+            st = f.stat()
+            if st.st_mode & 0o660 == 0o660 and st.st_gid == gid:
+                continue
+            mine = st.st_uid == os.getuid()
+            if fix and mine:
+                os.chmod(f, (st.st_mode & 0o7777) | 0o660)
+                with contextlib.suppress(PermissionError):
+                    os.chown(f, -1, gid)
+            fixed = fix and mine and (f.stat().st_mode & 0o660 == 0o660) and f.stat().st_gid == gid
+            who = "" if mine else f" (owned by uid {st.st_uid}: its owner must run --fix or chmod g+rw)"
+            out.append(Finding(f"{f.name} is {oct(st.st_mode & 0o777)} group {st.st_gid}, the folder's group "
+                               f"{gid} needs rw{who}", True, fixed))
+    return out or [Finding(f"every file is readable and writable by the folder's group {gid}", False)]
+
+
+@profiles.command("doctor")
+@click.argument("archive", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--fix", is_flag=True, help="Fold shards, remove killed writers' temporary files, fix group modes.")
+@json_option
+def doctor_cmd(archive: Path, fix: bool, as_json: bool) -> None:
+    """Check a shared ARCHIVE: shards not yet folded, killed writers' leftovers, group permissions and what
+    the mount's locks are worth. Exit 0 healthy, 1 problems remain (after --fix: ones it could not fix),
+    2 not an archive."""
+    path = Path(os.path.realpath(archive))
+    files = archive_files(path)
+    if not path.exists() and not files.parts:
+        raise SailorError("no profile archive here", file=archive, fix="check the path")
+    read_archive(archive)  # a file that is not a (readable) archive is bad input: exit 2, naming it
+    locks = mount_locks(path)
+    findings = [Finding(f"mount {locks.mount} ({locks.fstype}): locks {locks.scope}: {locks.why}; the archive does "
+                        "not rely on them", False)]
+    findings += _folding(path, fix) + _litter(path, fix) + _permissions(path, fix)
+    findings += [Finding(f"lock file {lk.name}", False) for lk in archive_files(path).locks]
+    remaining = [f for f in findings if f.problem and not f.fixed]
+    if as_json:
+        echo_json({"archive": str(archive), "healthy": not remaining, "findings": [asdict(f) for f in findings]})
+    else:
+        for f in findings:
+            click.echo(f"{'fixed' if f.fixed else 'PROBLEM' if f.problem else 'ok'}: {f.what}")
+        click.echo("healthy" if not remaining else f"{len(remaining)} problems" + ("" if fix else " (--fix: what is safe)"))
+    if remaining:
+        raise SystemExit(1)

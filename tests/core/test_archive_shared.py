@@ -146,3 +146,50 @@ def test_a_group_shared_folder_keeps_every_file_group_usable_whatever_the_umask(
         st = f.stat()
         assert stat.S_IMODE(st.st_mode) & 0o660 == 0o660, f.name
         assert st.st_gid == folder.stat().st_gid
+
+
+# ---------------------------------------------------------------------- profiles doctor
+
+def test_doctor_finds_and_fixes_what_is_safe(tmp_path: Path) -> None:
+    """Unfolded shards, a killed writer's temporary file and a file the group cannot write: exit 1, then
+    --fix folds, removes and chmods, and the archive is healthy (exit 0); not an archive: exit 2."""
+    from click.testing import CliRunner
+
+    from sailor_hpc.cli.app import main
+    from sailor_hpc.core import archive as arch
+
+    folder = tmp_path / "shared"
+    folder.mkdir()
+    os.chmod(folder, 0o2775)
+    path = folder / "p.h5"
+    write_entries(path, [OverheadEntry("X", {1: 1e9}, make_provenance("test"))])
+    arch._publish(path, "shard", {}, check=False)  # a shard no compaction has folded yet
+    dead = folder / f".p.h5.shard.01700000000000000000.999999.abcdef012345.{arch._HOST}.tmp"
+    dead.write_bytes(b"partial")  # PID 999999 is not running
+    os.chmod(path, 0o600)
+    run = CliRunner().invoke
+    found = run(main, ["profiles", "doctor", str(path)])
+    assert found.exit_code == 1, found.output
+    assert "1 shards" in found.output and dead.name in found.output and "0o600" in found.output
+    fixed = run(main, ["profiles", "doctor", str(path), "--fix"])
+    assert fixed.exit_code == 0, fixed.output
+    assert not dead.exists() and not archive_files(path).shards and stat.S_IMODE(path.stat().st_mode) & 0o660 == 0o660
+    assert run(main, ["profiles", "doctor", str(path)]).exit_code == 0
+    assert read_archive(path).overhead["X"].by_tp == {1: 1e9}
+    notes = folder / "notes.h5"
+    notes.write_text("not hdf5")
+    assert run(main, ["profiles", "doctor", str(notes)]).exit_code == 2
+    assert run(main, ["profiles", "doctor", str(folder / "none.h5")]).exit_code == 2
+
+
+def test_mount_lock_semantics_are_read_from_the_mount_options(tmp_path: Path) -> None:
+    from sailor_hpc.core.locking import mount_locks
+
+    mounts = tmp_path / "mounts"
+    mounts.write_text("/dev/sda1 / ext4 rw 0 0\n"
+                      "srv:/home /shared nfs rw,vers=3,nolock,proto=tcp 0 0\n"
+                      "srv:/proj /shared/proj nfs4 rw,vers=4.2 0 0\n"
+                      "mgs@tcp:/fs /lus lustre rw,localflock 0 0\n"
+                      "beegfs_nodev /bee beegfs rw 0 0\n")
+    scopes = {p: mount_locks(Path(p) / "a.h5", mounts).scope for p in ("/shared", "/shared/proj", "/lus", "/bee", "/tmp")}
+    assert scopes == {"/shared": "node", "/shared/proj": "cluster", "/lus": "node", "/bee": "node", "/tmp": "cluster"}
