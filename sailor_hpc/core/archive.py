@@ -356,16 +356,25 @@ class _Reader:
         return node
 
     def groups(self, parent: h5py.Group | None) -> Iterator[tuple[str, h5py.Group]]:
-        for key, child in parent.items() if parent is not None else ():
+        for key, child in self._children(parent):
             if not isinstance(child, h5py.Group):
                 raise self.error(child.name, "is a dataset where the archive has a group")
             yield key, child
 
     def datasets(self, group: h5py.Group | None) -> Iterator[tuple[str, h5py.Dataset]]:
-        for key, child in group.items() if group is not None else ():
+        for key, child in self._children(group):
             if not isinstance(child, h5py.Dataset):
                 raise self.error(child.name, "is a group where the archive has a dataset")
             self.at = child.name
+            yield key, child
+
+    def _children(self, parent: h5py.Group | None) -> Iterator[tuple[str, h5py.HLObject]]:
+        """A group's members; h5py gives None for a link it cannot follow (dangling, or damaged on disk)."""
+        if parent is None:
+            return
+        for key, child in parent.items():
+            if child is None:
+                raise self.error(f"{parent.name}/{key}", "is a link to nothing (dangling or damaged)")
             yield key, child
 
     def numbers(self, ds: h5py.Dataset, shape: tuple[int | None, ...], what: str) -> np.ndarray:
@@ -529,7 +538,8 @@ def _atoms_of(h5: h5py.File, path: Path) -> list[_Atom]:
         return list(reader.atoms())
     except SailorError:
         raise
-    except (ValueError, KeyError, TypeError, OSError) as exc:  # what the checks did not foresee
+    # what the checks did not foresee; h5py raises RuntimeError for damaged group metadata (a bad local heap)
+    except (ValueError, KeyError, TypeError, OSError, RuntimeError) as exc:
         raise reader.error(reader.at, f"cannot be read: {exc}") from None
 
 
