@@ -360,7 +360,7 @@ class Check:
         and end lines; False when it did not finish (skipped, failed or timed out): later phases need it."""
         label = f"{model} {name}".strip()
         if not self.fits(label, model, name, estimate_s):
-            into.append(PhaseRecord(name, "skipped", 0.0, round(estimate_s, 1)))
+            into.append(PhaseRecord(name, "skipped", 0.0, round(estimate_s, 3)))
             self.write()
             return False
         self.say(f"{label}: start (estimate ~{estimate_s:.0f} s, {self.budget.left():.0f} s left)")
@@ -372,7 +372,7 @@ class Check:
         except Exception as exc:  # one model's error must not cost the others their device time
             fixed, status, detail = 0.0, "failed", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
         seconds = time.time() - t0
-        into.append(PhaseRecord(name, status, seconds, round(estimate_s, 1), fixed, detail[-3000:]))
+        into.append(PhaseRecord(name, status, seconds, round(estimate_s, 3), fixed, detail[-3000:]))
         self.failed |= status == "failed"
         first = detail.splitlines()[0] if detail else ""
         self.say(f"{label}: {'done' if status == 'ok' else status} in {seconds:.1f} s" + (f" ({first})" if first else ""))

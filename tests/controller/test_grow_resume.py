@@ -22,7 +22,7 @@ def _save(root: Path, step: int) -> None:
     tmp = start_tmp(root, step)
     entry = write_file(tmp / "rank0.bin", b"x" * 16)
     publish(tmp, {"step": step, "consumed_samples": step * GBS, "files": {"rank0.bin": entry},
-                  "params": {"w": {"file": "rank0.bin"}}})
+                  "params": {"w": {"file": "rank0.bin", "shape": [4]}}})
 
 
 def test_the_grown_jobs_checkpoint_is_its_own_after_a_resume(tmp_path: Path) -> None:
