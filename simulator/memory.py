@@ -172,9 +172,11 @@ def backward_working(mem: MemoryTable, first, last, *, mbs: int, scale: float, e
     the micro-batch in backward have released. Ints or arrays of one shape."""
     first, last = np.asarray(first), np.asarray(last)
     L = mem.cum_act.size - 1
+    if first.ndim == 0 and last.ndim == 0:  # one stage (the planner's bisection): plain floats, its layers only
+        return _backward_working_one(mem, int(first), int(last), mbs, scale, elem, head, float(freed_output_bytes))
     ends = both_ends(mem, first, last)
     best = np.full(np.broadcast(first, last).shape, -np.inf)
-    for layer in range(L):
+    for layer in range(int(first.min()), int(last.max()) + 1):
         inside = (first <= layer) & (layer <= last)
         if not inside.any():
             continue
@@ -187,6 +189,25 @@ def backward_working(mem: MemoryTable, first, last, *, mbs: int, scale: float, e
                          - freed_output_bytes, 0.0)
         best = np.where(inside, np.maximum(best, w - above), best)
     return best if best.ndim else float(best)
+
+
+def _backward_working_one(mem: MemoryTable, first: int, last: int, mbs: int, scale: float, elem: int,
+                          head: HeadShape, freed_output_bytes: float) -> float:
+    """:func:`backward_working` of one stage, the same terms in floats (called thousands of times per search)."""
+    L = mem.cum_act.size - 1
+    cum_act, cum_params = mem.cum_act, mem.cum_params
+    tied = head.tied_params * elem if first == 0 and last == L - 1 else 0.0
+    top = float(cum_act[last + 1])
+    best = -np.inf
+    for layer in range(first, last + 1):
+        if layer == L - 1:
+            w = (float(mem.act_input[layer]) * mbs * elem + float(cum_params[layer + 1] - cum_params[layer]) * elem
+                 + (head.logits_per_sample * mbs * elem if head.padded_vocab else 0.0))
+        else:
+            w = float(cum_act[layer + 1] - cum_act[layer]) * mbs * scale + tied
+        above = (top - float(cum_act[layer + 1])) * mbs * scale - freed_output_bytes if layer < last else 0.0
+        best = max(best, w - above)
+    return best
 
 
 def stage_memory(mem: MemoryTable, first, last, *, stage, num_stages, mbs: int, micro_batches, dtype: str,

@@ -1,6 +1,7 @@
 """Peak memory per GPU, component by component, on the tiny synthetic profile."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from sailor_hpc.core.models import get_model
@@ -130,3 +131,23 @@ def test_tied_embedding_once_on_a_stage_holding_both_ends(tiny_site, tiny):
         16 * TINY_PARAMS.sum())
     (ds,) = simulate(one, tiny_site, tiny).stages
     assert ds.memory.state == 16 * TINY_PARAMS.sum()
+
+
+def test_one_stage_backward_working_set_is_the_many_stage_one() -> None:
+    """The planner's bisection asks for one stage at a time (a float path); batches ask for arrays: the two
+    paths give the same working set for every layer range of a shipped profile, heads tied or padded."""
+    from sailor_hpc.core.archive import open_archive
+    from sailor_hpc.core.site import load_site
+    from simulator import SimOptions, StageEvaluator
+    from simulator.memory import HeadShape, backward_working
+    from tests.simulator.conftest import SITES
+    site = load_site(SITES / "a100-v100.toml")
+    mem = StageEvaluator(open_archive(site=site), site, "OPT-350M", options=SimOptions.megatron_patch()).memory_table(1)
+    L = mem.cum_act.size - 1
+    firsts, lasts = map(np.array, zip(*[(i, j) for i in range(L) for j in range(i, L)]))
+    for head in (HeadShape(), HeadShape(tied_params=1e6, logits_per_sample=5e5, padded_vocab=True)):
+        for freed in (0.0, 123.0):
+            kw = dict(mbs=4, scale=0.5, elem=2, head=head, freed_output_bytes=freed)
+            many = backward_working(mem, firsts, lasts, **kw)
+            one = [backward_working(mem, int(f), int(la), **kw) for f, la in zip(firsts, lasts)]
+            np.testing.assert_allclose(many, one, rtol=1e-12)
