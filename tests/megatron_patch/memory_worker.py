@@ -93,32 +93,24 @@ def _marked_opt_step(self: StageOptimizer, *args: Any, **kwargs: Any) -> Any:
         return _opt_step(self, *args, **kwargs)
 
 
-class _MarkHeadBackward(torch.autograd.Function):
-    """Identity whose backward marks when the gradient reaches the head's input (the head's backward done)."""
+class _MarkBackward(torch.autograd.Function):
+    """Identity whose backward marks, under ``label``, when the gradient reaches this point of the graph."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, label: str) -> torch.Tensor:
+        ctx.label = label
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
-        with record_function("mem.head_backward_end"):
-            return g
-
-
-class _MarkHeadBackwardStart(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, y: torch.Tensor) -> torch.Tensor:
-        return y.view_as(y)
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
-        with record_function("mem.head_backward_start"):
-            return g
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        with record_function(ctx.label):
+            return g, None
 
 
 def _marked_head(self: OutputLayer, h: torch.Tensor, labels: torch.Tensor, weight: Any) -> torch.Tensor:
-    return _MarkHeadBackwardStart.apply(_head_forward(self, _MarkHeadBackward.apply(h), labels, weight))
+    # the gradient reaches the head's output when its backward starts, and its input when that backward is done
+    marked_input = _MarkBackward.apply(h, "mem.head_backward_end")
+    return _MarkBackward.apply(_head_forward(self, marked_input, labels, weight), "mem.head_backward_start")
 
 
 def _timeline(prof: Any) -> dict[str, Any]:
