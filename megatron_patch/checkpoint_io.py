@@ -237,8 +237,7 @@ def _check_schedule(manifest: dict[str, Any], t: Trainer, path: object) -> None:
 
 
 def _warn_skipped(skipped: ck.Skipped, using: str | None) -> None:
-    print(f"warning: checkpoint {skipped.path} is unusable ({skipped.reason}); "
-          f"{'loading ' + Path(using).name if using else 'no older checkpoint verifies'}", file=sys.stderr, flush=True)
+    print(f"warning: {skipped.line(using, 'loading')}", file=sys.stderr, flush=True)
 
 
 def load(trainer: Trainer, path: str, *, missing_ok: bool = False,

@@ -29,7 +29,6 @@ import signal
 import sys
 import time
 import warnings
-from pathlib import Path
 from typing import Any
 
 from megatron_patch.memory import peak_rss
@@ -210,10 +209,8 @@ def train(args: argparse.Namespace, plan: Plan, env: DistEnv, role: Role) -> int
         t0 = time.perf_counter()
 
         def skipped(gone: Skipped, using: str | None) -> None:  # rank 0: a fallback is said everywhere
-            emit({"event": "checkpoint_skipped", **base, "path": str(gone.path), "reason": gone.reason, "using": using})
-            log.note("checkpoint_skipped", f"warning: checkpoint {gone.path} is unusable ({gone.reason}); "
-                     + (f"loading {Path(using).name}" if using else "no older checkpoint verifies"),
-                     path=str(gone.path), reason=gone.reason, using=using)
+            emit({"event": "checkpoint_skipped", **base, **gone.to_dict(), "using": using})
+            log.note("checkpoint_skipped", f"warning: {gone.line(using, 'loading')}", **gone.to_dict(), using=using)
 
         path = checkpoint_io.load(trainer, args.load or args.save, missing_ok=resume, on_skip=skipped)
         if path is not None:

@@ -161,6 +161,11 @@ class Skipped:
     def to_dict(self) -> dict[str, str]:
         return {"path": str(self.path), "reason": self.reason}
 
+    def line(self, using: str | Path | None, verb: str = "using") -> str:
+        """The human line that says so, and which checkpoint is ``verb``-ed instead (None: none verifies)."""
+        instead = f"{verb} {Path(using).name}" if using is not None else "no older checkpoint verifies"
+        return f"checkpoint {self.path} is unusable ({self.reason}); {instead}"
+
 
 @dataclass(frozen=True)
 class Choice:
@@ -171,8 +176,7 @@ class Choice:
 
     def warnings(self) -> list[str]:
         """One human line per checkpoint passed over: a fallback is never silent."""
-        using = f"using {self.path.name}" if self.path is not None else "no older checkpoint verifies"
-        return [f"checkpoint {s.path} is unusable ({s.reason}); {using}" for s in self.skipped]
+        return [s.line(self.path) for s in self.skipped]
 
 
 def newest_usable(root: str | Path, deep: bool = True) -> Choice:
