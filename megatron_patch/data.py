@@ -45,7 +45,7 @@ import torch
 from megatron_patch.mcore_import import import_megatron
 from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.sailor_compat import SAILOR_DATA
-from sailor_hpc.core.training import SPLITS, DataBlend, split_bounds
+from sailor_hpc.core.training import SPLITS, DataBlend, check_dataset_prefix, split_bounds
 
 EOD = 0
 ORDER = "feistel-v1"  # the sample permutation's name, stored in checkpoints (another order would skip samples)
@@ -199,28 +199,12 @@ class GlobalSamples:
         return stack_samples(self, start, count)
 
 
-def check_prefix(prefix: str | Path) -> None:
-    """``PREFIX.bin`` and ``PREFIX.idx`` both exist (megatron's reader otherwise fails an assert deep inside,
-    on every rank); a prefix given with its ``.bin``/``.idx`` suffix is named with the fix."""
-    text = str(prefix)
-    missing = [p for p in (Path(text + ".bin"), Path(text + ".idx")) if not p.is_file()]
-    if not missing:
-        return
-    stem, suffix = os.path.splitext(text)
-    if suffix in (".bin", ".idx") and Path(stem + ".bin").is_file() and Path(stem + ".idx").is_file():
-        raise SailorError(f"{text!r} is a file of the dataset, not its prefix", file=text, field="--data",
-                          fix=f"give the prefix without the suffix: {stem}")
-    raise SailorError(f"no indexed dataset at this prefix ({', '.join(p.name for p in missing)} missing)", file=text,
-                      field="--data", fix="build one with `python -m megatron_patch.data PREFIX FILES...`, or check "
-                                          "the path (a blend is '0.7 PREFIX_A 0.3 PREFIX_B')")
-
-
 def check_vocab(prefix: str | Path, vocab_size: int, model: str = "the model") -> int:
     """Refuse a dataset holding a token id >= ``vocab_size``, naming the file, the first offending id and
     its position; returns the largest id. At TP 1 such an id is a device-side assert on a GPU, at TP > 1
     a silently zero embedding row and a wrong loss, so the runtime checks before training: one pass of
     ``max`` over the memory-mapped tokens, a chunk at a time (memory bounded, any corpus size)."""
-    check_prefix(prefix)
+    check_dataset_prefix(prefix)
     import_megatron()
     from megatron.core.datasets.indexed_dataset import IndexedDataset, get_bin_path
     ds = IndexedDataset(str(prefix))

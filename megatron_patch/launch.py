@@ -28,9 +28,9 @@ import os
 import signal
 import sys
 import time
-import warnings
 from typing import Any
 
+from megatron_patch.mcore_import import quiet_fallback_notices
 from megatron_patch.memory import peak_rss
 from megatron_patch.metrics import RunLog, open_tensorboard
 from megatron_patch.options import (
@@ -163,7 +163,7 @@ def checked_data(args: argparse.Namespace, plan: Plan, rank: int) -> dict[str, A
 def train(args: argparse.Namespace, plan: Plan, env: DistEnv, role: Role) -> int:
     for signum in (signal.SIGUSR1, signal.SIGTERM):  # before anything slow: the default action kills
         signal.signal(signum, _on_signal)
-    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|TransformerEngine).*")
+    quiet_fallback_notices()
     import torch
     import torch.distributed as dist
 

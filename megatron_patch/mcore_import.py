@@ -41,11 +41,21 @@ def deferred_compile(real: Callable[..., Any]) -> Callable[..., Any]:
     return compile_later
 
 
+# megatron's notices that it falls back to torch: "Transformer Engine and Apex are not installed", "Apex is
+# not installed. Falling back to Torch Norm", ...
+FALLBACK_NOTICE = ".*(Apex|Transformer Engine|TransformerEngine).*"
+
+
+def quiet_fallback_notices() -> None:
+    """Filter megatron's Transformer Engine / Apex fallback notices (why: module docstring), nothing else."""
+    warnings.filterwarnings("ignore", message=FALLBACK_NOTICE, category=UserWarning)
+
+
 def import_megatron() -> None:
     """Import ``megatron.core`` (once per process) with :func:`deferred_compile` as its ``jit_fuser``."""
     if "megatron.core" in sys.modules:
         return
-    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed", category=UserWarning)
+    quiet_fallback_notices()
     import torch
     real = torch.compile
     torch.compile = deferred_compile(real)  # type: ignore[assignment]

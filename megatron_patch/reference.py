@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import warnings
 from collections import OrderedDict
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from megatron_patch.data import Samples, build_samples
 from megatron_patch.init_weights import canonical_init
 from megatron_patch.layout import arch_of, param_layout
 from megatron_patch.local import free_port
+from megatron_patch.mcore_import import quiet_fallback_notices
 from megatron_patch.model import layer_spec, transformer_config
 from megatron_patch.optimizer import adamw, set_lr
 from megatron_patch.options import (
@@ -166,7 +166,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Train the reference and save ``{name: {param, exp_avg, exp_avg_sq}}`` at the requested steps."""
     args = parse_args(argv)
-    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|TransformerEngine).*")
+    quiet_fallback_notices()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:
         os.environ["MASTER_PORT"] = str(free_port())

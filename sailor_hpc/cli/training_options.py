@@ -12,7 +12,7 @@ from typing import Any
 import click
 
 from sailor_hpc.core.errors import SailorError
-from sailor_hpc.core.training import FLAGS, DataBlend, launch_args
+from sailor_hpc.core.training import FLAGS, DataBlend, check_dataset_prefix, launch_args
 from sailor_hpc.jobs.render import check_job_dir
 
 DATA_HELP = ("Dataset prefix (PREFIX.bin/.idx) the ranks train on, or a blend of prefixes with weights as one "
@@ -39,10 +39,7 @@ def absolute_blend(data: str) -> str:
     blend = DataBlend.parse(data)
     prefixes = [str(Path(p).expanduser().absolute()) for p in blend.prefixes]
     for prefix in prefixes:
-        for suffix in (".bin", ".idx"):
-            if not Path(prefix + suffix).is_file():
-                raise SailorError("indexed dataset file not found", file=prefix + suffix, field="--data",
-                                  fix="build one: python -m megatron_patch.data PREFIX [TEXT or .jsonl FILES]")
+        check_dataset_prefix(prefix)
     return blend.with_prefixes(prefixes).text()
 
 

@@ -17,9 +17,11 @@ advances the schedule (Megatron holds it back), so the rate needs no counter bes
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from fractions import Fraction
+from pathlib import Path
 from typing import Any
 
 from sailor_hpc.core.errors import SailorError
@@ -230,6 +232,23 @@ class DataBlend:
     def fractions(self) -> list[Fraction]:
         ws = [Fraction(w) for w in self.weights]
         return [w / sum(ws) for w in ws]
+
+
+def check_dataset_prefix(prefix: str | Path, field: str = "--data") -> None:
+    """``PREFIX.bin`` and ``PREFIX.idx`` both exist: the one check of a dataset path, login side and on every
+    rank (megatron's reader otherwise fails an assert deep inside); a prefix given with its ``.bin``/``.idx``
+    suffix is named with the fix."""
+    text = str(prefix)
+    missing = [p for p in (Path(text + ".bin"), Path(text + ".idx")) if not p.is_file()]
+    if not missing:
+        return
+    stem, suffix = os.path.splitext(text)
+    if suffix in (".bin", ".idx") and Path(stem + ".bin").is_file() and Path(stem + ".idx").is_file():
+        raise SailorError(f"{text!r} is a file of the dataset, not its prefix", file=text, field=field,
+                          fix=f"give the prefix without the suffix: {stem}")
+    raise SailorError(f"no indexed dataset at this prefix ({', '.join(p.name for p in missing)} missing)", file=text,
+                      field=field, fix="build one with `python -m megatron_patch.data PREFIX FILES...`, or check "
+                                       "the path (a blend is '0.7 PREFIX_A 0.3 PREFIX_B')")
 
 
 def _is_weight(text: str) -> bool:
