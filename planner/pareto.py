@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from planner.search import Candidate, SearchResult
 from sailor_hpc.core.atomic import atomic_path
@@ -34,6 +35,13 @@ def plot_pareto(result: SearchResult, path: Path, cost_unit: str) -> None:
     ax.set_xlabel(f"cost per hour ({cost_unit})")
     ax.set_ylabel("throughput (samples/s)")
     ax.set_title(f"{result.request.model}, global batch {result.request.global_batch_size}")
+    save_chart(fig, ax, path)
+
+
+def save_chart(fig: Any, ax: Any, path: Path) -> None:
+    """Grid, legend, and the PNG written atomically (shared by the front charts)."""
+    import matplotlib.pyplot as plt
+
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from planner.time_goal import TimeGoal
 from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.precision import DTYPES
 from simulator.runtimes import RUNTIMES
 
-OBJECTIVES = ("throughput", "cost")
+OBJECTIVES = ("throughput", "cost", "time")
 
 
 @dataclass(frozen=True)
@@ -33,11 +34,15 @@ class PlanRequest:
     top_k: int = 5
     space: str = "full"  # "full", "sailor" (Sailor's plan shape) or "homogeneous" (one partition)
     runtime: str = "megatron_patch"  # who runs the plan: its plans are scored as that runtime runs them
+    time_goal: TimeGoal | None = None  # objective "time": steps to train and the queue (planner.time_goal)
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
             raise SailorError(f"unknown objective {self.objective!r}", field="--objective",
                               fix=f"use one of {', '.join(OBJECTIVES)}")
+        if self.objective == "time" and self.time_goal is None:
+            raise SailorError("objective time needs the run's length and the queue", field="--objective",
+                              fix="pass --steps N or --tokens T with --objective time")
         if self.global_batch_size <= 0:
             raise SailorError("must be positive", field="--gbs")
         if self.dtype not in (*DTYPES, "auto"):

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from planner.balance import Share, balance
 from planner.request import PlanRequest
 from planner.templates import Template, TemplateBuilder, build_templates
+from planner.time_goal import TimeGoal, packed_shape
 from sailor_hpc.core.archive import ProfileArchive
 from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.models import get_model
@@ -44,9 +45,13 @@ class Allocation:
     shares: list[Share]
     gpus: int
     cost_per_hour: float
+    finish_s: float = 0.0  # expected finish under the time objective (planner.time_goal)
+    start_s: float = 0.0  # and expected start
 
     def score(self, objective: str, gbs: int) -> float:
-        """Smaller is better: seconds per sample, or cost per sample."""
+        """Smaller is better: seconds per sample, cost per sample, or seconds to the result."""
+        if objective == "time":
+            return self.finish_s
         per_sample = self.time_s / gbs
         return per_sample if objective == "throughput" else per_sample * self.cost_per_hour
 
@@ -134,6 +139,8 @@ def search(site: Site, archive: ProfileArchive, request: PlanRequest, *, setting
         raise _no_partition(request, site, priced_out)
     allocations, scored = _combine(per_part, request, site, Tails(ev, request, copies=settings.tail_copies),
                                    progress, settings)
+    if request.time_goal is not None:
+        allocations = start_now_first(allocations)
     best, simulated, rejected, fitting = _simulate_best(site, archive, request, allocations, settings)
     if not best:
         raise _infeasible(request, site, rejected, fitting, scored)
@@ -185,7 +192,10 @@ def _search_dtypes(site: Site, archive: ProfileArchive, request: PlanRequest, se
 
 
 def ranking(request: PlanRequest) -> Callable[[Candidate], tuple[float, float]]:
-    """Best first: throughput (then cost per hour), or cost per sample (then throughput)."""
+    """Best first: throughput (then cost per hour), cost per sample (then throughput), or expected finish."""
+    goal = request.time_goal
+    if request.objective == "time" and goal is not None:
+        return lambda x: (goal.plan_outlook(x.plan, x.result.iteration_time_s).finish_s, -x.throughput)
     if request.objective == "throughput":
         return lambda x: (-x.throughput, x.result.cost_per_hour)
     return lambda x: (x.result.cost_per_iteration / request.global_batch_size, -x.throughput)
@@ -388,7 +398,10 @@ def _evaluate(options: tuple[Option, ...], request: PlanRequest, site: Site, tai
     tail = tails(options)
     if math.isinf(tail):
         return None
-    return Allocation(options, flush + tail, shares, gpus, per_hour)
+    alloc = Allocation(options, flush + tail, shares, gpus, per_hour)
+    if request.time_goal is not None:
+        alloc.start_s, alloc.finish_s = allocation_times(request.time_goal, site, options, alloc.time_s)
+    return alloc
 
 
 def _combine(per_part: list[list[Option]], request: PlanRequest, site: Site, tails: Tails,
@@ -478,6 +491,8 @@ def _simulate_best(site: Site, archive: ProfileArchive, request: PlanRequest, al
             reason = "min_throughput"
         elif c.max_cost_per_iteration is not None and res.cost_per_iteration > c.max_cost_per_iteration:
             reason = "max_cost_per_iteration"
+        elif request.time_goal is not None:
+            reason = request.time_goal.violation(request.time_goal.plan_outlook(plan, res.iteration_time_s))
         if reason:
             rejected[reason] = rejected.get(reason, 0) + 1
             continue
@@ -508,9 +523,45 @@ def _infeasible(request: PlanRequest, site: Site, rejected: dict[str, int], fitt
                            f"iteration, above --max-cost-per-iteration {c.max_cost_per_iteration}",
                            field="--max-cost-per-iteration",
                            fix="raise it, or lower the global batch (`--objective cost` finds the cheapest plan)")
+    if fitting and (rejected.get("deadline") or rejected.get("max_gpu_hours")):
+        return time_infeasible(request, fitting)
     if not fitting and set(rejected) == {"placement"}:
         return SailorError(f"no plan of {request.model} packs its TP groups into the nodes a job may take",
                            field="partitions", file=site.source,
                            fix="raise max_nodes_per_job, or make more nodes available")
     return SailorError(f"no plan of {request.model} fits in GPU memory on the available GPUs",
                        field="--available", fix="make GPUs with more memory available, or a smaller model/batch")
+
+
+def allocation_times(goal: TimeGoal, site: Site, options: tuple[Option, ...], iteration_s: float) -> tuple[float, float]:
+    """An allocation's expected start and finish, its GPUs packed into nodes as placement will (the exact
+    shape of the placed plan decides among the simulated plans)."""
+    gpus: dict[str, int] = {}
+    for t, n in options:
+        gpus[t.partition] = gpus.get(t.partition, 0) + t.gpus * n
+    look = goal.outlook(packed_shape(site, gpus), iteration_s, sum(gpus.values()))
+    return look.start.start_s, look.finish_s
+
+
+def start_now_first(allocations: list[Allocation]) -> list[Allocation]:
+    """The time objective's allocations with the best one that starts now moved second: it is always
+    simulated, so that starting now and growing later can be weighed against waiting."""
+    now = next((a for a in allocations if a.start_s == 0), None)
+    if now is None or now is allocations[0]:
+        return allocations
+    return [allocations[0], now, *(a for a in allocations[1:] if a is not now)]
+
+
+def time_infeasible(request: PlanRequest, fitting: list[Candidate]) -> SailorError:
+    """No plan meets --deadline / --max-gpu-hours: say the closest one."""
+    goal = request.time_goal
+    assert goal is not None
+    looks = [goal.plan_outlook(c.plan, c.result.iteration_time_s) for c in fitting]
+    if goal.deadline_s is not None and all(o.finish_s > goal.deadline_s for o in looks):
+        best = min(o.finish_s for o in looks)
+        return SailorError(f"the soonest expected finish is {best / 3600:.2f} h from now, after --deadline "
+                           f"({goal.deadline_s / 3600:.2f} h)", field="--deadline",
+                           fix="move the deadline, train fewer steps, or allow a larger budget")
+    least = min(o.gpu_hours for o in looks)
+    return SailorError(f"the plan using the fewest GPU-hours needs {least:.3g}, above --max-gpu-hours "
+                       f"{goal.max_gpu_hours}", field="--max-gpu-hours", fix="raise it, or train fewer steps")

@@ -9,6 +9,7 @@ from sailor_hpc.cli.app import main
 from sailor_hpc.cli.output import echo_json, json_option, table
 from sailor_hpc.cli.planning import run_planner
 from sailor_hpc.cli.simulate_cmds import runtime_option
+from sailor_hpc.cli.time_planning import pop_time_options, time_options
 from sailor_hpc.cli.training_options import DATA_HELP, pop_training_args, skip_path_check_option, training_options
 from sailor_hpc.core.plan import Plan
 from sailor_hpc.core.plan_io import load_plan
@@ -40,8 +41,9 @@ def describe_plan(plan: Plan) -> str:
 @click.option("--dtype", type=click.Choice(["auto", *DTYPES]), default="auto", show_default=True,
               help="Training precision; auto: the best the GPU types train in (bf16, then fp16, then fp32) among "
                    "those the archive has profiles of.")
-@click.option("--objective", type=click.Choice(["throughput", "cost"]), default="throughput", show_default=True,
-              help="Rank plans by samples per second, or by cost per sample.")
+@click.option("--objective", type=click.Choice(["throughput", "cost", "time"]), default="throughput", show_default=True,
+              help="Rank plans by samples per second, by cost per sample, or by expected finish (queue wait + "
+                   "--steps/--tokens of training + restarts; see docs/time-to-result.md).")
 @click.option("--max-cost-per-hour", type=float, default=None, help="In the site's cost unit.")
 @click.option("--max-cost-per-iteration", type=float, default=None, help="In the site's cost unit.")
 @click.option("--min-throughput", type=float, default=None, help="Samples per second.")
@@ -62,7 +64,9 @@ def describe_plan(plan: Plan) -> str:
                    "default <script>.plan.json next to it).")
 @click.option("--data", default=None, help="For the --sbatch job: " + DATA_HELP)
 @click.option("--save", default=None, help="Checkpoint directory for the --sbatch job.")
-@click.option("--steps", type=int, default=100, show_default=True, help="Training steps of the --sbatch job.")
+@click.option("--steps", type=click.IntRange(min=1), default=None,
+              help="Training steps: of the run (objective time), of the --sbatch job (default 100).")
+@time_options
 @skip_path_check_option("--data and --save")
 @training_options
 @json_option
@@ -78,7 +82,7 @@ def plan_group(ctx: click.Context, site_file: Path | None, model_name: str | Non
         raise click.UsageError("plan needs both --site and --model")
 
     train_args = pop_training_args(opts)  # checked before the search
-    run_planner(site_file, model_name, train_args=train_args, **opts)
+    run_planner(site_file, model_name, train_args=train_args, time_opts=pop_time_options(opts), **opts)
 
 
 @plan_group.command("validate")

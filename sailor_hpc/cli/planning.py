@@ -12,7 +12,9 @@ import click
 from planner import Constraints, PlanRequest, search
 from planner.geo import geo_search, gpus_per_cluster
 from planner.pareto import plot_pareto
+from planner.time_pareto import plot_time_pareto
 from sailor_hpc.cli.output import echo_json, memory_by_gpu_type_cell, table
+from sailor_hpc.cli.time_planning import TimeOptions, echo_time, refine, time_goal, time_json
 from sailor_hpc.cli.training_options import job_paths
 from sailor_hpc.core.archive import open_archive
 from sailor_hpc.core.atomic import removed_on_error
@@ -23,6 +25,7 @@ from sailor_hpc.jobs.render import check_training_args, render_job_script, write
 from sailor_hpc.slurm.discover import live_availability
 
 DEFAULT_GBS = 1024
+DEFAULT_STEPS = 100  # of a --sbatch job
 
 
 def parse_available(spec: str, site: Site) -> dict[str, int]:
@@ -81,20 +84,23 @@ def run_planner(site_file: Path, model_name: str, *, archive_path: Path | None, 
                 seq_len: int | None, dtype: str, objective: str, max_cost_per_hour: float | None,
                 max_cost_per_iteration: float | None, min_throughput: float | None, max_gpus: int | None,
                 available: str, space: str, runtime: str, top_k: int, output: Path | None, pareto: Path | None,
-                sbatch_out: Path | None, data: str | None, save: str | None, steps: int, as_json: bool,
-                train_args: Sequence[str] = (), skip_path_check: bool = False) -> None:
+                sbatch_out: Path | None, data: str | None, save: str | None, steps: int | None, as_json: bool,
+                train_args: Sequence[str] = (), skip_path_check: bool = False,
+                time_opts: TimeOptions | None = None) -> None:
     site = load_site(site_file)
     check_options(model_name, seq_len)
     if sbatch_out is not None:
-        check_training_args(data, save, steps)  # before the search, not after it (plan has no --dry-run)
+        check_training_args(data, save, steps or DEFAULT_STEPS)  # before the search, not after it (plan has no --dry-run)
         data, save, _ = job_paths(data, save, None, skip=skip_path_check)
     with in_plan_terms("--archive", field="--profiles",
                        fix="pass --profiles FILE, set SAILOR_PROFILES, or reinstall to get the embedded default"):
         archive = open_archive(archive_path, site)
+    goal, estimator = (time_goal(site, model_name, DEFAULT_GBS if gbs is None else gbs, seq_len, steps,
+                                 time_opts or TimeOptions()) if objective == "time" else (None, None))
     request = PlanRequest(model=model_name, global_batch_size=DEFAULT_GBS if gbs is None else gbs, objective=objective,
                           constraints=Constraints(max_cost_per_hour, max_cost_per_iteration, min_throughput, max_gpus),
                           available=parse_available(available, site), seq_len=seq_len, dtype=dtype, space=space, runtime=runtime,
-                          top_k=top_k)
+                          top_k=top_k, time_goal=goal)
     bar = _ProgressBar() if not as_json and sys.stderr.isatty() else None
     try:
         # several clusters: also the plans whose pipelines cross them (planner.geo)
@@ -103,6 +109,8 @@ def run_planner(site_file: Path, model_name: str, *, archive_path: Path | None, 
     finally:
         if bar is not None:
             bar.close()
+    if goal is not None:
+        result = refine(site, result, estimator, top_k)  # Slurm's own answers for the plans shown
     best = result.candidates[0]
     if sbatch_out is not None and output is None:
         output = sbatch_out.with_name(f"{sbatch_out.stem}.plan.json")
@@ -110,16 +118,21 @@ def run_planner(site_file: Path, model_name: str, *, archive_path: Path | None, 
         assert output is not None
         with removed_on_error(output):  # the script cannot be rendered: no plan file left behind for it either
             best.plan.save(output)
-            script = render_job_script(best.plan, site, plan_path=output.absolute(), data=data, save=save, steps=steps,
+            script = render_job_script(best.plan, site, plan_path=output.absolute(), data=data, save=save,
+                                       steps=steps or DEFAULT_STEPS,
                                        train_args=train_args)
         write_job_script(sbatch_out, script)
     elif output is not None:
         best.plan.save(output)
     if pareto is not None:
-        plot_pareto(result, pareto, site.cost_unit)
+        if goal is not None:
+            plot_time_pareto(result, pareto)
+        else:
+            plot_pareto(result, pareto, site.cost_unit)
     shown = result.candidates[:top_k]
     if as_json:
-        echo_json({"plans": [_plan_json(c, site) for c in shown], "search_time_s": result.search_time_s,
+        timing = time_json(result, shown) if goal is not None else {}
+        echo_json({**timing, "plans": [_plan_json(c, site) for c in shown], "search_time_s": result.search_time_s,
                    "allocations_scored": result.allocations_scored, "plans_simulated": result.plans_simulated,
                    "output": str(output) if output else None, "sbatch": str(sbatch_out) if sbatch_out else None})
         return
@@ -131,6 +144,8 @@ def run_planner(site_file: Path, model_name: str, *, archive_path: Path | None, 
                      [_plan_row(i, c) for i, c in enumerate(shown)]))
     if site.clusters:
         click.echo(_clusters_table(shown, site))
+    if goal is not None:
+        echo_time(result, shown)
     if output is not None:
         click.echo(f"best plan written to {output}")
     if sbatch_out is not None:

@@ -1,0 +1,222 @@
+"""``sailor-hpc plan --objective time``: the queue read from Slurm, the plans ranked by expected finish.
+
+The search ranks plans on the queue timeline (``squeue``/``scontrol``); then Slurm itself is asked when
+the shown plans' exact requests would start (``sbatch --test-only``, within the same time budget), and
+they are ranked again on those answers. Every start says where it came from.
+"""
+from __future__ import annotations
+
+import math
+import re
+import time
+from dataclasses import asdict, dataclass, replace
+from datetime import datetime
+from typing import Any
+
+import click
+
+from planner.search import Candidate, SearchResult, ranking, time_infeasible
+from planner.time_goal import Outlook, TimeGoal, plan_shape
+from planner.time_strategy import Strategy, choose
+from sailor_hpc.cli.output import table
+from sailor_hpc.core.errors import SailorError
+from sailor_hpc.core.models import get_model
+from sailor_hpc.core.site import Site
+from sailor_hpc.core.start_times import QueueSnapshot, shape_text
+from sailor_hpc.jobs.render import parse_time_limit
+from sailor_hpc.slurm.start_estimate import StartEstimator
+
+
+@dataclass(frozen=True)
+class TimeOptions:
+    """The options of the time objective (besides --steps)."""
+
+    tokens: int | None = None
+    deadline: str | None = None
+    max_gpu_hours: float | None = None
+    time_limit: str | None = None
+    time_min: str | None = None
+    restart_cost: float = 60.0
+    queue: str = "live"
+
+
+_NAMES = ("tokens", "deadline", "max_gpu_hours", "time_limit", "time_min", "restart_cost", "queue")
+
+
+def time_options(f: Any) -> Any:
+    """Add the time objective's options to a command."""
+    opts = [
+        click.option("--tokens", type=click.IntRange(min=1), default=None,
+                     help="Objective time: tokens to train (steps = tokens / (global batch x sequence length))."),
+        click.option("--deadline", default=None,
+                     help="Objective time: finish by then: a Slurm duration from now (D-HH:MM:SS, HH:MM:SS, "
+                          "minutes) or a local date and time (2026-12-01T08:00)."),
+        click.option("--max-gpu-hours", type=float, default=None, help="Objective time: GPU-hours the run may use."),
+        click.option("--time", "time_limit", default=None,
+                     help="Objective time: each job's time limit (default: the partitions' max_walltime); a longer "
+                          "run is cut into jobs, each restart paying --restart-cost and a new wait."),
+        click.option("--time-min", default=None,
+                     help="Objective time: backfill may start the first job in a window this short (sbatch --time-min)."),
+        click.option("--restart-cost", type=float, default=60.0, show_default=True,
+                     help="Objective time: seconds a checkpoint-and-restart costs."),
+        click.option("--queue", type=click.Choice(["live", "idle"]), default="live", show_default=True,
+                     help="Objective time: read the queue from Slurm, or plan as if every GPU were idle now."),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def pop_time_options(kw: dict[str, Any]) -> TimeOptions:
+    return TimeOptions(**{n: kw.pop(n) for n in _NAMES if n in kw})
+
+
+def parse_deadline(text: str, now: float) -> float:
+    """Seconds from ``now`` to the deadline (a duration, or a date and time)."""
+    if re.match(r"^\d{4}-\d\d-\d\d", text.strip()):
+        try:
+            return datetime.fromisoformat(text.strip()).timestamp() - now
+        except ValueError:
+            raise SailorError(f"{text!r} is not a date and time", field="--deadline",
+                              fix="e.g. 2026-12-01T08:00, or a duration such as 12:00:00") from None
+    try:
+        return float(parse_time_limit(text)[1])
+    except SailorError:
+        raise SailorError(f"{text!r} is neither a duration nor a date and time", field="--deadline",
+                          fix="e.g. 12:00:00 (12 h from now), 1-00:00:00, or 2026-12-01T08:00") from None
+
+
+def run_steps(steps: int | None, opts: TimeOptions, model: str, gbs: int, seq_len: int | None) -> int:
+    """Steps to train, from --steps or --tokens (exactly one)."""
+    if (steps is None) == (opts.tokens is None):
+        raise SailorError("objective time needs how long to train: exactly one of --steps and --tokens",
+                          field="--steps/--tokens", fix="e.g. --steps 5000 or --tokens 2e9")
+    if steps is not None:
+        return steps
+    assert opts.tokens is not None
+    per_step = gbs * (seq_len or get_model(model).seq_len)
+    return max(1, math.ceil(opts.tokens / per_step))
+
+
+def build_goal(site: Site, steps: int, opts: TimeOptions, partitions: list[str],
+               estimator: StartEstimator | None) -> TimeGoal:
+    """The goal on the queue now (``estimator``: Slurm; None: as if every GPU were idle)."""
+    if estimator is None:
+        snapshot = QueueSnapshot.all_idle({p.name: {f"{p.name}-{i}": p.gpus_per_node for i in range(p.nodes)}
+                                           for p in site.partitions}, time.time())
+    else:
+        snapshot = estimator.snapshot(partitions)
+    limit = float(parse_time_limit(opts.time_limit)[1]) if opts.time_limit else None
+    tmin = float(parse_time_limit(opts.time_min)[1]) if opts.time_min else None
+    if tmin is not None and limit is not None and tmin > limit:
+        raise SailorError(f"--time-min {opts.time_min} is longer than --time {opts.time_limit}", field="--time-min",
+                          fix="give a minimum below --time")
+    deadline = parse_deadline(opts.deadline, snapshot.taken_at) if opts.deadline else None
+    if deadline is not None and deadline <= 0:
+        raise SailorError(f"--deadline {opts.deadline} has passed", field="--deadline", fix="give a later one")
+    return TimeGoal.for_site(site, steps, snapshot, time_limit_s=limit, time_min_s=tmin,
+                             restart_cost_s=opts.restart_cost, deadline_s=deadline, max_gpu_hours=opts.max_gpu_hours)
+
+
+def refine(site: Site, result: SearchResult, estimator: StartEstimator | None, top_k: int) -> SearchResult:
+    """Ask Slurm (``sbatch --test-only``) when the first ``top_k`` plans and the grow strategy's plans would
+    start, and rank the plans again on those answers (with --time-min, the timeline's estimate stays)."""
+    goal = result.request.time_goal
+    assert goal is not None
+    if estimator is None or goal.time_min_s is not None:
+        return result
+    strategy = choose(result, goal)
+    plans = [*result.candidates[:top_k], *(c for c in (strategy.grow_from, strategy.grow_to) if c is not None)]
+    keys = []
+    for c in plans:
+        shape = plan_shape(c.plan)
+        keys.append((shape, round(goal.job_time_s(shape, goal.steps * c.result.iteration_time_s))))
+    refined = replace(goal, snapshot=estimator.test_only(site, goal.snapshot, keys))
+    request = replace(result.request, time_goal=refined)
+    kept = [c for c in result.candidates
+            if refined.violation(refined.plan_outlook(c.plan, c.result.iteration_time_s)) is None]
+    if not kept:
+        raise time_infeasible(request, result.candidates)
+    return replace(result, request=request, candidates=sorted(kept, key=ranking(request)))
+
+
+def _hms(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "never"
+    s = int(round(seconds))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+def _timeline(goal: TimeGoal, c: Candidate) -> Outlook:
+    """The outlook from the queue timeline alone (without Slurm's --test-only answers)."""
+    return replace(goal, snapshot=replace(goal.snapshot, tested={})).plan_outlook(c.plan, c.result.iteration_time_s)
+
+
+def _history(goal: TimeGoal, c: Candidate) -> float | None:
+    waits = [goal.snapshot.history_wait(p, len(g)) for p, g in plan_shape(c.plan)]
+    return None if any(w is None for w in waits) else max(w.median_wait_s for w in waits if w is not None)
+
+
+def plan_time_json(goal: TimeGoal, c: Candidate) -> dict[str, Any]:
+    o = goal.plan_outlook(c.plan, c.result.iteration_time_s)
+    return {"request": shape_text(plan_shape(c.plan)), "shape": [[p, list(g)] for p, g in plan_shape(c.plan)],
+            "expected_start_s": o.start.start_s,
+            "start_source": o.start.source, "timeline_start_s": _timeline(goal, c).start.start_s,
+            "history_wait_s": _history(goal, c), "run_s": o.run_s, "restarts": o.restarts,
+            "restart_s": o.restart_s, "job_time_s": o.job_time_s, "expected_finish_s": o.finish_s,
+            "gpu_hours": o.gpu_hours}
+
+
+def strategy_json(s: Strategy) -> dict[str, Any]:
+    return {"chosen": s.chosen, "why": s.why, "wait_finish_s": s.wait.finish_s,
+            "grow_finish_s": s.grow_finish_s if math.isfinite(s.grow_finish_s) else None,
+            "grow_at_s": s.grow_at_s,
+            "grow_from": s.grow_from.plan.gpus_by_type() if s.grow_from else None,
+            "grow_to": s.grow_to.plan.gpus_by_type() if s.grow_to else None}
+
+
+def queue_json(snapshot: QueueSnapshot) -> dict[str, Any]:
+    return {"taken_at": snapshot.taken_at, "slurm_seconds": snapshot.slurm_seconds, "notes": list(snapshot.notes),
+            "history": [asdict(h) for h in snapshot.history],
+            "history_error": asdict(snapshot.history_error) if snapshot.history_error else None}
+
+
+def echo_time(result: SearchResult, shown: list[Candidate]) -> None:
+    """The plans' expected start (and its source), run time, restarts and finish; the strategy; the sources."""
+    goal = result.request.time_goal
+    assert goal is not None
+    rows = []
+    for i, c in enumerate(shown):
+        o = goal.plan_outlook(c.plan, c.result.iteration_time_s)
+        hist = _history(goal, c)
+        rows.append((i + 1, shape_text(plan_shape(c.plan)), f"{c.result.iteration_time_s:.3f}", _hms(o.start.start_s),
+                     o.start.source, _hms(_timeline(goal, c).start.start_s), "-" if hist is None else _hms(hist),
+                     _hms(o.run_s), o.restarts, _hms(o.finish_s), f"{o.gpu_hours:.3g}"))
+    click.echo(f"\ntime to result of {goal.steps} steps (h:mm:ss from now):")
+    click.echo(table(("#", "request", "iteration s", "start", "start source", "timeline start", "history wait",
+                      "run", "restarts", "finish", "GPU-hours"), rows))
+    strategy = choose(result, goal)
+    click.echo(f"strategy: {strategy.chosen}: {strategy.why}")
+    snap = goal.snapshot
+    err = snap.history_error
+    note = (f"sacct history of {sum(h.jobs for h in snap.history)} jobs; its error on them (each predicted from "
+            f"the others): mean {err.mean_abs_error_s:.0f} s, {100 * err.within_60s:.0f} % within a minute"
+            if err else "no measured history error (no sacct history, or too few jobs)")
+    click.echo(f"start estimates: {snap.slurm_seconds:.2f} s of Slurm calls; {note}"
+               + "".join(f"; {n}" for n in snap.notes))
+
+
+def time_goal(site: Site, model: str, gbs: int, seq_len: int | None, steps: int | None,
+              opts: TimeOptions) -> tuple[TimeGoal, StartEstimator | None]:
+    """The goal of ``plan --objective time`` and the estimator that read the queue (None: --queue idle)."""
+    n = run_steps(steps, opts, model, gbs, seq_len)
+    estimator = StartEstimator() if opts.queue == "live" else None
+    return build_goal(site, n, opts, [p.name for p in site.partitions], estimator), estimator
+
+
+def time_json(result: SearchResult, shown: list[Candidate]) -> dict[str, Any]:
+    """The time objective's part of ``plan --json``: per plan, the strategy, the queue's sources."""
+    goal = result.request.time_goal
+    assert goal is not None
+    return {"steps": goal.steps, "time": [plan_time_json(goal, c) for c in shown],
+            "strategy": strategy_json(choose(result, goal)), "queue": queue_json(goal.snapshot)}

@@ -1,0 +1,264 @@
+"""Read what start-time estimates need from Slurm, within a time bound: the queue, Slurm's own answers, history.
+
+* the queue (:func:`StartEstimator.snapshot`): every usable node's GPUs (``sinfo``), what running jobs
+  hold on each node until their end time, and what pending jobs Slurm has planned hold from their
+  expected start (``scontrol -d show job``: the per-node GRES, ``SchedNodeList``, ``StartTime``/``EndTime``);
+* Slurm's answer for an exact (het) request (:func:`StartEstimator.test_only`): ``sbatch --test-only``,
+  once per distinct request and time limit, cached;
+* the site's history (:func:`wait_history`): ``sacct`` start - submit of past jobs per partition and
+  size, with the estimator's own error on those jobs (each predicted from the others).
+
+Every call shares one budget (default 5 s per plan): what is left out once it is spent is said in the
+snapshot's ``notes``, never guessed. The result is plain data (:class:`QueueSnapshot`) for the planner.
+"""
+from __future__ import annotations
+
+import math
+import re
+import shutil
+import statistics
+import subprocess
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
+from datetime import datetime, timedelta
+
+from sailor_hpc.core.errors import SailorError
+from sailor_hpc.core.site import Site
+from sailor_hpc.core.start_times import (
+    TEST_ONLY,
+    HistoryError,
+    Hold,
+    QueueSnapshot,
+    RequestShape,
+    StartEstimate,
+    WaitHistory,
+    shape_text,
+)
+from sailor_hpc.slurm.commands import parse_gres, parse_kv_line, sinfo_nodes, slurm_env
+from sailor_hpc.slurm.safety import site_sbatch_options
+
+DEFAULT_BUDGET_S = 5.0
+HISTORY_DAYS = 30
+_NODE_GRES = re.compile(r"Nodes=(\S+) CPU_IDs=\S+ Mem=\S+ GRES=(\S*)")
+_TEST_ONLY = re.compile(r"to start at (\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)")
+
+
+def slurm_time(text: str | None) -> float | None:
+    """Epoch seconds of a Slurm timestamp (local time, as Slurm prints it); None for Unknown/None/N/A."""
+    if not text or not re.match(r"\d{4}-\d\d-\d\dT", text):
+        return None
+    return datetime.fromisoformat(text).timestamp()
+
+
+class Budget:
+    """Seconds of Slurm calls left; each call's timeout is what remains."""
+
+    def __init__(self, seconds: float):
+        self.total = seconds
+        self.used = 0.0
+
+    @property
+    def left(self) -> float:
+        return self.total - self.used
+
+    def run(self, args: Sequence[str], env: Mapping[str, str] | None, *, stdin: str | None = None,
+            check: bool = True) -> subprocess.CompletedProcess[str]:
+        if self.left <= 0.05:
+            raise TimeoutError(f"the {self.total:g} s budget of Slurm calls is spent")
+        full = slurm_env(env)
+        exe = shutil.which(args[0], path=full.get("PATH"))
+        if exe is None:
+            raise SailorError(f"Slurm command {args[0]!r} not found in PATH", field=" ".join(args),
+                              fix="run on a machine with the Slurm client tools and SLURM_CONF set")
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run([exe, *args[1:]], input=stdin, env=full, capture_output=True, text=True,
+                                  timeout=self.left)
+        except subprocess.TimeoutExpired:
+            raise TimeoutError(f"{args[0]} did not answer within the {self.total:g} s budget") from None
+        finally:
+            self.used += time.perf_counter() - t0
+        if check and proc.returncode != 0:
+            msg = (proc.stderr.strip() or proc.stdout.strip() or "(no output)").splitlines()[-1]
+            raise SailorError(f"{' '.join(args)!r} failed (exit {proc.returncode}): {msg}", field=" ".join(args),
+                              fix="check that the cluster is up (scontrol ping) and SLURM_CONF points at it")
+        return proc
+
+
+def expand_nodes(lists: Iterable[str], env: Mapping[str, str] | None, budget: Budget) -> dict[str, list[str]]:
+    """Host names of each Slurm node list (one ``scontrol show hostnames`` call per list with brackets)."""
+    out: dict[str, list[str]] = {}
+    for text in set(lists):
+        if not text or text == "(null)":
+            out[text] = []
+        elif "[" not in text:
+            out[text] = text.split(",")
+        else:
+            out[text] = budget.run(["scontrol", "show", "hostnames", text], env).stdout.split()
+    return out
+
+
+def _gpus(gres: str) -> int:
+    return sum(g.count for g in parse_gres(gres) if g.name == "gpu")
+
+
+def queue_holds(env: Mapping[str, str] | None, budget: Budget, now: float) -> list[Hold]:
+    """What running and planned pending jobs hold, per node, from ``scontrol -d -o show job``."""
+    out = budget.run(["scontrol", "-d", "-o", "show", "job"], env)
+    records = [(line, parse_kv_line(line)) for line in out.stdout.splitlines() if line.startswith("JobId=")]
+    lists = [m.group(1) for line, _ in records for m in _NODE_GRES.finditer(line)]
+    lists += [kv.get("SchedNodeList", "") for _, kv in records if kv.get("JobState") == "PENDING"]
+    hosts = expand_nodes(lists, env, budget)
+    holds: list[Hold] = []
+    for line, kv in records:
+        state, job, part = kv.get("JobState", ""), kv.get("JobId", ""), kv.get("Partition", "")
+        end = slurm_time(kv.get("EndTime"))
+        end_s = math.inf if end is None else max(0.0, end - now)
+        if state in ("RUNNING", "SUSPENDED", "COMPLETING"):
+            for m in _NODE_GRES.finditer(line):
+                holds += [Hold(part, node, _gpus(m.group(2)), 0.0, end_s, job) for node in hosts[m.group(1)]]
+        elif state == "PENDING" and kv.get("SchedNodeList"):
+            start = slurm_time(kv.get("StartTime"))
+            nodes = hosts[kv["SchedNodeList"]]
+            if start is None or not nodes:
+                continue
+            per_node = _gpus(kv.get("TresPerNode", "")) or _tres_gpus(kv.get("TRES", "")) // len(nodes)
+            holds += [Hold(part, node, per_node, max(0.0, start - now), end_s, job) for node in nodes]
+    return holds
+
+
+def _tres_gpus(tres: str) -> int:
+    m = re.search(r"gres/gpu=(\d+)", tres)
+    return int(m.group(1)) if m else 0
+
+
+def node_gpus(partitions: Sequence[str], env: Mapping[str, str] | None, budget: Budget) -> dict[str, dict[str, int]]:
+    """GPUs of every usable node of ``partitions`` (``sinfo -N``; down or drained nodes left out)."""
+    t0 = time.perf_counter()
+    try:
+        nodes = sinfo_nodes(env, partitions)  # the project's parser of sinfo -N (its own timeout)
+    finally:
+        budget.used += time.perf_counter() - t0
+    out: dict[str, dict[str, int]] = {p: {} for p in partitions}
+    for n in nodes:
+        if n.usable and n.partition in out:
+            out[n.partition][n.name] = n.gpus
+    return out
+
+
+def wait_history(env: Mapping[str, str] | None, budget: Budget, *, now: float | None = None,
+                 days: int = HISTORY_DAYS) -> tuple[list[WaitHistory], HistoryError | None]:
+    """Median wait per partition and size (nodes, to a power of two) over the past ``days`` of ``sacct``,
+    and that estimator's error on those jobs, each predicted by the median of the others of its group."""
+    end = datetime.fromtimestamp(now if now is not None else time.time())
+    start = end - timedelta(days=days)
+    fmt = "%Y-%m-%dT%H:%M:%S"
+    proc = budget.run(["sacct", "-X", "-a", "-n", "-P", "-S", start.strftime(fmt), "-E", end.strftime(fmt),
+                       "-o", "JobID,Partition,Submit,Start,NNodes"], env, check=False)
+    if proc.returncode != 0:
+        raise SailorError(f"sacct failed: {(proc.stderr or proc.stdout).strip()[:200]}", field="sacct",
+                          fix="the site has no accounting database: only Slurm's own estimates are used")
+    groups: dict[tuple[str, int], list[float]] = {}
+    for line in proc.stdout.splitlines():
+        f = line.split("|")
+        if len(f) < 5:
+            continue
+        submit, begin = slurm_time(f[2]), slurm_time(f[3])
+        if submit is None or begin is None or not f[4].isdigit():
+            continue
+        bucket = 1 << max(0, int(f[4]) - 1).bit_length()
+        for part in f[1].split(","):
+            groups.setdefault((part, bucket), []).append(max(0.0, begin - submit))
+    history = [WaitHistory(p, n, statistics.median(w), len(w)) for (p, n), w in sorted(groups.items())]
+    errors = [abs(w[i] - statistics.median(w[:i] + w[i + 1:])) for w in groups.values() if len(w) > 1
+              for i in range(len(w))]
+    if not errors:
+        return history, None
+    return history, HistoryError(len(errors), statistics.fmean(errors), sum(e <= 60 for e in errors) / len(errors))
+
+
+class StartEstimator:
+    """Gathers a :class:`QueueSnapshot` and Slurm's answers for exact requests, within one time budget;
+    ``sbatch --test-only`` answers are cached per (request, time limit) for ``ttl_s``."""
+
+    def __init__(self, env: Mapping[str, str] | None = None, *, budget_s: float = DEFAULT_BUDGET_S,
+                 ttl_s: float = 30.0, history: bool = True):
+        self.env = env
+        self.budget = Budget(budget_s)
+        self.ttl_s = ttl_s
+        self.history = history
+        self._tested: dict[tuple[RequestShape, int], tuple[float, float]] = {}  # key -> (asked at, start at)
+
+    def new_plan(self) -> None:
+        """A new plan's calls: the budget starts again (cached answers stay while fresh)."""
+        self.budget = Budget(self.budget.total)
+
+    def snapshot(self, partitions: Sequence[str]) -> QueueSnapshot:
+        now = time.time()
+        notes: list[str] = []
+        nodes = node_gpus(partitions, self.env, self.budget)
+        holds: list[Hold] = []
+        try:
+            holds = queue_holds(self.env, self.budget, now)
+        except TimeoutError as exc:
+            notes.append(f"queue not read: {exc}")
+        history: list[WaitHistory] = []
+        error = None
+        if self.history:
+            try:
+                history, error = wait_history(self.env, self.budget, now=now)
+            except (TimeoutError, SailorError) as exc:
+                notes.append(f"no wait history: {exc}")
+        return QueueSnapshot(now, nodes, tuple(holds), {}, tuple(history), error, self.budget.used, tuple(notes))
+
+    def test_only(self, site: Site, snapshot: QueueSnapshot,
+                  requests: Iterable[tuple[RequestShape, int]]) -> QueueSnapshot:
+        """``snapshot`` with Slurm's ``sbatch --test-only`` start for each distinct (shape, time limit s),
+        as far as the budget goes (the rest keep the timeline's estimate; a note says how many)."""
+        tested = dict(snapshot.tested)
+        skipped = 0
+        for key in dict.fromkeys(requests):
+            hit = self._tested.get(key)
+            if hit is None or time.time() - hit[0] >= self.ttl_s:
+                try:
+                    asked = time.time()
+                    when = self._ask(site, *key)
+                except TimeoutError:
+                    skipped += 1
+                    continue
+                if when is None:  # a request Slurm refuses (a partition limit): the timeline's estimate stays
+                    continue
+                hit = self._tested[key] = (asked, when)
+            # a wait from now: the search's own seconds since the snapshot are no queue wait
+            tested[key] = StartEstimate(max(0.0, hit[1] - time.time()), TEST_ONLY, shape_text(key[0]))
+        notes = snapshot.notes + ((f"{skipped} request(s) not tested: Slurm-call budget spent",) if skipped else ())
+        return replace(snapshot, tested=tested, notes=notes, slurm_seconds=self.budget.used)
+
+    def _ask(self, site: Site, shape: RequestShape, limit_s: int) -> float | None:
+        """Slurm's expected start (epoch seconds) of the request, None where it refuses it."""
+        proc = self.budget.run(["sbatch", "--test-only"], self.env, stdin=request_script(site, shape, limit_s),
+                               check=False)
+        m = _TEST_ONLY.search(proc.stderr + proc.stdout)
+        return slurm_time(m.group(1)) if m else None
+
+
+def request_script(site: Site, shape: RequestShape, limit_s: int, body: str = "true", name: str | None = None) -> str:
+    """The batch script of a request: one het component per (partition, GPUs per node), one task per GPU,
+    the site's account/QoS/constraint, ``limit_s`` rounded up to minutes; ``body`` is what it runs."""
+    minutes = max(1, math.ceil(limit_s / 60))
+    common = [o.text for o in site_sbatch_options(site)]
+    lines = ["#!/bin/bash"]
+    first = True
+    for part, gpus in shape:
+        gres = site.partition(part).gres
+        for per_node in sorted(set(gpus), reverse=True):
+            if not first:
+                lines.append("#SBATCH hetjob")
+            first = False
+            opts = [f"--partition={part}", f"--nodes={gpus.count(per_node)}", f"--ntasks-per-node={per_node}",
+                    f"--gres={gres}:{per_node}", f"--time={minutes}", *common]
+            lines += [f"#SBATCH {o}" for o in opts]
+    if name is not None:
+        lines.insert(1, f"#SBATCH --job-name={name}")
+    return "\n".join(lines + [body, ""])
