@@ -1,6 +1,6 @@
 """``sailor-hpc run``: train under a controller that re-plans and resumes when the allocation changes.
 
-    sailor-hpc run --site SITE --model M --objective throughput|cost [constraints] --data PATH --save DIR [--steps N]
+    sailor-hpc run --site SITE --model M --objective throughput|cost|time [constraints] --data PATH --save DIR [--steps N]
     sailor-hpc run --resume RUN_DIR          (after the controller itself stopped or was killed)
     sailor-hpc run status RUN_DIR            (the run's history: jobs, events, decisions)
 
@@ -21,7 +21,7 @@ import click
 from sailor_hpc.cli.app import main
 from sailor_hpc.cli.output import echo_json, json_option, table
 from sailor_hpc.cli.training_options import DATA_HELP, absolute_blend, pop_training_args, training_options
-from sailor_hpc.controller import Controller, RunDir, RunSpec, fold, new_run_id
+from sailor_hpc.controller import Controller, RunDir, RunSpec, new_run_id
 from sailor_hpc.controller.geo_run import GeoRun, across_clusters
 from sailor_hpc.controller.planning import partitions_for_time
 from sailor_hpc.controller.story import (
@@ -116,7 +116,9 @@ def drive(run_dir: Path) -> int:
 @main.group(name="run", invoke_without_command=True)
 @click.option("--site", "site_file", type=_FILE, help="Site config TOML.")
 @click.option("--model", help="Model (catalog name or Sailor alias).")
-@click.option("--objective", type=click.Choice(["throughput", "cost"]), default="throughput", show_default=True)
+@click.option("--objective", type=click.Choice(["throughput", "cost", "time"]), default="throughput", show_default=True,
+              help="time: each plan on the free GPUs ranked by expected finish of --steps (restarts at --time "
+                   "included); the run starts now and grows as GPUs free (docs/time-to-result.md).")
 @click.option("--data", help=DATA_HELP)
 @click.option("--save", help="Checkpoint directory of the run (every job resumes from its newest complete one).")
 @click.option("--steps", type=click.IntRange(min=1), default=1000, show_default=True, help="Optimizer step to reach.")
@@ -190,7 +192,7 @@ def status_cmd(run_dir: Path, events: bool, as_json: bool) -> None:
     rd = RunDir.existing(run_dir)
     spec = rd.spec()
     records = rd.records()
-    state = fold(records)
+    state = rd.state()  # an inconsistent journal is refused naming its line (exit 2)
     alive = rd.controller_alive()
     phase = ("finished" if state.finished else f"gave up: {state.gave_up}" if state.gave_up
              else "running" if alive else "stopped (resume with --resume)")

@@ -16,6 +16,7 @@ from typing import Any
 
 from planner import search
 from planner.geo import geo_search
+from planner.time_goal import free_now_goal
 from sailor_hpc.controller.policy import Score
 from sailor_hpc.controller.spec import RunSpec
 from sailor_hpc.core.archive import ProfileArchive
@@ -97,7 +98,9 @@ def plan_on(spec: RunSpec, site: Site, archive: ProfileArchive, free: FreeByNode
         if sum(available.values()) <= 0:
             break
         # several clusters: also the plans whose pipelines cross them (as `sailor-hpc plan` does)
-        best = (geo_search if len(site.clusters) > 1 else search)(site, archive, spec.plan_request(available)).candidates[0]
+        goal = (free_now_goal(site, spec.steps, free, time_limit=spec.time_limit, time_min=spec.time_min,
+                              restart_cost_s=spec.restart_cost_s) if spec.objective == "time" else None)
+        best = (geo_search if len(site.clusters) > 1 else search)(site, archive, spec.plan_request(available, goal)).candidates[0]
         bad = misfit(best.plan, free)
         if bad is None:
             r = best.result

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
 
 from planner import Constraints, PlanRequest
+from planner.time_goal import TimeGoal
 from sailor_hpc.core.atomic import atomic_write_text
 from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.precision import DTYPES
@@ -39,7 +40,7 @@ class RunSpec:
     run_id: str
     site: str  # absolute path of the site TOML
     model: str
-    objective: str  # "throughput" or "cost"
+    objective: str  # "throughput", "cost" or "time" (expected finish on the GPUs free now)
     data: str  # dataset prefix (absolute)
     save: str  # checkpoint root (absolute), shared by every job of the run
     steps: int  # optimizer step to reach
@@ -77,8 +78,8 @@ class RunSpec:
 
         if self.dtype not in ("auto", *DTYPES):
             raise bad("--dtype", f"unknown dtype {self.dtype!r}", f"use auto or one of {', '.join(DTYPES)}")
-        if self.objective not in ("throughput", "cost"):
-            raise bad("--objective", f"unknown objective {self.objective!r}", "use throughput or cost")
+        if self.objective not in ("throughput", "cost", "time"):
+            raise bad("--objective", f"unknown objective {self.objective!r}", "use throughput, cost or time")
         for name in ("steps", "gbs", "max_restarts", "save_interval"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name == "max_restarts" else 1):
@@ -149,9 +150,9 @@ class RunSpec:
             raise SailorError(f"not valid JSON: {exc}", file=path) from None
         return cls.from_dict(data, source=str(path))
 
-    def plan_request(self, available: dict[str, int]) -> PlanRequest:
-        """The planner's request for this run on ``available`` GPUs per partition."""
-        return PlanRequest(model=self.model, global_batch_size=self.gbs, objective=self.objective,
+    def plan_request(self, available: dict[str, int], time_goal: TimeGoal | None = None) -> PlanRequest:
+        """The planner's request for this run on ``available`` GPUs per partition (objective time: ``time_goal``)."""
+        return PlanRequest(model=self.model, global_batch_size=self.gbs, objective=self.objective, time_goal=time_goal,
                            constraints=Constraints(self.max_cost_per_hour, self.max_cost_per_iteration,
                                                    self.min_throughput, self.max_gpus),
                            available=dict(available), seq_len=self.seq_len, dtype=self.dtype, max_stages=self.max_stages, top_k=1)

@@ -1,0 +1,31 @@
+"""``run --objective time``: the controller's re-plan on the free GPUs ranks plans by expected finish,
+restarts at the run's time limit included, against a brute force over the throughput search's plans."""
+from __future__ import annotations
+
+import pytest
+
+from planner import PlanRequest, search
+from planner.time_goal import free_now_goal
+from sailor_hpc.controller.planning import plan_on
+from sailor_hpc.controller.spec import RunSpec
+from tests.planner.conftest import small_site
+
+
+def spec(objective: str, steps: int, time_limit: str | None) -> RunSpec:
+    return RunSpec(run_id="t", site="small.toml", model="tiny-gpt", objective=objective, data="/d", save="/s",
+                   steps=steps, gbs=64, dtype="fp32", time_limit=time_limit, restart_cost_s=60.0)
+
+
+@pytest.mark.parametrize("steps, limit", [(200, None), (20000, "00:10:00")])
+def test_controller_plans_the_soonest_finish_on_free_gpus(tiny_archive, steps, limit) -> None:
+    site = small_site(2, 2, 2)
+    free = {"a100": {"a100-0": 2, "a100-1": 2}, "v100": {"v100-0": 2}}  # one V100 node is busy
+    planned = plan_on(spec("time", steps, limit), site, tiny_archive, free)
+    goal = free_now_goal(site, steps, free, time_limit=limit, restart_cost_s=60.0)
+    got = goal.plan_outlook(planned.plan, planned.iteration_s)
+    assert got.start.start_s == 0  # the controller plans on what is free now
+    pool = search(site, tiny_archive, PlanRequest("tiny-gpt", 64, dtype="fp32", available={"a100": 4, "v100": 2})).simulated
+    best = min(goal.plan_outlook(c.plan, c.result.iteration_time_s).finish_s for c in pool)
+    assert got.finish_s <= best * (1 + 1e-9)
+    if limit is not None:  # 20000 steps outlast a 10-minute limit: the finish counts each restart
+        assert got.restarts > 0 and got.finish_s == pytest.approx(got.run_s + got.restarts * 60.0)
