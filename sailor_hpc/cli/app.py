@@ -1,7 +1,8 @@
 """The root ``sailor-hpc`` command group; every command module registers itself on :data:`main`.
 
-Every :class:`~sailor_hpc.core.errors.SailorError` (and an ``OSError`` on a path the user gave) becomes
-one message naming file, field and fix, and exit code 2.
+Every :class:`~sailor_hpc.core.errors.Problem` (and an ``OSError`` on a path the user gave) becomes
+one message naming file, field and fix, and the exit code its type carries: 2 bad input
+(:class:`~sailor_hpc.core.errors.SailorError`), 3 Slurm unavailable or timed out (try again later).
 """
 from __future__ import annotations
 
@@ -11,26 +12,29 @@ from typing import Any
 
 import click
 
-from sailor_hpc.core.errors import EXIT_BAD_INPUT, SailorError
+from sailor_hpc.core.errors import EXIT_SLURM_UNAVAILABLE, Problem, SailorError
 
 
 class _Group(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
-        except SailorError as exc:
+        except Problem as exc:  # each error type carries its exit code (2 bad input, 3 Slurm unavailable, ...)
             _refuse(ctx, exc)
         except OSError as exc:  # a path given on the command line cannot be read or written
             _refuse(ctx, SailorError(exc.strerror or str(exc), file=exc.filename,
                                      fix="check the path (a folder where a file is expected?) and its permissions"))
 
 
-def _refuse(ctx: click.Context, exc: SailorError) -> None:
+def _refuse(ctx: click.Context, exc: Problem) -> None:
     if "--json" in sys.argv:
-        click.echo(json.dumps(exc.to_dict()), err=True)
+        click.echo(json.dumps({**exc.to_dict(), "exit_code": exc.exit_code}), err=True)
+    elif exc.exit_code == EXIT_SLURM_UNAVAILABLE:
+        click.echo(f"error: Slurm is unavailable (exit {EXIT_SLURM_UNAVAILABLE}; nothing is wrong with the input, "
+                   f"try again later): {exc}", err=True)
     else:
         click.echo(f"error: {exc}", err=True)
-    ctx.exit(EXIT_BAD_INPUT)
+    ctx.exit(exc.exit_code)
 
 
 @click.group(cls=_Group)

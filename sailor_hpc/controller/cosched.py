@@ -36,7 +36,7 @@ from sailor_hpc.controller.slurm_ops import cancel_and_wait, request_checkpoint
 from sailor_hpc.controller.spec import RunSpec
 from sailor_hpc.core.archive import ProfileArchive
 from sailor_hpc.core.checkpoint import latest_complete, read_manifest
-from sailor_hpc.core.errors import SailorError
+from sailor_hpc.core.errors import JobFailed, SailorError, SlurmUnavailable
 from sailor_hpc.core.plan import Plan
 from sailor_hpc.core.site import Site
 from sailor_hpc.jobs.render import cluster_submit_env, plan_clusters, render_job_script, write_job_script
@@ -44,6 +44,7 @@ from sailor_hpc.slurm.commands import sinfo_nodes
 from sailor_hpc.slurm.status import JobStatus, poll_jobs
 from sailor_hpc.slurm.submit import submit_script
 
+SLURM_BACKOFF_MAX_S = 30.0  # the longest wait between polls while Slurm does not answer
 PlanFor = Callable[[tuple[str, ...]], Plan]
 #: a job that ends in one of these lost its cluster (Slurm ended it: cancelled, node failure, preemption, ...);
 #: a FAILED job is the training's own failure, or the echo of a peer cluster's loss: retried, not dropped
@@ -127,7 +128,7 @@ class CoScheduler:
     def _has_idle_gpus(self, cluster: str) -> bool:
         try:
             idle = idle_by_node(self.site, [cluster], self.env)
-        except SailorError:
+        except SlurmUnavailable:
             return False  # its controller does not answer: not back yet
         return any(g > 0 for nodes in idle.values() for g in nodes.values())
 
@@ -174,7 +175,7 @@ class CoScheduler:
 
     def run(self, clusters: Sequence[str] | None = None, max_attempts: int = 20, *, first_attempt: int = 1,
             adopt: Group | None = None, left: Mapping[str, float] | None = None) -> int:
-        """Train to ``steps``; returns the number of the last group. Raises SailorError on giving up.
+        """Train to ``steps``; returns the number of the last group. Raises JobFailed on giving up.
 
         A resumed co-scheduler passes the group it found still running (``adopt``: watched, not submitted),
         the next group's number (``first_attempt``) and the clusters that had left (cluster -> monotonic time)."""
@@ -187,7 +188,7 @@ class CoScheduler:
                 self._event("finished", attempt=attempt, step=self._newest_step())
                 return attempt
             current = outcome
-        raise SailorError(f"no finished run after {max_attempts} groups", field="max_attempts",
+        raise JobFailed(f"no finished run after {max_attempts} groups", field="max_attempts",
                           fix="see the events: a cluster keeps failing or pending")
 
     def _watch(self, group: Group) -> tuple[str, ...] | None:
@@ -195,7 +196,7 @@ class CoScheduler:
         all_running = False
         while True:
             time.sleep(self.poll_s)
-            states = group.poll()
+            states = self._poll(group)
             if all(s.state == "COMPLETED" for s in states.values()):
                 return None
             ended = {c: s.state for c, s in states.items() if s.final and s.state != "COMPLETED"}
@@ -221,6 +222,25 @@ class CoScheduler:
                     del self._left[c]
                 return tuple(dict.fromkeys([*group.jobs, *back]))
 
+    def _poll(self, group: Group) -> dict[str, JobStatus]:
+        """The group's job states, waiting (with back-off, said once) while a cluster's Slurm does not answer:
+        as the single-cluster controller does, an outage is waited out, never taken for a lost cluster."""
+        waits = 0
+        while True:
+            try:
+                states = group.poll()
+            except SlurmUnavailable as exc:
+                if waits == 0:
+                    self._event("slurm_unavailable", attempt=group.attempt, message=exc.message,
+                                where="slurm unavailable")
+                waits += 1
+                time.sleep(min(SLURM_BACKOFF_MAX_S, self.poll_s * 2 ** min(waits, 10)))
+                continue
+            if waits:
+                self._event("slurm_available", attempt=group.attempt, message="Slurm answers again",
+                            where="slurm available")
+            return states
+
     def _settle(self, group: Group, ended: dict[str, str]) -> dict[str, str]:
         """The end states of every job that ends within ``settle_s`` of the first: a cancelled cluster's job
         may show up final after its peers' ranks already failed on the lost connection."""
@@ -237,7 +257,7 @@ class CoScheduler:
             self._left[c] = now
         rest = tuple(c for c in group.jobs if c not in gone)
         if not rest:
-            raise SailorError(f"every cluster of the run left ({reason}: {', '.join(gone)})", field="clusters",
+            raise JobFailed(f"every cluster of the run left ({reason}: {', '.join(gone)})", field="clusters",
                               fix="check the clusters' queues and nodes, then start the run again")
         return rest
 

@@ -28,20 +28,21 @@ from sailor_hpc.controller.journal import Kind
 from sailor_hpc.controller.planning import plan_on
 from sailor_hpc.controller.policy import Score, judge, restart_cost
 from sailor_hpc.controller.recorder import EXIT_FINISHED, EXIT_GAVE_UP, EXIT_INTERRUPTED, Recorder
-from sailor_hpc.controller.slurm_ops import expand_nodes
 from sailor_hpc.controller.state import RunDir, RunState
 from sailor_hpc.core.archive import open_archive
-from sailor_hpc.core.errors import SailorError
+from sailor_hpc.core.errors import JobFailed, SailorError, SlurmUnavailable
 from sailor_hpc.core.plan import Plan
 from sailor_hpc.core.plan_io import load_plan
 from sailor_hpc.core.site import Site, load_site
 from sailor_hpc.jobs.render import cluster_submit_env
+from sailor_hpc.slurm.hostlist import expand_hostlists
 from simulator import SimOptions, simulate
 
 #: the co-scheduler's event kinds -> journal kinds
 EVENT_KINDS = {"submitted": Kind.GROUP_SUBMITTED, "all_running": Kind.GROUP_RUNNING, "dropped": Kind.CLUSTER_DROPPED,
                "lost": Kind.CLUSTER_LOST, "failed": Kind.GROUP_FAILED, "rejoin": Kind.REGROWN,
-               "stopped": Kind.GROUP_STOPPED, "finished": Kind.FINISHED}
+               "stopped": Kind.GROUP_STOPPED, "finished": Kind.FINISHED,
+               "slurm_unavailable": Kind.ERROR, "slurm_available": Kind.ERROR}
 #: events after which the next group running is a recovery (its time is the run's measured restart cost)
 TRIGGERS = frozenset({"dropped", "lost", "failed", "rejoin"})
 
@@ -55,8 +56,7 @@ def free_with_group(site: Site, clusters: tuple[str, ...], env: Mapping[str, str
     """GPUs free per node of ``clusters`` if ``group`` stopped: idle ones, and every GPU of the group's nodes
     (it may not hold them all; the plan made once it stopped is checked against what is really free)."""
     states = group.poll() if any(c in group.jobs for c in clusters) else {}
-    ours = {c: set(expand_nodes([p.nodes for p in states[c].components if p.nodes], cluster_submit_env(site, c, env)))
-            for c in clusters if c in group.jobs}
+    ours = {c: set(expand_hostlists(p.nodes for p in states[c].components)) for c in clusters if c in group.jobs}
     return idle_by_node(site, clusters, env, ours)
 
 
@@ -111,7 +111,7 @@ class GeoRun(Recorder):
             except KeyboardInterrupt:
                 self.note(Kind.CONTROLLER_STOPPED, reason="interrupted; the jobs keep running (sailor-hpc run --resume)")
                 return EXIT_INTERRUPTED
-            except SailorError as exc:
+            except (JobFailed, SailorError) as exc:  # every cluster left, or bad input: retrying cannot help
                 self.note(Kind.GAVE_UP, reason=str(exc))
                 return EXIT_GAVE_UP
             return EXIT_FINISHED
@@ -160,7 +160,7 @@ class GeoRun(Recorder):
             new = (self.fixed_plans(grown) if self.fixed_plans is not None
                    else plan_on(self.spec, self.site, self.archive, free_with_group(self.site, grown, self.env, group)).plan)
             current, candidate = self._score(group.plan), self._score(new)
-        except SailorError as exc:
+        except (SailorError, SlurmUnavailable) as exc:  # no plan fits the grown clusters, or one does not answer
             self.note(Kind.REGROW_DECISION, group=group.attempt, clusters=list(back), resize=False, reason=str(exc))
             return False
         remaining = max(0, self.spec.steps - newest_step(Path(self.spec.save))) * self.spec.gbs

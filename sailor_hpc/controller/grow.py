@@ -33,9 +33,10 @@ from sailor_hpc.controller.spec import RunSpec
 from sailor_hpc.controller.state import RESIZE_REASON, Attempt, RunDir, RunState, job_name
 from sailor_hpc.core.archive import ProfileArchive
 from sailor_hpc.core.atomic import atomic_write_text
-from sailor_hpc.core.errors import SailorError
+from sailor_hpc.core.errors import NoPlanFits, SailorError
 from sailor_hpc.core.plan import Plan
 from sailor_hpc.core.site import Site
+from sailor_hpc.slurm.hostlist import expand_hostlists
 from sailor_hpc.slurm.status import job_status
 
 
@@ -67,7 +68,7 @@ class GrowBeside:
         own GPUs (or none fits): the caller stops the job first, as before."""
         try:
             planned = plan_on(self.spec, self.site, self.archive, obs.idle)
-        except SailorError:
+        except NoPlanFits:
             return False
         if not judge(self.spec.objective, Score(cur.throughput, cur.cost_per_hour), planned.score, remaining,
                      restart_s, self.spec.min_gain).resize:
@@ -78,7 +79,12 @@ class GrowBeside:
                                                       gate=self.rundir.gate_file(number))
         self.note(Kind.PLAN, reason=RESIZE_REASON, available=obs.available, planner_available=planned.available,
                   plan_file=str(plan_path), **planned.summary())
-        job = slurm_ops.submit(script, plan_path, self.spec, self.env)
+        try:
+            job = slurm_ops.submit(script, plan_path, self.spec, self.env)
+        except SailorError as exc:  # sbatch refused the bigger job: train on where it is, judge again later
+            self.note(Kind.ERROR, message=str(exc), where="sbatch (bigger job)")
+            self.note(Kind.BASELINE, available=obs.available)
+            return True
         self.note(Kind.GROW_SUBMITTED, attempt=cur.number, next_attempt=number, job_id=job.job_id, job_name=name,
                   log=job.log, plan_file=str(plan_path), script=str(script), trigger_t=trigger_t,
                   gpus=planned.summary()["gpus"], throughput=planned.score.throughput,
@@ -91,12 +97,9 @@ class GrowBeside:
         ``grow_timeout_s`` (the run keeps training where it is)."""
         succ = cur.successor
         assert succ is not None
-        try:
-            job = job_status(succ["job_id"], self.env)
-        except SailorError:
-            return  # Slurm briefly unreachable: look again next poll
+        job = job_status(succ["job_id"], self.env)
         if succ.get("running_t") is None and all_running(job):
-            hosts = slurm_ops.expand_nodes([c.nodes for c in job.components], self.env)
+            hosts = expand_hostlists(c.nodes for c in job.components)
             self.note(Kind.GROW_RUNNING, attempt=cur.number, job_id=succ["job_id"], nodes=hosts)
         if succ.get("running_t") is not None and cur.stop is None and self._successor_ready(succ):
             self._stop(cur, "resize")

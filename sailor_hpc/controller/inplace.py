@@ -48,7 +48,6 @@ import os
 import shlex
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,38 +56,18 @@ from sailor_hpc.controller.planning import Planned, gpus_by_partition, plan_on
 from sailor_hpc.controller.state import RunDir
 from sailor_hpc.core.archive import open_archive
 from sailor_hpc.core.atomic import atomic_write_text
-from sailor_hpc.core.errors import SailorError
+from sailor_hpc.core.errors import SailorError, SlurmUnavailable
 from sailor_hpc.core.plan import Plan
 from sailor_hpc.core.plan_io import load_plan
 from sailor_hpc.core.site import load_site
 from sailor_hpc.jobs.layout import job_layout
 from sailor_hpc.jobs.render import PORT_BASE, PORT_SPAN, components_for
-from sailor_hpc.slurm.commands import parse_kv_line, run_slurm, show_nodes, sinfo_nodes
+from sailor_hpc.slurm.commands import show_nodes, sinfo_nodes
+from sailor_hpc.slurm.control import Component, job_components, shrink_component
+from sailor_hpc.slurm.hostlist import expand_hostlists
 
 EXIT_NEXT_STEP, EXIT_END_JOB = 0, 1
 STEP_PORT_STRIDE = 9973
-
-
-@dataclass(frozen=True)
-class Component:
-    """One het component of the running job (a plain job has one)."""
-
-    job_id: str  # its own numeric id: what ``scontrol update JobId=`` accepts
-    partition: str
-    nodes: list[str]
-
-
-def job_components(job_id: str) -> list[Component]:
-    """The job's components now, in het offset order (``scontrol -o show job``: one line per component)."""
-    out = run_slurm(["scontrol", "-o", "show", "job", job_id], None).stdout
-    rows = [parse_kv_line(line) for line in out.splitlines() if line.strip()]
-    rows.sort(key=lambda r: int(r.get("HetJobOffset", "0") or 0))
-    comps = []
-    for r in rows:
-        hosts = run_slurm(["scontrol", "show", "hostnames", r["NodeList"]], None).stdout.split() \
-            if r.get("NodeList") not in (None, "", "(null)") else []
-        comps.append(Component(r["JobId"], r.get("Partition", ""), hosts))
-    return comps
 
 
 def survivors(comps: list[Component], job_plan: Plan, lost: dict[str, str]) -> dict[str, dict[str, int]]:
@@ -138,13 +117,11 @@ def release(comps: list[Component], keep: set[str], lost: dict[str, str]) -> tup
         if not stay:  # Slurm keeps one node per component (NumNodes=0 is refused)
             refused.append(f"component {comp.job_id} keeps {','.join(gone)}: no node of it is used any more")
             continue
-        proc = run_slurm(["scontrol", "update", f"JobId={comp.job_id}", f"NodeList={','.join(stay)}"], None,
-                         check=False)
-        if proc.returncode == 0:
+        answer = shrink_component(comp.job_id, stay)
+        if answer is None:
             released.extend(gone)
         else:
-            refused.append(f"scontrol update JobId={comp.job_id} NodeList={','.join(stay)}: "
-                           f"{(proc.stderr or proc.stdout).strip()}")
+            refused.append(answer)
     return released, refused
 
 
@@ -194,9 +171,8 @@ def _step_nodes(job_plan_file: Path, step: int) -> list[str]:
     """The nodes step ``step`` ran on. The first step ran on the whole allocation as it started, which the
     batch environment still holds (Slurm has already dropped a DOWN node from the job itself)."""
     if step <= 0:
-        lists = [v for k, v in os.environ.items()
-                 if k == "SLURM_JOB_NODELIST" or k.startswith("SLURM_JOB_NODELIST_HET_GROUP_")]
-        return run_slurm(["scontrol", "show", "hostnames", ",".join(lists)], None).stdout.split() if lists else []
+        return expand_hostlists(v for k, v in os.environ.items()
+                                if k == "SLURM_JOB_NODELIST" or k.startswith("SLURM_JOB_NODELIST_HET_GROUP_"))
     for line in _env_file(job_plan_file, step).read_text().splitlines():
         if line.startswith("STEP_NODES="):
             return shlex.split(line.partition("=")[2])[0].split(",")
@@ -214,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     job_id = os.environ.get("SLURM_JOB_ID", "")
     try:
         rec = next_step(args.run_dir, args.job_plan, args.step_plan, args.step, args.rc, job_id)
-    except SailorError as exc:
+    except (SailorError, SlurmUnavailable) as exc:  # no plan fits the survivors, or Slurm does not answer
         print(json.dumps({"event": "in_place_refused", "job_id": job_id, "step_index": args.step, "rc": args.rc,
                           "reason": str(exc), "t": round(time.time(), 3)}, sort_keys=True), flush=True)
         return EXIT_END_JOB

@@ -58,12 +58,14 @@ from sailor_hpc.controller.recorder import EXIT_FINISHED, EXIT_GAVE_UP, EXIT_INT
 from sailor_hpc.controller.state import RESIZE_REASON, Attempt, RunDir, RunState, job_name
 from sailor_hpc.core.archive import open_archive
 from sailor_hpc.core.checkpoint import latest_complete, read_manifest
-from sailor_hpc.core.errors import SailorError
+from sailor_hpc.core.errors import NoPlanFits, SailorError, SlurmUnavailable
 from sailor_hpc.core.plan import Plan
 from sailor_hpc.core.plan_io import load_plan
 from sailor_hpc.core.site import Site, load_site
 from sailor_hpc.slurm.commands import sinfo_nodes
+from sailor_hpc.slurm.control import keep_from_requeue
 from sailor_hpc.slurm.discover import live_availability
+from sailor_hpc.slurm.hostlist import expand_hostlist
 from sailor_hpc.slurm.status import FINAL_STATES, JobStatus, job_status
 from sailor_hpc.slurm.submit import log_path
 from sailor_hpc.slurm.watch import JobWatcher
@@ -71,6 +73,7 @@ from sailor_hpc.slurm.watch import JobWatcher
 STOP_TIMEOUT_S = 300.0  # a job asked to checkpoint that has not stopped by then is cancelled ...
 STOP_MARGIN = 3.0  # ... unless its measured step + save times, with this margin, need longer
 JOB_LOST_AFTER_S = 120.0  # a job neither squeue nor sacct knows for this long is gone
+SLURM_BACKOFF_MAX_S = 30.0  # the longest wait between polls while Slurm does not answer
 
 DRAIN_REASON = "node draining"
 
@@ -121,6 +124,9 @@ class Controller(Recorder, GrowBeside):
                 return EXIT_INTERRUPTED
 
     def loop(self) -> int:
+        """Poll until the run is finished or gives up. Slurm not answering is waited out, with back-off
+        (journaled once per outage); bad input (a SailorError) ends the run: retrying cannot fix it."""
+        unavailable = 0  # polls in a row on which Slurm did not answer
         while True:
             if self.state.finished:
                 return EXIT_FINISHED
@@ -132,9 +138,18 @@ class Controller(Recorder, GrowBeside):
                     self.start_next()
                 else:
                     self.watch(cur)
-                self._said.pop("error", None)
-            except SailorError as exc:  # Slurm briefly unreachable, sbatch refusing: journal once, retry
-                self.note_once(Kind.ERROR, str(exc), where="controller loop")
+            except SlurmUnavailable as exc:
+                unavailable += 1
+                self.note_once(Kind.ERROR, exc.message, where="slurm unavailable")
+                self.sleep(min(SLURM_BACKOFF_MAX_S, self.spec.poll_s * 2 ** min(unavailable, 10)))
+                continue
+            except SailorError as exc:  # bad input (a deterministic refusal): retrying cannot fix it
+                self.note(Kind.GAVE_UP, reason=str(exc))
+                return EXIT_GAVE_UP
+            if unavailable:
+                unavailable = 0
+                self.note(Kind.ERROR, message="Slurm answers again", where="slurm available")
+            self._said.pop(Kind.ERROR, None)
             if cur is not None and self.state.current is None and self.state.backoff_until is None:
                 continue  # the job is gone: plan and submit the next one now, not a poll later
             if not (self.state.finished or self.state.gave_up):
@@ -147,14 +162,20 @@ class Controller(Recorder, GrowBeside):
         the current one (never two jobs writing the same checkpoints)."""
         cur = self.state.current
         if cur is not None and cur.job_id is None:
-            jid = slurm_ops.find_job_by_name(self.spec.run_id, cur.job_name, self.env, cur.intent_t)
-            if jid is not None:
-                self.note(Kind.ADOPTED, attempt=cur.number, job_id=jid, log=str(self._log_of(jid)))
-            else:
-                self.note(Kind.JOB_GONE, attempt=cur.number, job_id=None, state="NOT_SUBMITTED")
+            self._adopt_or_drop(cur)
         if cur is not None and cur.handover_from is not None:
             self._open_gate(cur.number)  # killed between journaling the handover and opening the gate
         self._cancel_strays()
+
+    def _adopt_or_drop(self, cur: Attempt) -> bool:
+        """The attempt's intent is journaled, its job id is not (a kill, or sbatch without an answer): adopt the
+        job Slurm has under its name, else journal it gone (True: adopted)."""
+        jid = slurm_ops.find_job_by_name(self.spec.run_id, cur.job_name, self.env, cur.intent_t)
+        if jid is not None:
+            self.note(Kind.ADOPTED, attempt=cur.number, job_id=jid, log=str(self._log_of(jid)))
+            return True
+        self.note(Kind.JOB_GONE, attempt=cur.number, job_id=None, state="NOT_SUBMITTED")
+        return False
 
     def _cancel_strays(self) -> None:
         cur = self.state.current
@@ -201,7 +222,7 @@ class Controller(Recorder, GrowBeside):
 
     def _hosts_of(self, nodelist: str) -> list[str]:
         if nodelist not in self._hosts:
-            self._hosts[nodelist] = slurm_ops.expand_nodes([nodelist], self.env)
+            self._hosts[nodelist] = expand_hostlist(nodelist)
         return self._hosts[nodelist]
 
     def _plan(self, path: str | Path) -> Plan:
@@ -255,7 +276,7 @@ class Controller(Recorder, GrowBeside):
         obs = self.observe(None)
         try:
             planned = plan_on(spec, self.site, self.archive, obs.free)
-        except SailorError as exc:  # nothing free that fits (or the constraints exclude all): wait
+        except NoPlanFits as exc:  # nothing free that fits (or the constraints exclude all): wait
             self.note_once(Kind.NO_PLAN, str(exc), available=obs.available)
             return
         self._said.pop(Kind.NO_PLAN, None)
@@ -279,15 +300,21 @@ class Controller(Recorder, GrowBeside):
                   reason=reason, trigger=trigger[0] if trigger else None, trigger_t=trigger[1] if trigger else None,
                   gpus=planned.summary()["gpus"], throughput=planned.score.throughput,
                   cost_per_hour=planned.score.cost_per_hour)
-        rec = slurm_ops.submit(script, plan_path, spec, self.env)
+        try:
+            rec = slurm_ops.submit(script, plan_path, spec, self.env)
+        except SailorError as exc:  # sbatch refused the job: the attempt fails (back-off, then give up)
+            self.note(Kind.ERROR, message=str(exc), where="sbatch")
+            self.note(Kind.JOB_GONE, attempt=number, job_id=None, state="NOT_SUBMITTED")
+            self._failed(self.state.attempt(number), "not submitted")
+            return
         self.note(Kind.SUBMITTED, attempt=number, job_id=rec.job_id, log=rec.log)
 
     # ------------------------------------------------------------------------------- watching the job
 
     def watch(self, cur: Attempt) -> None:
-        if cur.job_id is None:  # sbatch failed (Slurm unreachable, or refusing): retry after a back-off
-            self.note(Kind.JOB_GONE, attempt=cur.number, job_id=None, state="NOT_SUBMITTED")
-            self._failed(cur, "not submitted")
+        if cur.job_id is None:  # killed, or sbatch did not answer, after the intent: Slurm may have the job
+            if not self._adopt_or_drop(cur):
+                self._failed(cur, "not submitted")
             return
         obs = self.observe(cur)
         tail = self._tail(cur)
@@ -376,7 +403,7 @@ class Controller(Recorder, GrowBeside):
     def _stop(self, cur: Attempt, reason: str) -> None:
         try:
             if reason == "resize":  # the run moves to another job: this one must end, not requeue itself
-                slurm_ops.keep_from_requeue(cur.job_id, self.env)  # type: ignore[arg-type]
+                keep_from_requeue(cur.job_id, self.env)  # type: ignore[arg-type]
             slurm_ops.request_checkpoint(cur.job_id, self.env)  # type: ignore[arg-type]
         except SailorError as exc:  # gone meanwhile: the next poll sees it stopped
             self.note_once(Kind.ERROR, str(exc), where="checkpoint signal")
@@ -396,7 +423,7 @@ class Controller(Recorder, GrowBeside):
                         available=obs.available)
         try:
             planned = plan_on(spec, self.site, self.archive, obs.free)
-        except SailorError as exc:
+        except NoPlanFits as exc:
             self.note(Kind.BASELINE, available=obs.available, note=str(exc))
             return
         step = (tail.progress.last_step if tail is not None else None) or self._checkpoint_step()
@@ -472,7 +499,7 @@ class Controller(Recorder, GrowBeside):
             self.sleep(poll_s)
             try:
                 later = job_status(cur.job_id, self.env)  # type: ignore[arg-type]
-            except SailorError:
+            except SlurmUnavailable:
                 break
             if any(c.exit_code for c in later.components):
                 return later

@@ -16,17 +16,17 @@ from pathlib import Path
 
 from sailor_hpc.controller.spec import RunSpec
 from sailor_hpc.controller.state import RunDir, job_name_prefix
-from sailor_hpc.core.errors import SailorError
+from sailor_hpc.core.errors import SailorError, SlurmUnavailable
 from sailor_hpc.core.plan import Plan
 from sailor_hpc.core.site import Site
 from sailor_hpc.jobs.render import render_job_script, write_job_script
-from sailor_hpc.slurm.commands import QueueJob, run_slurm, squeue
+from sailor_hpc.slurm.commands import QueueJob, squeue
+from sailor_hpc.slurm.control import jobs_named, signal_job, step_ids
 from sailor_hpc.slurm.status import FINAL_STATES, RUNNING_STATES, JobRef
 from sailor_hpc.slurm.submit import JobRecord, cancel_job, submit_script
 from sailor_hpc.slurm.watch import JobWatcher
 
 Env = Mapping[str, str] | None
-SIGNAL_TIMEOUT_S = 10.0  # scancel --signal waits on a job in transition (requeue): do not hang the controller
 
 
 def owned_queue_rows(run_id: str, env: Env) -> list[QueueJob]:
@@ -54,26 +54,7 @@ def find_job_by_name(run_id: str, name: str, env: Env, since: float) -> str | No
     for base, info in owned_jobs(run_id, env).items():
         if info["name"] == name:
             return base
-    start = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(since - 60))
-    proc = run_slurm(["sacct", "-n", "-P", "-X", "-o", "JobID,JobName", f"--name={name}", "-S", start], env,
-                     check=False)
-    if proc.returncode != 0:
-        return None  # no accounting here: squeue was the only source
-    for line in proc.stdout.splitlines():
-        jid, _, jname = line.partition("|")
-        ref = JobRef.parse(jid)
-        if jname == name and ref is not None:
-            return ref.base
-    return None
-
-
-def expand_nodes(nodelists: list[str], env: Env) -> list[str]:
-    """Host names of Slurm node lists (``v100-[1-2]`` -> v100-1, v100-2), as ``scontrol show hostnames``."""
-    lists = [n for n in nodelists if n and n not in ("(null)", "None assigned")]
-    if not lists:
-        return []
-    out = run_slurm(["scontrol", "show", "hostnames", ",".join(lists)], env).stdout.split()
-    return list(dict.fromkeys(out))
+    return next(iter(jobs_named(name, env, since)), None)
 
 
 def prepare_attempt(rundir: RunDir, spec: RunSpec, site: Site, plan: Plan, attempt: int,
@@ -106,7 +87,7 @@ def training_steps_gone(job_id: str, env: Env, timeout_s: float = 30.0, poll_s: 
     (which, cancelled, takes Slurm's KillWait: 11 s measured here)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        steps = run_slurm(["squeue", "-h", "-s", "-j", job_id, "-o", "%i"], env, check=False).stdout.split()
+        steps = step_ids(job_id, env)
         if not any(s.rpartition(".")[2].isdigit() for s in steps):  # 31.0, 31+1.0; not 31.batch, 31.extern
             return True
         if time.monotonic() > deadline:
@@ -114,16 +95,9 @@ def training_steps_gone(job_id: str, env: Env, timeout_s: float = 30.0, poll_s: 
         time.sleep(poll_s)
 
 
-def keep_from_requeue(job_id: str, env: Env) -> None:
-    """Make the job not requeueable (``scontrol update JobId=X Requeue=0``): its script's ``scontrol requeue``
-    after the checkpoint is then refused ("Requested operation is presently disabled") and the job ends at
-    once. Requeued, slurmctld refuses every cancel for ~10 s ("Job can not be altered now")."""
-    run_slurm(["scontrol", "update", f"JobId={job_id}", "Requeue=0"], env, check=False, timeout=SIGNAL_TIMEOUT_S)
-
-
 def request_checkpoint(job_id: str, env: Env, signal: str = "USR1") -> None:
     """Ask every rank of the (running) job to finish its step, save a complete checkpoint and exit."""
-    run_slurm(["scancel", f"--signal={signal}", job_id], env, timeout=SIGNAL_TIMEOUT_S)
+    signal_job(job_id, signal, env)
 
 
 def cancel_and_wait(job_id: str, env: Env, timeout_s: float = 120.0, poll_s: float = 0.5,
@@ -153,8 +127,8 @@ def cancel_and_wait(job_id: str, env: Env, timeout_s: float = 120.0, poll_s: flo
             # only to running steps: scancel --signal on a requeued (pending) job blocks until it times out
             hung_up = True
             try:
-                run_slurm(["scancel", "--signal=HUP", job_id], env, check=False, timeout=SIGNAL_TIMEOUT_S)
-            except SailorError:
+                signal_job(job_id, "HUP", env, check=False)
+            except SlurmUnavailable:
                 pass  # scancel below ends it anyway
         if not cancelled and (not running or time.monotonic() - t0 > grace_s):
             try:
@@ -163,7 +137,7 @@ def cancel_and_wait(job_id: str, env: Env, timeout_s: float = 120.0, poll_s: flo
                 pass  # already gone: the watcher will say so
             cancelled = True
         if time.monotonic() - t0 > timeout_s:
-            raise SailorError(f"job {job_id} is still not gone {timeout_s:.0f} s after it was cancelled",
+            raise SlurmUnavailable(f"job {job_id} is still not gone {timeout_s:.0f} s after it was cancelled",
                               field="scancel", fix="check slurmctld and the job's nodes; the controller will not "
                                                    "submit another job while this one may still write checkpoints")
         time.sleep(poll_s)

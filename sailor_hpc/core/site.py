@@ -23,18 +23,47 @@ SITE_SCHEMA_VERSION = 1
 GIB = 1024**3
 _MAX_MEMORY_GIB = 1e6  # far above any GPU's memory; bounds the byte count a typo could make
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-_WALLTIME = re.compile(r"^(?:(\d+)-)?(\d+):(\d{2}):(\d{2})$|^(\d+)$")
+_SLURM_TIME = re.compile(r"^(?:(?P<d>\d+)-)?(?P<rest>\d+(?::\d+){0,2})$")
+#: what Slurm prints for a time without limit
+UNLIMITED_TIMES = frozenset({"UNLIMITED", "INFINITE", "NONE", "N/A", ""})
+
+
+def slurm_time_seconds(text: str) -> int | None:
+    """Slurm time text in seconds; None for no limit (``UNLIMITED``, ``INFINITE``). The one parser of Slurm
+    times in sailor-hpc: site configs, ``scontrol``'s partition limits and ``--time`` all go through it.
+
+    Slurm's forms: ``M``, ``M:S``, ``H:M:S``, ``D-H``, ``D-H:M``, ``D-H:M:S``. Raises ValueError otherwise."""
+    t = text.strip()
+    if t.upper() in UNLIMITED_TIMES:
+        return None
+    m = _SLURM_TIME.match(t)
+    if not m:
+        raise ValueError(f"{text!r} is not a Slurm time")
+    parts = [int(x) for x in m.group("rest").split(":")]
+    if m.group("d") is not None:  # D-H, D-H:M, D-H:M:S
+        h, mi, s = (parts + [0, 0])[:3]
+    elif len(parts) == 1:  # minutes
+        h, mi, s = 0, parts[0], 0
+    elif len(parts) == 2:  # M:S
+        h, mi, s = 0, parts[0], parts[1]
+    else:
+        h, mi, s = parts
+    return ((int(m.group("d") or 0) * 24 + h) * 60 + mi) * 60 + s
+
+
+def format_slurm_time(seconds: int) -> str:
+    """Seconds as Slurm prints a time: ``D-HH:MM:SS``, or ``HH:MM:SS`` under a day."""
+    days, rest = divmod(int(seconds), 86400)
+    text = f"{rest // 3600:02d}:{rest % 3600 // 60:02d}:{rest % 60:02d}"
+    return f"{days}-{text}" if days else text
 
 
 def parse_walltime(text: str) -> int:
-    """Slurm time (``D-HH:MM:SS``, ``HH:MM:SS`` or minutes) in seconds."""
-    m = _WALLTIME.match(text)
-    if not m:
-        raise ValueError(text)
-    if m.group(5) is not None:
-        return int(m.group(5)) * 60
-    days = int(m.group(1) or 0)
-    return ((days * 24 + int(m.group(2))) * 60 + int(m.group(3))) * 60 + int(m.group(4))
+    """A limited Slurm time (``D-HH:MM:SS``, ``HH:MM:SS``, minutes, ...) in seconds; ValueError otherwise."""
+    seconds = slurm_time_seconds(text)
+    if seconds is None:
+        raise ValueError(f"{text!r} is no time limit")
+    return seconds
 
 
 @dataclass(frozen=True)

@@ -32,11 +32,10 @@ from sailor_hpc.core.plan import Plan, validate_plan
 from sailor_hpc.core.plan_io import load_plan
 from sailor_hpc.core.roles import rank_roles
 from sailor_hpc.core.sailor_compat.plans import is_sailor_plan
-from sailor_hpc.core.site import Site, parse_walltime
+from sailor_hpc.core.site import Site, format_slurm_time, parse_walltime, slurm_time_seconds
 from sailor_hpc.core.training import DataBlend
 from sailor_hpc.jobs.layout import JobLayout, job_layout
 from sailor_hpc.slurm import safety
-from sailor_hpc.slurm.discover import normalize_walltime
 
 DEFAULT_TIME = "01:00:00"
 MAX_SIGNAL_GRACE_S = 300  # SIGUSR1 this long before the time limit (capped at a tenth of the limit)
@@ -82,11 +81,14 @@ def components_for(layout: JobLayout, site: Site) -> list[ComponentView]:
 def parse_time_limit(time: str) -> tuple[str, int]:
     """A ``--time`` as Slurm's normalized text and seconds (a SailorError naming --time if it is none)."""
     safety.no_control_chars(time, "--time")
-    norm = normalize_walltime(time)
-    if norm is None:
+    try:
+        seconds = slurm_time_seconds(time)
+    except ValueError:
+        seconds = None
+    if seconds is None:
         raise SailorError(f"{time!r} is not a Slurm time limit", field="--time",
                           fix='use "D-HH:MM:SS", "HH:MM:SS" or minutes')
-    return norm, parse_walltime(norm)
+    return format_slurm_time(seconds), seconds
 
 
 def job_time(time: str | None, site: Site, layout: JobLayout) -> tuple[str, int]:

@@ -3,7 +3,8 @@
 Every function takes an optional ``env``: extra environment variables laid over ``os.environ``
 (typically ``{"SLURM_CONF": ...}`` for a non-default cluster; a complete environment such as
 the test fixture's ``slurm_cluster.env`` works as well). A missing command, a non-zero exit or
-a timeout raises :class:`sailor_hpc.core.errors.SailorError` naming the command and Slurm's message.
+a refusal raises :class:`sailor_hpc.core.errors.SailorError` naming the command and Slurm's message; a
+timeout, or a failure while slurmctld does not answer, raises :class:`~sailor_hpc.core.errors.SlurmUnavailable`.
 """
 from __future__ import annotations
 
@@ -14,11 +15,13 @@ import subprocess
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from sailor_hpc.core.errors import SailorError
+from sailor_hpc.core.errors import SailorError, SlurmUnavailable
 
 DEFAULT_TIMEOUT_S = 60.0
+PING_TIMEOUT_S = 20.0
 _INSTALL_FIX = ("run sailor-hpc on a machine with the Slurm client tools (a login node) and SLURM_CONF "
                 "pointing at the cluster; for the local test cluster: tests/slurm/install.sh + start.sh")
+_UNAVAILABLE_FIX = "check that slurmctld is up (scontrol ping) and SLURM_CONF is right, then try again"
 
 
 def slurm_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -31,7 +34,12 @@ def slurm_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
 
 def run_slurm(args: Sequence[str], env: Mapping[str, str] | None = None, *,
               timeout: float = DEFAULT_TIMEOUT_S, check: bool = True) -> subprocess.CompletedProcess[str]:
-    """Run one Slurm client command; raise SailorError when it is missing, fails or hangs."""
+    """Run one Slurm client command.
+
+    Raises :class:`SailorError` when the command is missing or refuses its input (exit 2 material),
+    :class:`SlurmUnavailable` when it hangs past ``timeout`` or fails while slurmctld does not answer
+    (``scontrol ping``): the same failure means "fix the request" or "try again later", and only Slurm
+    itself can tell which, never the wording of a message."""
     if not args:
         raise ValueError("empty command")
     full_env = slurm_env(env)
@@ -42,15 +50,33 @@ def run_slurm(args: Sequence[str], env: Mapping[str, str] | None = None, *,
     try:
         proc = subprocess.run([exe, *args[1:]], env=full_env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        raise SailorError(f"{cmd_text!r} did not answer within {timeout:.0f} s", field=cmd_text,
-                          fix="check that slurmctld is up (scontrol ping) and SLURM_CONF is right") from None
+        raise SlurmUnavailable(f"{cmd_text!r} did not answer within {timeout:.0f} s", field=cmd_text,
+                               fix=_UNAVAILABLE_FIX) from None
     except OSError as exc:
         raise SailorError(f"cannot run {cmd_text!r}: {exc}", field=cmd_text, fix=_INSTALL_FIX) from None
     if check and proc.returncode != 0:
         msg = (proc.stderr.strip() or proc.stdout.strip() or "(no output)").splitlines()
-        raise SailorError(f"{cmd_text!r} failed (exit {proc.returncode}): {' / '.join(msg[-5:])}", field=cmd_text,
-                          fix="check that the cluster is up (scontrol ping) and SLURM_CONF points at it")
+        text = f"{cmd_text!r} failed (exit {proc.returncode}): {' / '.join(msg[-5:])}"
+        if args[0] != "scontrol" or args[1:2] != ["ping"]:
+            if not controller_answers(env):
+                raise SlurmUnavailable(text + " while slurmctld does not answer", field=cmd_text,
+                                       fix=_UNAVAILABLE_FIX)
+        raise SailorError(text, field=cmd_text, fix="Slurm refused the request: check the command's values "
+                                                     "(job id, partition, options) and SLURM_CONF")
     return proc
+
+
+def controller_answers(env: Mapping[str, str] | None = None, timeout: float = PING_TIMEOUT_S) -> bool:
+    """Whether slurmctld answers ``scontrol ping`` (exit 0) within ``timeout``."""
+    full_env = slurm_env(env)
+    exe = shutil.which("scontrol", path=full_env.get("PATH", os.defpath))
+    if exe is None:
+        return False
+    try:
+        return subprocess.run([exe, "ping"], env=full_env, capture_output=True, text=True,
+                              timeout=timeout).returncode == 0
+    except (subprocess.TimeoutExpired, OSError):
+        return False
 
 
 # ----------------------------------------------------------------------------------------- parsing helpers
@@ -70,7 +96,9 @@ def parse_kv_line(line: str) -> dict[str, str]:
 
 def split_top_level(text: str, sep: str = ",") -> list[str]:
     """Split on ``sep`` outside parentheses (``gpu:a100:2(IDX:0-1),gpu:v100:1(IDX:3)``)."""
-    parts, depth, cur = [], 0, []
+    parts: list[str] = []
+    cur: list[str] = []
+    depth = 0
     for ch in text:
         if ch == "(":
             depth += 1
@@ -318,8 +346,8 @@ def squeue(env: Mapping[str, str] | None = None, *, jobs: Sequence[str | int] = 
         args += ["-u", user]
     proc = run_slurm(args, env, check=False)
     if proc.returncode != 0:
-        if jobs and "Invalid job id" in proc.stderr:
-            return []
+        if jobs and controller_answers(env):
+            return []  # slurmctld answers but refuses the ids: it knows none of them (any more)
         run_slurm(args, env)   # raise with the message
     out = []
     for line in proc.stdout.splitlines():

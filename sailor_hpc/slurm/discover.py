@@ -8,13 +8,13 @@ planner's ``--available live``).
 """
 from __future__ import annotations
 
-import re
 import warnings
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from sailor_hpc.core.site import format_slurm_time, slurm_time_seconds
 from sailor_hpc.core.toml_writer import dump_toml
 from sailor_hpc.slurm.commands import (
     GresEntry,
@@ -79,40 +79,16 @@ def guess_gpu_type(gres_type: str | None) -> KnownGpu | None:
 
 # ------------------------------------------------------------------------------------------- walltime
 
-_TIME = re.compile(r"^(?:(?P<d>\d+)-)?(?P<rest>[\d:]+)$")
-
-
 def normalize_walltime(text: str | None) -> str | None:
-    """Slurm time text → ``D-HH:MM:SS`` / ``HH:MM:SS``; None for UNLIMITED/INFINITE/unparseable.
-
-    Slurm accepts ``M``, ``M:S``, ``H:M:S``, ``D-H``, ``D-H:M``, ``D-H:M:S``.
-    """
+    """Slurm time text → ``D-HH:MM:SS`` / ``HH:MM:SS``; None for UNLIMITED/INFINITE/unparseable
+    (:func:`sailor_hpc.core.site.slurm_time_seconds` reads it)."""
     if text is None:
         return None
-    t = text.strip()
-    if t.upper() in ("UNLIMITED", "INFINITE", "NONE", "N/A", ""):
+    try:
+        seconds = slurm_time_seconds(text)
+    except ValueError:
         return None
-    m = _TIME.match(t)
-    if not m:
-        return None
-    days = int(m.group("d") or 0)
-    parts = [int(x) for x in m.group("rest").split(":") if x != ""]
-    if m.group("d") is not None:          # D-H, D-H:M, D-H:M:S
-        parts = (parts + [0, 0, 0])[:3]
-        h, mi, s = parts
-    elif len(parts) == 1:                  # minutes
-        h, mi, s = 0, parts[0], 0
-    elif len(parts) == 2:                  # M:S
-        h, mi, s = 0, parts[0], parts[1]
-    elif len(parts) == 3:
-        h, mi, s = parts
-    else:
-        return None
-    total = ((days * 24 + h) * 60 + mi) * 60 + s
-    days, rem = divmod(total, 86400)
-    h, rem = divmod(rem, 3600)
-    mi, s = divmod(rem, 60)
-    return f"{days}-{h:02d}:{mi:02d}:{s:02d}" if days else f"{h:02d}:{mi:02d}:{s:02d}"
+    return None if seconds is None else format_slurm_time(seconds)
 
 
 # -------------------------------------------------------------------------------------------- discovery

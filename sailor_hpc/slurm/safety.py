@@ -17,6 +17,7 @@ Every refusal is a :class:`SailorError` naming the field and a fix.
 """
 from __future__ import annotations
 
+import os
 import re
 import shlex
 from collections.abc import Sequence
@@ -53,7 +54,7 @@ def job_name(value: str, field: str = "--job-name") -> str:
                     "use 1-64 letters, digits, '_', '.', '+', '-' (starting with a letter or digit)")
 
 
-def sbatch_path(value: str | Path, field: str) -> str:
+def sbatch_path(value: str | os.PathLike[str], field: str) -> str:
     """An absolute path for an ``#SBATCH`` line (``--output``, ``--chdir``): strict characters only."""
     no_control_chars(str(value), field)
     text = str(Path(value).expanduser().absolute())
@@ -63,7 +64,7 @@ def sbatch_path(value: str | Path, field: str) -> str:
     return text
 
 
-def shell_path(value: str | Path, field: str, *, absolute: bool = True) -> str:
+def shell_path(value: str | os.PathLike[str], field: str, *, absolute: bool = True) -> str:
     """A path for a shell command: made absolute, refused with control characters (quote it with :func:`q`)."""
     no_control_chars(str(value), field)
     return str(Path(value).expanduser().absolute()) if absolute else str(value)

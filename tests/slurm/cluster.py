@@ -14,15 +14,17 @@ Environment:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import fcntl
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -78,6 +80,37 @@ class SlurmCluster:
         return subprocess.run(list(cmd), env=env, **kw)
 
     # -- small conveniences for tests ----------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def slurmctld_stopped(self) -> Iterator[float]:
+        """slurmctld stopped (SIGTERM by PID: it saves its state) for the block, then started again; yields
+        the wall time it was gone. Running jobs keep running on their slurmd meanwhile, as on a real site
+        whose controller restarts; clients get "Unable to contact slurm controller" after ~10 s."""
+        pid_file = self.lab / "run" / "slurmctld.pid"
+        pid = int(pid_file.read_text().split()[0])
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while _alive(pid):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"slurmctld pid {pid} still alive 30 s after SIGTERM")
+            time.sleep(0.05)
+        try:
+            yield time.time()
+        finally:
+            proc = self.run(["slurmctld"], cwd=self.lab)
+            if proc.returncode != 0:
+                raise RuntimeError(f"slurmctld did not start again: {proc.stderr.strip()}")
+            deadline = time.monotonic() + 60
+            while self.run(["scontrol", "ping"]).returncode != 0:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("slurmctld does not answer 60 s after it was started again")
+                time.sleep(0.1)
+            new_pid = pid_file.read_text().split()[0]
+            pids = self.lab / "pids"  # stop.sh stops the daemons it finds there, by PID
+            if pids.exists():
+                lines = [f"slurmctld {new_pid}" if line.split()[:1] == ["slurmctld"] else line
+                         for line in pids.read_text().splitlines()]
+                pids.write_text("\n".join(lines) + "\n")
 
     def sbatch(self, args: Sequence[str], script: str | None = None) -> str:
         """Submit (``sbatch --parsable ARGS``, script text on stdin if given); returns the job id."""

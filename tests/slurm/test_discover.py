@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from sailor_hpc.core.errors import SailorError
+from sailor_hpc.core.errors import SailorError, SlurmUnavailable
 from sailor_hpc.core.toml_writer import dump_toml
 from sailor_hpc.slurm.commands import parse_gres, parse_kv_line, run_slurm, show_partitions, sinfo_nodes
 from sailor_hpc.slurm.discover import (
@@ -76,11 +76,17 @@ def _fake_bin(tmp_path: Path, name: str, body: str) -> None:
     p.chmod(p.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
 
 
-def test_failing_slurm_command_is_a_sailor_error(tmp_path):
+def test_failing_slurm_command_is_unavailable_or_refused_as_slurmctld_answers(tmp_path):
+    # slurmctld down (`scontrol ping` fails too): Slurm is unavailable, not the request wrong
     _fake_bin(tmp_path, "scontrol", "echo 'slurm_load_partitions: Unable to contact slurm controller' >&2; exit 1\n")
-    with pytest.raises(SailorError) as exc:
+    with pytest.raises(SlurmUnavailable) as exc:
         show_partitions(env={"PATH": f"{tmp_path}:{os.environ['PATH']}"})
-    assert "Unable to contact slurm controller" in str(exc.value)
+    assert "Unable to contact slurm controller" in str(exc.value) and exc.value.exit_code == 3
+    # slurmctld answers the ping but refuses the request: bad input (exit 2)
+    _fake_bin(tmp_path, "scontrol", 'case "$1" in ping) exit 0;; esac; echo "error: Invalid partition" >&2; exit 1\n')
+    with pytest.raises(SailorError) as refused:
+        show_partitions(env={"PATH": f"{tmp_path}:{os.environ['PATH']}"})
+    assert "Invalid partition" in str(refused.value) and refused.value.exit_code == 2
 
 
 FAKE_SCONTROL = r"""

@@ -1,0 +1,79 @@
+"""Acting on running jobs: signal, keep from requeueing, shrink, list steps, find by name, show components.
+
+The controller and a job's own batch script (after a step lost nodes) use these; every command line is
+here, in the Slurm layer, so a caller never spells ``scancel`` or ``scontrol update`` itself. Failures
+carry their meaning by type (:func:`~sailor_hpc.slurm.commands.run_slurm`): Slurm refusing is a
+SailorError, Slurm not answering SlurmUnavailable.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from sailor_hpc.core.errors import SailorError
+from sailor_hpc.slurm.commands import parse_kv_line, run_slurm
+from sailor_hpc.slurm.hostlist import expand_hostlist
+from sailor_hpc.slurm.status import JobRef
+
+Env = Mapping[str, str] | None
+SIGNAL_TIMEOUT_S = 10.0  # scancel --signal waits on a job in transition (requeue): do not hang the caller
+
+
+def signal_job(job_id: str, signal: str, env: Env, *, check: bool = True) -> None:
+    """``scancel --signal=SIGNAL``: to every running step of the job (not its batch script)."""
+    run_slurm(["scancel", f"--signal={signal}", job_id], env, check=check, timeout=SIGNAL_TIMEOUT_S)
+
+
+def keep_from_requeue(job_id: str, env: Env) -> None:
+    """``scontrol update JobId=X Requeue=0``: the job's own ``scontrol requeue`` is then refused and it ends."""
+    run_slurm(["scontrol", "update", f"JobId={job_id}", "Requeue=0"], env, check=False, timeout=SIGNAL_TIMEOUT_S)
+
+
+def step_ids(job_id: str, env: Env) -> list[str]:
+    """The job's steps that run now (``squeue -s``): ``31.0``, ``31+1.0``, ``31.batch``, ``31.extern``."""
+    return run_slurm(["squeue", "-h", "-s", "-j", job_id, "-o", "%i"], env, check=False).stdout.split()
+
+
+def jobs_named(name: str, env: Env, since: float) -> list[str]:
+    """Ids of the jobs called ``name`` that accounting knows, submitted after ``since`` (unix seconds, less a
+    minute); none where accounting is off (squeue is then the only source)."""
+    start = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(since - 60))
+    proc = run_slurm(["sacct", "-n", "-P", "-X", "-o", "JobID,JobName", f"--name={name}", "-S", start], env,
+                     check=False)
+    if proc.returncode != 0:
+        return []
+    out = []
+    for line in proc.stdout.splitlines():
+        jid, _, jname = line.partition("|")
+        ref = JobRef.parse(jid)
+        if jname == name and ref is not None:
+            out.append(ref.base)
+    return out
+
+
+@dataclass(frozen=True)
+class Component:
+    """One het component of a running job (a plain job has one)."""
+
+    job_id: str  # its own numeric id: what ``scontrol update JobId=`` accepts
+    partition: str
+    nodes: list[str]
+
+
+def job_components(job_id: str, env: Env = None) -> list[Component]:
+    """The job's components now, in het offset order (``scontrol -o show job``: one line per component)."""
+    out = run_slurm(["scontrol", "-o", "show", "job", job_id], env).stdout
+    rows = [parse_kv_line(line) for line in out.splitlines() if line.strip()]
+    rows.sort(key=lambda r: int(r.get("HetJobOffset", "0") or 0))
+    return [Component(r["JobId"], r.get("Partition", ""), expand_hostlist(r.get("NodeList", ""))) for r in rows]
+
+
+def shrink_component(component_id: str, keep: list[str], env: Env = None) -> str | None:
+    """Release every node of the (running) component but ``keep`` (``scontrol update JobId=C NodeList=...``);
+    None when Slurm did it, else what it answered."""
+    try:
+        run_slurm(["scontrol", "update", f"JobId={component_id}", f"NodeList={','.join(keep)}"], env)
+    except SailorError as exc:
+        return f"scontrol update JobId={component_id} NodeList={','.join(keep)}: {exc.message}"
+    return None
