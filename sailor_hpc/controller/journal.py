@@ -92,10 +92,11 @@ def _check_envelope(rec: Record, number: int, path: Path) -> None:
                               field=field, fix=_EDITED)
 
 
-def _parse(data: bytes, path: Path) -> tuple[list[Record], int]:
-    """Records of a journal's bytes and the byte length of its complete lines (a torn tail is left out,
-    whatever its bytes: a write cut short may end inside a character)."""
+def _parse(data: bytes, path: Path) -> tuple[list[Record], list[int], int]:
+    """Records of a journal's bytes, the line of each, and the byte length of its complete lines (a torn
+    tail is left out, whatever its bytes: a write cut short may end inside a character)."""
     records: list[Record] = []
+    lines: list[int] = []
     complete = data.rfind(b"\n") + 1
     try:
         text = data[:complete].decode()
@@ -113,17 +114,24 @@ def _parse(data: bytes, path: Path) -> tuple[list[Record], int]:
             raise SailorError(f"line {number} is not a journal record", file=path, fix=_EDITED)
         _check_envelope(rec, number, path)
         records.append(rec)
-    return records, complete
+        lines.append(number)
+    return records, lines, complete
 
 
 def read_journal(path: str | os.PathLike[str]) -> list[Record]:
     """Every complete record of the journal at ``path`` (none if it does not exist yet)."""
+    return read_journal_lines(path)[0]
+
+
+def read_journal_lines(path: str | os.PathLike[str]) -> tuple[list[Record], list[int]]:
+    """Every complete record of the journal at ``path`` and the line it is on (for messages that name it)."""
     path = Path(path)
     try:
         data = path.read_bytes()
     except FileNotFoundError:
-        return []
-    return _parse(data, path)[0]
+        return [], []
+    records, lines, _ = _parse(data, path)
+    return records, lines
 
 
 class Journal:
@@ -133,16 +141,17 @@ class Journal:
         self.path = Path(path)
         self.clock = clock
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        records, good = self._load()
+        records, lines, good = self._load()
         self.records: list[Record] = records
+        self.lines: list[int] = lines  # the line of each record in the file
         self._next = (records[-1]["seq"] + 1) if records else 0
         self.repaired = self._cut_torn_tail(good)
 
-    def _load(self) -> tuple[list[Record], int]:
+    def _load(self) -> tuple[list[Record], list[int], int]:
         try:
             data = self.path.read_bytes()
         except FileNotFoundError:
-            return [], 0
+            return [], [], 0
         return _parse(data, self.path)
 
     def _cut_torn_tail(self, good: int) -> bool:
@@ -166,5 +175,6 @@ class Journal:
         finally:
             os.close(fd)
         self._next += 1
+        self.lines.append(self.path.read_bytes().count(b"\n") if not self.lines else self.lines[-1] + 1)
         self.records.append(rec)
         return rec

@@ -20,7 +20,7 @@ from planner.time_goal import free_now_goal
 from sailor_hpc.controller.policy import Score
 from sailor_hpc.controller.spec import RunSpec
 from sailor_hpc.core.archive import ProfileArchive
-from sailor_hpc.core.errors import SailorError
+from sailor_hpc.core.errors import NoPlanFits, SailorError
 from sailor_hpc.core.plan import Plan
 from sailor_hpc.core.site import Site
 from sailor_hpc.jobs.layout import job_layout
@@ -97,15 +97,22 @@ def plan_on(spec: RunSpec, site: Site, archive: ProfileArchive, free: FreeByNode
     for _ in range(1 + sum(available.values())):
         if sum(available.values()) <= 0:
             break
-        # several clusters: also the plans whose pipelines cross them (as `sailor-hpc plan` does)
         goal = (free_now_goal(site, spec.steps, free, time_limit=spec.time_limit, time_min=spec.time_min,
                               restart_cost_s=spec.restart_cost_s) if spec.objective == "time" else None)
-        best = (geo_search if len(site.clusters) > 1 else search)(site, archive, spec.plan_request(available, goal)).candidates[0]
+        request = spec.plan_request(available, goal)  # a bad request is bad input (SailorError), not a wait
+        # several clusters: also the plans whose pipelines cross them (as `sailor-hpc plan` does)
+        try:
+            best = (geo_search if len(site.clusters) > 1 else search)(site, archive, request).candidates[0]
+        except NoPlanFits:
+            raise
+        except SailorError as exc:  # the planner finds nothing on these GPUs (memory, profiles of free types)
+            raise NoPlanFits(exc.message, file=exc.file, field=exc.field,
+                             fix="the controller waits for GPUs to become idle") from exc
         bad = misfit(best.plan, free)
         if bad is None:
             r = best.result
             return Planned(best.plan, Score(r.throughput_samples_per_s, r.cost_per_hour), r.iteration_time_s,
                            dict(available))
         available[bad] = max(0, min(available[bad], gpus_by_partition(best.plan).get(bad, 0)) - 1)
-    raise SailorError(f"no plan fits the free GPUs now ({ {p: sum(n.values()) for p, n in free.items()} })",
+    raise NoPlanFits(f"no plan fits the free GPUs now ({ {p: sum(n.values()) for p, n in free.items()} })",
                       field="availability", fix="the controller waits for GPUs to become idle")

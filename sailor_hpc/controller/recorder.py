@@ -35,7 +35,7 @@ class Recorder:
     def begin(self) -> None:
         """Open the journal (the caller holds the lock) and fold it into the state."""
         self.journal = self.rundir.journal()
-        self.state = fold(self.journal.records)
+        self.state = fold(self.journal.records, source=self.journal.path, lines=self.journal.lines)
         resumed = bool(self.journal.records)
         if not resumed:
             self.note(Kind.RUN_STARTED, run_id=self.spec.run_id, spec=self.spec.to_dict())

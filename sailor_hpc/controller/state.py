@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sailor_hpc.controller.journal import Journal, Kind, Record, read_journal
+from sailor_hpc.controller.journal import Journal, Kind, Record, read_journal, read_journal_lines
 from sailor_hpc.controller.spec import RunSpec
 from sailor_hpc.core.errors import SailorError
-from sailor_hpc.core.locking import file_lock
+from sailor_hpc.core.locking import LockTimeout, file_lock
 
 #: the reason of a job submitted because more GPUs made a better plan worth its restart
 RESIZE_REASON = Kind.IDLE_GPUS
@@ -73,6 +73,11 @@ class RunDir:
     def records(self) -> list[Record]:
         return read_journal(self.journal_file)
 
+    def state(self) -> RunState:
+        """The run's state folded from its journal; an inconsistent journal is refused naming the line."""
+        records, lines = read_journal_lines(self.journal_file)
+        return fold(records, source=self.journal_file, lines=lines)
+
     @classmethod
     def create(cls, path: str | Path, spec: RunSpec) -> RunDir:
         rd = cls(path)
@@ -99,20 +104,21 @@ class RunDir:
         try:
             with file_lock(self.path / "controller", timeout_s=0.0):
                 return False
-        except SailorError:
+        except LockTimeout:
             return True
 
     @contextlib.contextmanager
     def lock(self) -> Iterator[None]:
         """Held for the controller's whole life; the kernel drops it when the controller dies."""
         try:
-            with file_lock(self.path / "controller", timeout_s=1.0):
-                yield
-        except SailorError as exc:
-            if "waiting for the lock" not in exc.message:
-                raise
+            lock = file_lock(self.path / "controller", timeout_s=1.0)
+            lock.__enter__()
+        except LockTimeout:
             raise SailorError("another controller is running this run", file=self.path / "controller.lock",
                               fix="stop it first (or wait for it to end); two controllers would submit twice") from None
+        with contextlib.ExitStack() as stack:
+            stack.push(lock)
+            yield
 
 
 @dataclass
@@ -313,7 +319,7 @@ def apply(state: RunState, rec: Record) -> None:
         state.last_replan_t = t
     elif kind == Kind.DECISION:
         if rec["action"] in ("resize", "checkpoint"):
-            state.trigger = (rec.get("trigger", rec["action"]), float(rec.get("trigger_t", t)))
+            state.trigger = (str(rec.get("trigger") or rec["action"]), float(rec.get("trigger_t", t)))
     elif kind == Kind.SIGNAL_SENT:
         assert att is not None
         att.stop = {k: v for k, v in rec.items() if k not in ("seq", "kind", "attempt")}
@@ -362,9 +368,23 @@ def _apply_geo(state: RunState, rec: Record, t: float) -> None:
         group.end = str(rec.get("reason", "stopped"))
 
 
-def fold(records: Iterable[Record]) -> RunState:
-    """The state after every record, in order."""
+class InconsistentJournal(SailorError):
+    """Well-formed records that do not fit together (a record of an attempt never submitted, a field of the
+    wrong type): the journal was edited or mixed with another run's, and replaying it would guess."""
+
+
+def fold(records: Iterable[Record], *, source: str | Path | None = None, lines: list[int] | None = None) -> RunState:
+    """The state after every record, in order. A record :func:`apply` cannot give a meaning is refused as
+    :class:`InconsistentJournal`, naming the file (``source``), the record's line and the fix."""
     state = RunState()
-    for rec in records:
-        apply(state, rec)
+    for i, rec in enumerate(records):
+        try:
+            apply(state, rec)
+        except (KeyError, TypeError, ValueError, AssertionError, AttributeError, IndexError) as exc:
+            line = lines[i] if lines is not None and i < len(lines) else i + 1
+            raise InconsistentJournal(
+                f"line {line}: record seq {rec.get('seq')} ({rec.get('kind')!r}) does not fit the records before "
+                f"it ({type(exc).__name__}: {exc})", file=source, field=f"line {line}",
+                fix="the journal was edited or mixed with another run's: restore it, or start a new run "
+                    "(sailor-hpc run without --resume)") from None
     return state

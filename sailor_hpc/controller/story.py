@@ -155,17 +155,27 @@ def change_rows(state: RunState) -> list[tuple[Any, ...]]:
     waits = [r["queue_wait_s"] for r in state.recoveries if not r.get("in_place") and r.get("queue_wait_s") is not None]
     avoided = f"{sum(waits) / len(waits):.1f}" if waits else "-"
     rows = []
-    for att in state.attempts:
+    for i, att in enumerate(state.attempts):
         if att.recovery:
             r = att.recovery
-            rows.append((att.number, att.job_id or "-", r.get("trigger"), "n",
+            before = state.attempts[i - 1].lost_nodes if i > 0 else {}
+            rows.append((att.number, att.job_id or "-", change_label(r.get("trigger"), before), "n",
                          f"{r.get('ranks_idle_s', r.get('downtime_s', 0)):.1f}",
                          f"{r.get('queue_wait_s') or 0:.1f}", "0"))
         for ch in att.in_place:
             r = ch.get("recovery", {})
-            rows.append((att.number, att.job_id or "-", (ch.get("trigger") or [Kind.NODE_LOST])[0], "y",
+            rows.append((att.number, att.job_id or "-", change_label((ch.get("trigger") or [Kind.NODE_LOST])[0],
+                                                                     ch.get("lost") or {}), "y",
                          f"{r['ranks_idle_s']:.1f}" if r else "-", "0", avoided))
     return rows
+
+
+def change_label(trigger: str | None, lost: dict[str, str]) -> str:
+    """What happened, in a person's words: a loss whose every node drains (or drained) is a ``drain``, not a
+    node lost, though the controller handles both as losses."""
+    if trigger == Kind.NODE_LOST and lost and all(str(s).lower().startswith(("drain", "drng")) for s in lost.values()):
+        return "drain"
+    return str(trigger)
 
 
 CHANGE_HEADER = ("attempt", "job", "change", "same allocation", "ranks idle s", "queue s", "queue s avoided")

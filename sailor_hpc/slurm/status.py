@@ -137,8 +137,10 @@ def aggregate_state(states: Sequence[str]) -> str:
 
 
 def _from_queue(row: QueueJob) -> ComponentStatus:
+    # squeue says "None" where a job waits for nothing (it runs): no reason, not one called None
+    reason = "" if row.reason == "None" else row.reason
     return ComponentStatus(job_id=row.job_id, partition=row.partition, state=row.state.split()[0] if row.state else "",
-                           nodes=row.nodelist, reason=row.reason, source="squeue")
+                           nodes=row.nodelist, reason=reason, source="squeue")
 
 
 def _from_acct(row: AcctJob) -> ComponentStatus:

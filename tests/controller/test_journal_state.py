@@ -221,3 +221,28 @@ def test_time_min_must_be_a_time_within_the_limit():
         with pytest.raises(SailorError) as err:
             spec(**bad)
         assert err.value.field == "--time-min", err.value
+
+
+def test_an_inconsistent_journal_is_refused_naming_file_line_and_fix(tmp_path: Path):
+    """Well-formed records that do not fit together (a job id for an attempt never intended) are refused by
+    ``run status`` and ``--resume`` alike: exit 2 naming the journal, the line and the fix, no traceback; a
+    journal the controller wrote itself (today's records) replays."""
+    rd = RunDir.create(tmp_path / "run", spec(site=str(REPO / "site_configs" / "local-lab.toml")))
+    j = Journal(rd.journal_file, clock=lambda: 100.0)
+    j.append("run_started", run_id="r1")
+    j.append("submit_intent", attempt=1, job_name=job_name("r1", 1), plan_file="p", script="s", reason="start",
+             gpus={"v100": 1}, throughput=1.0, cost_per_hour=0.5)
+    j.append("submitted", attempt=1, job_id="7", log="/l")
+    j.append("node_lost", attempt=1, job_id="7", nodes={"v100-1": "draining"})
+    assert rd.state().attempt(1).lost_nodes == {"v100-1": "draining"}  # today's journal replays
+    with open(rd.journal_file, "a") as fh:
+        fh.write("\n")  # a blank line: lines are counted in the file, not records
+        fh.write(json.dumps({"seq": 4, "t": 101.0, "kind": "submitted", "attempt": 2, "job_id": "8"}) + "\n")
+    with pytest.raises(SailorError) as exc:
+        rd.state()
+    assert exc.value.file == str(rd.journal_file) and exc.value.field == "line 6" and "attempt 2" in str(exc.value)
+    for args in (["run", "status", str(rd.path)], ["run", "--resume", str(rd.path)]):
+        proc = subprocess.run([sys.executable, "-m", "sailor_hpc.cli", *args], cwd=REPO, capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        assert f"{rd.journal_file}: line 6: " in proc.stderr and "fix: the journal was edited" in proc.stderr

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from sailor_hpc.controller.journal import Journal, Kind, read_journal
 from sailor_hpc.controller.spec import RunSpec
-from sailor_hpc.controller.state import RunDir, job_name
+from sailor_hpc.controller.state import InconsistentJournal, RunDir, job_name
 from tests.data import LOCAL_LAB
 from tests.fuzz.harness import Doc, count, examples, loads_or_refuses, mutated_bytes, mutated_doc, scratch
 
@@ -84,3 +84,20 @@ def test_journal_loads_or_names_the_file(data: bytes) -> None:
             assert read_journal(rd.journal_file)[:-1] == journal.records[:-1]
         if not opened:
             assert rd.journal_file.read_bytes() == data  # a refused journal is left as it was
+
+
+@settings(max_examples=examples(200))
+@given(journal_files)
+@example(_jsonl([*RECORDS, {**RECORDS[-1], "seq": 5, "attempt": 2}]))  # an attempt never intended: was a KeyError
+@example(_jsonl([*RECORDS[:-1], {**RECORDS[-1], "nodes": ["a100-1"]}]))  # nodes as a list: was a ValueError
+@example(_jsonl([*RECORDS[:3], {**RECORDS[3], "attempt": None}, *RECORDS[4:]]))  # was an AssertionError
+def test_journal_replays_or_names_the_file_and_line(data: bytes) -> None:
+    """What ``run --resume`` and ``run status`` fold: the state, or a refusal naming the journal and the line."""
+    count("journal.jsonl (fold)")
+    with scratch({**TEMPLATE, "journal.jsonl": data}) as root, loads_or_refuses("journal.jsonl (fold)",
+                                                                              root / "journal.jsonl"):
+        try:
+            RunDir(root).state()
+        except InconsistentJournal as exc:
+            assert exc.field is not None and exc.field.startswith("line ") and exc.fix, exc
+            raise
