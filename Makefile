@@ -15,11 +15,12 @@ $(VENV)/.installed: setup.cfg pyproject.toml | $(VENV)/bin/python
 	$(PIP) install -e .
 	touch $@
 
-# everything: runtime (torch 2.13.0 CPU wheel, megatron-core 0.16.1) and test tools. torch is pinned first:
+# everything: runtime (torch 2.13.0 CPU wheel, megatron-core 0.16.1), DeepSpeed (built without ops: none is
+# compiled on the CPU; torch stays pinned so it keeps the CPU wheel) and test tools. torch is pinned first:
 # the extra's range would otherwise let pip pick a newer, several-GB CUDA build
 $(VENV)/.installed-test: setup.cfg pyproject.toml | $(VENV)/bin/python
 	$(PIP) install torch==2.13.0
-	$(PIP) install -e '.[runtime,test]'
+	DS_BUILD_OPS=0 $(PIP) install -e '.[runtime,test,deepspeed]' torch==2.13.0
 	touch $@ $(VENV)/.installed
 
 install: $(VENV)/.installed

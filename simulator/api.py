@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from sailor_hpc.core.archive import ProfileArchive, open_archive
+from sailor_hpc.core.deepspeed_plan import ZERO_STAGES, check_engine_plan, zero_stage_of
 from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.models import ModelSpec, get_model
 from sailor_hpc.core.placement import place_plan
@@ -26,14 +27,19 @@ from simulator.memory import (
     GRAD_BYTES,
     HeadShape,
     StageMemory,
+    Zero,
     in_flight,
     stage_memory,
 )
 from simulator.network import Endpoint, p2p_transfer, ring_allreduce_seconds
-from simulator.runtimes import OptimizerImpl, Runtime, get_runtime, optimizer_impl, staging_bytes
+from simulator.runtimes import ZERO_BUCKET_ELEMS, OptimizerImpl, Runtime, get_runtime, optimizer_impl, staging_bytes
 from simulator.schedule import ScheduleResult, pipeline_schedule
 from simulator.tables import ComputeTable, MemoryTable, ProfileTables, tables_for
 from simulator.timeline import Timeline, build_programs, run_programs
+
+# ZeRO-3 moves 1.5x an all-reduce's bytes per step: a reduce-scatter of the gradients plus an all-gather of the
+# weights in the forward and another in the backward (stages 1-2: reduce-scatter + all-gather = one all-reduce)
+ZERO3_TRAFFIC = {3: 1.5}
 
 
 @dataclass(frozen=True)
@@ -64,9 +70,18 @@ class SimOptions:
     # the Adam implementation that steps (simulator.runtimes.OPTIMIZER_IMPLS): what the optimizer step allocates;
     # None: the runtime's on the backend's device (megatron_patch: "fused" on CUDA, "foreach" on the CPU)
     optimizer_impl: str | None = None
+    # the deepspeed runtime's ZeRO stage (simulator.memory.Zero), partitioned over the plan's replicas
+    # (simulate sets zero_dp to the plan's pipeline count; the planner per candidate)
+    zero_stage: int = 0
+    zero_dp: int = 1
 
     def __post_init__(self) -> None:
         rt = get_runtime(self.runtime)
+        if self.zero_stage and self.runtime != "deepspeed":
+            raise SailorError(f"ZeRO stage {self.zero_stage} is a setting of the deepspeed runtime, not of {self.runtime}",
+                              field="zero_stage", fix="use --runtime deepspeed, or ZeRO stage 0")
+        if self.zero_stage not in ZERO_STAGES:
+            raise SailorError(f"ZeRO stage {self.zero_stage!r} is not one of {list(ZERO_STAGES)}", field="zero_stage")
         backend_staging = staging_bytes(self.backend)  # also rejects an unknown backend
         if self.staging_bytes is None:
             object.__setattr__(self, "staging_bytes", backend_staging)
@@ -94,6 +109,11 @@ class SimOptions:
     @property
     def reduce_buffer_elems(self) -> int:
         return self.bucket_elems if self.extra_reduce_buffer else 0
+
+    @property
+    def zero(self) -> Zero:
+        """The ZeRO partitioning the memory model charges (stage 0: none)."""
+        return Zero(self.zero_stage, self.zero_dp, ZERO_BUCKET_ELEMS if self.zero_stage else 0)
 
     @property
     def optimizer_model(self) -> OptimizerImpl:
@@ -169,8 +189,11 @@ class StageEvaluator:
         out = self.tables.boundary_bytes(last, mbs, tp, self.dtype) if last < L - 1 else 0.0
         inp = self.tables.boundary_bytes(first - 1, mbs, tp, self.dtype) if first > 0 else 0.0
         params = mem.params(first, last)
+        update = self.tables.update_seconds(table, first, last, self.optimizer)
+        if self.options.zero_stage:  # each replica steps its 1/D partition
+            update /= self.options.zero_dp
         return StageCost(gpu=table.gpu, tp=tp, mbs=mbs, first=first, last=last, fwd_s=fwd, bwd_s=bwd,
-                         update_s=self.tables.update_seconds(table, first, last, self.optimizer), out_bytes=out, in_bytes=inp,
+                         update_s=update, out_bytes=out, in_bytes=inp,
                          params=params, grad_bytes=params * GRAD_BYTES[self.dtype])
 
     def stage_memory(self, cost: StageCost, *, stage: int, num_stages: int, micro_batches: int) -> StageMemory:
@@ -194,7 +217,7 @@ class StageEvaluator:
                             recompute=self.recompute, bucket_elems=self.options.reduce_buffer_elems,
                             allocator_slack=self.options.allocator_slack, optimizer_impl=self.options.optimizer_model,
                             head=self.head_shape(tp) if rt.ties_within_stage else replace(self.head_shape(tp), tied_params=0.0),
-                            per_layer_working=rt.per_layer_working, **stage)
+                            per_layer_working=rt.per_layer_working, zero=self.options.zero, **stage)
 
     def head_shape(self, tp: int) -> HeadShape:
         """The model's head at TP ``tp`` (:class:`simulator.memory.HeadShape`), from the spec and the profile.
@@ -307,8 +330,8 @@ class StageEvaluator:
                 for blo, bhi in self._buckets(lo, hi, [costs[i][s].tp for i, s in holders]) if overlap else [(lo, hi)]:
                     per_gpu = [self.memory_table(costs[i][s].tp).params(blo, bhi) * elem for i, s in holders]
                     lead = tuple(self._backward_below(costs[i][s], blo) for i, s in holders) if overlap else ()
-                    grads.append(Collective("grads", holders, self.allreduce(eps, per_gpu, elem), blo, bhi,
-                                            skew=skew, lead=lead))
+                    secs = self.allreduce(eps, per_gpu, elem) * ZERO3_TRAFFIC.get(self.options.zero_stage, 1.0)
+                    grads.append(Collective("grads", holders, secs, blo, bhi, skew=skew, lead=lead))
         if overlap:  # one global order, as the runtime launches its buckets: backward order, last layers first
             return sorted(grads, key=lambda c: -c.last_layer) + tied
         return tied + grads
@@ -569,6 +592,9 @@ class _Assembled:
 
 def _assemble(plan: Plan, site: Site, archive: ProfileArchive | None, options: SimOptions | None) -> _Assembled:
     plan = prepare_plan(plan, site)
+    if options is not None and options.runtime == "deepspeed":  # what DeepSpeed's engine cannot run is refused
+        check_engine_plan(plan)
+        options = replace(options, zero_stage=zero_stage_of(plan), zero_dp=len(plan.pipelines))
     archive = archive if archive is not None else open_archive(site=site)
     ev = StageEvaluator(archive, site, plan.model, dtype=plan.dtype, optimizer=plan.optimizer,
                         recompute=plan.recompute, options=options)

@@ -69,13 +69,21 @@ Terms:
   share is estimated from measured runs by :mod:`simulator.calibration` (the median over Sailor's 22 runs
   of the share that makes each run's peak exact); ``benchmarks/simulator_accuracy.py`` prints it with
   the leave-one-out errors.
+* ZeRO (the ``deepspeed`` runtime, stage ``z`` over the ``D`` data-parallel replicas of a stage; DeepSpeed's
+  ``stage_1_and_2.py`` and ``stage3.py``): the optimizer's part of the state (fp32 master copy, which
+  ZeRO clones even for fp32 weights, and Adam's m and v: 12 B/param; SGD 8) is divided by D from stage 1,
+  the gradients (param dtype) from stage 2, the weights from stage 3. The step's fp32 gradient partition
+  (4/D B/param) and the optimizer temporary on the partition belong to the step phase. Stages 1-3 reduce
+  through a bucket allocated whole (``ZERO_BUCKET_ELEMS`` of gradient elements, see
+  :mod:`simulator.runtimes`); stage 3 gathers the full weights of the layer it runs (the largest layer,
+  in the working set).
 * Fixed overhead: CUDA context, library workspaces, NCCL communicator buffers, per GPU type and TP
   degree, from the profile archive (measured by the profiler; for the imported Sailor data estimated
   in :mod:`sailor_hpc.core.sailor_compat.profiles`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 
@@ -210,18 +218,43 @@ def _backward_working_one(mem: MemoryTable, first: int, last: int, mbs: int, sca
     return best
 
 
+@dataclass(frozen=True)
+class Zero:
+    """DeepSpeed's ZeRO stage and the data-parallel degree it partitions over (stage 0: nothing partitioned)."""
+
+    stage: int = 0
+    data_parallel: int = 1
+    bucket_elems: int = 0  # reduce bucket ZeRO 1-3 allocate whole
+
+    def apply(self, m: StageMemory, params, *, dtype: str, optimizer: str, temp_words: int, layer_params) -> StageMemory:
+        """``m`` (a stage's memory without ZeRO) with the model state, gradient buffer and step terms of this stage."""
+        if self.stage == 0:
+            return m
+        d = self.data_parallel
+        weight = grad = DTYPE_BYTES[dtype]
+        opt = (12 if optimizer == "adam" else 8) / d  # fp32 master + moments, partitioned from stage 1
+        grad_part = grad / d if self.stage >= 2 else grad
+        weight_part = weight / d if self.stage >= 3 else weight
+        gathered = layer_params * weight if self.stage >= 3 else 0.0
+        step_temp = (temp_words * FP32_WORD if optimizer == "adam" else 0) / d + FP32_WORD / d  # + fp32 grad partition
+        return replace(m, state=(weight_part + grad_part + opt) * params, optimizer_temp=step_temp * params,
+                       reduce_buffer=GRAD_BYTES[dtype] * self.bucket_elems + 0.0 * params,
+                       working=m.working + gathered, temp_coexists=False)
+
+
 def stage_memory(mem: MemoryTable, first, last, *, stage, num_stages, mbs: int, micro_batches, dtype: str,
                  optimizer: str, recompute: bool, input_bytes, overhead, bucket_elems: int = DEFAULT_BUCKET_ELEMS,
                  allocator_slack: float = ALLOCATOR_SLACK, freed_output_bytes=0.0,
                  optimizer_impl: OptimizerImpl = SUMMED, head: HeadShape | None = None,
-                 per_layer_working: bool = False) -> StageMemory:
+                 per_layer_working: bool = False, zero: Zero = Zero()) -> StageMemory:
     """Peak memory of one GPU of a stage holding layers ``first..last`` at TP ``mem.tp``.
 
     ``input_bytes``: the activation a non-first stage receives per micro-batch (0 for stage 0);
     ``freed_output_bytes``: what the runtime frees of the output it sent, per micro-batch;
     ``optimizer_impl``: the runtime's Adam (:mod:`simulator.runtimes`); ``head``: the model's head
     (tied embedding, logits); ``per_layer_working``: megatron_patch's backward working set (else the
-    largest layer activation). Layer ranges, stage indices, micro-batch counts and inputs may be arrays of
+    largest layer activation); ``zero``: DeepSpeed's ZeRO partitioning (:class:`Zero`). Layer ranges,
+    stage indices, micro-batch counts and inputs may be arrays of
     one shape (many stages at once, same TP); every component then is an array of that shape.
     """
     head = head or HeadShape()
@@ -237,7 +270,11 @@ def stage_memory(mem: MemoryTable, first, last, *, stage, num_stages, mbs: int, 
         working = (backward_working(mem, first, last, mbs=mbs, scale=scale, elem=DTYPE_BYTES[dtype], head=head,
                                     freed_output_bytes=freed_output_bytes) if per_layer_working else layer_max)
     temp = optimizer_impl.temp_words * FP32_WORD if optimizer == "adam" else 0
-    return StageMemory(state=STATE_BYTES[(dtype, optimizer)] * params, optimizer_temp=temp * params,
-                       reduce_buffer=GRAD_BYTES[dtype] * np.minimum(params, bucket_elems),
-                       activations=acts, working=working, allocator_slack=allocator_slack * (acts + working),
-                       overhead=overhead, temp_coexists=optimizer_impl.coexists)
+    out = StageMemory(state=STATE_BYTES[(dtype, optimizer)] * params, optimizer_temp=temp * params,
+                      reduce_buffer=GRAD_BYTES[dtype] * np.minimum(params, bucket_elems),
+                      activations=acts, working=working, allocator_slack=allocator_slack * (acts + working),
+                      overhead=overhead, temp_coexists=optimizer_impl.coexists)
+    if zero.stage == 0:
+        return out
+    return zero.apply(out, params, dtype=dtype, optimizer=optimizer, temp_words=optimizer_impl.temp_words,
+                      layer_params=mem.max_layer_params(first, last) if zero.stage >= 3 else 0.0)

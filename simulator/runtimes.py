@@ -10,6 +10,11 @@ A plan is simulated as the runtime that will run it runs it; both share every ot
       gradient of the next backward (``serial``).
     * Gradients are reduced after the flush through one flattened bucket buffer (``extra_reduce_buffer``).
     * Once a stage's output is sent, only the rank's partition of it is kept (``PartitionedTensor``).
+``deepspeed``: stock DeepSpeed (0.19) running megatron_patch's layers (``megatron_patch.ds_runtime``, or a
+    user's own DeepSpeed script under a plan of ``sailor-hpc plan --runtime deepspeed``): the pipeline engine's
+    exchange order and flattened reduction, no tensor parallelism (a TP-1 stage keeps its whole output until
+    its backward), torch's AdamW (``torch_adam``, multi-tensor) and a ZeRO stage (``SimOptions.zero_stage``,
+    :mod:`simulator.memory`).
 ``megatron_patch``: this project's runtime (megatron-core's non-interleaved 1F1B, ``megatron_patch.p2p``).
     * Activations are replicated over the TP ranks, and every rank of the receiving stage gets a full
       copy from one sender rank: as many streams of A bytes as the receiving stage has ranks.
@@ -54,6 +59,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from sailor_hpc.core.deepspeed_plan import ZERO_BUCKET_ELEMS  # re-exported: the simulator's ZeRO bucket
 from sailor_hpc.core.errors import SailorError
 
 NCCL_BUFFSIZE = 4 * 2**20  # NCCL's default staging buffer per channel and peer (bytes)
@@ -103,6 +109,10 @@ RUNTIMES: dict[str, Runtime] = {
     "megatron_patch": Runtime("megatron_patch", partitioned_p2p=False, serial_exchange=False, overlap_grad_sync=True,
                               extra_reduce_buffer=False, optimizer_by_backend={"nccl": "fused", "gloo": "foreach"},
                               per_layer_working=True, ties_within_stage=True),
+    # stock DeepSpeed with the ds_config of sailor_hpc.core.ds_config: torch AdamW, foreach on every device
+    "deepspeed": Runtime("deepspeed", partitioned_p2p=True, serial_exchange=True, overlap_grad_sync=False,
+                         extra_reduce_buffer=True, optimizer_by_backend={"nccl": "foreach", "gloo": "foreach"},
+                         per_layer_working=True, ties_within_stage=True),
 }
 
 
@@ -125,5 +135,6 @@ def optimizer_impl(name: str) -> OptimizerImpl:
     return _one_of(OPTIMIZER_IMPLS, name, "optimizer implementation", "optimizer_impl")
 
 
-__all__ = ["NCCL_BUFFSIZE", "OPTIMIZER_IMPLS", "OptimizerImpl", "RUNTIMES", "Runtime", "STAGING_BYTES", "get_runtime",
+__all__ = ["ZERO_BUCKET_ELEMS",
+           "NCCL_BUFFSIZE", "OPTIMIZER_IMPLS", "OptimizerImpl", "RUNTIMES", "Runtime", "STAGING_BYTES", "get_runtime",
            "optimizer_impl", "staging_bytes"]

@@ -107,6 +107,11 @@ class MemoryTable:
     def max_layer_act(self, first, last):
         return self.range_max_act[first, last]
 
+    def max_layer_params(self, first, last):
+        """The most parameters one layer of ``first..last`` holds (what ZeRO-3 gathers at once; ints or arrays)."""
+        per = np.diff(self.cum_params)
+        return np.vectorize(lambda a, b: float(per[a:b + 1].max()))(first, last)[()]
+
     def recompute_keep(self, first, last):
         """Bytes (mbs 1) a stage keeps per micro-batch in flight when every transformer block is
         recomputed (checkpointed one by one, as megatron_patch does): the input of each block, except a

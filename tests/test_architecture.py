@@ -37,7 +37,7 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "megatron_patch": ("sailor_hpc.slurm", "submitit"),
     "sailor_hpc.core": ("torch", "megatron", "submitit", "click"),
 }
-HEAVY = ("torch", "megatron", "transformer_engine", "matplotlib")
+HEAVY = ("torch", "megatron", "transformer_engine", "deepspeed", "matplotlib")
 PACKAGES = ("sailor_hpc", "simulator", "planner", "profiler", "megatron_patch", "sbatch_templates")
 
 
@@ -108,7 +108,7 @@ def torch_modules(imports: list[Import]) -> set[str]:
     for imp in imports:
         if not imp.lazy:
             graph.setdefault(imp.module, set()).add(imp.target)
-    heavy = {m for m, targets in graph.items() if any(t.split(".")[0] in HEAVY[:3] for t in targets)}
+    heavy = {m for m, targets in graph.items() if any(t.split(".")[0] in HEAVY[:4] for t in targets)}
     changed = True
     while changed:
         changed = False

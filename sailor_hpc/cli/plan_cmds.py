@@ -15,6 +15,7 @@ from sailor_hpc.core.plan import Plan
 from sailor_hpc.core.plan_io import load_plan
 from sailor_hpc.core.precision import DTYPES
 from sailor_hpc.core.site import load_site
+from sailor_hpc.core.training import FLAGS
 
 
 def plan_rows(plan: Plan) -> list[tuple]:
@@ -54,6 +55,9 @@ def describe_plan(plan: Plan) -> str:
 @click.option("--space", type=click.Choice(["full", "sailor", "homogeneous"]), default="full", show_default=True,
               help="Search space: everything, Sailor's plan shape, or one partition.")
 @runtime_option
+@click.option("--ds-config", "ds_config_out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="With --runtime deepspeed: also write the best plan's DeepSpeed config (ds_config.json: batch, "
+                   "precision, ZeRO stage, clipping, optimizer and LR schedule from the training options).")
 @click.option("--top", "top_k", type=click.IntRange(min=1), default=5, show_default=True, help="Plans to show.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the best plan here.")
@@ -81,6 +85,7 @@ def plan_group(ctx: click.Context, site_file: Path | None, model_name: str | Non
             return
         raise click.UsageError("plan needs both --site and --model")
 
+    opts["train_values"] = {f.dest: opts.get(f.dest) for f in FLAGS}  # for --ds-config
     train_args = pop_training_args(opts)  # checked before the search
     run_planner(site_file, model_name, train_args=train_args, time_opts=pop_time_options(opts), **opts)
 

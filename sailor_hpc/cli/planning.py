@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -10,6 +10,7 @@ from typing import Any
 import click
 
 from planner import Constraints, PlanRequest, search
+from planner.deepspeed_space import deepspeed_search
 from planner.geo import geo_search, gpus_per_cluster
 from planner.pareto import plot_pareto
 from planner.time_pareto import plot_time_pareto
@@ -18,6 +19,8 @@ from sailor_hpc.cli.time_planning import TimeOptions, echo_time, refine, time_go
 from sailor_hpc.cli.training_options import job_paths
 from sailor_hpc.core.archive import open_archive
 from sailor_hpc.core.atomic import removed_on_error
+from sailor_hpc.core.deepspeed_plan import zero_stage_of
+from sailor_hpc.core.ds_config import write_ds_config
 from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.models import get_model
 from sailor_hpc.core.site import Site, load_site
@@ -86,9 +89,13 @@ def run_planner(site_file: Path, model_name: str, *, archive_path: Path | None, 
                 available: str, space: str, runtime: str, top_k: int, output: Path | None, pareto: Path | None,
                 sbatch_out: Path | None, data: str | None, save: str | None, steps: int | None, as_json: bool,
                 train_args: Sequence[str] = (), skip_path_check: bool = False,
-                time_opts: TimeOptions | None = None) -> None:
+                time_opts: TimeOptions | None = None, ds_config_out: Path | None = None,
+                train_values: Mapping[str, Any] | None = None) -> None:
     site = load_site(site_file)
     check_options(model_name, seq_len)
+    if ds_config_out is not None and runtime != "deepspeed":
+        raise SailorError("--ds-config writes the config of a plan DeepSpeed's engine runs", field="--ds-config",
+                          fix="add --runtime deepspeed")
     if sbatch_out is not None:
         check_training_args(data, save, steps or DEFAULT_STEPS)  # before the search, not after it (plan has no --dry-run)
         data, save, _ = job_paths(data, save, None, skip=skip_path_check)
@@ -104,14 +111,19 @@ def run_planner(site_file: Path, model_name: str, *, archive_path: Path | None, 
     bar = _ProgressBar() if not as_json and sys.stderr.isatty() else None
     try:
         # several clusters: also the plans whose pipelines cross them (planner.geo)
-        result = (geo_search(site, archive, request, progress=bar) if len(site.clusters) > 1
-                  else search(site, archive, request, progress=bar))
+        if runtime == "deepspeed":  # only the plans DeepSpeed's engine can run, with ZeRO as a dimension
+            result = deepspeed_search(site, archive, request)
+        else:
+            result = (geo_search(site, archive, request, progress=bar) if len(site.clusters) > 1
+                      else search(site, archive, request, progress=bar))
     finally:
         if bar is not None:
             bar.close()
     if goal is not None:
         result = refine(site, result, estimator, top_k)  # Slurm's own answers for the plans shown
     best = result.candidates[0]
+    if ds_config_out is not None:  # refused (schedule, optimizer) before any file is written
+        write_ds_config(ds_config_out, best.plan, train_values or {}, steps or DEFAULT_STEPS)
     if sbatch_out is not None and output is None:
         output = sbatch_out.with_name(f"{sbatch_out.stem}.plan.json")
     if sbatch_out is not None:
@@ -150,6 +162,9 @@ def run_planner(site_file: Path, model_name: str, *, archive_path: Path | None, 
         click.echo(f"best plan written to {output}")
     if sbatch_out is not None:
         click.echo(f"its sbatch script written to {sbatch_out}")
+    if runtime == "deepspeed":
+        click.echo(f"ZeRO stage of the best plan: {zero_stage_of(best.plan)}"
+                   + (f"; its DeepSpeed config written to {ds_config_out}" if ds_config_out is not None else ""))
 
 
 def _clusters_table(shown: list[Any], site: Site) -> str:

@@ -19,8 +19,9 @@ site_option = click.option("--site", "site_file", required=True, type=click.Path
                            help="Site config (site_configs/*.toml).")
 runtime_option = click.option(
     "--runtime", type=click.Choice(list(RUNTIMES)), default="megatron_patch", show_default=True,
-    help="The runtime that runs the plan, simulated as it runs it: megatron_patch (this project's) or "
-         "deepspeed-pipe (DeepSpeed's pipeline engine, which produced Sailor's measured runs).")
+    help="The runtime that runs the plan, simulated as it runs it: megatron_patch (this project's), "
+         "deepspeed-pipe (DeepSpeed's pipeline engine, which produced Sailor's measured runs) or deepspeed (stock "
+         "DeepSpeed: only plans its engine runs, with the plan's ZeRO stage; docs/deepspeed.md).")
 profiles_option = click.option("--profiles", "profiles", type=click.Path(dir_okay=False, path_type=Path), default=None,
                                help="Profile archive (default: $SAILOR_PROFILES, the site's, then the embedded one).")
 
