@@ -79,8 +79,8 @@ class TimeGoal:
 
     def job_time_s(self, shape: RequestShape, remaining_s: float) -> float:
         """The time limit a job with ``remaining_s`` of training asks for: enough for it, at most the limit."""
-        want = minutes_up(remaining_s * 1.05 + self.restart_cost_s)
-        want = minutes_up(want + grace_s(want))
+        need = remaining_s + self.restart_cost_s
+        want = minutes_up(need + min(MAX_GRACE_S, need / 9))  # then want - grace_s(want) >= need
         return min(want, self.limit_s(shape))
 
     def outlook(self, shape: RequestShape, iteration_s: float, gpus: int, steps: int | None = None) -> Outlook:
@@ -89,9 +89,9 @@ class TimeGoal:
         job_s = self.job_time_s(shape, run_s)
         window = self.model.window(shape, job_s, self.time_min_s)
         restarts, restart_s = 0, 0.0
-        remaining = run_s - min(run_s, self._trains_s(window.granted_s))
+        remaining = run_s - min(run_s, self.trains_s(window.granted_s))
         if remaining > 0:
-            per_job = self._trains_s(self.limit_s(shape))
+            per_job = self.trains_s(self.limit_s(shape))
             if per_job <= 0:
                 return Outlook(window.estimate, run_s, 0, math.inf, job_s, math.inf)
             restarts = math.ceil(remaining / per_job)
@@ -99,7 +99,7 @@ class TimeGoal:
         hours = gpus * (run_s + restart_s) / 3600.0
         return Outlook(window.estimate, run_s, restarts, restart_s, job_s, hours)
 
-    def _trains_s(self, granted_s: float) -> float:
+    def trains_s(self, granted_s: float) -> float:
         """Training a job granted ``granted_s`` does: less its start-up and the checkpoint before its limit."""
         return max(0.0, granted_s - grace_s(granted_s) - self.restart_cost_s)
 
