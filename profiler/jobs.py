@@ -8,7 +8,10 @@
   every rank with its own ``srun`` step (:mod:`profiler.netbench`), fits the result (:mod:`profiler.fit`)
   and writes the network entry.
 
-Both return a small summary dict that the driver reads from submitit's result file.
+Both return a small summary dict that the driver reads from submitit's result file. A sweep with
+``--local`` runs the same functions as processes on this machine (:mod:`profiler.local`): ranks then come
+from torchrun's variables (RANK / WORLD_SIZE / LOCAL_RANK / MASTER_PORT), which
+:func:`sailor_hpc.core.dist_env.read_env` prefers over Slurm's.
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ from sailor_hpc.core.archive import (
     make_provenance,
     write_entries,
 )
+from sailor_hpc.core.dist_env import read_env
 from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.models import get_model
 from sailor_hpc.slurm.commands import parse_kv_line, run_slurm
@@ -116,7 +120,7 @@ def _device(cpu: bool) -> Any:
     if not torch.cuda.is_available():
         raise SailorError("no CUDA device in this profiling job", field="--cpu",
                           fix="run on GPU nodes, or sweep with --cpu into a test archive (recorded under cpu-<type>)")
-    torch.cuda.set_device(int(os.environ.get("SLURM_LOCALID", "0")) % torch.cuda.device_count())
+    torch.cuda.set_device(read_env().local_rank % torch.cuda.device_count())
     return torch.device("cuda", torch.cuda.current_device())
 
 
@@ -128,7 +132,8 @@ def compute_job(task: ComputeTask) -> dict[str, Any] | None:
     from profiler.compute import profile_compute, resident_bytes
 
     baseline = resident_bytes()
-    rank, world = int(os.environ.get("SLURM_PROCID", "0")), int(os.environ.get("SLURM_NTASKS", "1"))
+    where = read_env()
+    rank, world = where.rank, where.world_size
     if world != task.tp:
         raise SailorError(f"the job has {world} tasks for TP {task.tp}", field="--tp",
                           fix="one task per GPU of the TP group")
@@ -137,7 +142,8 @@ def compute_job(task: ComputeTask) -> dict[str, Any] | None:
     torch.set_num_threads(max(1, threads))
     # one node: every TP rank is here. The store is ours (not init_process_group's own) because the ranks
     # also agree through it on every step's outcome (profiler.compute.TPAgreement)
-    store = dist.TCPStore("127.0.0.1", job_port(), world, is_master=rank == 0, timeout=datetime.timedelta(minutes=20))
+    port = where.master_port if where.source == "torchrun" else job_port()  # a local sweep's driver chose it
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=datetime.timedelta(minutes=20))
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world, store=store,
                             timeout=datetime.timedelta(minutes=20))
     t0 = time.perf_counter()
@@ -195,9 +201,7 @@ def network_job(task: NetworkTask) -> dict[str, Any]:
     folder = Path(task.folder)
     job = os.environ.get("SLURM_JOB_ID", str(os.getpid()))
     spec_file, out_file = folder / f"net-{job}.spec.json", folder / f"net-{job}.result.json"
-    spec_file.write_text(NetSpec(kind="intra" if task.kind == "intra" else "inter", senders=task.senders,
-                                 sizes=task.sizes, iters=task.iters, warmup=task.warmup,
-                                 device="cpu" if task.cpu else "cuda").to_json())
+    write_net_spec(task, spec_file)
     env = dict(os.environ)
     env.update(MASTER_ADDR=node_address(os.environ.get("SLURMD_NODENAME")), MASTER_PORT=str(job_port()))
     for var in ("SLURM_NTASKS", "SLURM_NPROCS", "SLURM_NTASKS_PER_NODE", "SLURM_NNODES", "SLURM_STEP_NUM_TASKS"):
@@ -207,7 +211,18 @@ def network_job(task: NetworkTask) -> dict[str, Any]:
     if proc.returncode != 0 or not out_file.exists():
         raise RuntimeError(f"benchmark step failed (exit {proc.returncode}): {' '.join(cmd)}\n"
                            f"{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
-    result = json.loads(out_file.read_text())
+    return record_network(task, json.loads(out_file.read_text()))
+
+
+def write_net_spec(task: NetworkTask, spec_file: Path) -> None:
+    """The benchmark's input, read by every rank of :mod:`profiler.netbench`."""
+    spec_file.write_text(NetSpec(kind="intra" if task.kind == "intra" else "inter", senders=task.senders,
+                                 sizes=task.sizes, iters=task.iters, warmup=task.warmup,
+                                 device="cpu" if task.cpu else "cuda").to_json())
+
+
+def record_network(task: NetworkTask, result: dict[str, Any]) -> dict[str, Any]:
+    """Fit a benchmark's result (rank 0's JSON) and write the network entry; the summary for the driver."""
     fit = fit_bandwidth(result["sizes"], result["p2p_gbps"])
     ar_fit = fit_bandwidth(result["sizes"], result["allreduce_busbw_gbps"])
     prov = make_provenance(f"sailor-hpc profile ({task.sweep})", device=result["device"], backend=result["backend"],
@@ -219,4 +234,3 @@ def network_job(task: NetworkTask) -> dict[str, Any]:
     write_entries(task.archive, [entry])
     return {"path": entry.path, "coeffs": list(fit.coeffs or ()), "max_gbps": fit.max_gbps, "hosts": result["hosts"],
             "allreduce_max_gbps": max(result["allreduce_busbw_gbps"])}
-

@@ -3,7 +3,8 @@ gloo on CPU). Started by a profiling job on every rank:
 
     srun [--het-group=0,1] python -m profiler.netbench --spec spec.json --out result.json
 
-Ranks come from ``SLURM_PROCID`` / ``SLURM_NTASKS``, the rendezvous from ``MASTER_ADDR`` / ``MASTER_PORT``
+Ranks come from ``SLURM_PROCID`` / ``SLURM_NTASKS`` (or, in a ``--local`` sweep, torchrun's ``RANK`` /
+``WORLD_SIZE``: :func:`sailor_hpc.core.dist_env.read_env`), the rendezvous from ``MASTER_ADDR`` / ``MASTER_PORT``
 (set by the job, see :mod:`profiler.jobs`). What is measured, for every message size:
 
 * p2p, aggregate GB/s of ``k`` streams at once (Sailor's "k GPUs sending"): ``intra`` = the k ranks of
@@ -30,6 +31,7 @@ import torch.distributed as dist
 from profiler.netspec import NetSpec
 from profiler.versions import versions
 from sailor_hpc.core.atomic import atomic_write_text
+from sailor_hpc.core.dist_env import read_env
 
 
 def stream_pairs(kind: str, senders: int, world: int) -> list[tuple[int, int]]:
@@ -96,7 +98,7 @@ def run(spec: NetSpec) -> dict[str, object]:
     """Measure on an initialised process group; the result (rank 0's view) as a dict."""
     cuda = spec.device == "cuda" or (spec.device == "auto" and torch.cuda.is_available())
     if cuda:
-        torch.cuda.set_device(int(os.environ.get("SLURM_LOCALID", "0")) % torch.cuda.device_count())
+        torch.cuda.set_device(read_env().local_rank % torch.cuda.device_count())
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     pairs = stream_pairs(spec.kind, spec.senders, dist.get_world_size())
     hosts: list[object] = [None] * dist.get_world_size()
@@ -113,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="result JSON (written by rank 0)")
     args = ap.parse_args(argv)
     spec = NetSpec.from_json(open(args.spec).read())
-    rank, world = int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"])
+    where = read_env()  # srun's ranks, or a local sweep's (torchrun's variables)
+    rank, world = where.rank, where.world_size
     cuda = spec.device == "cuda" or (spec.device == "auto" and torch.cuda.is_available())
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world,
                             timeout=datetime.timedelta(minutes=10))

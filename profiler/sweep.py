@@ -21,11 +21,16 @@ State lives in ``<folder>/sweep-state.json`` (unit -> job id, status). ``resume=
 the archive already holds as ok (and every network link it has), re-attaches to jobs of the previous
 run that are still queued or running, and submits the rest, so an interrupted or partly failed sweep
 is completed by running the same command with ``--resume``.
+
+``local=True`` (``--local``: a laptop, no Slurm) runs every measurement as processes on this machine,
+one at a time (:mod:`profiler.local`), through the same functions, archive merge, report and resume; it
+measures one machine, so links between nodes or partitions are 'skipped' with the reason.
 """
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import time
 from collections import Counter, defaultdict
@@ -39,8 +44,9 @@ import submitit
 
 from profiler.executors import Allocation, JobSettings, make_executor
 from profiler.fit import check_message_sizes
-from profiler.jobs import ComputeTask, NetworkTask, compute_job, network_job
+from profiler.jobs import ComputeTask, NetworkTask, compute_job, network_job, record_network, write_net_spec
 from profiler.keys import ComputePoint, NetworkLink, device_key, network_site_key
+from profiler.local import run_ranks, task_to_json
 from profiler.monotonic import ModelTotals, violations
 from profiler.progress import Progress
 from sailor_hpc.core.archive import (
@@ -94,6 +100,7 @@ class SweepConfig:
     lost_after_s: float = 120.0
     poll_s: float = 1.0
     resume: bool = False
+    local: bool = False  # run the measurements as processes on this machine (no Slurm)
 
     @property
     def part_names(self) -> tuple[str, ...]:
@@ -185,6 +192,13 @@ def check_config(cfg: SweepConfig) -> None:
             raise SailorError("a CPU sweep may not write into the site's shared archive", file=archive,
                               field="--archive", fix="pass --archive with a test archive of its own")
     del spec
+    if cfg.local:
+        if cfg.begin:
+            raise SailorError("a local sweep starts now", field="--begin", fix="drop --begin, or drop --local")
+        if shutil.which(cfg.python) is None:  # started here and now: it must exist here
+            raise SailorError(f"no interpreter {cfg.python!r} on this machine", field="--python",
+                              fix="pass an existing python (the default is this one)")
+        return
     _settings(cfg).additional()  # site account/QOS/extra options and --begin, before anything is submitted
 
 
@@ -217,7 +231,9 @@ def grid(cfg: SweepConfig) -> list[Unit]:
             for b in parts[i + 1:]:
                 links += [NetworkLink("inter", a.name, b.name, k) for k in sorted(set(cfg.senders))
                           if k <= min(a.gpus_per_node, b.gpus_per_node)]
-    units += [Unit(link.key, link=link) for link in links]
+    one_machine = "--local measures this machine only: there is no second node or partition to reach"
+    units += [Unit(link.key, link=link, status="skipped" if cfg.local and link.kind != "intra" else "pending",
+                   reason=one_machine if cfg.local and link.kind != "intra" else "") for link in links]
     return units
 
 
@@ -283,20 +299,42 @@ def _fail(units: Sequence[Unit], reason: str) -> None:
         u.status, u.reason = "failed", reason
 
 
-def submit_compute(cfg: SweepConfig, units: Sequence[Unit], *, remeasure: bool = True) -> None:
+def compute_groups(cfg: SweepConfig, units: Sequence[Unit], *, remeasure: bool = True
+                   ) -> dict[tuple[str, int], list[tuple[list[Unit], ComputeTask]]]:
+    """The pending compute points by (partition, TP degree), in chunks of ``points_per_job`` micro-batch
+    sizes, each chunk with the task one job (or one local run) measures."""
     groups: dict[tuple[str, int], list[Unit]] = defaultdict(list)
     for u in units:
         if u.point is not None and u.status == "pending":
             groups[(u.point.partition, u.point.tp)].append(u)
-    settings = _settings(cfg)
     spec = get_model(cfg.model)
+    out: dict[tuple[str, int], list[tuple[list[Unit], ComputeTask]]] = {}
     for (part_name, tp), members in groups.items():
         members.sort(key=lambda u: u.point.mbs)  # type: ignore[union-attr]
         chunks = [members[i:i + cfg.points_per_job] for i in range(0, len(members), cfg.points_per_job)]
-        tasks = [ComputeTask(model=spec.name, partition=part_name, gpu_key=c[0].point.gpu_key, tp=tp,  # type: ignore
-                             mbs=tuple(u.point.mbs for u in c), archive=str(cfg.archive), cpu=cfg.cpu,  # type: ignore
-                             sweep=str(cfg.folder), dtype=cfg.dtype, blocks=cfg.blocks, warmup=cfg.warmup,
-                             iters=cfg.iters, min_time_s=cfg.min_time_s, remeasure=remeasure) for c in chunks]
+        out[(part_name, tp)] = [
+            (c, ComputeTask(model=spec.name, partition=part_name, gpu_key=c[0].point.gpu_key, tp=tp,  # type: ignore
+                            mbs=tuple(u.point.mbs for u in c), archive=str(cfg.archive), cpu=cfg.cpu,  # type: ignore
+                            sweep=str(cfg.folder), dtype=cfg.dtype, blocks=cfg.blocks, warmup=cfg.warmup,
+                            iters=cfg.iters, min_time_s=cfg.min_time_s, remeasure=remeasure)) for c in chunks]
+    return out
+
+
+def network_task(cfg: SweepConfig, link: NetworkLink) -> NetworkTask:
+    nodes = 1 if link.kind == "intra" or link.het else 2
+    return NetworkTask(site_key=network_site_key(cfg.site.name, cfg.cpu), kind=link.kind, a=link.a, b=link.b,
+                       senders=link.senders, nodes=nodes, sizes=cfg.message_sizes, archive=str(cfg.archive),
+                       cpu=cfg.cpu, sweep=str(cfg.folder), folder=str(cfg.folder), python=cfg.python,
+                       iters=cfg.net_iters)
+
+
+def submit_compute(cfg: SweepConfig, units: Sequence[Unit], *, remeasure: bool = True) -> None:
+    settings = _settings(cfg)
+    spec = get_model(cfg.model)
+    for (part_name, tp), group in compute_groups(cfg, units, remeasure=remeasure).items():
+        members = [u for chunk, _ in group for u in chunk]
+        chunks = [chunk for chunk, _ in group]
+        tasks = [task for _, task in group]
         alloc = Allocation(cfg.site.partition(part_name), nodes=1, tasks_per_node=tp)
         try:
             ex = make_executor(settings, alloc, job_name=f"sailor-prof-{spec.name}-{part_name}-tp{tp}")
@@ -318,11 +356,8 @@ def submit_network(cfg: SweepConfig, units: Sequence[Unit]) -> None:
             continue
         link = u.link
         a = cfg.site.partition(link.a)
-        nodes = 1 if link.kind == "intra" or link.het else 2
-        task = NetworkTask(site_key=network_site_key(cfg.site.name, cfg.cpu), kind=link.kind, a=link.a, b=link.b,
-                           senders=link.senders, nodes=nodes, sizes=cfg.message_sizes, archive=str(cfg.archive),
-                           cpu=cfg.cpu, sweep=str(cfg.folder), folder=str(cfg.folder), python=cfg.python,
-                           iters=cfg.net_iters)
+        task = network_task(cfg, link)
+        nodes = task.nodes
         het = Allocation(cfg.site.partition(link.b), 1, link.senders) if link.het else None
         try:
             ex = make_executor(settings, Allocation(a, nodes, link.senders), one_task=True, het=het,
@@ -334,6 +369,81 @@ def submit_network(cfg: SweepConfig, units: Sequence[Unit]) -> None:
             _fail([u], f"submission failed: {str(exc).strip().splitlines()[-1][:300]}")
             continue
         u.status, u.job_id, u.reason = "queued", str(job.job_id), ""
+
+
+# ------------------------------------------------------------------------------------------- local
+
+def _local_files(cfg: SweepConfig, name: str, world: int) -> tuple[Path, list[Path]]:
+    stem = cfg.folder / f"local-{name}"
+    return stem, [stem.with_name(f"{stem.name}.rank{r}.log") for r in range(world)]
+
+
+def _timeout_note(cfg: SweepConfig) -> str:
+    return f" of {cfg.timeout_s:.0f} s" if cfg.timeout_s is not None else ""
+
+
+def measure_locally(cfg: SweepConfig, units: Sequence[Unit], progress: Progress, deadline: float | None, *,
+                    remeasure: bool = True) -> None:
+    """Measure every pending unit as processes on this machine, one measurement at a time, recording each
+    outcome as :func:`_watch` records a job's."""
+    todo: list[tuple[list[Unit], Any]] = [pair for group in compute_groups(cfg, units, remeasure=remeasure).values()
+                                          for pair in group]
+    todo += [([u], network_task(cfg, u.link)) for u in units if u.link is not None and u.status == "pending"]
+    for members, task in todo:
+        if deadline is not None and time.monotonic() >= deadline:  # what the timeout left is not started
+            _fail(members, f"not measured: the sweep's timeout{_timeout_note(cfg)} came first")
+            for u in members:
+                progress.message(f"failed: {u.key}: {u.reason}")
+            continue
+        for u in members:
+            u.status = "running"
+        save_state(cfg, units)
+        progress.update(_counts(units))
+        value, reason = None, ""
+        if isinstance(task, ComputeTask):
+            name = f"tp{task.tp}-{task.partition}-mbs{'-'.join(map(str, task.mbs))}"
+            stem, logs = _local_files(cfg, name, task.tp)
+            task_file, out = stem.with_suffix(".task.json"), stem.with_suffix(".result.json")
+            atomic_write_text(task_file, task_to_json(task))
+            out.unlink(missing_ok=True)
+            ran = run_ranks([cfg.python, "-m", "profiler.local", str(task_file), str(out)], task.tp, logs, deadline,
+                            _timeout_note(cfg))
+            if not ran.reason:
+                value = json.loads(out.read_text()) if out.exists() else None
+                reason = "" if value is not None else f"rank 0 wrote no result ({out})"
+        else:
+            name = f"net-{task.kind}-{task.a}-{task.b}-k{task.senders}"
+            stem, logs = _local_files(cfg, name, task.senders)
+            spec_file, out = stem.with_suffix(".spec.json"), stem.with_suffix(".result.json")
+            write_net_spec(task, spec_file)
+            out.unlink(missing_ok=True)
+            ran = run_ranks([cfg.python, "-m", "profiler.netbench", "--spec", str(spec_file), "--out", str(out)],
+                            task.senders, logs, deadline, _timeout_note(cfg))
+            if not ran.reason:
+                value = record_network(task, json.loads(out.read_text())) if out.exists() else None
+                reason = "" if value is not None else f"rank 0 wrote no result ({out})"
+        for u in members:
+            u.job_id = f"local:{ran.pid}"
+        apply_result(members, value, ran.reason or reason)
+        for u in members:
+            if u.status == "failed":
+                progress.message(f"failed: {u.key}: {u.reason}")
+    save_state(cfg, units)
+    progress.update(_counts(units))
+
+
+def _measure(cfg: SweepConfig, units: Sequence[Unit], progress: Progress, deadline: float | None) -> None:
+    """Measure the pending units (Slurm jobs, or local processes) and record every outcome."""
+    if cfg.local:
+        measure_locally(cfg, units, progress, deadline)
+        return
+    submit_compute(cfg, units)
+    submit_network(cfg, units)
+    save_state(cfg, units)
+    for u in units:
+        if u.status == "failed":
+            progress.message(f"failed: {u.key}: {u.reason}")
+    _watch(cfg, units, progress, deadline)
 
 
 # ------------------------------------------------------------------------------------------- results
@@ -488,9 +598,13 @@ def recheck_monotonic(cfg: SweepConfig, units: Sequence[Unit], progress: Progres
             u.status, u.reason = "pending", ""
         # the pair's points in one job per partition and TP degree, which checks them itself and flags
         # what still breaks, without a third measurement
-        submit_compute(replace(cfg, points_per_job=len(again)), [u for u, _ in again], remeasure=False)
-        save_state(cfg, units)
-        _watch(cfg, units, progress, deadline)
+        again_cfg = replace(cfg, points_per_job=len(again))
+        if cfg.local:
+            measure_locally(again_cfg, units, progress, deadline, remeasure=False)
+        else:
+            submit_compute(again_cfg, [u for u, _ in again], remeasure=False)
+            save_state(cfg, units)
+            _watch(cfg, units, progress, deadline)
         for u, why in again:
             u.reason = f"measured again ({why})" if u.status == "ok" else \
                 f"first measurement kept; measuring again failed: {u.reason}"
@@ -514,17 +628,12 @@ def run_sweep(cfg: SweepConfig, progress: Progress | None = None) -> SweepReport
     units = grid(cfg)
     if cfg.resume:
         mark_done(cfg, units, _archive_or_empty(cfg.archive))
-        reattach(units, load_state(cfg.folder))
-    submit_compute(cfg, units)
-    submit_network(cfg, units)
-    save_state(cfg, units)
+        if not cfg.local:  # a local sweep's processes ended with its driver: nothing to re-attach to
+            reattach(units, load_state(cfg.folder))
     progress = progress or Progress(len(units))
-    for u in units:
-        if u.status == "failed":
-            progress.message(f"failed: {u.key}: {u.reason}")
     deadline = None if cfg.timeout_s is None else time.monotonic() + cfg.timeout_s
     try:
-        _watch(cfg, units, progress, deadline)
+        _measure(cfg, units, progress, deadline)
         if cfg.compute:
             recheck_monotonic(cfg, units, progress, deadline)
     finally:

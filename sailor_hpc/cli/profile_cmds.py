@@ -1,4 +1,5 @@
-"""``sailor-hpc profile``: measure a model and the network of a site with profiling jobs (submitit)."""
+"""``sailor-hpc profile``: measure a model and the network of a site with profiling jobs (submitit), or with
+processes on this machine (``--local``)."""
 from __future__ import annotations
 
 import sys
@@ -41,6 +42,9 @@ def _names(text: str | None) -> tuple[str, ...]:
 @click.option("--archive", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Archive to merge into (default: the site's shared archive; required with --cpu).")
 @click.option("--cpu", is_flag=True, help="Measure on CPU (test clusters): recorded under cpu-<GPU type>.")
+@click.option("--local", is_flag=True,
+              help="No Slurm: measure on this machine, one point at a time, as local processes (links between "
+                   "nodes are skipped).")
 @click.option("--network", default="intra,inter,between", show_default=True,
               help="Network measurements: any of intra,inter,between, or none.")
 @click.option("--no-compute", is_flag=True, help="Only the network jobs.")
@@ -70,12 +74,13 @@ def _names(text: str | None) -> tuple[str, ...]:
               help="Also write the site with the measured network fits (and cpu- GPU types with --cpu).")
 @json_option
 def profile_cmd(site_file: Path, model: str, partitions: str | None, mbs: str, tp: str, archive: Path | None,
-                cpu: bool, network: str, no_compute: bool, net_senders: str, net_sizes: str | None, dtype: str,
+                cpu: bool, local: bool, network: str, no_compute: bool, net_senders: str, net_sizes: str | None, dtype: str,
                 blocks: int | None, iters: int, min_time_s: float, warmup: int, points_per_job: int, time_min: int,
                 begin: str | None,
                 folder: Path | None, python: str, timeout_s: float | None, lost_after: float, poll_s: float,
                 resume: bool, write_site: Path | None, as_json: bool) -> None:
-    """Profile MODEL on the site's partitions with Slurm jobs and merge the results into the archive.
+    """Profile MODEL on the site's partitions with Slurm jobs (or, with --local, processes on this machine)
+    and merge the results into the archive.
 
     Exit code 0 when every point and link was measured, 1 when some failed (each is reported and
     recorded; run again with --resume to complete the sweep), 2 for bad input.
@@ -99,7 +104,7 @@ def profile_cmd(site_file: Path, model: str, partitions: str | None, mbs: str, t
                       warmup=warmup, iters=iters, min_time_s=min_time_s, time_min=time_min, begin=begin,
                       folder=folder or Path("sailor-profile") / f"{site.name}-{name}", python=python,
                       points_per_job=points_per_job, timeout_s=timeout_s, lost_after_s=lost_after, poll_s=poll_s,
-                      resume=resume)
+                      resume=resume, local=local)
     report = run_sweep(cfg)
     if write_site is not None:
         measured = measured_site(site, read_archive(report.archive), cpu=cpu)
