@@ -24,8 +24,11 @@ def plan(archive: Path, *extra: str) -> tuple[int, str]:
 
 def test_plan_time_json_and_refusals(tmp_path) -> None:
     archive = write_tiny_archive(tmp_path / "tiny.h5")
-    code, out = plan(archive, "--steps", "400", "--time", "00:02:00", "--restart-cost", "10", "--json")
+    chart = tmp_path / "finish.png"
+    code, out = plan(archive, "--steps", "400", "--time", "00:02:00", "--restart-cost", "10", "--json",
+                     "--pareto", str(chart))
     assert code == 0, out
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # finish against GPU-hours
     doc = json.loads(out)
     assert doc["steps"] == 400 and len(doc["time"]) == 2
     for t, p in zip(doc["time"], doc["plans"]):

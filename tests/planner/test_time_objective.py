@@ -10,6 +10,7 @@ import pytest
 from planner import PlanRequest, search
 from planner.start_model import StartModel, fits
 from planner.time_goal import TimeGoal, grace_s, plan_shape
+from planner.time_pareto import time_front
 from planner.time_strategy import choose
 from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.start_times import Hold, QueueSnapshot, StartEstimate, WaitHistory, request_shape
@@ -150,3 +151,12 @@ def test_grow_later_against_waiting(tiny_archive) -> None:
     assert s.grow_finish_s == pytest.approx(busy + 60.0 + (steps - done) * t1)
     assert s.chosen == ("grow" if s.grow_finish_s < s.wait.finish_s else "wait")
     assert s.chosen == "grow"  # 600 s on the V100s beat idling them while the A100s are busy
+    # the finish / GPU-hours front: exactly the plans no other beats on both, by brute force
+    looks = [(c, goal.plan_outlook(c.plan, c.result.iteration_time_s)) for c in result.simulated]
+    front = {id(c) for c, _ in time_front(goal, result.simulated)}
+    for c, o in looks:
+        beaten = any(p.gpu_hours <= o.gpu_hours and p.finish_s <= o.finish_s and
+                     (p.gpu_hours, p.finish_s) != (o.gpu_hours, o.finish_s) for _, p in looks)
+        tied_earlier = any(p.gpu_hours == o.gpu_hours and p.finish_s == o.finish_s and id(d) in front
+                           for d, p in looks if d is not c)
+        assert (id(c) in front) is (not beaten and not tied_earlier)
