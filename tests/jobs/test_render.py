@@ -590,9 +590,9 @@ def test_sbatch_and_plan_refuse_paths_the_job_could_not_read(tmp_path, case):
     data = str(_dataset(tmp_path / "data" / "web"))
     save, load, named, field = str(tmp_path / "ckpt"), None, "", "--data"
     if case == "missing_prefix":
-        data, named = str(tmp_path / "data" / "wbe"), str(tmp_path / "data" / "wbe.bin")
+        data, named = str(tmp_path / "data" / "wbe"), f"{tmp_path / 'data' / 'wbe'}: --data: no indexed dataset"
     elif case == "missing_blend_prefix":
-        data, named = f"0.7 {data} 0.3 {tmp_path / 'code'}", str(tmp_path / "code.bin")
+        data, named = f"0.7 {data} 0.3 {tmp_path / 'code'}", f"{tmp_path / 'code'}: --data: no indexed dataset"
     elif case == "save_under_a_file":
         (tmp_path / "afile").write_text("")
         save, named, field = str(tmp_path / "afile" / "ckpt"), str(tmp_path / "afile"), "--save"
