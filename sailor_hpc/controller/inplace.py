@@ -43,13 +43,11 @@ Slurm 22.05 facts this relies on, checked on the local cluster (tests/slurm):
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 from sailor_hpc.controller.events import node_states
 from sailor_hpc.controller.planning import Planned, gpus_by_partition, plan_on
@@ -59,6 +57,7 @@ from sailor_hpc.core.atomic import atomic_write_text
 from sailor_hpc.core.errors import SailorError, SlurmUnavailable
 from sailor_hpc.core.plan import Plan
 from sailor_hpc.core.plan_io import load_plan
+from sailor_hpc.core.runtime_events import InPlace, InPlaceRefused, encode_event
 from sailor_hpc.core.site import load_site
 from sailor_hpc.jobs.layout import job_layout
 from sailor_hpc.jobs.render import PORT_BASE, PORT_SPAN, components_for
@@ -126,7 +125,7 @@ def release(comps: list[Component], keep: set[str], lost: dict[str, str]) -> tup
 
 
 def next_step(run_dir: Path, job_plan_file: Path, step_plan_file: Path, step: int, rc: int,
-              job_id: str) -> dict[str, Any] | None:
+              job_id: str) -> InPlace | None:
     """Plan and prepare the next step; returns the ``in_place`` record, or None when the step lost no node
     (raises SailorError when it did but no plan fits the survivors: the job ends, a new one follows)."""
     t_end = time.time()
@@ -156,11 +155,10 @@ def next_step(run_dir: Path, job_plan_file: Path, step_plan_file: Path, step: in
                      f"export MASTER_PORT={port}", f"STEP_NODES={shlex.quote(','.join(nodes))}",
                      "STEP_COMPONENTS=(" + " ".join(shlex.quote(o) for o in opts) + ")"]) + "\n"
     atomic_write_text(_env_file(job_plan_file, step), env)
-    return {"event": "in_place", "job_id": job_id, "step_index": step, "rc": rc, "t_step_end": round(t_end, 3),
-            "t_ready": round(time.time(), 3), "lost": lost, "released": released, "refused": refused,
-            "plan_file": str(plan_path), "nodes": nodes, "gpus": gpus_by_partition(planned.plan),
-            "throughput": planned.score.throughput, "cost_per_hour": planned.score.cost_per_hour,
-            "was_gpus": gpus_by_partition(step_plan)}
+    return InPlace(job_id=job_id, step_index=step, rc=rc, t_step_end=round(t_end, 3), t_ready=round(time.time(), 3),
+                   lost=lost, released=released, refused=refused, plan_file=str(plan_path), nodes=nodes,
+                   gpus=gpus_by_partition(planned.plan), throughput=planned.score.throughput,
+                   cost_per_hour=planned.score.cost_per_hour, was_gpus=gpus_by_partition(step_plan))
 
 
 def _env_file(job_plan_file: Path, step: int) -> Path:
@@ -191,12 +189,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rec = next_step(args.run_dir, args.job_plan, args.step_plan, args.step, args.rc, job_id)
     except (SailorError, SlurmUnavailable) as exc:  # no plan fits the survivors, or Slurm does not answer
-        print(json.dumps({"event": "in_place_refused", "job_id": job_id, "step_index": args.step, "rc": args.rc,
-                          "reason": str(exc), "t": round(time.time(), 3)}, sort_keys=True), flush=True)
+        print(encode_event(InPlaceRefused(job_id=job_id, step_index=args.step, rc=args.rc, reason=str(exc),
+                                          t=round(time.time(), 3))), flush=True)
         return EXIT_END_JOB
     if rec is None:
         return EXIT_END_JOB
-    print(json.dumps(rec, sort_keys=True), flush=True)
+    print(encode_event(rec), flush=True)
     return EXIT_NEXT_STEP
 
 

@@ -61,6 +61,7 @@ from sailor_hpc.core.checkpoint import latest_complete, read_manifest
 from sailor_hpc.core.errors import NoPlanFits, SailorError, SlurmUnavailable
 from sailor_hpc.core.plan import Plan
 from sailor_hpc.core.plan_io import load_plan
+from sailor_hpc.core.runtime_events import InPlace, InPlaceRefused, RuntimeEvent, event_fields
 from sailor_hpc.core.site import Site, load_site
 from sailor_hpc.slurm.commands import sinfo_nodes
 from sailor_hpc.slurm.control import keep_from_requeue
@@ -100,6 +101,7 @@ class Controller(Recorder, GrowBeside):
         self._plans: dict[str, Plan] = {}
         self._hosts: dict[str, list[str]] = {}
         self._said: dict[str, str] = {}  # what was last journaled about a repeating condition, per kind
+        self._malformed: dict[int, list[str]] = {}  # log lines journaled as malformed, per attempt
 
     # ------------------------------------------------------------------------------------------ journal
 
@@ -320,6 +322,9 @@ class Controller(Recorder, GrowBeside):
         tail = self._tail(cur)
         if tail is not None:
             self._in_place(cur, tail.poll())
+            for message in tail.malformed[len(self._malformed.get(cur.number, [])):]:
+                self.note(Kind.ERROR, message=message, where="job log")
+            self._malformed[cur.number] = list(tail.malformed)
         job = obs.job
         running = job is not None and all_running(job)
         if running and cur.running_t is None:
@@ -378,15 +383,15 @@ class Controller(Recorder, GrowBeside):
                       queue_wait_s=queue, downtime_s=down, recovery_s=down - (queue or 0.0), ranks_idle_s=idle,
                       new_job=True, handover=prev is not None)
 
-    def _in_place(self, cur: Attempt, records: list[dict[str, Any]]) -> None:
+    def _in_place(self, cur: Attempt, events: list[RuntimeEvent]) -> None:
         """Journal the steps the job's batch script re-planned on its surviving nodes (once each: a resumed
         controller reads the log again from the start)."""
-        for r in records:
-            if r.get("event") == "in_place" and r.get("step_index", 0) > len(cur.in_place):
-                self.note(Kind.IN_PLACE, attempt=cur.number, **{k: v for k, v in r.items() if k != "event"})
-            elif r.get("event") == "in_place_refused" and r.get("step_index", 0) > len(cur.in_place):
+        for e in events:
+            if isinstance(e, InPlace) and e.step_index > len(cur.in_place):
+                self.note(Kind.IN_PLACE, attempt=cur.number, **event_fields(e))
+            elif isinstance(e, InPlaceRefused) and e.step_index > len(cur.in_place):
                 self.note(Kind.IN_PLACE_REFUSED, attempt=cur.number,
-                          **{k: v for k, v in r.items() if k not in ("event", "t")})
+                          **{k: v for k, v in event_fields(e).items() if k != "t"})
 
     def _in_place_recovered(self, cur: Attempt, tail: LogTail | None) -> None:
         """The first step after an in-place re-plan: how long the change cost, inside the same job."""

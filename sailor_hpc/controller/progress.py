@@ -1,9 +1,10 @@
 """What the training says: the runtime's JSON lines in the job's log, read as they are written.
 
 ``megatron_patch.launch`` prints one JSON object per line and rank (``start``, ``loaded``, ``step``,
-``saved``, ``signal``, ``done``); ``srun`` merges the ranks' lines into the job's log, among Slurm's own
-messages and Python warnings, which are skipped. :class:`LogTail` reads only what was appended since
-the last call and keeps a partial last line for the next one, so polling a long log stays cheap.
+``saved``, ``signal``, ``done``: :mod:`sailor_hpc.core.runtime_events`, read here by type); ``srun`` merges
+the ranks' lines into the job's log, among Slurm's own messages and Python warnings, which are skipped.
+:class:`LogTail` reads only what was appended since the last call and keeps a partial last line for the
+next one, so polling a long log stays cheap.
 """
 from __future__ import annotations
 
@@ -11,7 +12,20 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+
+from sailor_hpc.core.errors import SailorError
+from sailor_hpc.core.runtime_events import (
+    Done,
+    InPlace,
+    Loaded,
+    RuntimeEvent,
+    Saved,
+    Signalled,
+    Started,
+    Stepped,
+    Waiting,
+    decode_event,
+)
 
 
 @dataclass
@@ -40,39 +54,39 @@ class Progress:
         """Measured time to finish a step and save it: what a job asked to checkpoint and stop needs."""
         return self.slowest_step_s + self.slowest_save_s
 
-    def add(self, rec: dict[str, Any]) -> None:
-        kind = rec.get("event")
-        step = rec.get("step")
-        if kind == "in_place":  # the next step of the same job, re-planned on the survivors: a new account
-            self.__dict__.update(Progress(before_t=self.last_step_t).__dict__)
-        elif kind == "start":
-            if self.first_step is not None or self.signal_step is not None:
-                self.__dict__.update(Progress().__dict__)  # the job runs again (requeued): a new account
-            self.started = True
-        elif kind == "loaded":
-            self.loaded_step, self.loaded_consumed = step, rec.get("consumed_samples")
-        elif kind == "step" and isinstance(step, int):
-            self.first_step = step if self.first_step is None else self.first_step
-            if isinstance(rec.get("t"), (int, float)):
-                self.first_step_t = self.first_step_t or float(rec["t"])
-                self.last_step_t = max(float(rec["t"]), self.last_step_t or 0.0)
-            self.last_step = max(step, self.last_step or 0)
-            self.consumed_samples = rec.get("consumed_samples", self.consumed_samples)
-            if isinstance(rec.get("loss"), (int, float)):
-                self.losses[step] = float(rec["loss"])
-            self.slowest_step_s = max(self.slowest_step_s, _seconds(rec.get("iter_s")))
-        elif kind == "saved" and isinstance(step, int):
-            if step not in self.saved_steps:
-                self.saved_steps.append(step)
-            self.slowest_save_s = max(self.slowest_save_s, _seconds(rec.get("seconds")))
-        elif kind == "signal":
-            self.signal_step = step
-        elif kind == "done":
-            self.done_step = step
+    def add(self, event: RuntimeEvent) -> None:
+        match event:
+            case InPlace():  # the next step of the same job, re-planned on the survivors: a new account
+                self.__dict__.update(Progress(before_t=self.last_step_t).__dict__)
+            case Started():
+                if self.first_step is not None or self.signal_step is not None:
+                    self.__dict__.update(Progress().__dict__)  # the job runs again (requeued): a new account
+                self.started = True
+            case Loaded(step=step, consumed_samples=consumed):
+                self.loaded_step, self.loaded_consumed = step, consumed
+            case Stepped(step=step):
+                self.first_step = step if self.first_step is None else self.first_step
+                if event.t is not None:
+                    self.first_step_t = self.first_step_t or event.t
+                    self.last_step_t = max(event.t, self.last_step_t or 0.0)
+                self.last_step = max(step, self.last_step or 0)
+                if event.consumed_samples is not None:
+                    self.consumed_samples = event.consumed_samples
+                if event.loss is not None:
+                    self.losses[step] = event.loss
+                self.slowest_step_s = max(self.slowest_step_s, _seconds(event.iter_s))
+            case Saved(step=step):
+                if step not in self.saved_steps:
+                    self.saved_steps.append(step)
+                self.slowest_save_s = max(self.slowest_save_s, _seconds(event.seconds))
+            case Signalled(step=step):
+                self.signal_step = step
+            case Done(step=step):
+                self.done_step = step
 
 
-def _seconds(value: Any) -> float:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0 else 0.0
+def _seconds(value: float | None) -> float:
+    return value if value is not None and value >= 0 else 0.0
 
 
 class LogTail:
@@ -84,9 +98,11 @@ class LogTail:
         self._partial = b""
         self.progress = Progress()
         self.waiting = 0  # ranks that said they wait for a gate file before loading (a job taking over)
+        self.malformed: list[str] = []  # lines naming an event whose fields do not fit it
 
-    def poll(self) -> list[dict[str, Any]]:
-        """New records since the last call; they are also added to :attr:`progress`."""
+    def poll(self) -> list[RuntimeEvent]:
+        """New events since the last call; they are also added to :attr:`progress`. A line that names an event
+        but lacks a field of it is kept in :attr:`malformed` (the message names the field), not guessed at."""
         try:
             with open(self.path, "rb") as fh:
                 fh.seek(self.offset)
@@ -107,9 +123,17 @@ class LogTail:
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError:
+                continue  # two ranks' lines interleaved, or not the runtime's
+            if not isinstance(rec, dict):
                 continue
-            if isinstance(rec, dict) and "event" in rec:
-                self.waiting += rec["event"] == "waiting"
-                self.progress.add(rec)
-                out.append(rec)
+            try:
+                event = decode_event(rec, source=str(self.path))
+            except SailorError as exc:
+                self.malformed.append(str(exc))
+                continue
+            if event is None:
+                continue
+            self.waiting += isinstance(event, Waiting)
+            self.progress.add(event)
+            out.append(event)
         return out

@@ -53,13 +53,13 @@ def test_log_tail_reads_json_lines_as_they_come(tmp_path: Path):
     cut = len(text) - 20
     log.write_text(text[:cut])  # the last line half written
     got = tail.poll()
-    assert [r["event"] for r in got] == ["start", "loaded"] and tail.progress.first_step is None
+    assert [e.name for e in got] == ["start", "loaded"] and tail.progress.first_step is None
     with open(log, "a") as fh:
         fh.write(text[cut:] + "error: bad plan\n" + json.dumps({"event": "signal", "step": 12}) + "\n")
         fh.write(json.dumps({"event": "saved", "step": 12}) + "\n")
     got = tail.poll()
     p = tail.progress
-    assert [r["event"] for r in got] == ["step", "signal", "saved"]
+    assert [e.name for e in got] == ["step", "signal", "saved"]
     assert (p.loaded_step, p.loaded_consumed, p.first_step, p.last_step) == (10, 640, 11, 11)
     assert p.signal_step == 12 and p.saved_steps == [12] and p.losses == {11: 5.5} and p.errors == ["error: bad plan"]
 
@@ -93,3 +93,24 @@ def test_a_slow_saver_gets_the_time_its_saves_take_before_it_is_cancelled(tmp_pa
     tail.poll()
     assert _stop_timeout(tail) == STOP_MARGIN * 403.0 > STOP_TIMEOUT_S
     assert _stop_timeout(None) == STOP_TIMEOUT_S
+
+
+def test_runtime_events_round_trip_and_a_renamed_field_is_named(tmp_path: Path):
+    """The runtime's lines decode to the event types the controller dispatches on; the in-place step's own
+    events go through the same codec; a line naming an event without a field it needs is kept as malformed
+    (its message names the field), never read as None."""
+    from sailor_hpc.core.runtime_events import InPlace, Stepped, decode_event, encode_event
+
+    change = InPlace(job_id="7", step_index=1, rc=137, t_step_end=1.0, t_ready=2.0, lost={"a100-2": "down"},
+                     released=[], refused=[], plan_file="p.step-1.json", nodes=["a100-1"], gpus={"a100": 1},
+                     throughput=2.5, cost_per_hour=1.0, was_gpus={"a100": 2})
+    assert decode_event(json.loads(encode_event(change))) == change
+    assert decode_event({"event": "ready", "rank": 0}) is None  # for people only
+    log = tmp_path / "job.out"
+    log.write_text(json.dumps({"event": "step", "step": 3, "loss": 1, "iter_s": 0.5, "t": 9}) + "\n"
+                   + json.dumps({"event": "step", "stepp": 4}) + "\n" + encode_event(change) + "\n")
+    tail = LogTail(log)
+    got = tail.poll()
+    assert got == [Stepped(step=3, loss=1.0, iter_s=0.5, t=9.0), change]
+    assert len(tail.malformed) == 1 and "field 'step' is missing" in tail.malformed[0] and str(log) in tail.malformed[0]
+    assert tail.progress.last_step is None and tail.progress.before_t == 9.0  # the in-place step: a new account

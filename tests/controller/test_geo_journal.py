@@ -13,7 +13,7 @@ from sailor_hpc.controller.geo_run import GeoRun
 from sailor_hpc.controller.journal import Journal, Kind, read_journal
 from sailor_hpc.controller.planning import plan_on
 from sailor_hpc.controller.spec import RunSpec
-from sailor_hpc.controller.state import RunDir, fold
+from sailor_hpc.controller.state import InconsistentJournal, RunDir, fold
 from sailor_hpc.controller.story import describe, group_rows
 from sailor_hpc.core.archive import EMBEDDED_ARCHIVE, read_archive
 from sailor_hpc.core.placement import place_plan
@@ -75,8 +75,8 @@ def test_every_geo_record_has_a_story_line(tmp_path: Path):
 def test_a_record_of_an_unknown_group_is_refused(tmp_path: Path):
     j = Journal(tmp_path / "journal.jsonl")
     j.append(Kind.GROUP_RUNNING, group=4)
-    with pytest.raises(KeyError, match="group 4"):
-        fold(j.records)
+    with pytest.raises(InconsistentJournal, match="group 4"):  # exit 2 naming the line, not a traceback
+        fold(j.records, source=j.path, lines=j.lines)
 
 
 def test_replanning_on_several_clusters_uses_the_chains_of_geo_search(tmp_path: Path):
