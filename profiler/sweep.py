@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 import sys
 import time
 from collections import Counter, defaultdict
@@ -198,8 +199,17 @@ def check_config(cfg: SweepConfig) -> None:
         if shutil.which(cfg.python) is None:  # started here and now: it must exist here
             raise SailorError(f"no interpreter {cfg.python!r} on this machine", field="--python",
                               fix="pass an existing python (the default is this one)")
+        if not cfg.cpu and not _has_cuda(cfg.python):
+            raise SailorError("no CUDA device on this machine for a local GPU sweep", field="--cpu",
+                              fix="add --cpu to measure on the CPU (recorded under cpu-<GPU type>)")
         return
     _settings(cfg).additional()  # site account/QOS/extra options and --begin, before anything is submitted
+
+
+def _has_cuda(python: str) -> bool:
+    """Whether ``python``'s torch sees a CUDA device (asked in a process of its own: the driver stays torch-free)."""
+    probe = "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 3)"
+    return subprocess.run([python, "-c", probe], capture_output=True).returncode == 0
 
 
 def grid(cfg: SweepConfig) -> list[Unit]:

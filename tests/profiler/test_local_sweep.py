@@ -118,4 +118,8 @@ def test_bad_local_options_exit_2_naming_the_field(tmp_path: Path) -> None:
     assert res.exit_code == 2 and "--begin" in res.output and "drop --begin" in res.output, res.output
     res = CliRunner().invoke(main, [*base, "--python", str(tmp_path / "no-python")])
     assert res.exit_code == 2 and "--python" in res.output, res.output
+    import torch
+    if not torch.cuda.is_available():  # a GPU sweep asked of a machine without one
+        res = CliRunner().invoke(main, [x for x in base if x != "--cpu"])
+        assert res.exit_code == 2 and "--cpu" in res.output and "no CUDA device" in res.output, res.output
     assert not (tmp_path / "a.h5").exists() and not (tmp_path / "f").exists()  # nothing written
