@@ -54,6 +54,9 @@ def _job_options(f: Any) -> Any:
         click.option("--job-name", default=None, help="Slurm job name (default sailor-<model>)."),
         click.option("--extra-sbatch", multiple=True, help="Extra header option, e.g. --mail-type=END (repeatable)."),
         click.option("--train-arg", multiple=True, help="Extra argument of megatron_patch.launch (repeatable)."),
+        click.option("--runtime", type=click.Choice(["megatron_patch", "deepspeed"]), default="megatron_patch",
+                     show_default=True, help="Who trains the plan: megatron_patch, or stock DeepSpeed "
+                                             "(megatron_patch.ds_runtime; only plans its engine runs)."),
         click.option("--python", default=sys.executable, show_default=True,
                      help="Interpreter on the compute nodes (default: this one, as `run` and `profile`)."),
         click.option("--signal-grace", type=int, default=None,
@@ -91,7 +94,8 @@ def _render(plan_file: Path, site_file: Path, model: str | None, data: str | Non
             load: str | None, steps: int, time_limit: str | None, time_min: str | None, job_name: str | None,
             extra_sbatch: tuple[str, ...],
             train_arg: tuple[str, ...], python: str, signal_grace: int | None, workdir: str | None,
-            log_dir: str | None, dry_run: bool, skip_path_check: bool, *, job_dir: Path) -> tuple[str, Path]:
+            log_dir: str | None, dry_run: bool, skip_path_check: bool, *, job_dir: Path,
+            runtime: str = "megatron_patch") -> tuple[str, Path]:
     """Render the job; a placed copy of the plan (if one is needed) goes into ``job_dir`` (see
     :func:`_job_dir`), never next to the input plan, which may be read-only shared data."""
 
@@ -114,7 +118,7 @@ def _render(plan_file: Path, site_file: Path, model: str | None, data: str | Non
         text = render_job_script(plan, site, plan_path=plan_path, model=model, data=data, save=save, load=load,
                                  steps=steps, job_name=job_name, time=time_limit, extra_sbatch=extra_sbatch,
                                  train_args=train_arg, python=python, signal_grace_s=signal_grace, workdir=work,
-                                 log_dir=logs, dry_run=dry_run, time_min=time_min)
+                                 log_dir=logs, dry_run=dry_run, time_min=time_min, runtime=runtime)
         for d in (work, logs):  # Slurm creates neither
             d.mkdir(parents=True, exist_ok=True)
     if copy:

@@ -132,7 +132,8 @@ def run_planner(site_file: Path, model_name: str, *, archive_path: Path | None, 
             best.plan.save(output)
             script = render_job_script(best.plan, site, plan_path=output.absolute(), data=data, save=save,
                                        steps=steps or DEFAULT_STEPS,
-                                       train_args=train_args)
+                                       train_args=train_args,
+                                       runtime="deepspeed" if runtime == "deepspeed" else "megatron_patch")
         write_job_script(sbatch_out, script)
     elif output is not None:
         best.plan.save(output)

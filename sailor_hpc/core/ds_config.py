@@ -10,10 +10,13 @@ What it says, and why each field has its value:
 * ``zero_optimization``: the plan's ZeRO stage, with 5e7-element buckets (:mod:`sailor_hpc.core.deepspeed_plan`);
 * ``gradient_clipping``, and ``optimizer`` AdamW with the run's learning rate, Megatron's betas
   (0.9, 0.95), epsilon and weight decay, on torch's multi-tensor AdamW (``torch_adam``: no op to build);
-* ``scheduler``: Megatron's schedule in steps, where DeepSpeed has the same one: constant (with a linear
-  warm-up from 0: ``WarmupLR``) or linear decay (``WarmupDecayLR``, exact when the warm-up starts from
-  ``min_lr``, i.e. ``--min-lr 0`` or no warm-up). What DeepSpeed has no equal for is refused with the
-  reason (its ``WarmupCosineLR`` runs the cosine one step ahead of Megatron's).
+* ``scheduler``: Megatron's schedule in steps, where DeepSpeed has the same curve: constant (with a
+  linear warm-up from 0: ``WarmupLR``) or linear decay (``WarmupDecayLR``, which warms up from
+  ``min_lr``: the same curve with ``--min-lr 0`` or no warm-up). DeepSpeed applies a scheduler's first
+  rate after the first optimizer step, so optimizer step k runs at the rate Megatron gives step k - 1
+  (step 0 at the warm-up's start): one step later, measured in ``tests/deepspeed/test_ds_runtime.py``.
+  (``megatron_patch.ds_runtime`` sets each step's rate itself and is exact.) Cosine is refused: its
+  ``WarmupCosineLR`` counts the decay from another step than its warm-up, a curve Megatron has not.
 
 Megatron exempts biases and norms from weight decay; a config cannot say that, the script's parameter
 groups do (``megatron_patch.ds_runtime`` passes them). DeepSpeed has no SGD: SGD plans are refused.
@@ -70,8 +73,8 @@ def scheduler(schedule: LrSchedule, global_batch: int) -> dict[str, Any] | None:
             "warmup_min_lr": schedule.min_lr, "warmup_max_lr": schedule.lr, "warmup_num_steps": warmup,
             "warmup_type": "linear",
             "total_num_steps": _steps(schedule.decay, global_batch, "decay", "--lr-decay-samples")}}
-    raise SailorError(f"DeepSpeed has no scheduler equal to Megatron's {schedule.style} decay (its WarmupCosineLR "
-                      "runs the cosine one step ahead)", field="--lr-decay-style",
+    raise SailorError(f"DeepSpeed has no scheduler with Megatron's {schedule.style} decay (its WarmupCosineLR "
+                      "counts the decay from another step than its warm-up)", field="--lr-decay-style",
                       fix="use --lr-decay-style linear or constant, or set the learning rate in your script")
 
 

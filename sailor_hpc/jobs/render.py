@@ -23,6 +23,7 @@ import jinja2
 import sbatch_templates
 from sailor_hpc import __version__
 from sailor_hpc.core.atomic import atomic_write_text
+from sailor_hpc.core.deepspeed_plan import check_engine_plan
 from sailor_hpc.core.dist_env import EXIT_SAVED_ON_SIGNAL
 from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.models import get_model
@@ -225,6 +226,19 @@ def cluster_submit_env(site: Site, cluster: str | None, env: Mapping[str, str]) 
     return out
 
 
+#: the module each runtime's ranks run (``runtime`` of :func:`render_job_script`)
+LAUNCH_MODULES = {"megatron_patch": "megatron_patch.launch", "deepspeed": "megatron_patch.ds_runtime.launch"}
+
+
+def _launch_module(plan: Plan, runtime: str) -> str:
+    """The runtime's entry point; a plan DeepSpeed's engine cannot run is refused now, not in the job."""
+    if runtime not in LAUNCH_MODULES:
+        raise SailorError(f"unknown runtime {runtime!r}", field="--runtime", fix=f"use one of {', '.join(LAUNCH_MODULES)}")
+    if runtime == "deepspeed":
+        check_engine_plan(plan)
+    return LAUNCH_MODULES[runtime]
+
+
 def render_job_script(plan: Plan, site: Site, *, plan_path: str | os.PathLike[str], model: str | None = None,
                       data: str | os.PathLike[str] | None = None, save: str | os.PathLike[str] | None = None,
                       load: str | os.PathLike[str] | None = None, steps: int = 100, job_name: str | None = None,
@@ -234,7 +248,7 @@ def render_job_script(plan: Plan, site: Site, *, plan_path: str | os.PathLike[st
                       dry_run: bool = False, requeue: bool = True, time_min: str | None = None,
                       in_place: str | os.PathLike[str] | None = None, cluster: str | None = None,
                       rendezvous_file: str | os.PathLike[str] | None = None,
-                      rendezvous_wait_s: int = DEFAULT_RENDEZVOUS_WAIT_S) -> str:
+                      rendezvous_wait_s: int = DEFAULT_RENDEZVOUS_WAIT_S, runtime: str = "megatron_patch") -> str:
     """The sbatch script that trains ``plan`` (read by the job from ``plan_path``) on ``site``.
 
     ``data`` and ``save`` are required unless ``dry_run`` (every rank then only prints its role);
@@ -242,7 +256,9 @@ def render_job_script(plan: Plan, site: Site, *, plan_path: str | os.PathLike[st
     ``save``). ``extra_sbatch`` are ``--option=value`` header lines: job-wide ones (mail, dependency,
     ...) are written once, before the first component, every other one in each component, because
     sbatch gives many options written before ``#SBATCH hetjob`` to the first component only.
-    ``train_args`` are extra arguments of ``megatron_patch.launch``; ``python`` the interpreter on the
+    ``runtime``: ``megatron_patch`` or ``deepspeed`` (``megatron_patch.ds_runtime.launch``, the same arguments;
+    only plans DeepSpeed's engine runs). ``train_args`` are extra arguments of ``megatron_patch.launch``;
+    ``python`` the interpreter on the
     compute nodes (default: the one running this, a virtualenv on the shared filesystem where sailor-hpc
     is installed, rather than a bare ``python`` that is often the system's, without torch). ``requeue=False`` (a controller
     that resubmits by itself): no ``scontrol requeue`` after a checkpoint on the limit signal, and
@@ -260,6 +276,7 @@ def render_job_script(plan: Plan, site: Site, *, plan_path: str | os.PathLike[st
     checkpoints already are; ``requeue`` must be False (the controller resubmits all clusters' jobs).
     """
     validate_plan(plan, site, source=plan_path, check_placement=True)
+    launch_module = _launch_module(plan, runtime)
     part = cluster_job(plan, site, cluster, rendezvous_file, requeue)
     if in_place and cluster is not None:  # a step re-planned inside one cluster's job would drop the others' ranks
         raise SailorError("in-place steps cannot run one cluster's part of a plan across clusters",
@@ -301,6 +318,7 @@ def render_job_script(plan: Plan, site: Site, *, plan_path: str | os.PathLike[st
         "save": safety.q(safety.shell_path(save, "--save")) if save is not None else "",
         "load": safety.q(safety.shell_path(load, "--load")) if load is not None else "",
         "steps": steps, "train_args": [safety.q(safety.no_control_chars(a, "--train-arg")) for a in train_args],
+        "launch_module": launch_module,
         "python": safety.q(safety.quoted_python_exe(python or sys.executable)), "exit_saved_on_signal": EXIT_SAVED_ON_SIGNAL,
         "partitions": ",".join(part.partitions) if part.partitions else "", "hosts_rendezvous": part.hosts_rendezvous,
         "cluster": part.cluster or "", "rendezvous_wait_s": rendezvous_wait_s,

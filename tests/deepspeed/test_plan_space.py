@@ -121,3 +121,18 @@ def test_simulate_cli_refuses_what_deepspeed_cannot_run(tmp_path: Path) -> None:
     uniform.save(path)
     r = run("simulate", path, "--site", SITES / "a100-v100.toml", "--runtime", "deepspeed", "--json")
     assert r.exit_code == 0, r.output
+
+
+def test_sbatch_renders_the_deepspeed_entry_point_or_refuses(tmp_path: Path) -> None:
+    uniform = Plan("tiny-gpt", 8, (Pipeline(2, 2, (_stage(0, 2), _stage(3, 5, gpu="V100-16"))),) * 2)
+    path, script = tmp_path / "plan.json", tmp_path / "job.sbatch"
+    uniform.save(path)
+    r = run("sbatch", path, "--site", SITES / "local-lab.toml", "--runtime", "deepspeed", "--dry-run", "-o", script)
+    assert r.exit_code == 0, r.output
+    text = script.read_text()
+    assert "-m megatron_patch.ds_runtime.launch --plan" in text and "-m megatron_patch.launch " not in text
+    hetero = Plan("tiny-gpt", 8, (Pipeline(2, 2, (_stage(0, 2), _stage(3, 5))), Pipeline(4, 1, (_stage(0, 5),))))
+    hetero.save(path)
+    bad = tmp_path / "bad.sbatch"
+    r = run("sbatch", path, "--site", SITES / "local-lab.toml", "--runtime", "deepspeed", "--dry-run", "-o", bad)
+    assert r.exit_code == 2 and "DeepSpeed cannot run" in r.output and not bad.exists()
