@@ -137,7 +137,14 @@ def test_plans_are_valid_on_the_measured_site(walk: Walk) -> None:
 
 
 def _records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.startswith("{")]
+    """The JSON objects of a file, in order. Ranks sharing one stdout file (torchrun's workers) each write
+    whole records, but a record's newline is a write of its own, so two records may share a line."""
+    text, at, out = path.read_text(), 0, []
+    decoder = json.JSONDecoder()
+    while (at := text.find("{", at)) >= 0:
+        record, at = decoder.raw_decode(text, at)
+        out.append(record)
+    return out
 
 
 def _schedule_lr(consumed: int) -> float:
