@@ -27,7 +27,15 @@ the profiler's p2p measurement in the same world right after the plans ran. Each
 host with fewer free cores than ranks the stages cannot all compute at once, which no per-GPU model
 predicts; the two-rank plans fit this machine's two cores and separate the model's error from the host's.
 
-    .venv/bin/python benchmarks/simulator_vs_runtime.py [--rounds 5] [--no-pipelines]
+Then, with ``--deepspeed`` (alone: ``--deepspeed-only``), each ZeRO stage under stock DeepSpeed
+(``megatron_patch.ds_runtime``): tiny-gpt on two gloo ranks, one stage, two replicas (DP 2), micro-batch 4
+x 4, profiled first at TP 1; measured median step (slowest rank) and peak RSS per rank beside the
+simulator's step time and peak allocated bytes (runtime ``deepspeed``, gloo). Peak RSS carries the
+process (Python, torch, DeepSpeed: hundreds of MB), so the comparable figure is each stage's difference
+from ZeRO 0, measured and predicted; a ZeRO bucket that ``torch.empty`` allocates but never fills is
+charged whole by the model (on a GPU it is allocated) and costs no RSS on the CPU.
+
+    .venv/bin/python benchmarks/simulator_vs_runtime.py [--rounds 5] [--no-pipelines] [--deepspeed | --deepspeed-only]
 """
 from __future__ import annotations
 
@@ -259,6 +267,62 @@ def pipelines(env: dict[str, str]) -> list[dict]:
     return rows
 
 
+DS_MBS, DS_MICRO, DS_STEPS = 4, 4, 8
+
+
+def deepspeed_zero(env: dict[str, str]) -> list[dict]:
+    """Every ZeRO stage of a DP-2 one-stage plan under DeepSpeed: measured beside the simulator (see the doc)."""
+    import numpy as np
+
+    from sailor_hpc.core.archive import ComputeEntry, MemoryEntry, OverheadEntry, ProfileArchive
+    from sailor_hpc.core.deepspeed_plan import with_zero_stage
+    from sailor_hpc.core.plan import Pipeline, Plan, Stage
+    from sailor_hpc.core.site import load_site_dict
+    from simulator import SimOptions, simulate
+
+    prof = _launch({**env, "BENCH_PART": "profile", "BENCH_SHAPE": "tiny"}, 1)
+    archive, base = ProfileArchive(), {"source": "benchmark", "shape": "tiny"}
+    for mbs, times in prof["times"].items():
+        archive.add(ComputeEntry(MODEL, "CPU", int(mbs), 1, np.array(times), base))
+    archive.add(MemoryEntry(MODEL, 1, np.array(prof["memory"]), base))
+    archive.add(OverheadEntry("CPU", {1: prof["overhead"]}, base))
+    site = load_site_dict(SITE, source="<this machine>")
+    L = shape_spec("tiny").num_pipeline_layers
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for zero in range(4):
+            plan = with_zero_stage(Plan(MODEL, 2 * DS_MBS * DS_MICRO, (Pipeline(DS_MBS, DS_MICRO, (Stage(0, L - 1, 1, "CPU"),)),)
+                                        * 2), zero)
+            path = Path(tmp) / f"z{zero}.json"
+            plan.save(path)
+            out = local.run(["-m", "megatron_patch.ds_runtime.launch", "--plan", str(path), "--model", MODEL,
+                             "--data", env["BENCH_DATA"], "--steps", str(DS_STEPS)], 2, timeout=1800)
+            bad = [r for r in out if r.returncode != 0]
+            if bad:
+                raise RuntimeError(bad[0].stderr[-3000:])
+            steps = [[e for e in map(json.loads, (x for x in r.stdout.splitlines() if x.startswith("{")))
+                      if e.get("event") == "step"] for r in out]  # DeepSpeed prints lines of its own
+            res = simulate(plan, site, archive, options=SimOptions(runtime="deepspeed", backend="gloo"))
+            rows.append({"zero": zero, "measured_s": statistics.median(max(r[i]["iter_s"] for r in steps)
+                                                                        for i in range(2, DS_STEPS)),
+                         "predicted_s": res.iteration_time_s, "rss": max(r[-1]["mem_bytes"] for r in steps),
+                         "predicted_bytes": res.peak_allocated_bytes})
+    return rows
+
+
+def print_deepspeed(rows: list[dict]) -> None:
+    print(f"\n{MODEL} under DeepSpeed, 2 gloo ranks: one stage x 2 replicas, mbs {DS_MBS} x {DS_MICRO}; median s/step "
+          "(slowest rank) and peak memory per rank (MB), each ZeRO stage's memory also as the change from ZeRO 0")
+    print(f"{'ZeRO':>5}{'measured s':>11}{'predicted':>10}{'err %':>7}{'peak RSS':>10}{'d RSS':>8}"
+          f"{'predicted':>10}{'d pred':>8}")
+    z0 = rows[0]
+    for r in rows:
+        print(f"{r['zero']:>5}{r['measured_s']:>11.4f}{r['predicted_s']:>10.4f}"
+              f"{(r['predicted_s'] / r['measured_s'] - 1) * 100:>+7.1f}{r['rss'] / 1e6:>10.1f}"
+              f"{(r['rss'] - z0['rss']) / 1e6:>+8.1f}{r['predicted_bytes'] / 1e6:>10.1f}"
+              f"{(r['predicted_bytes'] - z0['predicted_bytes']) / 1e6:>+8.1f}")
+
+
 def _launch(script_env: dict[str, str], world: int):
     out = local.run([str(Path(__file__).resolve())], world, script_env, timeout=1800)
     bad = [r for r in out if r.returncode != 0]
@@ -271,11 +335,17 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=5, help="alternating profile/run rounds")
     ap.add_argument("--no-pipelines", dest="pipelines", action="store_false", help="skip the multi-stage plans")
+    ap.add_argument("--deepspeed", action="store_true", help="also each ZeRO stage under DeepSpeed")
+    ap.add_argument("--deepspeed-only", action="store_true", help="only the DeepSpeed ZeRO stages")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         data = str(Path(tmp) / "data")
         local.build_dataset(data)
         env = {"BENCH_ROUNDS": str(args.rounds), "BENCH_DATA": data, "BENCH_RANK_MAIN": "1"}
+        zero = deepspeed_zero(env) if args.deepspeed or args.deepspeed_only else []
+        if args.deepspeed_only:
+            print_deepspeed(zero)
+            return 0
         rows = _launch(env, 1)
         pipes = pipelines(env) if args.pipelines else []
     print(f"{MODEL}, 1 gloo rank, 1 stage of all layers, {MICRO} micro-batches per step; median s/step")
@@ -296,6 +366,8 @@ def main() -> int:
             print(f"{r['shape']:>6}{r['plan']:>14}{r['ranks']:>6}{r['gbps']:>10.3f}{r['measured_s']:>10.4f}"
                   f"{r['predicted_s']:>11.4f}{(r['predicted_s'] / r['measured_s'] - 1) * 100:>+7.1f}"
                   f"{r['serial_s']:>22.4f}{(r['serial_s'] / r['measured_s'] - 1) * 100:>+7.1f}")
+    if zero:
+        print_deepspeed(zero)
     return 0
 
 
