@@ -30,7 +30,7 @@ from sailor_hpc.controller.planning import plan_on
 from sailor_hpc.controller.policy import Score, judge
 from sailor_hpc.controller.progress import LogTail
 from sailor_hpc.controller.spec import RunSpec
-from sailor_hpc.controller.state import RESIZE_REASON, Attempt, RunDir, RunState, job_name
+from sailor_hpc.controller.state import RESIZE_REASON, Attempt, RunDir, RunState, Successor, job_name
 from sailor_hpc.core.archive import ProfileArchive
 from sailor_hpc.core.atomic import atomic_write_text
 from sailor_hpc.core.errors import NoPlanFits, SailorError
@@ -97,28 +97,28 @@ class GrowBeside:
         ``grow_timeout_s`` (the run keeps training where it is)."""
         succ = cur.successor
         assert succ is not None
-        job = job_status(succ["job_id"], self.env)
-        if succ.get("running_t") is None and all_running(job):
+        job = job_status(succ.job_id, self.env)
+        if succ.running_t is None and all_running(job):
             hosts = expand_hostlists(c.nodes for c in job.components)
-            self.note(Kind.GROW_RUNNING, attempt=cur.number, job_id=succ["job_id"], nodes=hosts)
-        if succ.get("running_t") is not None and cur.stop is None and self._successor_ready(succ):
+            self.note(Kind.GROW_RUNNING, attempt=cur.number, job_id=succ.job_id, nodes=hosts)
+        if succ.running_t is not None and cur.stop is None and self._successor_ready(succ):
             self._stop(cur, "resize")
-        elif cur.stop is None and (job.final or self.clock() - succ["submitted_t"] > self.spec.grow_timeout_s):
+        elif cur.stop is None and (job.final or self.clock() - succ.submitted_t > self.spec.grow_timeout_s):
             why = f"ended ({job.state}) before its ranks were ready" if job.final else \
                 f"its ranks were not ready {self.spec.grow_timeout_s:.0f} s after it was submitted"
             self._drop_successor(cur, why)
 
-    def _successor_ready(self, succ: dict[str, Any]) -> bool:
+    def _successor_ready(self, succ: Successor) -> bool:
         """Every rank of the bigger job said it waits for the gate (its log's ``waiting`` records)."""
-        tail = self._succ_tails.setdefault(succ["job_id"], LogTail(succ["log"]))
+        tail = self._succ_tails.setdefault(succ.job_id, LogTail(succ.log))
         tail.poll()
-        return tail.waiting >= self._plan(succ["plan_file"]).num_gpus
+        return tail.waiting >= self._plan(succ.plan_file).num_gpus
 
     def _drop_successor(self, cur: Attempt, reason: str) -> None:
         succ = cur.successor
         assert succ is not None
-        state = slurm_ops.cancel_and_wait(succ["job_id"], self.env)
-        self.note(Kind.GROW_CANCELLED, attempt=cur.number, job_id=succ["job_id"], reason=reason, state=state)
+        state = slurm_ops.cancel_and_wait(succ.job_id, self.env)
+        self.note(Kind.GROW_CANCELLED, attempt=cur.number, job_id=succ.job_id, reason=reason, state=state)
 
     def _open_gate_early(self, cur: Attempt, tail: LogTail | None) -> bool:
         """Let the bigger job's waiting ranks load as soon as this job's ranks are gone (they saved on the
@@ -126,24 +126,24 @@ class GrowBeside:
         succ = cur.successor
         if cur.successor_loading:  # opened before this controller was resumed
             return True
-        if not (cur.waits_for_successor and succ and succ.get("running_t") and self._saved_on_signal(tail)):
+        if not (cur.waits_for_successor and succ and succ.running_t and self._saved_on_signal(tail)):
             return False
         if not slurm_ops.training_steps_gone(cur.job_id, self.env):  # type: ignore[arg-type]
             return False
-        self._open_gate(succ["next_attempt"])
-        self.note(Kind.GATE_OPENED, attempt=cur.number, next_attempt=succ["next_attempt"], job_id=succ["job_id"])
+        self._open_gate(succ.next_attempt)
+        self.note(Kind.GATE_OPENED, attempt=cur.number, next_attempt=succ.next_attempt, job_id=succ.job_id)
         return True
 
     def _handover(self, prev: Attempt) -> None:
         """The old job is gone: the bigger one becomes the run's job, and its waiting ranks may load."""
         s = prev.successor
         assert s is not None
-        n = s["next_attempt"]
-        self.note(Kind.SUBMIT_INTENT, attempt=n, job_name=s["job_name"], plan_file=s["plan_file"], script=s["script"],
-                  reason=RESIZE_REASON, trigger=Kind.IDLE_GPUS, trigger_t=s["trigger_t"], gpus=s["gpus"],
-                  throughput=s["throughput"], cost_per_hour=s["cost_per_hour"], handover_from=prev.number)
-        self.note(Kind.SUBMITTED, attempt=n, job_id=s["job_id"], log=s["log"], submitted_t=s["submitted_t"])
-        self.note(Kind.JOB_RUNNING, attempt=n, job_id=s["job_id"], nodes=s.get("nodes", []), since=s["running_t"])
+        n = s.next_attempt
+        self.note(Kind.SUBMIT_INTENT, attempt=n, job_name=s.job_name, plan_file=s.plan_file, script=s.script,
+                  reason=RESIZE_REASON, trigger=Kind.IDLE_GPUS, trigger_t=s.trigger_t, gpus=s.gpus,
+                  throughput=s.throughput, cost_per_hour=s.cost_per_hour, handover_from=prev.number)
+        self.note(Kind.SUBMITTED, attempt=n, job_id=s.job_id, log=s.log, submitted_t=s.submitted_t)
+        self.note(Kind.JOB_RUNNING, attempt=n, job_id=s.job_id, nodes=s.nodes, since=s.running_t)
         self._open_gate(n)
 
     def _open_gate(self, attempt: int) -> None:

@@ -183,7 +183,7 @@ class Controller(Recorder, GrowBeside):
         cur = self.state.current
         keep = {cur.job_id} if cur is not None else set()
         if cur is not None and cur.successor is not None and cur.waits_for_successor:
-            keep.add(cur.successor["job_id"])  # the bigger job growing beside it
+            keep.add(cur.successor.job_id)  # the bigger job growing beside it
         for base, info in slurm_ops.owned_jobs(self.spec.run_id, self.env).items():
             if info["state"] in FINAL_STATES or base in keep:
                 continue
@@ -262,7 +262,7 @@ class Controller(Recorder, GrowBeside):
         st, spec = self.state, self.spec
         prev = st.attempts[-1] if st.attempts else None
         if prev is not None and prev.successor is not None and prev.waits_for_successor:
-            if prev.successor.get("running_t") is not None:
+            if prev.successor.running_t is not None:
                 self._handover(prev)
                 return
             self._drop_successor(prev, f"job {prev.job_id} ended before the bigger job started")
@@ -349,7 +349,7 @@ class Controller(Recorder, GrowBeside):
         if running:
             if self._saved_on_signal(tail) and not _shrinks_in_place(cur):  # ours, a preemption's or the
                 self._end(cur, job, tail)  # time limit's: the checkpoint is committed, no need to wait for the exit
-            elif cur.stop is not None and self.clock() - float(cur.stop["t"]) > _stop_timeout(tail):
+            elif cur.stop is not None and self.clock() - cur.stop.t > _stop_timeout(tail):
                 self._end(cur, job, tail, why="did not stop after its checkpoint signal")
             elif cur.stop is None and cur.first_step_t is not None and not cur.lost_nodes and not cur.waits_for_successor:
                 self._consider_resize(cur, obs, tail)
@@ -521,13 +521,13 @@ def _stop_timeout(tail: LogTail | None) -> float:
 def _shrinks_in_place(cur: Attempt) -> bool:
     """Asked to checkpoint because a node drains: the job's batch script re-plans on its other nodes
     (or ends, if no plan fits them), so the controller waits for the job instead of ending it."""
-    return cur.stop is not None and cur.stop.get("reason") == DRAIN_REASON
+    return cur.stop is not None and cur.stop.reason == DRAIN_REASON
 
 
 def _classify(cur: Attempt, job: JobStatus, prog: Any) -> str:
     """Why a job stopped running, in the issue's terms."""
     if cur.stop is not None:
-        return str(cur.stop.get("reason", "asked to stop"))
+        return cur.stop.reason
     if cur.lost_nodes:
         return Kind.NODE_LOST
     if job.state == "COMPLETED":

@@ -122,6 +122,37 @@ class RunDir:
 
 
 @dataclass
+class Successor:
+    """A bigger job submitted beside an attempt's running job (grow without a gap), from ``grow_submitted``
+    on; each later step of the takeover sets its own field, so no meaning hides in a key's presence."""
+
+    next_attempt: int  # the attempt number it becomes once the old job is gone
+    job_id: str
+    job_name: str
+    log: str
+    plan_file: str
+    script: str
+    trigger_t: float
+    gpus: dict[str, int]
+    throughput: float
+    cost_per_hour: float
+    submitted_t: float
+    running_t: float | None = None  # grow_running: every component runs
+    nodes: list[str] = field(default_factory=list)
+    gate_t: float | None = None  # gate_opened: its ranks load (and save) from here on, the old job's never again
+    cancelled: str | None = None  # grow_cancelled: why it will not take over
+
+
+@dataclass(frozen=True)
+class StopRequest:
+    """The controller asked the attempt's job to checkpoint and stop (``signal_sent``)."""
+
+    t: float
+    reason: str
+    signal: str
+
+
+@dataclass
 class Attempt:
     """One Slurm job of the run, from the intent to submit until it is gone."""
 
@@ -143,7 +174,7 @@ class Attempt:
     first_step_t: float | None = None
     start_step: int | None = None
     nodes: list[str] = field(default_factory=list)  # the job's nodes when it was seen running
-    stop: dict[str, Any] | None = None  # the controller asked it to checkpoint and stop (signal_sent)
+    stop: StopRequest | None = None  # the controller asked it to checkpoint and stop
     lost_nodes: dict[str, str] = field(default_factory=dict)
     stopped: dict[str, Any] | None = None  # job_stopped: it stopped running, and why
     end_state: str | None = None
@@ -152,18 +183,18 @@ class Attempt:
     advanced: bool = False  # a newer complete checkpoint appeared while it ran (or right after it)
     in_place: list[dict[str, Any]] = field(default_factory=list)  # steps re-planned on its survivors
     released: dict[str, str] = field(default_factory=dict)  # lost nodes handled in place (not lost again)
-    successor: dict[str, Any] | None = None  # a bigger job submitted beside this one (grow without a gap)
+    successor: Successor | None = None  # a bigger job submitted beside this one (grow without a gap)
     handover_from: int | None = None  # the attempt whose job this one took over from, while it trained
 
     @property
     def waits_for_successor(self) -> bool:
         """A bigger job was submitted beside this one and neither took over nor was cancelled."""
-        return self.successor is not None and "cancelled" not in self.successor
+        return self.successor is not None and self.successor.cancelled is None
 
     @property
     def successor_loading(self) -> bool:
         """The bigger job's gate is open: its ranks load and save from here on, this job's never again."""
-        return self.waits_for_successor and "gate_t" in (self.successor or {})
+        return self.successor is not None and self.waits_for_successor and self.successor.gate_t is not None
 
 
 @dataclass
@@ -287,17 +318,20 @@ def apply(state: RunState, rec: Record) -> None:
         state.recoveries.append(recovery)
     elif kind == Kind.GROW_SUBMITTED:
         assert att is not None
-        att.successor = {k: v for k, v in rec.items() if k not in ("seq", "kind", "attempt")}
-        att.successor["submitted_t"] = t
+        att.successor = Successor(
+            next_attempt=int(rec["next_attempt"]), job_id=str(rec["job_id"]), job_name=str(rec["job_name"]),
+            log=str(rec["log"]), plan_file=str(rec["plan_file"]), script=str(rec["script"]),
+            trigger_t=float(rec["trigger_t"]), gpus=dict(rec.get("gpus", {})), throughput=float(rec.get("throughput", 0.0)),
+            cost_per_hour=float(rec.get("cost_per_hour", 0.0)), submitted_t=t)
     elif kind == Kind.GROW_RUNNING:
         assert att is not None and att.successor is not None
-        att.successor.update(running_t=t, nodes=rec.get("nodes", []))
+        att.successor.running_t, att.successor.nodes = t, list(rec.get("nodes", []))
     elif kind == Kind.GATE_OPENED:
         assert att is not None and att.successor is not None
-        att.successor.setdefault("gate_t", t)
+        att.successor.gate_t = att.successor.gate_t or t
     elif kind == Kind.GROW_CANCELLED:
         assert att is not None and att.successor is not None
-        att.successor["cancelled"] = rec.get("reason", "cancelled")
+        att.successor.cancelled = str(rec.get("reason") or "cancelled")
         state.trigger = None
     elif kind == Kind.IN_PLACE:
         assert att is not None
@@ -322,7 +356,7 @@ def apply(state: RunState, rec: Record) -> None:
             state.trigger = (str(rec.get("trigger") or rec["action"]), float(rec.get("trigger_t", t)))
     elif kind == Kind.SIGNAL_SENT:
         assert att is not None
-        att.stop = {k: v for k, v in rec.items() if k not in ("seq", "kind", "attempt")}
+        att.stop = StopRequest(t=t, reason=str(rec.get("reason") or "asked to stop"), signal=str(rec.get("signal") or "USR1"))
     elif kind == Kind.JOB_STOPPED:
         assert att is not None
         att.stopped = {k: v for k, v in rec.items() if k not in ("seq", "kind", "attempt")}
