@@ -5,8 +5,10 @@ its whole time limit (backfill never delays a job that Slurm has already planned
 planned holds count as taken from their expected start). With ``--time-min`` the window need only last
 that long, and the job is granted the time up to the next moment it would no longer fit. A het request
 needs every partition at once. Slurm's own answer for the exact request (``sbatch --test-only``) wins
-where the snapshot has one; the site's history of waits is the fallback where the timeline has no end
-(a job holding GPUs without a time limit).
+where the snapshot has one, except for a request that fits the free GPUs now for its whole time without
+touching a planned job: backfill starts that one at once, while ``--test-only`` answers "now + the job's
+limit" for a node Slurm has planned for a pending job (measured on the local cluster). The site's
+history of waits is the fallback where the timeline has no end (a job holding GPUs without a time limit).
 """
 from __future__ import annotations
 
@@ -98,13 +100,15 @@ class StartModel:
         return hit
 
     def _window(self, shape: RequestShape, limit_s: float, min_s: float | None) -> Window:
-        tested = self.snapshot.tested.get((shape, round(limit_s)))
-        if tested is not None and min_s is None:
-            return Window(tested, limit_s)
         need = limit_s if min_s is None else min(min_s, limit_s)
+        tested = self.snapshot.tested.get((shape, round(limit_s))) if min_s is None else None
         for start, end in self.intervals(shape):
             if end - start >= need:
+                if start > 0 and tested is not None:
+                    return Window(tested, limit_s)
                 return Window(StartEstimate(start, IDLE_NOW if start == 0 else TIMELINE), min(limit_s, end - start))
+        if tested is not None:
+            return Window(tested, limit_s)
         return self._from_history(shape, limit_s)
 
     def _from_history(self, shape: RequestShape, limit_s: float) -> Window:

@@ -24,7 +24,7 @@ from dataclasses import replace
 from datetime import datetime, timedelta
 
 from sailor_hpc.core.errors import SailorError
-from sailor_hpc.core.site import Site
+from sailor_hpc.core.site import Site, slurm_time_seconds
 from sailor_hpc.core.start_times import (
     TEST_ONLY,
     HistoryError,
@@ -113,8 +113,7 @@ def queue_holds(env: Mapping[str, str] | None, budget: Budget, now: float) -> li
     holds: list[Hold] = []
     for line, kv in records:
         state, job, part = kv.get("JobState", ""), kv.get("JobId", ""), kv.get("Partition", "")
-        end = slurm_time(kv.get("EndTime"))
-        end_s = math.inf if end is None else max(0.0, end - now)
+        end_s = _end_s(kv, now)
         if state in ("RUNNING", "SUSPENDED", "COMPLETING"):
             for m in _NODE_GRES.finditer(line):
                 holds += [Hold(part, node, _gpus(m.group(2)), 0.0, end_s, job) for node in hosts[m.group(1)]]
@@ -128,13 +127,28 @@ def queue_holds(env: Mapping[str, str] | None, budget: Budget, now: float) -> li
     return holds
 
 
+def _end_s(kv: Mapping[str, str], now: float) -> float:
+    """When a job's hold ends, from now: its EndTime, else its start plus its time limit (a pending job's
+    EndTime may still read Unknown), else never (no limit)."""
+    end = slurm_time(kv.get("EndTime"))
+    if end is None:
+        start = slurm_time(kv.get("StartTime"))
+        try:
+            limit = slurm_time_seconds(kv.get("TimeLimit", "UNLIMITED"))
+        except ValueError:
+            limit = None
+        end = None if start is None or limit is None else start + limit
+    return math.inf if end is None else max(0.0, end - now)
+
+
 def _tres_gpus(tres: str) -> int:
     m = re.search(r"gres/gpu=(\d+)", tres)
     return int(m.group(1)) if m else 0
 
 
 def node_gpus(partitions: Sequence[str], env: Mapping[str, str] | None, budget: Budget) -> dict[str, dict[str, int]]:
-    """GPUs of every usable node of ``partitions`` (``sinfo -N``; down or drained nodes left out)."""
+    """GPUs of every usable node of ``partitions`` (``sinfo -N``; down or drained nodes left out, nodes
+    that backfill plans for a pending job kept)."""
     t0 = time.perf_counter()
     try:
         nodes = sinfo_nodes(env, partitions)  # the project's parser of sinfo -N (its own timeout)
@@ -142,7 +156,8 @@ def node_gpus(partitions: Sequence[str], env: Mapping[str, str] | None, budget: 
         budget.used += time.perf_counter() - t0
     out: dict[str, dict[str, int]] = {p: {} for p in partitions}
     for n in nodes:
-        if n.usable and n.partition in out:
+        # "planned": backfill keeps the node for a pending job, whose hold says from when; free until then
+        if (n.usable or n.state.lower().rstrip("+") == "planned") and n.partition in out:
             out[n.partition][n.name] = n.gpus
     return out
 

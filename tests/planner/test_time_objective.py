@@ -84,6 +84,9 @@ def test_tested_answer_wins_and_history_fills_an_open_end() -> None:
     assert model.window(shape, 600).estimate == tested
     est = model.window(shape, 1200).estimate  # not tested at that limit; the holder has no end: the history
     assert (est.start_s, est.source) == (900.0, "sacct history")
+    # a request that fits now keeps "idle now": --test-only answers later for a node planned for a pending job
+    idle = QueueSnapshot(0.0, {"a100": {"a100-0": 2}}, tested={(shape, 600): tested})
+    assert StartModel(idle).window(shape, 600).estimate.source == "idle now"
 
 
 def test_restarts_follow_the_time_limit() -> None:

@@ -113,3 +113,47 @@ def test_time_plan_finishes_first_on_a_busy_cluster(slurm_cluster, busy_a100, tm
     finally:
         for j in jobs.values():
             slurm_cluster.run(["scancel", j])
+
+
+def test_a_backfill_hole_is_planned_and_taken(slurm_cluster, tmp_path) -> None:
+    """a100-1 held for 2 minutes, a pending job wants both A100 nodes after it: a100-2 is idle until then
+    (Slurm marks it PLANNED). The time objective puts a short run in that hole, and Slurm starts it now."""
+    from planner import PlanRequest, search
+    from sailor_hpc.core.archive import EMBEDDED_ARCHIVE, read_archive
+
+    cluster = slurm_cluster
+    hold = cluster.sbatch(["-p", "a100", "-w", "a100-1", "--gres=gpu:a100:4", "-t", "2", "-o", "/dev/null",
+                           "-J", "hole-hold", "--wrap", "sleep 110"])
+    jobs = [hold]
+    try:
+        deadline = time.monotonic() + 30
+        while cluster.job_states(hold) != ["RUNNING"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        wide = cluster.sbatch(["-p", "a100", "-N", "2", "--gres=gpu:a100:4", "-t", "1", "-o", "/dev/null",
+                               "-J", "hole-wide", "--wrap", "sleep 5"])
+        jobs.append(wide)
+        while "SchedNodeList=a100" not in cluster.run(["scontrol", "-o", "show", "job", wide]).stdout:
+            assert time.monotonic() < deadline, "the backfill pass did not plan the wide job"
+            time.sleep(0.3)
+        site = load_site(LAB)
+        snap = StartEstimator(cluster.env).snapshot(["a100", "v100"])
+        assert set(snap.node_gpus["a100"]) == {"a100-1", "a100-2"}  # a100-2 is PLANNED, yet free until then
+        wide_holds = [h for h in snap.holds if h.job == wide]
+        assert {h.node for h in wide_holds} == {"a100-1", "a100-2"} and min(h.start_s for h in wide_holds) > 60
+        goal = TimeGoal.for_site(site, 60, snap, restart_cost_s=5.0)
+        archive = read_archive(write_tiny_archive(tmp_path / "tiny.h5"), EMBEDDED_ARCHIVE)
+        best = search(site, archive, PlanRequest("tiny-gpt", 64, objective="time", time_goal=goal, dtype="fp32")).candidates[0]
+        look = goal.plan_outlook(best.plan, best.result.iteration_time_s)
+        assert plan_shape(best.plan) == request_shape({"a100": [4]}) and look.start.start_s == 0, look
+        assert look.job_time_s <= min(h.start_s for h in wide_holds)  # it fits the hole
+        job = cluster.sbatch(["-o", "/dev/null"], request_script(site, plan_shape(best.plan), int(look.job_time_s),
+                                                                body="sleep 2", name="hole-run"))
+        jobs.append(job)
+        cluster.wait_job(job, timeout=60)
+        t = job_times(cluster, job)
+        assert t["start"] - t["submit"] <= 3, t  # backfilled at once, as predicted
+        assert cluster.job_states(wide) == ["PENDING"]  # and the wide job was not delayed past its plan
+    finally:
+        for j in jobs:
+            cluster.run(["scancel", j])
