@@ -209,6 +209,10 @@ def echo_time(result: SearchResult, shown: list[Candidate]) -> None:
 def time_goal(site: Site, model: str, gbs: int, seq_len: int | None, steps: int | None,
               opts: TimeOptions) -> tuple[TimeGoal, StartEstimator | None]:
     """The goal of ``plan --objective time`` and the estimator that read the queue (None: --queue idle)."""
+    if len(site.clusters) > 1:  # one queue per cluster, and a job per cluster: not modelled
+        raise SailorError(f"objective time reads one Slurm cluster's queue; site {site.name!r} spans "
+                          f"{len(site.clusters)}", file=site.source, field="--objective",
+                          fix="plan each cluster's site file on its own, or use --objective throughput")
     n = run_steps(steps, opts, model, gbs, seq_len)
     estimator = StartEstimator() if opts.queue == "live" else None
     return build_goal(site, n, opts, [p.name for p in site.partitions], estimator), estimator
