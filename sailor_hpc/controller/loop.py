@@ -395,11 +395,12 @@ class Controller(Recorder, GrowBeside):
 
     def _in_place_recovered(self, cur: Attempt, tail: LogTail | None) -> None:
         """The first step after an in-place re-plan: how long the change cost, inside the same job."""
-        if not cur.in_place or "recovery" in cur.in_place[-1] or tail is None or tail.progress.first_step is None:
+        if not cur.in_place or cur.in_place[-1].recovery is not None or tail is None or tail.progress.first_step is None:
             return
         change, p, t = cur.in_place[-1], tail.progress, self.clock()
-        idle = p.first_step_t - p.before_t if p.first_step_t and p.before_t else t - float(change["t_step_end"])
-        trigger = change.get("trigger") or [Kind.NODE_LOST, change["t_step_end"]]  # seen by the job first
+        step_end = change.t_step_end if change.t_step_end is not None else t
+        idle = p.first_step_t - p.before_t if p.first_step_t and p.before_t else t - step_end
+        trigger = change.trigger or (Kind.NODE_LOST, step_end)  # seen by the job first
         self.note(Kind.RECOVERY, attempt=cur.number, in_place=True, trigger=trigger[0], trigger_t=trigger[1],
                   first_step_t=t, step=p.first_step, loaded_step=p.loaded_step or 0, queue_wait_s=0.0,
                   downtime_s=t - float(trigger[1]), recovery_s=t - float(trigger[1]),
@@ -433,8 +434,7 @@ class Controller(Recorder, GrowBeside):
             return
         step = (tail.progress.last_step if tail is not None else None) or self._checkpoint_step()
         remaining = max(0, spec.steps - step) * spec.gbs
-        restart_s = restart_cost(spec.restart_cost_s, [r.get("ranks_idle_s", r["downtime_s"]) for r in st.recoveries
-                                                       if "downtime_s" in r and not r.get("in_place")])
+        restart_s = restart_cost(spec.restart_cost_s, [r.idle_s for r in st.recoveries if not r.in_place])
         if plan_shape(planned.plan) == plan_shape(self._plan(cur.plan_file)):
             verdict = Verdict(False, 0.0, 0.0, 0.0, "the best plan on the new availability is the current one")
         else:

@@ -144,6 +144,36 @@ class Successor:
 
 
 @dataclass(frozen=True)
+class Recovery:
+    """How long an allocation change cost the run (``recovery``): from the change to the first step after it."""
+
+    t: float
+    trigger: str | None
+    trigger_t: float | None
+    in_place: bool  # inside the same job (no queue), else a new job
+    downtime_s: float  # the change to the first step after it
+    recovery_s: float  # downtime less the new job's queue wait
+    queue_wait_s: float | None  # the new job's queue wait (0 in place; None when not measured)
+    ranks_idle_s: float | None  # the runtime's last step before the change to its first step after
+
+    @property
+    def idle_s(self) -> float:
+        """What the change cost the ranks: their measured idle time, else the downtime."""
+        return self.downtime_s if self.ranks_idle_s is None else self.ranks_idle_s
+
+
+@dataclass
+class InPlaceChange:
+    """A step of the attempt's job re-planned on its surviving nodes (``in_place``), and what it cost."""
+
+    step_index: int
+    t_step_end: float | None  # when the step that lost nodes ended
+    lost: dict[str, str]
+    trigger: tuple[str, float] | None  # the change it answers, when the controller saw it first
+    recovery: Recovery | None = None  # set once the next step trained
+
+
+@dataclass(frozen=True)
 class StopRequest:
     """The controller asked the attempt's job to checkpoint and stop (``signal_sent``)."""
 
@@ -179,9 +209,9 @@ class Attempt:
     stopped: dict[str, Any] | None = None  # job_stopped: it stopped running, and why
     end_state: str | None = None
     gone: bool = False
-    recovery: dict[str, Any] | None = None
+    recovery: Recovery | None = None  # the change this (new) job answered, and what it cost
     advanced: bool = False  # a newer complete checkpoint appeared while it ran (or right after it)
-    in_place: list[dict[str, Any]] = field(default_factory=list)  # steps re-planned on its survivors
+    in_place: list[InPlaceChange] = field(default_factory=list)  # steps re-planned on its survivors
     released: dict[str, str] = field(default_factory=dict)  # lost nodes handled in place (not lost again)
     successor: Successor | None = None  # a bigger job submitted beside this one (grow without a gap)
     handover_from: int | None = None  # the attempt whose job this one took over from, while it trained
@@ -223,7 +253,7 @@ class RunState:
     baseline: dict[str, int] = field(default_factory=dict)  # GPUs available to the run when last judged
     last_replan_t: float | None = None
     trigger: tuple[str, float] | None = None  # the change the next submission answers
-    recoveries: list[dict[str, Any]] = field(default_factory=list)
+    recoveries: list[Recovery] = field(default_factory=list)
     controller_starts: int = 0
     groups: list[GeoGroup] = field(default_factory=list)  # a run across clusters: its groups, in order
     left: dict[str, float] = field(default_factory=dict)  # cluster -> when it was dropped or lost (not back yet)
@@ -310,9 +340,12 @@ def apply(state: RunState, rec: Record) -> None:
         state.failures_in_a_row = 0
     elif kind == Kind.RECOVERY:
         assert att is not None
-        recovery = {k: v for k, v in rec.items() if k not in ("seq", "kind")}
-        if rec.get("in_place"):
-            att.in_place[-1]["recovery"] = recovery
+        recovery = Recovery(t=t, trigger=rec.get("trigger"), trigger_t=_opt_float(rec.get("trigger_t")),
+                            in_place=bool(rec.get("in_place")), downtime_s=float(rec["downtime_s"]),
+                            recovery_s=float(rec["recovery_s"]), queue_wait_s=_opt_float(rec.get("queue_wait_s")),
+                            ranks_idle_s=_opt_float(rec.get("ranks_idle_s")))
+        if recovery.in_place:
+            att.in_place[-1].recovery = recovery
         else:
             att.recovery = recovery
         state.recoveries.append(recovery)
@@ -335,8 +368,8 @@ def apply(state: RunState, rec: Record) -> None:
         state.trigger = None
     elif kind == Kind.IN_PLACE:
         assert att is not None
-        att.in_place.append({**{k: v for k, v in rec.items() if k not in ("seq", "kind", "attempt")},
-                             "trigger": state.trigger})
+        att.in_place.append(InPlaceChange(step_index=int(rec["step_index"]), t_step_end=_opt_float(rec.get("t_step_end")),
+                                          lost=dict(rec.get("lost", {})), trigger=state.trigger))
         att.plan_file, att.gpus, att.nodes = rec["plan_file"], dict(rec["gpus"]), list(rec["nodes"])
         att.throughput, att.cost_per_hour = float(rec["throughput"]), float(rec["cost_per_hour"])
         att.released.update({**att.lost_nodes, **rec.get("lost", {})})
@@ -374,6 +407,10 @@ def apply(state: RunState, rec: Record) -> None:
         state.finished = {k: v for k, v in rec.items() if k not in ("seq", "kind")}
     elif kind == Kind.GAVE_UP:
         state.gave_up = rec.get("reason", "gave up")
+
+
+def _opt_float(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 _GEO = frozenset({Kind.GROUP_SUBMITTED, Kind.GROUP_RUNNING, Kind.GROUP_STOPPED, Kind.CLUSTER_DROPPED,

@@ -120,11 +120,11 @@ def attempt_rows(state: RunState) -> list[tuple[Any, ...]]:
     """One row per job: attempt, job id, GPUs, predicted samples/s, why, start step, recovery, end."""
     rows = []
     for att in state.attempts:
-        rec = att.recovery or {}
+        rec = att.recovery
         rows.append((att.number, att.job_id or "-", _gpus(att.gpus), f"{att.throughput:.2f}", att.reason,
                      "-" if att.start_step is None else att.start_step,
-                     "-" if not rec else f"{rec.get('recovery_s', 0):.1f}",
-                     "-" if not rec or rec.get("queue_wait_s") is None else f"{rec['queue_wait_s']:.1f}",
+                     "-" if rec is None else f"{rec.recovery_s:.1f}",
+                     "-" if rec is None or rec.queue_wait_s is None else f"{rec.queue_wait_s:.1f}",
                      _end(att)))
     return rows
 
@@ -152,21 +152,19 @@ def change_rows(state: RunState) -> list[tuple[Any, ...]]:
     """One row per allocation change the run recovered from: what happened, whether the run stayed in its
     allocation, the seconds its ranks trained nothing, the new job's queue wait, and the queue time an
     in-place change avoided (this run's mean measured queue wait of its new jobs; "-" before it has one)."""
-    waits = [r["queue_wait_s"] for r in state.recoveries if not r.get("in_place") and r.get("queue_wait_s") is not None]
+    waits = [r.queue_wait_s for r in state.recoveries if not r.in_place and r.queue_wait_s is not None]
     avoided = f"{sum(waits) / len(waits):.1f}" if waits else "-"
     rows = []
     for i, att in enumerate(state.attempts):
-        if att.recovery:
+        if att.recovery is not None:
             r = att.recovery
             before = state.attempts[i - 1].lost_nodes if i > 0 else {}
-            rows.append((att.number, att.job_id or "-", change_label(r.get("trigger"), before), "n",
-                         f"{r.get('ranks_idle_s', r.get('downtime_s', 0)):.1f}",
-                         f"{r.get('queue_wait_s') or 0:.1f}", "0"))
+            rows.append((att.number, att.job_id or "-", change_label(r.trigger, before), "n", f"{r.idle_s:.1f}",
+                         f"{r.queue_wait_s or 0:.1f}", "0"))
         for ch in att.in_place:
-            r = ch.get("recovery", {})
-            rows.append((att.number, att.job_id or "-", change_label((ch.get("trigger") or [Kind.NODE_LOST])[0],
-                                                                     ch.get("lost") or {}), "y",
-                         f"{r['ranks_idle_s']:.1f}" if r else "-", "0", avoided))
+            rows.append((att.number, att.job_id or "-", change_label(ch.trigger[0] if ch.trigger else Kind.NODE_LOST,
+                                                                     ch.lost), "y",
+                         f"{ch.recovery.idle_s:.1f}" if ch.recovery else "-", "0", avoided))
     return rows
 
 
