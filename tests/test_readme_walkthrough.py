@@ -55,11 +55,19 @@ def walkthrough_blocks(readme: str) -> list[str]:
     return blocks
 
 
+def corpus() -> dict[str, list[bytes]]:
+    """The files the README's data block reads, per dataset (what its globs match)."""
+    files = {"prose": [REPO / "README.md", *(REPO / "docs").glob("*.md")],
+             "code": list((REPO / "megatron_patch").glob("*.py"))}
+    return {name: [f.read_bytes() for f in paths] for name, paths in files.items()}
+
+
 @dataclass(frozen=True)
 class Walk:
     folder: Path
     outputs: list[str]  # each block's stdout
     seconds: list[float]
+    texts: dict[str, list[bytes]]  # the data block's input files, read just before it ran
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +79,7 @@ def walk(tmp_path_factory: pytest.TempPathFactory) -> Walk:
     env.update(PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}", REPO=str(REPO),
                PYTHONPATH=os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])]))
     outputs, seconds = [], []
+    texts = corpus()
     for n, block in enumerate(blocks, 1):
         t0 = time.monotonic()
         proc = subprocess.run(["bash", "-c", "set -euo pipefail\n" + block], cwd=folder, env=env,
@@ -81,7 +90,7 @@ def walk(tmp_path_factory: pytest.TempPathFactory) -> Walk:
                                      f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
         outputs.append(proc.stdout)
     print("\nwalk-through seconds per block: " + ", ".join(f"{s:.1f}" for s in seconds) + f"; {sum(seconds):.1f} total")
-    return Walk(folder, outputs, seconds)
+    return Walk(folder, outputs, seconds, texts)
 
 
 def _documents(prefix: Path) -> list[bytes]:
@@ -94,12 +103,10 @@ def _documents(prefix: Path) -> list[bytes]:
 def test_datasets_hold_the_files_bytes(walk: Walk) -> None:
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    sources = {"prose": [REPO / "README.md", *(REPO / "docs").glob("*.md")],
-               "code": list((REPO / "megatron_patch").glob("*.py"))}
-    for name, files in sources.items():
+    for name, texts in walk.texts.items():
         prefix = walk.folder / "data" / name
-        assert sorted(_documents(prefix)) == sorted(f.read_bytes() for f in files), name
-        assert len(IndexedDataset(str(prefix))) == len(files)  # the .idx indexes every document
+        assert sorted(_documents(prefix)) == sorted(texts), name
+        assert len(IndexedDataset(str(prefix))) == len(texts)  # the .idx indexes every document
 
 
 def test_archive_has_the_profiled_points_and_the_link(walk: Walk) -> None:
