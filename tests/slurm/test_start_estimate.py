@@ -1,6 +1,6 @@
 """Start estimates on the real local cluster, made busy by blocker jobs holding the A100 partition.
 
-The A100s are held by jobs with a 1-minute limit (they end a few seconds before it). The time objective
+The A100s are held by jobs with a 2-minute limit (they would end a few seconds before it). The time objective
 must then start a short run now on the idle V100s, while the throughput plan (8 A100s) waits; the plan
 the time objective picks must actually finish first, and its predicted start is compared with the start
 Slurm gave the submitted job.
@@ -25,13 +25,13 @@ from tests.data.tiny_archive import write_tiny_archive
 
 REPO = Path(__file__).resolve().parents[2]
 LAB = REPO / "site_configs" / "local-lab.toml"
-HOLD_S = 55  # the blockers' run; their limit is 1 minute
+HOLD_S = 115  # the blockers' run; their limit is 2 minutes (they are cancelled once a test is done)
 
 
 @pytest.fixture()
 def busy_a100(slurm_cluster) -> Iterator[list[str]]:
-    """Both A100 nodes held whole for HOLD_S seconds by jobs with a 1-minute limit."""
-    jobs = [slurm_cluster.sbatch(["-p", "a100", "-w", node, "--gres=gpu:a100:4", "-t", "1", "-o", "/dev/null",
+    """Both A100 nodes held whole for HOLD_S seconds by jobs with a 2-minute limit."""
+    jobs = [slurm_cluster.sbatch(["-p", "a100", "-w", node, "--gres=gpu:a100:4", "-t", "2", "-o", "/dev/null",
                                   "-J", f"hold-{node}", "--wrap", f"sleep {HOLD_S}"]) for node in ("a100-1", "a100-2")]
     try:
         deadline = time.monotonic() + 30
@@ -62,7 +62,7 @@ def test_snapshot_sees_the_holds_and_slurm_answers(slurm_cluster, busy_a100) -> 
     held = {(h.node, h.gpus) for h in snap.holds if h.job in busy_a100}
     assert held == {("a100-1", 4), ("a100-2", 4)}
     ends = [h.end_s for h in snap.holds if h.job in busy_a100]
-    assert all(30 < e <= 61 for e in ends), ends  # their 1-minute limit, from now
+    assert all(90 < e <= 121 for e in ends), ends  # their 2-minute limit, from now
     assert snap.node_gpus["v100"] == {"v100-1": 8, "v100-2": 8}
     a100, v100 = request_shape({"a100": [2]}), request_shape({"v100": [4, 4]})
     snap = est.test_only(site, snap, [(a100, 300), (v100, 300)])
@@ -116,14 +116,15 @@ def test_time_plan_finishes_first_on_a_busy_cluster(slurm_cluster, busy_a100, tm
 
 
 def test_a_backfill_hole_is_planned_and_taken(slurm_cluster, tmp_path) -> None:
-    """a100-1 held for 2 minutes, a pending job wants both A100 nodes after it: a100-2 is idle until then
+    """a100-1 held for 3 minutes, a pending job wants both A100 nodes after it: a100-2 is idle until then
     (Slurm marks it PLANNED). The time objective puts a short run in that hole, and Slurm starts it now."""
     from planner import PlanRequest, search
     from sailor_hpc.core.archive import EMBEDDED_ARCHIVE, read_archive
 
     cluster = slurm_cluster
-    hold = cluster.sbatch(["-p", "a100", "-w", "a100-1", "--gres=gpu:a100:4", "-t", "2", "-o", "/dev/null",
-                           "-J", "hole-hold", "--wrap", "sleep 110"])
+    # 3 minutes: the hole outlasts a search slowed down by a loaded machine (cancelled at the end)
+    hold = cluster.sbatch(["-p", "a100", "-w", "a100-1", "--gres=gpu:a100:4", "-t", "3", "-o", "/dev/null",
+                           "-J", "hole-hold", "--wrap", "sleep 170"])
     jobs = [hold]
     try:
         deadline = time.monotonic() + 30
@@ -140,7 +141,7 @@ def test_a_backfill_hole_is_planned_and_taken(slurm_cluster, tmp_path) -> None:
         snap = StartEstimator(cluster.env).snapshot(["a100", "v100"])
         assert set(snap.node_gpus["a100"]) == {"a100-1", "a100-2"}  # a100-2 is PLANNED, yet free until then
         wide_holds = [h for h in snap.holds if h.job == wide]
-        assert {h.node for h in wide_holds} == {"a100-1", "a100-2"} and min(h.start_s for h in wide_holds) > 60
+        assert {h.node for h in wide_holds} == {"a100-1", "a100-2"} and min(h.start_s for h in wide_holds) > 120
         goal = TimeGoal.for_site(site, 60, snap, restart_cost_s=5.0)
         archive = read_archive(write_tiny_archive(tmp_path / "tiny.h5"), EMBEDDED_ARCHIVE)
         best = search(site, archive, PlanRequest("tiny-gpt", 64, objective="time", time_goal=goal, dtype="fp32")).candidates[0]
