@@ -4,7 +4,7 @@ plan with megatron_patch, and compare the predicted step time with the measured 
 One gloo rank, one pipeline of one stage (all layers), 8 micro-batches per step, micro-batch sizes 1, 4
 and 16. tiny-gpt's layers are so small that their time is mostly Python and dispatch overhead: the CPU
 analogue of launch-bound GPU layers at small micro-batches, which is where per-layer profiles and real
-stages part ways (see the simulator section of the README). Two predictions are printed: from the
+stages part ways (see docs/simulator.md). Two predictions are printed: from the
 per-layer times alone (the simulator's default), and with the chain timing the profiler also records
 (the measured layers run as one stage would run them), charged per layer boundary
 (``SimOptions(chain_timing=True)``).

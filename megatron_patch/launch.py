@@ -95,7 +95,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def emit(record: dict[str, Any]) -> None:
-    print(json.dumps(record, sort_keys=True), flush=True)
+    """One JSON line in one write: ranks sharing a stdout file (torchrun's) never interleave a record and its
+    newline, which ``print`` writes separately."""
+    sys.stdout.write(json.dumps(record, sort_keys=True) + "\n")
+    sys.stdout.flush()
 
 
 def role_record(role: Role, env: DistEnv) -> dict[str, Any]:

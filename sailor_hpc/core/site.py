@@ -1,7 +1,7 @@
 """Site configs: the partitions of a SLURM site, their GPUs, network and cost (``site_configs/*.toml``).
 
 A site is read with :func:`load_site` (TOML via tomllib) and validated field by field; every error
-names the file and the field. The README documents the format; ``site_configs/`` has examples.
+names the file and the field. ``docs/site-and-formats.md`` documents the format; ``site_configs/`` has examples.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """What every fuzz test shares: the mutation strategies, the loader contract, the case counter, the watchdog.
 
-The contract (README, "Data model"): a loader given any input returns a valid object or raises
+The contract (docs/site-and-formats.md): a loader given any input returns a valid object or raises
 :class:`SailorError` whose message names the file; never another exception (a traceback for the user), never
 a hang, and it never leaves a half-written file behind. Mutations start from a valid document the project
 ships or writes, so most cases reach deep into the loader instead of failing at the first byte.
