@@ -1,4 +1,4 @@
-"""Settings of the fuzz suite and the per-loader case counts printed at the end of the session.
+"""Settings of the fuzz suite (tests/conftest.py prints its per-loader case counts at the end of the session).
 
 One hypothesis profile for every fuzz test: derandomized (CI and a developer see the same cases), no example
 database and hypothesis' caches in the temporary folder (nothing written into the checkout), a deadline per
@@ -12,11 +12,8 @@ import os
 import tempfile
 from pathlib import Path
 
-import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.configuration import set_hypothesis_home_dir
-
-from tests.fuzz.harness import CASES, REFUSED
 
 # hypothesis keeps caches (constants, unicode data) in ./.hypothesis even without a database: out of the checkout
 if not os.environ.get("HYPOTHESIS_STORAGE_DIRECTORY"):
@@ -28,11 +25,3 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.load_profile("sailor-fuzz")
-
-
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    """``fuzz: site TOML 250 cases (201 refused), ...``: the mutated inputs each loader met in this session, and
-    how many it refused (the rest loaded: a suite of only refusals would test the first check alone)."""
-    if CASES:
-        counts = ", ".join(f"{name} {n} cases ({REFUSED.get(name, 0)} refused)" for name, n in CASES.items())
-        terminalreporter.write_line(f"fuzz: {counts}; {sum(CASES.values())} in all")
