@@ -10,10 +10,12 @@ complete checkpoint, which every plan can load. Modules, one job each:
 - :mod:`.journal`: the JSON-lines journal of events and decisions (the controller's only memory);
 - :mod:`.state`: the run directory, the lock, and the state folded from the journal;
 - :mod:`.events`: observations of the job and partitions, and the changes in them;
-- :mod:`.progress`: the training's own account, from the job's log;
+- :mod:`.progress`: the training's own account, from the job's log (typed events,
+  :mod:`sailor_hpc.core.runtime_events`);
 - :mod:`.planning`: re-planning on the GPUs free now, checked per node;
 - :mod:`.policy`: resize only when it pays for the restart;
-- :mod:`.slurm_ops`: submit, find own jobs, signal, cancel;
+- :mod:`.slurm_ops`: render and submit an attempt, find the run's own jobs, cancel (every Slurm command line
+  is in :mod:`sailor_hpc.slurm`);
 - :mod:`.loop`: the controller itself; :mod:`.story`: the run's history for people.
 """
 from __future__ import annotations

@@ -25,6 +25,10 @@ One loop, one job at a time (an *attempt*), every step journaled before it is ac
      keep it.
 3. The job completes at the requested step: the run is finished.
 
+Errors carry their handling (:mod:`sailor_hpc.core.errors`): Slurm not answering (SlurmUnavailable) is
+waited out with back-off and journaled once, never taken for a lost job; no plan fitting (NoPlanFits) waits
+for GPUs; bad input (SailorError) ends the run at once; sbatch refusing fails the attempt (back-off).
+
 Never two jobs writing checkpoints: a new one is only submitted once the previous one is gone (every
 het component final), except a bigger job grown beside it, whose ranks load nothing before the old
 job's ranks are gone; any other job carrying the run's name prefix is cancelled first. The controller can be
