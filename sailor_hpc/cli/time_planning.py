@@ -56,7 +56,8 @@ def time_options(f: Any) -> Any:
                      help="Objective time: each job's time limit (default: the partitions' max_walltime); a longer "
                           "run is cut into jobs, each restart paying --restart-cost and a new wait."),
         click.option("--time-min", default=None,
-                     help="Objective time: backfill may start the first job in a window this short (sbatch --time-min)."),
+                     help="Objective time: the shortest time limit backfill may give the first job, so it can "
+                          "start in a shorter window (sbatch --time-min)."),
         click.option("--restart-cost", type=float, default=60.0, show_default=True,
                      help="Objective time: seconds a checkpoint-and-restart costs."),
         click.option("--queue", type=click.Choice(["live", "idle"]), default="live", show_default=True,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -418,7 +419,8 @@ def test_cli_plan_help_names_only_its_own_options() -> None:
 
     from sailor_hpc.cli import main
 
-    text = CliRunner().invoke(main, ["plan", "--help"]).output
+    # click wraps help lines after a hyphen: join "--time-\n    min" back into the option it names
+    text = re.sub(r"(--[a-z-]*-)\n\s+", r"\1", CliRunner().invoke(main, ["plan", "--help"]).output)
     assert "--sbatch" in text and not _unknown_options(text), _unknown_options(text)
     for bad in (("--top", "0"), ("--max-gpus", "0")):
         out = _plan_cli(*bad)
