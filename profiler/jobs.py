@@ -18,7 +18,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +39,8 @@ from sailor_hpc.core.archive import (
 from sailor_hpc.core.dist_env import read_env
 from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.models import get_model
-from sailor_hpc.slurm.commands import parse_kv_line, run_slurm
+from sailor_hpc.slurm.control import node_address as slurm_node_address
+from sailor_hpc.slurm.control import run_step
 
 PORT_BASE, PORT_SPAN = 30000, 20000
 
@@ -90,12 +90,7 @@ def node_address(node: str | None) -> str:
     """The address slurmd of ``node`` listens on (NodeAddr), which ranks on other nodes can reach."""
     if not node:
         return "127.0.0.1"
-    proc = run_slurm(["scontrol", "-o", "show", "node", node], check=False)
-    for line in proc.stdout.splitlines():
-        addr = parse_kv_line(line).get("NodeAddr")
-        if addr:
-            return addr
-    return node
+    return slurm_node_address(node) or node
 
 
 def job_port() -> int:
@@ -183,16 +178,17 @@ def compute_job(task: ComputeTask) -> dict[str, Any] | None:
             "memory": res.memory is not None, "seconds": time.perf_counter() - t0, "node": os.environ.get("SLURMD_NODENAME")}
 
 
-def _srun_command(task: NetworkTask, spec_file: Path, out_file: Path) -> list[str]:
-    """The benchmark step over the whole allocation (the driver's own step holds one task: --overlap)."""
+def _step_options(task: NetworkTask, spec_file: Path, out_file: Path) -> list[str]:
+    """The ``srun`` options of the benchmark step over the whole allocation (the driver's own step holds one
+    task: --overlap)."""
     bench = [task.python, "-m", "profiler.netbench", "--spec", str(spec_file), "--out", str(out_file)]
     common = ["--overlap", "--kill-on-bad-exit=1", "--distribution=block", "--cpus-per-task=1"]
     if task.kind == "intra":
-        return ["srun", *common, "--nodes=1", f"--ntasks={task.senders}", *bench]
+        return [*common, "--nodes=1", f"--ntasks={task.senders}", *bench]
     if not task.het:
-        return ["srun", *common, f"--nodes={task.nodes}", f"--ntasks={task.nodes * task.senders}",
+        return [*common, f"--nodes={task.nodes}", f"--ntasks={task.nodes * task.senders}",
                 f"--ntasks-per-node={task.senders}", *bench]
-    return ["srun", "--het-group=0", *common, "--nodes=1", f"--ntasks={task.senders}", *bench, ":",
+    return ["--het-group=0", *common, "--nodes=1", f"--ntasks={task.senders}", *bench, ":",
             "--het-group=1", *common, "--nodes=1", f"--ntasks={task.senders}", *bench]
 
 
@@ -206,10 +202,10 @@ def network_job(task: NetworkTask) -> dict[str, Any]:
     env.update(MASTER_ADDR=node_address(os.environ.get("SLURMD_NODENAME")), MASTER_PORT=str(job_port()))
     for var in ("SLURM_NTASKS", "SLURM_NPROCS", "SLURM_NTASKS_PER_NODE", "SLURM_NNODES", "SLURM_STEP_NUM_TASKS"):
         env.pop(var, None)  # the driver's own one-task step must not shape the benchmark step
-    cmd = _srun_command(task, spec_file, out_file)
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    options = _step_options(task, spec_file, out_file)
+    proc = run_step(options, env)
     if proc.returncode != 0 or not out_file.exists():
-        raise RuntimeError(f"benchmark step failed (exit {proc.returncode}): {' '.join(cmd)}\n"
+        raise RuntimeError(f"benchmark step failed (exit {proc.returncode}): srun {' '.join(options)}\n"
                            f"{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
     return record_network(task, json.loads(out_file.read_text()))
 

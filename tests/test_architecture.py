@@ -220,3 +220,41 @@ def test_cli_simulator_and_planner_run_without_torch() -> None:
         "print('ok')\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+SLURM_BINARIES = frozenset({"sbatch", "srun", "salloc", "squeue", "sacct", "sacctmgr", "scontrol", "scancel", "sinfo",
+                            "sstat", "sattach"})
+SLURM_HOME = "sailor_hpc.slurm"  # the one layer that runs Slurm's commands
+_RUNNERS = ("subprocess.", "os.system", "os.exec", "os.spawn", "os.popen")
+
+
+def slurm_commands(path: Path, module: str | None = None) -> list[str]:
+    """Where a module runs a Slurm binary: a command line literal (list or tuple) whose first item names one, or
+    a subprocess/os call given a command text that starts with one."""
+    module = module or module_name(path)
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.List | ast.Tuple) and node.elts:
+            first = node.elts[0]
+            if isinstance(first, ast.Constant) and isinstance(first.value, str) and first.value in SLURM_BINARIES:
+                found.append(f"{module}:{node.lineno} runs {first.value} (command line {ast.unparse(node)[:60]})")
+        elif isinstance(node, ast.Call) and ast.unparse(node.func).startswith(_RUNNERS) and node.args:
+            arg = node.args[0]
+            if isinstance(arg, ast.Constant) and isinstance(arg.value, str) and \
+                    arg.value.split()[:1] and arg.value.split()[0] in SLURM_BINARIES:
+                found.append(f"{module}:{node.lineno} runs {arg.value.split()[0]} ({ast.unparse(node.func)})")
+    return sorted(found, key=lambda hit: int(hit.split(":")[1].split()[0]))
+
+
+def test_only_the_slurm_layer_runs_slurm_commands() -> None:
+    bad = [hit for path in project_files() if part_of(module_name(path)) != SLURM_HOME
+           for hit in slurm_commands(path)]
+    assert not bad, "run Slurm's commands through sailor_hpc.slurm:\n" + "\n".join(bad)
+
+
+def test_the_slurm_check_catches_command_lines(tmp_path: Path) -> None:
+    probe = tmp_path / "probe.py"
+    probe.write_text('import os, subprocess\nsubprocess.run(["scancel", "1"])\nargs = ("sinfo", "-h")\n'
+                     'os.system("squeue -h")\nsubprocess.run(["echo", "sbatch"])\n')
+    assert [hit.split(" (")[0] for hit in slurm_commands(probe, "profiler.probe")] == [
+        "profiler.probe:2 runs scancel", "profiler.probe:3 runs sinfo", "profiler.probe:4 runs squeue"]

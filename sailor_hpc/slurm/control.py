@@ -1,4 +1,4 @@
-"""Acting on running jobs: signal, keep from requeueing, shrink, list steps, find by name, show components.
+"""Acting on jobs: signal, keep from requeueing, shrink, list steps, find by name, show components, run a step.
 
 The controller and a job's own batch script (after a step lost nodes) use these; every command line is
 here, in the Slurm layer, so a caller never spells ``scancel`` or ``scontrol update`` itself. Failures
@@ -7,8 +7,9 @@ SailorError, Slurm not answering SlurmUnavailable.
 """
 from __future__ import annotations
 
+import subprocess
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from sailor_hpc.core.errors import SailorError
@@ -77,3 +78,21 @@ def shrink_component(component_id: str, keep: list[str], env: Env = None) -> str
     except SailorError as exc:
         return f"scontrol update JobId={component_id} NodeList={','.join(keep)}: {exc.message}"
     return None
+
+
+def node_address(node: str, env: Env = None) -> str | None:
+    """The address slurmd of ``node`` listens on (``NodeAddr``), which ranks on other nodes can reach; None
+    when Slurm does not say (an unknown node)."""
+    proc = run_slurm(["scontrol", "-o", "show", "node", node], env, check=False)
+    for line in proc.stdout.splitlines():
+        addr = parse_kv_line(line).get("NodeAddr")
+        if addr:
+            return addr
+    return None
+
+
+def run_step(options: Sequence[str], env: Mapping[str, str]) -> subprocess.CompletedProcess[str]:
+    """Run one job step, ``srun OPTIONS``, from inside an allocation, with exactly ``env`` (the caller shapes
+    the step: what it leaves out of the batch environment matters); its output captured, its exit code kept
+    (a step's failure is the caller's to judge)."""
+    return subprocess.run(["srun", *options], env=dict(env), capture_output=True, text=True)
