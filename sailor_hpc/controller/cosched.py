@@ -35,7 +35,7 @@ from sailor_hpc.controller.planning import plan_on
 from sailor_hpc.controller.slurm_ops import cancel_and_wait, request_checkpoint
 from sailor_hpc.controller.spec import RunSpec
 from sailor_hpc.core.archive import ProfileArchive
-from sailor_hpc.core.checkpoint import latest_complete, read_manifest
+from sailor_hpc.core.checkpoint import newest_step
 from sailor_hpc.core.errors import JobFailed, SailorError, SlurmUnavailable
 from sailor_hpc.core.plan import Plan
 from sailor_hpc.core.site import Site
@@ -49,12 +49,6 @@ PlanFor = Callable[[tuple[str, ...]], Plan]
 #: a job that ends in one of these lost its cluster (Slurm ended it: cancelled, node failure, preemption, ...);
 #: a FAILED job is the training's own failure, or the echo of a peer cluster's loss: retried, not dropped
 CLUSTER_LOSS = frozenset({"CANCELLED", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE", "TIMEOUT"})
-
-
-def newest_step(save: Path) -> int:
-    """The step of the newest complete checkpoint under ``save`` (0: none yet)."""
-    ck = latest_complete(save, deep=False)
-    return int(read_manifest(ck)["step"]) if ck is not None else 0
 
 
 def idle_by_node(site: Site, clusters: Sequence[str], env: Mapping[str, str],

@@ -23,13 +23,14 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from sailor_hpc.controller.cosched import CoScheduler, Group, PlanFor, idle_by_node, newest_step, planner_plan_for
+from sailor_hpc.controller.cosched import CoScheduler, Group, PlanFor, idle_by_node, planner_plan_for
 from sailor_hpc.controller.journal import Kind
 from sailor_hpc.controller.planning import plan_on
 from sailor_hpc.controller.policy import Score, judge, restart_cost
 from sailor_hpc.controller.recorder import EXIT_FINISHED, EXIT_GAVE_UP, EXIT_INTERRUPTED, Recorder
 from sailor_hpc.controller.state import RunDir, RunState
 from sailor_hpc.core.archive import open_archive
+from sailor_hpc.core.checkpoint import newest_step
 from sailor_hpc.core.errors import JobFailed, SailorError, SlurmUnavailable
 from sailor_hpc.core.plan import Plan
 from sailor_hpc.core.plan_io import load_plan

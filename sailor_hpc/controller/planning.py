@@ -20,6 +20,7 @@ from planner.time_goal import free_now_goal
 from sailor_hpc.controller.policy import Score
 from sailor_hpc.controller.spec import RunSpec
 from sailor_hpc.core.archive import ProfileArchive
+from sailor_hpc.core.checkpoint import newest_step
 from sailor_hpc.core.errors import NoPlanFits, SailorError
 from sailor_hpc.core.plan import Plan
 from sailor_hpc.core.site import Site
@@ -97,7 +98,9 @@ def plan_on(spec: RunSpec, site: Site, archive: ProfileArchive, free: FreeByNode
     for _ in range(1 + sum(available.values())):
         if sum(available.values()) <= 0:
             break
-        goal = (free_now_goal(site, spec.steps, free, time_limit=spec.time_limit, time_min=spec.time_min,
+        # the run's remaining steps decide its finish: a resized or resumed run has fewer left than it began with
+        goal = (free_now_goal(site, max(1, spec.steps - newest_step(spec.save)), free, time_limit=spec.time_limit,
+                              time_min=spec.time_min,
                               restart_cost_s=spec.restart_cost_s) if spec.objective == "time" else None)
         request = spec.plan_request(available, goal)  # a bad request is bad input (SailorError), not a wait
         # several clusters: also the plans whose pipelines cross them (as `sailor-hpc plan` does)

@@ -199,6 +199,12 @@ def latest_complete(root: str | Path, deep: bool = True) -> Path | None:
     return newest_usable(root, deep).path
 
 
+def newest_step(root: str | Path) -> int:
+    """The step of the newest complete checkpoint under ``root`` (0: none yet), checked shallowly."""
+    path = latest_complete(root, deep=False)
+    return int(read_manifest(path)["step"]) if path is not None else 0
+
+
 def choose(path: str | Path, deep: bool = True) -> Choice:
     """``path`` itself if it names a checkpoint (which must verify: an explicit step never falls back),
     else the newest usable one under it, with the newer ones passed over."""
