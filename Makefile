@@ -38,7 +38,7 @@ demo: $(VENV)/.installed
 # Installs Debian's Slurm (root) so the tests can start a real local cluster; then the whole suite.
 test: $(VENV)/.installed-test
 	-bash tests/slurm/install.sh
-	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=20 tests
+	$(PY) -m pytest -q --durations=20 tests
 
 # style and types (CI runs it before the tests): ruff everywhere, mypy on the login-node layers
 lint: $(VENV)/.installed-test

@@ -12,7 +12,7 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import NoReturn
 
 import pytest
 
@@ -25,33 +25,12 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slurm: needs the real local Slurm test cluster (fixture slurm_cluster)")
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's hook reads the xdist_group marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # a test that uses the fixture is a slurm test, marked or not (so `-m "not slurm"` leaves it out)
     for item in items:
         names = getattr(item, "fixturenames", ())
         if {"slurm_cluster", "slurm_two_clusters"} & set(names) and item.get_closest_marker("slurm") is None:
             item.add_marker(pytest.mark.slurm)
-        # under `pytest -n N --dist loadgroup` (make test) one worker runs every Slurm test on one cluster,
-        # mostly waiting on the scheduler, while the others run the CPU-bound rest
-        if item.get_closest_marker("slurm") is not None:
-            item.add_marker(pytest.mark.xdist_group("slurm"))
-
-
-def pytest_sessionfinish(session: pytest.Session) -> None:
-    """On an xdist worker: hand the fuzz suite's case counts to the controller, which prints them."""
-    out = getattr(session.config, "workeroutput", None)
-    if out is not None:
-        out["fuzz"] = {"cases": dict(CASES), "refused": dict(REFUSED)}
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_testnodedown(node: Any, error: Any) -> None:
-    """On the xdist controller: add up what each worker's fuzz tests counted."""
-    got = getattr(node, "workeroutput", {}).get("fuzz", {})
-    for mine, theirs in ((CASES, got.get("cases", {})), (REFUSED, got.get("refused", {}))):
-        for name, n in theirs.items():
-            mine[name] = mine.get(name, 0) + n
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
