@@ -67,7 +67,7 @@ from sailor_hpc.core.plan import Plan
 from sailor_hpc.core.plan_io import load_plan
 from sailor_hpc.core.runtime_events import InPlace, InPlaceRefused, RuntimeEvent, event_fields
 from sailor_hpc.core.site import Site, load_site
-from sailor_hpc.slurm.commands import sinfo_nodes
+from sailor_hpc.slurm.commands import controller_answers, sinfo_nodes
 from sailor_hpc.slurm.control import keep_from_requeue
 from sailor_hpc.slurm.discover import live_availability
 from sailor_hpc.slurm.hostlist import expand_hostlist
@@ -138,6 +138,15 @@ class Controller(Recorder, GrowBeside):
                 return EXIT_FINISHED
             if self.state.gave_up:
                 return EXIT_GAVE_UP
+            if unavailable:
+                # Slurm's return is journaled before what it then reports (a job that finished meanwhile)
+                if not controller_answers(self.env):
+                    unavailable += 1
+                    self.sleep(min(SLURM_BACKOFF_MAX_S, self.spec.poll_s * 2 ** min(unavailable, 10)))
+                    continue
+                unavailable = 0
+                self.note(Kind.ERROR, message="Slurm answers again", where="slurm available")
+                self._said.pop(Kind.ERROR, None)  # a later outage is journaled again
             cur = self.state.current
             try:
                 if cur is None:
@@ -152,9 +161,6 @@ class Controller(Recorder, GrowBeside):
             except SailorError as exc:  # bad input (a deterministic refusal): retrying cannot fix it
                 self.note(Kind.GAVE_UP, reason=str(exc))
                 return EXIT_GAVE_UP
-            if unavailable:
-                unavailable = 0
-                self.note(Kind.ERROR, message="Slurm answers again", where="slurm available")
             self._said.pop(Kind.ERROR, None)
             if cur is not None and self.state.current is None and self.state.backoff_until is None:
                 continue  # the job is gone: plan and submit the next one now, not a poll later
