@@ -36,6 +36,7 @@ from sailor_hpc.core.start_times import (
     shape_text,
 )
 from sailor_hpc.slurm.commands import parse_gres, parse_kv_line, sinfo_nodes, slurm_env
+from sailor_hpc.slurm.hostlist import expand_hostlist
 from sailor_hpc.slurm.safety import site_sbatch_options
 
 DEFAULT_BUDGET_S = 5.0
@@ -86,19 +87,6 @@ class Budget:
         return proc
 
 
-def expand_nodes(lists: Iterable[str], env: Mapping[str, str] | None, budget: Budget) -> dict[str, list[str]]:
-    """Host names of each Slurm node list (one ``scontrol show hostnames`` call per list with brackets)."""
-    out: dict[str, list[str]] = {}
-    for text in set(lists):
-        if not text or text == "(null)":
-            out[text] = []
-        elif "[" not in text:
-            out[text] = text.split(",")
-        else:
-            out[text] = budget.run(["scontrol", "show", "hostnames", text], env).stdout.split()
-    return out
-
-
 def _gpus(gres: str) -> int:
     return sum(g.count for g in parse_gres(gres) if g.name == "gpu")
 
@@ -109,7 +97,7 @@ def queue_holds(env: Mapping[str, str] | None, budget: Budget, now: float) -> li
     records = [(line, parse_kv_line(line)) for line in out.stdout.splitlines() if line.startswith("JobId=")]
     lists = [m.group(1) for line, _ in records for m in _NODE_GRES.finditer(line)]
     lists += [kv.get("SchedNodeList", "") for _, kv in records if kv.get("JobState") == "PENDING"]
-    hosts = expand_nodes(lists, env, budget)
+    hosts = {text: expand_hostlist(text) for text in set(lists)}  # in Python: no Slurm call of the budget
     holds: list[Hold] = []
     for line, kv in records:
         state, job, part = kv.get("JobState", ""), kv.get("JobId", ""), kv.get("Partition", "")
