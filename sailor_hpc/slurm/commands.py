@@ -32,9 +32,9 @@ def slurm_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
     return out
 
 
-def run_slurm(args: Sequence[str], env: Mapping[str, str] | None = None, *,
-              timeout: float = DEFAULT_TIMEOUT_S, check: bool = True) -> subprocess.CompletedProcess[str]:
-    """Run one Slurm client command.
+def run_slurm(args: Sequence[str], env: Mapping[str, str] | None = None, *, timeout: float = DEFAULT_TIMEOUT_S,
+              check: bool = True, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    """Run one Slurm client command (``stdin``: what it reads, e.g. the batch script of ``sbatch --test-only``).
 
     Raises :class:`SailorError` when the command is missing or refuses its input (exit 2 material),
     :class:`SlurmUnavailable` when it hangs past ``timeout`` or fails while slurmctld does not answer
@@ -48,7 +48,8 @@ def run_slurm(args: Sequence[str], env: Mapping[str, str] | None = None, *,
     if exe is None:
         raise SailorError(f"Slurm command {args[0]!r} not found in PATH", field=cmd_text, fix=_INSTALL_FIX)
     try:
-        proc = subprocess.run([exe, *args[1:]], env=full_env, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run([exe, *args[1:]], input=stdin, env=full_env, capture_output=True, text=True,
+                              timeout=timeout)
     except subprocess.TimeoutExpired:
         raise SlurmUnavailable(f"{cmd_text!r} did not answer within {timeout:.0f} s", field=cmd_text,
                                fix=_UNAVAILABLE_FIX) from None

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 import re
-import shutil
 import statistics
 import subprocess
 import time
@@ -23,7 +22,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from datetime import datetime, timedelta
 
-from sailor_hpc.core.errors import SailorError
+from sailor_hpc.core.errors import SailorError, SlurmUnavailable
 from sailor_hpc.core.site import Site, slurm_time_seconds
 from sailor_hpc.core.start_times import (
     TEST_ONLY,
@@ -35,7 +34,7 @@ from sailor_hpc.core.start_times import (
     WaitHistory,
     shape_text,
 )
-from sailor_hpc.slurm.commands import parse_gres, parse_kv_line, sinfo_nodes, slurm_env
+from sailor_hpc.slurm.commands import parse_gres, parse_kv_line, run_slurm, sinfo_nodes
 from sailor_hpc.slurm.hostlist import expand_hostlist
 from sailor_hpc.slurm.safety import site_sbatch_options
 
@@ -52,6 +51,11 @@ def slurm_time(text: str | None) -> float | None:
     return datetime.fromisoformat(text).timestamp()
 
 
+class SlurmBudgetSpent(SlurmUnavailable):
+    """The plan's seconds of Slurm calls are spent: what is left unasked is said in the snapshot's notes and
+    the estimates fall back to the queue's timeline, never to a guess."""
+
+
 class Budget:
     """Seconds of Slurm calls left; each call's timeout is what remains."""
 
@@ -65,26 +69,20 @@ class Budget:
 
     def run(self, args: Sequence[str], env: Mapping[str, str] | None, *, stdin: str | None = None,
             check: bool = True) -> subprocess.CompletedProcess[str]:
+        """:func:`run_slurm` with what is left of the budget as its timeout; raises
+        :class:`SlurmBudgetSpent` once it is spent (a call that runs out of it included)."""
         if self.left <= 0.05:
-            raise TimeoutError(f"the {self.total:g} s budget of Slurm calls is spent")
-        full = slurm_env(env)
-        exe = shutil.which(args[0], path=full.get("PATH"))
-        if exe is None:
-            raise SailorError(f"Slurm command {args[0]!r} not found in PATH", field=" ".join(args),
-                              fix="run on a machine with the Slurm client tools and SLURM_CONF set")
+            raise SlurmBudgetSpent(f"the {self.total:g} s budget of Slurm calls is spent", field=args[0])
         t0 = time.perf_counter()
         try:
-            proc = subprocess.run([exe, *args[1:]], input=stdin, env=full, capture_output=True, text=True,
-                                  timeout=self.left)
-        except subprocess.TimeoutExpired:
-            raise TimeoutError(f"{args[0]} did not answer within the {self.total:g} s budget") from None
+            return run_slurm(args, env, timeout=self.left, check=check, stdin=stdin)
+        except SlurmUnavailable as exc:
+            if time.perf_counter() - t0 >= self.left - 0.05:
+                raise SlurmBudgetSpent(f"{args[0]} did not answer within the {self.total:g} s budget",
+                                       field=args[0]) from exc
+            raise
         finally:
             self.used += time.perf_counter() - t0
-        if check and proc.returncode != 0:
-            msg = (proc.stderr.strip() or proc.stdout.strip() or "(no output)").splitlines()[-1]
-            raise SailorError(f"{' '.join(args)!r} failed (exit {proc.returncode}): {msg}", field=" ".join(args),
-                              fix="check that the cluster is up (scontrol ping) and SLURM_CONF points at it")
-        return proc
 
 
 def _gpus(gres: str) -> int:
@@ -204,14 +202,14 @@ class StartEstimator:
         holds: list[Hold] = []
         try:
             holds = queue_holds(self.env, self.budget, now)
-        except TimeoutError as exc:
+        except SlurmUnavailable as exc:
             notes.append(f"queue not read: {exc}")
         history: list[WaitHistory] = []
         error = None
         if self.history:
             try:
                 history, error = wait_history(self.env, self.budget, now=now)
-            except (TimeoutError, SailorError) as exc:
+            except (SlurmUnavailable, SailorError) as exc:
                 notes.append(f"no wait history: {exc}")
         return QueueSnapshot(now, nodes, tuple(holds), {}, tuple(history), error, self.budget.used, tuple(notes))
 
@@ -227,7 +225,7 @@ class StartEstimator:
                 try:
                     asked = time.time()
                     when = self._ask(site, *key)
-                except TimeoutError:
+                except SlurmUnavailable:
                     skipped += 1
                     continue
                 if when is None:  # a request Slurm refuses (a partition limit): the timeline's estimate stays

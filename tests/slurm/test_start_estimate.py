@@ -16,11 +16,12 @@ from pathlib import Path
 import pytest
 
 from planner.time_goal import TimeGoal, plan_shape
+from sailor_hpc.core.errors import SlurmUnavailable
 from sailor_hpc.core.plan import plan_from_dict
 from sailor_hpc.core.site import load_site
 from sailor_hpc.core.start_times import IDLE_NOW, TEST_ONLY, request_shape
 from sailor_hpc.slurm.commands import parse_kv_line
-from sailor_hpc.slurm.start_estimate import StartEstimator, request_script
+from sailor_hpc.slurm.start_estimate import Budget, SlurmBudgetSpent, StartEstimator, request_script
 from tests.data.tiny_archive import write_tiny_archive
 
 REPO = Path(__file__).resolve().parents[2]
@@ -158,3 +159,19 @@ def test_a_backfill_hole_is_planned_and_taken(slurm_cluster, tmp_path) -> None:
     finally:
         for j in jobs:
             cluster.run(["scancel", j])
+
+
+def test_a_spent_budget_asks_slurm_nothing_more_and_says_so(slurm_cluster) -> None:
+    """Once the plan's seconds of Slurm calls are spent, no Slurm command runs: each request keeps the queue's
+    estimate and the snapshot's notes count what was left unasked; the error is a Slurm-unavailable one
+    (exit 3, try again), never bad input."""
+    site = load_site(LAB)
+    est = StartEstimator(slurm_cluster.env, history=False)
+    snap = est.snapshot(["a100", "v100"])
+    est.budget.used = est.budget.total
+    shapes = [(request_shape({"a100": [4, 4]}), 600), (request_shape({"v100": [4]}), 600)]
+    got = est.test_only(site, snap, shapes)
+    assert got.tested == {} and got.notes[-1] == "2 request(s) not tested: Slurm-call budget spent"
+    with pytest.raises(SlurmBudgetSpent) as err:
+        Budget(0.0).run(["sinfo"], slurm_cluster.env)
+    assert isinstance(err.value, SlurmUnavailable) and err.value.exit_code == 3
