@@ -13,16 +13,16 @@ from sailor_hpc.cli.output import echo_json, json_option, table
 from sailor_hpc.cli.run_cmds import status_cmd as run_status
 from sailor_hpc.cli.training_options import (
     DATA_HELP,
-    job_paths,
+    job_work,
     pop_training_args,
     skip_path_check_option,
     training_options,
 )
 from sailor_hpc.core.atomic import removed_on_error
 from sailor_hpc.core.site import load_site
+from sailor_hpc.jobs.options import JobOptions, Limits
 from sailor_hpc.jobs.render import (
     check_job_dir,
-    check_training_args,
     placed_plan,
     placed_plan_path,
     render_job_script,
@@ -103,22 +103,21 @@ def _render(plan_file: Path, site_file: Path, model: str | None, data: str | Non
     if save is None and not dry_run:  # next to the plan, whatever -o says: a re-rendered job resumes from it
         save = str(check_job_dir(plan_file.absolute().parent, "--save (default: next to the plan)")
                    / f"{plan_file.stem}-ckpt")
-    check_training_args(data, save, steps, dry_run=dry_run, dry_run_option="--dry-run")
-    if not dry_run:  # ranks that only print their role read none of them
-        data, save, load = job_paths(data, save, load, skip=skip_path_check)
+    job = job_work(data, save, load, steps, dry_run=dry_run, skip=skip_path_check, dry_run_option="--dry-run")
     work = check_job_dir(workdir, "--workdir") if workdir is not None else job_dir
     logs = check_job_dir(log_dir, "--log-dir") if log_dir is not None else work
     plan, plan_path = placed_plan(plan_file, site, model)
     copy = plan_path is None
     plan_path = plan_path or placed_plan_path(plan, job_dir, plan_file.stem)
+    options = JobOptions(plan_path=plan_path, work=job,
+                         steps=steps, model=model, runtime=runtime, train_args=train_arg, python=python,
+                         job_name=job_name, limits=Limits(time_limit, time_min, signal_grace),
+                         extra_sbatch=extra_sbatch, workdir=work, log_dir=logs)
     # no script: no placed copy of the plan left behind for it either
     with removed_on_error(plan_path):
         if copy:
             plan.save(plan_path)
-        text = render_job_script(plan, site, plan_path=plan_path, model=model, data=data, save=save, load=load,
-                                 steps=steps, job_name=job_name, time=time_limit, extra_sbatch=extra_sbatch,
-                                 train_args=train_arg, python=python, signal_grace_s=signal_grace, workdir=work,
-                                 log_dir=logs, dry_run=dry_run, time_min=time_min, runtime=runtime)
+        text = render_job_script(plan, site, options)
         for d in (work, logs):  # Slurm creates neither
             d.mkdir(parents=True, exist_ok=True)
     if copy:

@@ -16,7 +16,7 @@ from planner.pareto import plot_pareto
 from planner.time_pareto import plot_time_pareto
 from sailor_hpc.cli.output import echo_json, memory_by_gpu_type_cell, table
 from sailor_hpc.cli.time_planning import TimeOptions, echo_time, refine, time_goal, time_json
-from sailor_hpc.cli.training_options import job_paths
+from sailor_hpc.cli.training_options import job_work
 from sailor_hpc.core.archive import open_archive
 from sailor_hpc.core.atomic import removed_on_error
 from sailor_hpc.core.deepspeed_plan import zero_stage_of
@@ -24,7 +24,8 @@ from sailor_hpc.core.ds_config import write_ds_config
 from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.models import get_model
 from sailor_hpc.core.site import Site, load_site
-from sailor_hpc.jobs.render import check_training_args, render_job_script, write_job_script
+from sailor_hpc.jobs.options import JobOptions
+from sailor_hpc.jobs.render import render_job_script, write_job_script
 from sailor_hpc.slurm.discover import live_availability
 
 DEFAULT_GBS = 1024
@@ -96,9 +97,15 @@ def run_planner(site_file: Path, model_name: str, *, archive_path: Path | None, 
     if ds_config_out is not None and runtime != "deepspeed":
         raise SailorError("--ds-config writes the config of a plan DeepSpeed's engine runs", field="--ds-config",
                           fix="add --runtime deepspeed")
-    if sbatch_out is not None:
-        check_training_args(data, save, steps or DEFAULT_STEPS)  # before the search, not after it (plan has no --dry-run)
-        data, save, _ = job_paths(data, save, None, skip=skip_path_check)
+    if sbatch_out is not None and output is None:
+        output = sbatch_out.with_name(f"{sbatch_out.stem}.plan.json")
+    job = None
+    if sbatch_out is not None:  # checked before the search, not after it (plan has no --dry-run)
+        assert output is not None
+        job = JobOptions(plan_path=output.absolute(),
+                         work=job_work(data, save, None, steps or DEFAULT_STEPS, dry_run=False, skip=skip_path_check),
+                         steps=steps or DEFAULT_STEPS, train_args=tuple(train_args),
+                         runtime="deepspeed" if runtime == "deepspeed" else "megatron_patch")
     with in_plan_terms("--archive", field="--profiles",
                        fix="pass --profiles FILE, set SAILOR_PROFILES, or reinstall to get the embedded default"):
         archive = open_archive(archive_path, site)
@@ -124,16 +131,11 @@ def run_planner(site_file: Path, model_name: str, *, archive_path: Path | None, 
     best = result.candidates[0]
     if ds_config_out is not None:  # refused (schedule, optimizer) before any file is written
         write_ds_config(ds_config_out, best.plan, train_values or {}, steps or DEFAULT_STEPS)
-    if sbatch_out is not None and output is None:
-        output = sbatch_out.with_name(f"{sbatch_out.stem}.plan.json")
-    if sbatch_out is not None:
-        assert output is not None
-        with removed_on_error(output):  # the script cannot be rendered: no plan file left behind for it either
-            best.plan.save(output)
-            script = render_job_script(best.plan, site, plan_path=output.absolute(), data=data, save=save,
-                                       steps=steps or DEFAULT_STEPS,
-                                       train_args=train_args,
-                                       runtime="deepspeed" if runtime == "deepspeed" else "megatron_patch")
+    if job is not None and sbatch_out is not None:
+        plan_file = Path(job.plan_path)
+        with removed_on_error(plan_file):  # no script: no plan file left behind for it either
+            best.plan.save(plan_file)
+            script = render_job_script(best.plan, site, job)
         write_job_script(sbatch_out, script)
     elif output is not None:
         best.plan.save(output)

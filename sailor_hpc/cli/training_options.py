@@ -13,7 +13,8 @@ import click
 
 from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.training import FLAGS, DataBlend, check_dataset_prefix, launch_args
-from sailor_hpc.jobs.render import check_job_dir
+from sailor_hpc.jobs.options import DryRun, Training
+from sailor_hpc.jobs.render import check_job_dir, check_training_args
 
 DATA_HELP = ("Dataset prefix (PREFIX.bin/.idx) the ranks train on, or a blend of prefixes with weights as one "
              "argument: '0.7 PREFIX_A 0.3 PREFIX_B' (as Megatron's data path).")
@@ -74,3 +75,15 @@ def job_paths(data: str | None, save: str | None, load: str | None, *,
         exc.fix = f"{exc.fix + '; ' if exc.fix else ''}or pass {SKIP_PATH_CHECK} if only the compute nodes see it"
         raise
     return data, save, load
+
+
+def job_work(data: str | None, save: str | None, load: str | None, steps: int, *, dry_run: bool, skip: bool,
+             dry_run_option: str | None = None) -> Training | DryRun:
+    """What the job's ranks do, checked before anything is searched or written: a dry run, or training on
+    ``data`` into ``save`` with the paths as the job reads them (:func:`job_paths`)."""
+    check_training_args(data, save, steps, dry_run=dry_run, dry_run_option=dry_run_option)
+    if dry_run:  # ranks that only print their role read none of the paths
+        return DryRun()
+    data, save, load = job_paths(data, save, load, skip=skip)
+    assert data is not None and save is not None  # refused above when missing
+    return Training(data, save, load)

@@ -39,6 +39,7 @@ from sailor_hpc.core.checkpoint import newest_step
 from sailor_hpc.core.errors import JobFailed, SailorError, SlurmUnavailable
 from sailor_hpc.core.plan import Plan
 from sailor_hpc.core.site import Site
+from sailor_hpc.jobs.options import ClusterPart, JobOptions, Limits, Training
 from sailor_hpc.jobs.render import cluster_submit_env, plan_clusters, render_job_script, write_job_script
 from sailor_hpc.slurm.commands import sinfo_nodes
 from sailor_hpc.slurm.status import JobStatus, poll_jobs
@@ -139,11 +140,12 @@ class CoScheduler:
         start = self._newest_step()
         jobs, envs, logs = {}, {}, {}
         for cluster in used:
-            text = render_job_script(plan, self.site, plan_path=plan_path, data=self.data, save=self.save,
-                                     steps=self.steps, time=self.time_limit, train_args=self.train_args,
-                                     cluster=cluster, rendezvous_file=rdzv, requeue=False,
-                                     job_name=f"sailor-geo-{attempt}-{cluster}", workdir=self.directory,
-                                     python=self.python)
+            options = JobOptions(plan_path=plan_path, work=Training(self.data, self.save), steps=self.steps,
+                                 limits=Limits(self.time_limit), train_args=tuple(self.train_args),
+                                 scope=ClusterPart(cluster, rdzv), requeue=False,
+                                 job_name=f"sailor-geo-{attempt}-{cluster}", workdir=self.directory,
+                                 python=self.python)
+            text = render_job_script(plan, self.site, options)
             env = cluster_submit_env(self.site, cluster, self.env)
             rec = submit_script(write_job_script(self.directory / f"job.{attempt}.{cluster}.sh", text), env)
             jobs[cluster], envs[cluster], logs[cluster] = rec.job_id, env, Path(rec.log)

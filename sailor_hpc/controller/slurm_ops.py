@@ -19,6 +19,7 @@ from sailor_hpc.controller.state import RunDir, job_name_prefix
 from sailor_hpc.core.errors import SailorError, SlurmUnavailable
 from sailor_hpc.core.plan import Plan
 from sailor_hpc.core.site import Site
+from sailor_hpc.jobs.options import InPlace, JobOptions, Limits, Training
 from sailor_hpc.jobs.render import render_job_script, write_job_script
 from sailor_hpc.slurm.commands import QueueJob, squeue
 from sailor_hpc.slurm.control import jobs_named, signal_job, step_ids
@@ -64,13 +65,13 @@ def prepare_attempt(rundir: RunDir, spec: RunSpec, site: Site, plan: Plan, attem
     plan_path = rundir.plan_file(attempt)
     plan_path.parent.mkdir(parents=True, exist_ok=True)
     plan.save(plan_path)
-    text = render_job_script(plan, site, plan_path=plan_path, model=spec.model, data=spec.data, save=spec.save,
-                             steps=spec.steps, job_name=name, time=spec.time_limit,
-                             extra_sbatch=spec.extra_sbatch,
-                             train_args=("--save-interval", str(spec.save_interval), *spec.train_args,
-                                         *(("--wait-for", str(gate)) if gate is not None else ())),
-                             python=spec.python, signal_grace_s=spec.signal_grace_s, workdir=rundir.path,
-                             log_dir=rundir.logs, time_min=spec.time_min, in_place=rundir.path)
+    options = JobOptions(plan_path=plan_path, work=Training(spec.data, spec.save), steps=spec.steps,
+                         model=spec.model, job_name=name, extra_sbatch=spec.extra_sbatch,
+                         train_args=("--save-interval", str(spec.save_interval), *spec.train_args,
+                                     *(("--wait-for", str(gate)) if gate is not None else ())),
+                         python=spec.python, limits=Limits(spec.time_limit, spec.time_min, spec.signal_grace_s),
+                         workdir=rundir.path, log_dir=rundir.logs, scope=InPlace(rundir.path))
+    text = render_job_script(plan, site, options)
     script = rundir.script_file(attempt)
     script.parent.mkdir(parents=True, exist_ok=True)
     write_job_script(script, text)

@@ -13,7 +13,7 @@ import hashlib
 import json
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,9 +33,17 @@ from sailor_hpc.core.plan import Plan, validate_plan
 from sailor_hpc.core.plan_io import load_plan
 from sailor_hpc.core.roles import rank_roles
 from sailor_hpc.core.sailor_compat.plans import is_sailor_plan
-from sailor_hpc.core.site import Site, format_slurm_time, parse_walltime, slurm_time_seconds
+from sailor_hpc.core.site import Site, parse_walltime
 from sailor_hpc.core.training import DataBlend
 from sailor_hpc.jobs.layout import JobLayout, job_layout
+from sailor_hpc.jobs.options import (
+    DEFAULT_RENDEZVOUS_WAIT_S,
+    ClusterPart,
+    InPlace,
+    JobOptions,
+    Training,
+    parse_time_limit,
+)
 from sailor_hpc.slurm import safety
 
 DEFAULT_TIME = "01:00:00"
@@ -46,7 +54,6 @@ MAX_SIGNAL_GRACE_S = 300  # SIGUSR1 this long before the time limit (capped at a
 #: the others blocked in a collective until the runtime's collective timeout
 MIN_RANK_EXIT_WAIT_S = 60
 PORT_BASE, PORT_SPAN = 20000, 20000  # MASTER_PORT = base + job id % span (two jobs on a node rarely clash)
-DEFAULT_RENDEZVOUS_WAIT_S = 600  # a cluster's job waits this long for the rendezvous address of rank 0's job
 
 
 @dataclass(frozen=True)
@@ -77,19 +84,6 @@ def components_for(layout: JobLayout, site: Site) -> list[ComponentView]:
                                  tasks_per_node=comp.tasks_per_node, gres=f"{part.gres}:{comp.tasks_per_node}",
                                  cpus_per_task=cpus))
     return out
-
-
-def parse_time_limit(time: str) -> tuple[str, int]:
-    """A ``--time`` as Slurm's normalized text and seconds (a SailorError naming --time if it is none)."""
-    safety.no_control_chars(time, "--time")
-    try:
-        seconds = slurm_time_seconds(time)
-    except ValueError:
-        seconds = None
-    if seconds is None:
-        raise SailorError(f"{time!r} is not a Slurm time limit", field="--time",
-                          fix='use "D-HH:MM:SS", "HH:MM:SS" or minutes')
-    return format_slurm_time(seconds), seconds
 
 
 def job_time(time: str | None, site: Site, layout: JobLayout) -> tuple[str, int]:
@@ -226,102 +220,73 @@ def cluster_submit_env(site: Site, cluster: str | None, env: Mapping[str, str]) 
     return out
 
 
-#: the module each runtime's ranks run (``runtime`` of :func:`render_job_script`)
-LAUNCH_MODULES = {"megatron_patch": "megatron_patch.launch", "deepspeed": "megatron_patch.ds_runtime.launch"}
+def render_job_script(plan: Plan, site: Site, options: JobOptions) -> str:
+    """The sbatch script that trains ``plan`` (read by the job from ``options.plan_path``) on ``site``.
 
-
-def _launch_module(plan: Plan, runtime: str) -> str:
-    """The runtime's entry point; a plan DeepSpeed's engine cannot run is refused now, not in the job."""
-    if runtime not in LAUNCH_MODULES:
-        raise SailorError(f"unknown runtime {runtime!r}", field="--runtime", fix=f"use one of {', '.join(LAUNCH_MODULES)}")
-    if runtime == "deepspeed":
-        check_engine_plan(plan)
-    return LAUNCH_MODULES[runtime]
-
-
-def render_job_script(plan: Plan, site: Site, *, plan_path: str | os.PathLike[str], model: str | None = None,
-                      data: str | os.PathLike[str] | None = None, save: str | os.PathLike[str] | None = None,
-                      load: str | os.PathLike[str] | None = None, steps: int = 100, job_name: str | None = None,
-                      time: str | None = None, extra_sbatch: Sequence[str] = (), train_args: Sequence[str] = (),
-                      python: str | None = None, signal_grace_s: int | None = None,
-                      workdir: str | os.PathLike[str] | None = None, log_dir: str | os.PathLike[str] | None = None,
-                      dry_run: bool = False, requeue: bool = True, time_min: str | None = None,
-                      in_place: str | os.PathLike[str] | None = None, cluster: str | None = None,
-                      rendezvous_file: str | os.PathLike[str] | None = None,
-                      rendezvous_wait_s: int = DEFAULT_RENDEZVOUS_WAIT_S, runtime: str = "megatron_patch") -> str:
-    """The sbatch script that trains ``plan`` (read by the job from ``plan_path``) on ``site``.
-
-    ``data`` and ``save`` are required unless ``dry_run`` (every rank then only prints its role);
-    ``load`` is used until the job has a checkpoint of its own in ``save`` (requeued runs resume from
-    ``save``). ``extra_sbatch`` are ``--option=value`` header lines: job-wide ones (mail, dependency,
-    ...) are written once, before the first component, every other one in each component, because
-    sbatch gives many options written before ``#SBATCH hetjob`` to the first component only.
-    ``runtime``: ``megatron_patch`` or ``deepspeed`` (``megatron_patch.ds_runtime.launch``, the same arguments;
-    only plans DeepSpeed's engine runs). ``train_args`` are extra arguments of ``megatron_patch.launch``;
-    ``python`` the interpreter on the
-    compute nodes (default: the one running this, a virtualenv on the shared filesystem where sailor-hpc
-    is installed, rather than a bare ``python`` that is often the system's, without torch). ``requeue=False`` (a controller
-    that resubmits by itself): no ``scontrol requeue`` after a checkpoint on the limit signal, and
-    ``--no-requeue`` (a node failure ends the job instead of Slurm requeueing it). ``time_min``
-    (``--time-min``) lets backfill start the job sooner with a limit down to it: each limit ends in a
-    checkpoint, so a shorter one is safe. ``in_place`` (the controller's run directory) renders
-    ``--no-kill`` and training as a loop of ``srun`` steps that re-plans on the surviving nodes when a
-    step loses some (:mod:`sailor_hpc.controller.inplace`). Raises :class:`SailorError` for anything
-    unsafe or inconsistent.
-
-    A plan across clusters renders one script per ``cluster``, each running that cluster's ranks under their
-    plan ranks. The job holding plan rank 0 writes its rendezvous address to ``rendezvous_file`` (temp +
-    rename); the others wait for it up to ``rendezvous_wait_s``. The path must be fresh for every submission
-    (an old address would be read) and on a filesystem every cluster's nodes share, as the plan and the
-    checkpoints already are; ``requeue`` must be False (the controller resubmits all clusters' jobs).
+    ``options.extra_sbatch`` are ``--option=value`` header lines: job-wide ones (mail, dependency, ...)
+    are written once, before the first component, every other one in each component, because sbatch gives
+    many options written before ``#SBATCH hetjob`` to the first component only. A :class:`Training` job
+    resumes from its own checkpoints in ``save`` once it has one (requeued runs), else from ``load``.
+    What :class:`JobOptions` cannot check alone is checked here against the plan and the site: the clusters
+    the plan spans (a :class:`ClusterPart` per cluster; across clusters it needs a rendezvous file and no
+    requeue), the partitions' walltime maxima, the site's sbatch options. Raises :class:`SailorError` for
+    anything unsafe or inconsistent.
     """
+    o = options
+    plan_path = o.plan_path
     validate_plan(plan, site, source=plan_path, check_placement=True)
-    launch_module = _launch_module(plan, runtime)
-    part = cluster_job(plan, site, cluster, rendezvous_file, requeue)
-    if in_place and cluster is not None:  # a step re-planned inside one cluster's job would drop the others' ranks
-        raise SailorError("in-place steps cannot run one cluster's part of a plan across clusters",
-                          field="in_place", fix="render cross-cluster jobs without in_place (the co-scheduler re-plans)")
+    if o.runtime == "deepspeed":  # a plan DeepSpeed's engine cannot run is refused now, not in the job
+        check_engine_plan(plan)
+    scope = o.scope
+    cluster = scope.cluster if isinstance(scope, ClusterPart) else None
+    rendezvous_file = scope.rendezvous_file if isinstance(scope, ClusterPart) else None
+    part = cluster_job(plan, site, cluster, rendezvous_file, o.requeue)
     plan_file = Path(safety.shell_path(plan_path, "plan_path"))
     _plan_file_matches(plan, plan_file)
-    name = get_model(model or plan.model).name
+    name = get_model(o.model or plan.model).name
     if name != get_model(plan.model).name:
-        raise SailorError(f"the plan trains {plan.model}, not {model}", field="--model", fix="drop --model or fix it")
-    check_training_args(data, save, steps, dry_run=dry_run)
+        raise SailorError(f"the plan trains {plan.model}, not {o.model}", field="--model", fix="drop --model or fix it")
+    work = o.work
+    data, save, load = (work.data, work.save, work.load) if isinstance(work, Training) else (None, None, None)
     layout = job_layout(plan, part.partitions)
-    time_text, seconds = job_time(time, site, layout)
-    min_text = _time_min(time_min, seconds)
-    grace = signal_grace_s if signal_grace_s is not None else min(MAX_SIGNAL_GRACE_S, max(1, seconds // 10))
+    time_text, seconds = job_time(o.limits.time, site, layout)
+    min_text = _time_min(o.limits.time_min, seconds)
+    grace = (o.limits.signal_grace_s if o.limits.signal_grace_s is not None
+             else min(MAX_SIGNAL_GRACE_S, max(1, seconds // 10)))
     if not 0 < grace < seconds:
         raise SailorError(f"signal grace {grace} s must be between 0 and the time limit ({seconds} s)",
                           field="--signal-grace", fix="checkpointing needs time before the limit, but less than all of it")
-    work = safety.sbatch_path(workdir if workdir is not None else plan_file.parent, "--workdir")
-    logs = safety.sbatch_path(log_dir if log_dir is not None else work, "--log-dir")
-    jname = safety.job_name(job_name or f"sailor-{name}", "--job-name")
-    header = safety.site_sbatch_options(site, extra_sbatch)
+    workdir = safety.sbatch_path(o.workdir if o.workdir is not None else plan_file.parent, "--workdir")
+    logs = safety.sbatch_path(o.log_dir if o.log_dir is not None else workdir, "--log-dir")
+    jname = safety.job_name(o.job_name or f"sailor-{name}", "--job-name")
+    header = safety.site_sbatch_options(site, o.extra_sbatch)
     for i, line in enumerate(site.prelude):
         if any(c in line for c in "\n\r\x00"):
             raise SailorError("prelude lines must be single lines", file=site.source, field=f"environment.prelude[{i}]")
+    in_place = scope.run_dir if isinstance(scope, InPlace) else None
     ctx: dict[str, Any] = {
         "version": __version__, "model": name, "model_q": safety.q(name), "num_ranks": layout.world_size,
         "num_tasks": layout.num_tasks,
         "plan_path_comment": str(plan_file), "task_ranks_comment": " ".join(map(str, layout.task_ranks)),
-        "job_name": jname, "output": f"{logs}/%x-%j.out", "workdir": work, "time": time_text,
-        "signal_grace_s": grace, "rank_exit_wait_s": max(MIN_RANK_EXIT_WAIT_S, grace), "dry_run": dry_run,
-        "requeue": requeue, "time_min": min_text,
+        "job_name": jname, "output": f"{logs}/%x-%j.out", "workdir": workdir, "time": time_text,
+        "signal_grace_s": grace, "rank_exit_wait_s": max(MIN_RANK_EXIT_WAIT_S, grace), "dry_run": o.dry_run,
+        "requeue": o.requeue, "time_min": min_text,
         "in_place": safety.q(safety.shell_path(in_place, "--run-dir")) if in_place is not None else "",
-        "job_sbatch": [o.text for o in header if o.job_wide],
-        "component_sbatch": [o.text for o in header if not o.job_wide],
+        "job_sbatch": [h.text for h in header if h.job_wide],
+        "component_sbatch": [h.text for h in header if not h.job_wide],
         "components": components_for(layout, site), "heterogeneous": layout.heterogeneous,
         "prelude": list(site.prelude), "port_base": PORT_BASE, "port_span": PORT_SPAN,
         "plan_path": safety.q(str(plan_file)),
         "data": _data_args(data) if data is not None else "",
         "save": safety.q(safety.shell_path(save, "--save")) if save is not None else "",
         "load": safety.q(safety.shell_path(load, "--load")) if load is not None else "",
-        "steps": steps, "train_args": [safety.q(safety.no_control_chars(a, "--train-arg")) for a in train_args],
-        "launch_module": launch_module,
-        "python": safety.q(safety.quoted_python_exe(python or sys.executable)), "exit_saved_on_signal": EXIT_SAVED_ON_SIGNAL,
+        "steps": o.steps, "train_args": [safety.q(a) for a in o.train_args],
+        "launch_module": o.launch_module,
+        "python": safety.q(safety.quoted_python_exe(o.python or sys.executable)),
+        "exit_saved_on_signal": EXIT_SAVED_ON_SIGNAL,
         "partitions": ",".join(part.partitions) if part.partitions else "", "hosts_rendezvous": part.hosts_rendezvous,
-        "cluster": part.cluster or "", "rendezvous_wait_s": rendezvous_wait_s,
+        "cluster": part.cluster or "",
+        "rendezvous_wait_s": scope.rendezvous_wait_s if isinstance(scope, ClusterPart) else DEFAULT_RENDEZVOUS_WAIT_S,
         "rendezvous_file": safety.q(safety.shell_path(Path(rendezvous_file), "rendezvous_file"))
         if part.partitions and rendezvous_file is not None else "",
     }

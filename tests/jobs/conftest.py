@@ -13,6 +13,7 @@ import pytest
 from sailor_hpc.core.placement import place_plan
 from sailor_hpc.core.plan import Pipeline, Plan, Stage
 from sailor_hpc.core.site import Site, load_site_dict
+from sailor_hpc.jobs.options import ClusterPart, DryRun, InPlace, JobOptions, Limits, Training, WholePlan
 
 REPO = Path(__file__).resolve().parents[2]
 LOCAL_LAB = REPO / "site_configs" / "local-lab.toml"
@@ -103,3 +104,17 @@ def job_dir(slurm_cluster, tmp_path: Path) -> Path:
     d = tmp_path / "jobs"
     d.mkdir()
     return d
+
+
+def job_options(plan_path: Path, *, dry_run: bool = True, data: Any = None, save: Any = None, load: Any = None,
+                time: str | None = None, time_min: str | None = None, signal_grace_s: int | None = None,
+                cluster: str | None = None, rendezvous_file: Any = None, rendezvous_wait_s: int = 600,
+                in_place: Any = None, **rest: Any) -> JobOptions:
+    """A :class:`JobOptions` from the few words a test varies (a dry run of the whole plan by default)."""
+    scope: WholePlan | InPlace | ClusterPart = WholePlan()
+    if cluster is not None:
+        scope = ClusterPart(cluster, rendezvous_file, rendezvous_wait_s)
+    elif in_place is not None:
+        scope = InPlace(in_place)
+    return JobOptions(plan_path=plan_path, work=DryRun() if dry_run else Training(data, save, load),
+                      limits=Limits(time, time_min, signal_grace_s), scope=scope, **rest)

@@ -15,6 +15,7 @@ import pytest
 
 from sailor_hpc.core.checkpoint import step_dir
 from sailor_hpc.jobs.layout import job_layout
+from sailor_hpc.jobs.options import ClusterPart, JobOptions, Limits, Training
 from sailor_hpc.jobs.render import cluster_submit_env, plan_clusters, render_job_script, write_job_script
 from sailor_hpc.slurm.submit import log_path, submit_script
 from sailor_hpc.slurm.watch import JobWatcher
@@ -43,9 +44,10 @@ def test_plan_across_two_clusters_trains_to_the_single_process_reference(slurm_t
     jobs: dict[str, tuple[str, dict[str, str]]] = {}
     logs: dict[str, Path] = {}
     for cluster in plan_clusters(plan, site):
-        script = render_job_script(plan, site, plan_path=plan_path, data=runtime_env.data, save=save, steps=STEPS,
-                                   time="00:10:00", train_args=ADAM, cluster=cluster, rendezvous_file=rdzv,
-                                   requeue=False, job_name=f"geo-{cluster}", rendezvous_wait_s=120)
+        options = JobOptions(plan_path=plan_path, work=Training(runtime_env.data, save), steps=STEPS,
+                             limits=Limits("00:10:00"), train_args=tuple(ADAM), requeue=False,
+                             scope=ClusterPart(cluster, rdzv, rendezvous_wait_s=120), job_name=f"geo-{cluster}")
+        script = render_job_script(plan, site, options)
         env = cluster_submit_env(site, cluster, job_env)
         rec = submit_script(write_job_script(job_dir / f"{cluster}.sh", script), env)
         jobs[cluster], logs[cluster] = (rec.job_id, env), Path(rec.log)

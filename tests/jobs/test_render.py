@@ -18,17 +18,17 @@ from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.plan_io import load_plan
 from sailor_hpc.core.site import load_site, load_site_dict
 from sailor_hpc.core.toml_writer import dump_toml
+from sailor_hpc.jobs.options import ClusterPart, DryRun, JobOptions, Limits, Training
 from sailor_hpc.jobs.render import placed_plan_file, render_job_script
 from tests.conftest import slurm_missing
-from tests.jobs.conftest import LOCAL_LAB, write_plan
+from tests.jobs.conftest import LOCAL_LAB, job_options, write_plan
 
 
 def _render(tmp_path: Path, name: str, site=None, **kw) -> str:
     site = site or load_site(LOCAL_LAB)
     path = write_plan(tmp_path, name)
     plan = load_plan(path, site=site)
-    kw.setdefault("dry_run", True)
-    return render_job_script(plan, site, plan_path=path, **kw)
+    return render_job_script(plan, site, job_options(path, **kw))
 
 
 def _header(script: str) -> list[list[str]]:
@@ -205,9 +205,9 @@ def test_plan_file_must_match_the_rendered_plan(tmp_path):
     plan = load_plan(write_plan(tmp_path, "het-mixed"), site=site)
     other = write_plan(tmp_path, "a100-only")
     with pytest.raises(SailorError, match="differs"):
-        render_job_script(plan, site, plan_path=other, dry_run=True)
+        render_job_script(plan, site, job_options(other))
     with pytest.raises(SailorError, match="does not exist"):
-        render_job_script(plan, site, plan_path=tmp_path / "missing.json", dry_run=True)
+        render_job_script(plan, site, job_options(tmp_path / "missing.json"))
 
 
 def test_unplaced_plan_gets_a_placed_copy(tmp_path):
@@ -629,3 +629,34 @@ def test_checked_paths_go_into_the_job_absolute(tmp_path, monkeypatch):
     launch = _bash_argv(out.read_text(), "LAUNCH")
     assert launch[launch.index("--data") + 1] == str(tmp_path / "data" / "web")
     assert f"SAVE={tmp_path / 'ck'}" in out.read_text()
+
+
+@pytest.mark.parametrize("build, field", [
+    (lambda p: JobOptions(plan_path=p, work=Training(None, "s")), "--data"),  # type: ignore[arg-type]
+    (lambda p: JobOptions(plan_path=p, work=Training("d", "")), "--save"),
+    (lambda p: JobOptions(plan_path=p, work=DryRun(), steps=0), "--steps"),
+    (lambda p: JobOptions(plan_path=p, work=DryRun(), runtime="torchrun"), "--runtime"),
+    (lambda p: JobOptions(plan_path=p, work=DryRun(), limits=Limits("00:10:00", time_min="00:20:00")), "--time-min"),
+    (lambda p: JobOptions(plan_path=p, work=DryRun(), limits=Limits("00:10:00", signal_grace_s=600)),
+     "--signal-grace"),
+    (lambda p: JobOptions(plan_path=p, work=DryRun(), limits=Limits("soon")), "--time"),
+    (lambda p: JobOptions(plan_path=p, work=DryRun(), scope=ClusterPart("c1", "/shared/rdzv")), "requeue"),
+    (lambda p: JobOptions(plan_path=p, work=DryRun(), scope=ClusterPart("c1", rendezvous_wait_s=0)),
+     "rendezvous_wait_s"),
+    (lambda p: JobOptions(plan_path=p, work="train"), "work"),  # type: ignore[arg-type]
+])
+def test_job_options_refuse_a_bad_combination_on_construction(tmp_path, build, field):
+    """Checked once, when the CLI or the controller builds the value: before any search or file write."""
+    with pytest.raises(SailorError) as err:
+        build(tmp_path / "p.json")
+    assert err.value.field == field, err.value
+
+
+def test_job_options_are_one_comparable_value(tmp_path):
+    """Lists become tuples: two builds of the same job compare equal (the controller may re-render)."""
+    a = JobOptions(plan_path=tmp_path / "p.json", work=Training("d", "s"), train_args=["--lr", "1e-4"],
+                   extra_sbatch=["--comment=x"])
+    b = JobOptions(plan_path=tmp_path / "p.json", work=Training("d", "s"), train_args=("--lr", "1e-4"),
+                   extra_sbatch=("--comment=x",))
+    assert a == b and hash(a.train_args) == hash(b.train_args) and not a.dry_run
+    assert a.launch_module == "megatron_patch.launch"

@@ -16,6 +16,7 @@ from sailor_hpc.core.site import Site
 from sailor_hpc.jobs.layout import job_layout
 from sailor_hpc.jobs.rank_env import rank_environment
 from sailor_hpc.jobs.render import cluster_submit_env, plan_clusters, render_job_script
+from tests.jobs.conftest import job_options
 from tests.simulator.conftest import two_cluster_site
 
 GPU = {"p1": "G1", "p2": "G2"}
@@ -41,7 +42,7 @@ def _plan(site: Site, *pipelines: tuple[str, ...]) -> Plan:
 def _render(plan: Plan, site: Site, tmp_path: Path, **kw) -> str:
     path = tmp_path / "p.json"
     plan.save(path)
-    return render_job_script(plan, site, plan_path=path, dry_run=True, **kw)
+    return render_job_script(plan, site, job_options(path, **kw))
 
 
 @pytest.mark.parametrize("parts, kw, field, words", [

@@ -12,6 +12,7 @@ import pytest
 from sailor_hpc.core.plan_io import load_plan
 from sailor_hpc.core.roles import rank_roles
 from sailor_hpc.core.site import load_site
+from sailor_hpc.jobs.options import DryRun, JobOptions, Limits, Training
 from sailor_hpc.jobs.render import placed_plan_file, render_job_script, write_job_script
 from sailor_hpc.slurm.status import poll_jobs
 from sailor_hpc.slurm.submit import check_script
@@ -45,8 +46,9 @@ def test_rendered_scripts_pass_sbatch_test_only(slurm_cluster, job_env, job_dir,
     site = load_site(LOCAL_LAB)
     plan, plan_path = placed_plan_file(write_plan(job_dir, name), site)
     for dry in (True, False):
-        script = render_job_script(plan, site, plan_path=plan_path, data=job_dir / "data", save=job_dir / "ckpt",
-                                   dry_run=dry, time="00:30:00", extra_sbatch=["--comment=sailor-test"])
+        options = JobOptions(plan_path=plan_path, work=DryRun() if dry else Training(job_dir / "data", job_dir / "ckpt"),
+                             limits=Limits("00:30:00"), extra_sbatch=("--comment=sailor-test",))
+        script = render_job_script(plan, site, options)
         path = write_job_script(job_dir / f"{name}-{dry}.sh", script)
         answer = check_script(path, job_env)
         assert "to start at" in answer and f"using {plan.num_gpus} processors" in answer, answer
