@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import click
 
+from planner import Constraints
 from sailor_hpc.cli.app import main
 from sailor_hpc.cli.output import echo_json, json_option, table
-from sailor_hpc.cli.planning import run_planner
+from sailor_hpc.cli.planning import DEFAULT_GBS, PlanOutputs, PlanSearch, run_planner
 from sailor_hpc.cli.simulate_cmds import runtime_option
 from sailor_hpc.cli.time_planning import pop_time_options, time_options
 from sailor_hpc.cli.training_options import DATA_HELP, pop_training_args, skip_path_check_option, training_options
@@ -75,7 +77,7 @@ def describe_plan(plan: Plan) -> str:
 @training_options
 @json_option
 @click.pass_context
-def plan_group(ctx: click.Context, site_file: Path | None, model_name: str | None, **opts: object) -> None:
+def plan_group(ctx: click.Context, site_file: Path | None, model_name: str | None, **opts: Any) -> None:
     """Search the best plans (sailor-hpc plan --site S --model M ...), or `plan validate`."""
     if ctx.invoked_subcommand is not None:
         return
@@ -84,10 +86,19 @@ def plan_group(ctx: click.Context, site_file: Path | None, model_name: str | Non
             click.echo(ctx.get_help())
             return
         raise click.UsageError("plan needs both --site and --model")
-
-    opts["train_values"] = {f.dest: opts.get(f.dest) for f in FLAGS}  # for --ds-config
-    train_args = pop_training_args(opts)  # checked before the search
-    run_planner(site_file, model_name, train_args=train_args, time_opts=pop_time_options(opts), **opts)
+    train_values = {f.dest: opts.get(f.dest) for f in FLAGS}  # for --ds-config
+    train_args = tuple(pop_training_args(opts))  # checked before the search
+    query = PlanSearch(site_file=site_file, model=model_name, archive_path=opts["archive_path"],
+                       gbs=DEFAULT_GBS if opts["gbs"] is None else opts["gbs"], seq_len=opts["seq_len"],
+                       dtype=opts["dtype"], objective=opts["objective"],
+                       constraints=Constraints(opts["max_cost_per_hour"], opts["max_cost_per_iteration"],
+                                               opts["min_throughput"], opts["max_gpus"]),
+                       available=opts["available"], space=opts["space"], runtime=opts["runtime"],
+                       top_k=opts["top_k"], steps=opts["steps"], time=pop_time_options(opts))
+    out = PlanOutputs(plan=opts["output"], pareto=opts["pareto"], sbatch=opts["sbatch_out"],
+                      ds_config=opts["ds_config_out"], data=opts["data"], save=opts["save"], train_args=train_args,
+                      train_values=train_values, skip_path_check=opts["skip_path_check"], as_json=opts["as_json"])
+    run_planner(query, out)
 
 
 @plan_group.command("validate")

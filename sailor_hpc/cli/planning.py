@@ -2,16 +2,17 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import click
 
-from planner import Constraints, PlanRequest, search
-from planner.deepspeed_space import deepspeed_search
-from planner.geo import geo_search, gpus_per_cluster
+from planner import Constraints, PlanRequest
+from planner.entry import plan_search
+from planner.geo import gpus_per_cluster
 from planner.pareto import plot_pareto
 from planner.time_pareto import plot_time_pareto
 from sailor_hpc.cli.output import echo_json, memory_by_gpu_type_cell, table
@@ -84,45 +85,85 @@ def check_options(model_name: str, seq_len: int | None) -> None:
                           field="--seq-len", fix=f"leave out --seq-len, or pass {model.seq_len}")
 
 
-def run_planner(site_file: Path, model_name: str, *, archive_path: Path | None, gbs: int | None,
-                seq_len: int | None, dtype: str, objective: str, max_cost_per_hour: float | None,
-                max_cost_per_iteration: float | None, min_throughput: float | None, max_gpus: int | None,
-                available: str, space: str, runtime: str, top_k: int, output: Path | None, pareto: Path | None,
-                sbatch_out: Path | None, data: str | None, save: str | None, steps: int | None, as_json: bool,
-                train_args: Sequence[str] = (), skip_path_check: bool = False,
-                time_opts: TimeOptions | None = None, ds_config_out: Path | None = None,
-                train_values: Mapping[str, Any] | None = None) -> None:
-    site = load_site(site_file)
-    check_options(model_name, seq_len)
-    if ds_config_out is not None and runtime != "deepspeed":
+@dataclass(frozen=True)
+class PlanSearch:
+    """What ``sailor-hpc plan`` searches: the model on the site, the objective, the constraints and the GPUs."""
+
+    site_file: Path
+    model: str
+    archive_path: Path | None = None
+    gbs: int = DEFAULT_GBS
+    seq_len: int | None = None
+    dtype: str = "auto"
+    objective: str = "throughput"
+    constraints: Constraints = Constraints()
+    available: str = "site"  # 'site', 'live' or 'PART=GPUS,...' (parse_available)
+    space: str = "full"
+    runtime: str = "megatron_patch"
+    top_k: int = 5
+    steps: int | None = None  # of the run (objective time) and of the --sbatch job
+    time: TimeOptions = TimeOptions()
+
+
+@dataclass(frozen=True)
+class PlanOutputs:
+    """What ``sailor-hpc plan`` writes besides its report: the best plan, a Pareto plot, the job that trains the
+    best plan and its DeepSpeed config. ``data``/``save``/``train_args``/``skip_path_check`` are the job's."""
+
+    plan: Path | None = None
+    pareto: Path | None = None
+    sbatch: Path | None = None
+    ds_config: Path | None = None
+    data: str | None = None
+    save: str | None = None
+    train_args: tuple[str, ...] = ()
+    train_values: Mapping[str, Any] = field(default_factory=dict)  # the training options, for --ds-config
+    skip_path_check: bool = False
+    as_json: bool = False
+
+    def plan_path(self) -> Path | None:
+        """Where the best plan goes: -o, else <script>.plan.json next to the --sbatch script."""
+        if self.plan is None and self.sbatch is not None:
+            return self.sbatch.with_name(f"{self.sbatch.stem}.plan.json")
+        return self.plan
+
+
+def _sbatch_job(query: PlanSearch, out: PlanOutputs) -> JobOptions | None:
+    """The --sbatch job's options, checked before the search, not after it (plan has no --dry-run)."""
+    plan_path = out.plan_path()
+    if out.sbatch is None or plan_path is None:
+        return None
+    steps = query.steps or DEFAULT_STEPS
+    return JobOptions(plan_path=plan_path.absolute(),
+                      work=job_work(out.data, out.save, None, steps, dry_run=False, skip=out.skip_path_check),
+                      steps=steps, train_args=out.train_args,
+                      runtime="deepspeed" if query.runtime == "deepspeed" else "megatron_patch")
+
+
+def run_planner(query: PlanSearch, out: PlanOutputs) -> None:
+    """Search (:func:`planner.entry.plan_search`), write what ``out`` asks for, report."""
+    site = load_site(query.site_file)
+    check_options(query.model, query.seq_len)
+    if out.ds_config is not None and query.runtime != "deepspeed":
         raise SailorError("--ds-config writes the config of a plan DeepSpeed's engine runs", field="--ds-config",
                           fix="add --runtime deepspeed")
-    if sbatch_out is not None and output is None:
-        output = sbatch_out.with_name(f"{sbatch_out.stem}.plan.json")
-    job = None
-    if sbatch_out is not None:  # checked before the search, not after it (plan has no --dry-run)
-        assert output is not None
-        job = JobOptions(plan_path=output.absolute(),
-                         work=job_work(data, save, None, steps or DEFAULT_STEPS, dry_run=False, skip=skip_path_check),
-                         steps=steps or DEFAULT_STEPS, train_args=tuple(train_args),
-                         runtime="deepspeed" if runtime == "deepspeed" else "megatron_patch")
+    job = _sbatch_job(query, out)
+    output = out.plan_path()
     with in_plan_terms("--archive", field="--profiles",
                        fix="pass --profiles FILE, set SAILOR_PROFILES, or reinstall to get the embedded default"):
-        archive = open_archive(archive_path, site)
-    goal, estimator = (time_goal(site, model_name, DEFAULT_GBS if gbs is None else gbs, seq_len, steps,
-                                 time_opts or TimeOptions()) if objective == "time" else (None, None))
-    request = PlanRequest(model=model_name, global_batch_size=DEFAULT_GBS if gbs is None else gbs, objective=objective,
-                          constraints=Constraints(max_cost_per_hour, max_cost_per_iteration, min_throughput, max_gpus),
-                          available=parse_available(available, site), seq_len=seq_len, dtype=dtype, space=space, runtime=runtime,
+        archive = open_archive(query.archive_path, site)
+    objective, steps, top_k = query.objective, query.steps, query.top_k
+    goal, estimator = (time_goal(site, query.model, query.gbs, query.seq_len, steps, query.time)
+                       if objective == "time" else (None, None))
+    request = PlanRequest(model=query.model, global_batch_size=query.gbs, objective=objective,
+                          constraints=query.constraints, available=parse_available(query.available, site),
+                          seq_len=query.seq_len, dtype=query.dtype, space=query.space, runtime=query.runtime,
                           top_k=top_k, time_goal=goal)
+    as_json, runtime, space = out.as_json, query.runtime, query.space
+    sbatch_out, ds_config_out, pareto = out.sbatch, out.ds_config, out.pareto
     bar = _ProgressBar() if not as_json and sys.stderr.isatty() else None
     try:
-        # several clusters: also the plans whose pipelines cross them (planner.geo)
-        if runtime == "deepspeed":  # only the plans DeepSpeed's engine can run, with ZeRO as a dimension
-            result = deepspeed_search(site, archive, request)
-        else:
-            result = (geo_search(site, archive, request, progress=bar) if len(site.clusters) > 1
-                      else search(site, archive, request, progress=bar))
+        result = plan_search(site, archive, request, progress=bar)
     finally:
         if bar is not None:
             bar.close()
@@ -130,7 +171,7 @@ def run_planner(site_file: Path, model_name: str, *, archive_path: Path | None, 
         result = refine(site, result, estimator, top_k)  # Slurm's own answers for the plans shown
     best = result.candidates[0]
     if ds_config_out is not None:  # refused (schedule, optimizer) before any file is written
-        write_ds_config(ds_config_out, best.plan, train_values or {}, steps or DEFAULT_STEPS)
+        write_ds_config(ds_config_out, best.plan, out.train_values, steps or DEFAULT_STEPS)
     if job is not None and sbatch_out is not None:
         plan_file = Path(job.plan_path)
         with removed_on_error(plan_file):  # no script: no plan file left behind for it either

@@ -14,8 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from planner import search
-from planner.geo import geo_search
+from planner.entry import plan_search
 from planner.time_goal import free_now_goal
 from sailor_hpc.controller.policy import Score
 from sailor_hpc.controller.spec import RunSpec
@@ -103,9 +102,8 @@ def plan_on(spec: RunSpec, site: Site, archive: ProfileArchive, free: FreeByNode
                               time_min=spec.time_min,
                               restart_cost_s=spec.restart_cost_s) if spec.objective == "time" else None)
         request = spec.plan_request(available, goal)  # a bad request is bad input (SailorError), not a wait
-        # several clusters: also the plans whose pipelines cross them (as `sailor-hpc plan` does)
         try:
-            best = (geo_search if len(site.clusters) > 1 else search)(site, archive, request).candidates[0]
+            best = plan_search(site, archive, request).candidates[0]
         except NoPlanFits:
             raise
         except SailorError as exc:  # the planner finds nothing on these GPUs (memory, profiles of free types)
