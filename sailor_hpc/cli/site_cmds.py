@@ -49,23 +49,23 @@ def _describe_clusters(s: Site) -> str:
     """Clusters, islands and the links between them (nothing on a one-cluster site without islands)."""
     out = ""
     if s.clusters:
-        rows = [(c.name, f"-M {c.slurm_cluster}" if c.slurm_cluster else (f"SLURM_CONF={c.slurm_conf}"
-                                                                         if c.slurm_conf else "default Slurm"),
-                 ", ".join(p.name for p in s.partitions if p.cluster == c.name),
-                 sum(p.total_gpus for p in s.partitions if p.cluster == c.name)) for c in s.clusters]
-        out += "\n\n" + table(("cluster", "reached by", "partitions", "gpus"), rows)
+        cluster_rows = [(c.name, f"-M {c.slurm_cluster}" if c.slurm_cluster else (f"SLURM_CONF={c.slurm_conf}"
+                                                                                 if c.slurm_conf else "default Slurm"),
+                         ", ".join(p.name for p in s.partitions if p.cluster == c.name),
+                         sum(p.total_gpus for p in s.partitions if p.cluster == c.name)) for c in s.clusters]
+        out += "\n\n" + table(("cluster", "reached by", "partitions", "gpus"), cluster_rows)
     islands = sorted({(p.cluster, p.island) for p in s.partitions if p.island})
     if islands:
-        rows = [(i, c or "-", ", ".join(p.name for p in s.partitions if p.island == i)) for c, i in islands]
-        out += "\n\n" + table(("island", "cluster", "partitions"), rows)
+        island_rows = [(i, c or "-", ", ".join(p.name for p in s.partitions if p.island == i)) for c, i in islands]
+        out += "\n\n" + table(("island", "cluster", "partitions"), island_rows)
     links = [(kind, " - ".join(sorted(pair)), t, s.links.cost_per_gb.get(pair) if kind == "clusters" else None)
              for kind, tables in (("islands", s.links.islands), ("clusters", s.links.clusters))
              for pair, t in sorted(tables.items(), key=lambda kv: sorted(kv[0]))]
     if links:
-        rows = [(kind, pair, f"{max(f.peak_bytes_per_s for f in t.fits.values()) / 1e9:.3g}",
-                 f"{t.latency_s * 1e6:g}", "-" if price is None else f"{price:g} {s.cost_unit}")
-                for kind, pair, t, price in links]
-        out += "\n\n" + table(("link", "between", "peak GB/s", "latency µs", "cost per GB"), rows)
+        link_rows = [(kind, pair, f"{max(f.peak_bytes_per_s for f in t.fits.values()) / 1e9:.3g}",
+                      f"{t.latency_s * 1e6:g}", "-" if price is None else f"{price:g} {s.cost_unit}")
+                     for kind, pair, t, price in links]
+        out += "\n\n" + table(("link", "between", "peak GB/s", "latency µs", "cost per GB"), link_rows)
     return out
 
 
