@@ -24,6 +24,7 @@ from sailor_hpc.cli.training_options import DATA_HELP, absolute_blend, pop_train
 from sailor_hpc.controller import Controller, RunDir, RunSpec, new_run_id
 from sailor_hpc.controller.geo_run import GeoRun, across_clusters
 from sailor_hpc.controller.planning import partitions_for_time
+from sailor_hpc.controller.records import encode
 from sailor_hpc.controller.story import (
     ATTEMPT_HEADER,
     CHANGE_HEADER,
@@ -194,19 +195,21 @@ def status_cmd(run_dir: Path, events: bool, as_json: bool) -> None:
     records = rd.records()
     state = rd.state()  # an inconsistent journal is refused naming its line (exit 2)
     alive = rd.controller_alive()
+    ck = state.checkpoint
     phase = ("finished" if state.finished else f"gave up: {state.gave_up}" if state.gave_up
              else "running" if alive else "stopped (resume with --resume)")
     if as_json:
         echo_json({"run_dir": str(rd.path), "spec": spec.to_dict(), "phase": phase, "controller_alive": alive,
-                   "checkpoint": state.checkpoint, "restarts": state.restarts,
+                   "checkpoint": None if ck is None else {"step": ck.step, "consumed_samples": ck.consumed_samples,
+                                                          "path": ck.path},
+                   "restarts": state.restarts,
                    "attempts": [dict(zip(ATTEMPT_HEADER, row)) for row in attempt_rows(state)],
                    "changes": [dict(zip(CHANGE_HEADER, row)) for row in change_rows(state)],
                    "groups": [dict(zip(GROUP_HEADER, row)) for row in group_rows(state)],
-                   "records": records})
+                   "records": [encode(r) for r in records]})
         return
-    ck = state.checkpoint
     click.echo(f"run {spec.run_id}: {spec.model} to step {spec.steps} ({spec.objective}, gbs {spec.gbs}) - {phase}; "
-               f"checkpoint {ck['step'] if ck else '-'}; {state.restarts} restart(s)")
+               f"checkpoint {ck.step if ck else '-'}; {state.restarts} restart(s)")
     if state.groups:  # a run across clusters: groups of one job per cluster instead of attempts
         click.echo(table(GROUP_HEADER, group_rows(state)))
     else:
@@ -216,7 +219,7 @@ def status_cmd(run_dir: Path, events: bool, as_json: bool) -> None:
         click.echo("\nallocation changes:")
         click.echo(table(CHANGE_HEADER, changes))
     if events and records:
-        t0 = records[0]["t"]
+        t0 = records[0].t
         click.echo("")
         for rec in records:
-            click.echo(f"[{rec['t'] - t0:7.1f}s] {describe(rec)}")
+            click.echo(f"[{rec.t - t0:7.1f}s] {describe(rec)}")

@@ -8,6 +8,7 @@ complete checkpoint, which every plan can load. Modules, one job each:
 
 - :mod:`.spec`: what the run was asked (``run.json``);
 - :mod:`.journal`: the JSON-lines journal of events and decisions (the controller's only memory);
+- :mod:`.records`: the journal's records, one frozen dataclass per kind, and their one codec;
 - :mod:`.state`: the run directory, the lock, and the state folded from the journal;
 - :mod:`.events`: observations of the job and partitions, and the changes in them;
 - :mod:`.progress`: the training's own account, from the job's log (typed events,

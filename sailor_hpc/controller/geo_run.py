@@ -24,10 +24,26 @@ from pathlib import Path
 from typing import Any
 
 from sailor_hpc.controller.cosched import CoScheduler, Group, PlanFor, idle_by_node, planner_plan_for
-from sailor_hpc.controller.journal import Kind
 from sailor_hpc.controller.planning import plan_on
 from sailor_hpc.controller.policy import Score, judge, restart_cost
 from sailor_hpc.controller.recorder import EXIT_FINISHED, EXIT_GAVE_UP, EXIT_INTERRUPTED, Recorder
+from sailor_hpc.controller.records import (
+    ClusterDropped,
+    ClusterLost,
+    ControllerStopped,
+    ErrorSeen,
+    Finished,
+    GaveUp,
+    GroupAdopted,
+    GroupFailed,
+    GroupRecovered,
+    GroupRunning,
+    GroupStopped,
+    GroupSubmitted,
+    Record,
+    RegrowDecision,
+    Regrown,
+)
 from sailor_hpc.controller.state import RunDir, RunState
 from sailor_hpc.core.archive import open_archive
 from sailor_hpc.core.checkpoint import newest_step
@@ -39,13 +55,34 @@ from sailor_hpc.jobs.render import cluster_submit_env
 from sailor_hpc.slurm.hostlist import expand_hostlists
 from simulator import SimOptions, simulate
 
-#: the co-scheduler's event kinds -> journal kinds
-EVENT_KINDS = {"submitted": Kind.GROUP_SUBMITTED, "all_running": Kind.GROUP_RUNNING, "dropped": Kind.CLUSTER_DROPPED,
-               "lost": Kind.CLUSTER_LOST, "failed": Kind.GROUP_FAILED, "rejoin": Kind.REGROWN,
-               "stopped": Kind.GROUP_STOPPED, "finished": Kind.FINISHED,
-               "slurm_unavailable": Kind.ERROR, "slurm_available": Kind.ERROR}
 #: events after which the next group running is a recovery (its time is the run's measured restart cost)
 TRIGGERS = frozenset({"dropped", "lost", "failed", "rejoin"})
+
+
+def record_of(event: dict[str, Any]) -> Record:
+    """The journal record of one co-scheduler event (its ``attempt`` is the record's ``group``)."""
+    group, kind = int(event["attempt"]), event["kind"]
+    match kind:
+        case "submitted":
+            return GroupSubmitted(group=group, jobs=event["jobs"], clusters=event["clusters"],
+                                  start_step=event["start_step"], plan_file=event["plan_file"])
+        case "all_running":
+            return GroupRunning(group=group)
+        case "dropped":
+            return ClusterDropped(group=group, clusters=event["clusters"], reason=event["reason"])
+        case "lost":
+            return ClusterLost(group=group, clusters=event["clusters"], states=event["states"])
+        case "failed":
+            return GroupFailed(group=group, clusters=event["clusters"], states=event["states"])
+        case "rejoin":
+            return Regrown(group=group, clusters=event["clusters"], step=event["step"])
+        case "stopped":
+            return GroupStopped(group=group, reason=event["reason"], states=event.get("states"))
+        case "finished":
+            return Finished(group=group, step=event["step"])
+        case "slurm_unavailable" | "slurm_available":
+            return ErrorSeen(group=group, message=event["message"], where=event["where"])
+    raise ValueError(f"no journal record for the co-scheduler's {kind!r} event")
 
 
 def across_clusters(site: Site) -> bool:
@@ -110,10 +147,10 @@ class GeoRun(Recorder):
                 sched.run(tuple(clusters), max_attempts=self.spec.max_restarts + 1, first_attempt=first,
                           adopt=adopt, left={c: time.monotonic() - (time.time() - t) for c, t in self.state.left.items()})
             except KeyboardInterrupt:
-                self.note(Kind.CONTROLLER_STOPPED, reason="interrupted; the jobs keep running (sailor-hpc run --resume)")
+                self.note(ControllerStopped(reason="interrupted; the jobs keep running (sailor-hpc run --resume)"))
                 return EXIT_INTERRUPTED
             except (JobFailed, SailorError) as exc:  # every cluster left, or bad input: retrying cannot help
-                self.note(Kind.GAVE_UP, reason=str(exc))
+                self.note(GaveUp(reason=str(exc)))
                 return EXIT_GAVE_UP
             return EXIT_FINISHED
 
@@ -128,9 +165,9 @@ class GeoRun(Recorder):
                       cur.start_step)
         states = {c: s.state for c, s in group.poll().items()}
         if all(st == "COMPLETED" for st in states.values()):
-            self.note(Kind.FINISHED, group=cur.number, step=newest_step(Path(self.spec.save)), states=states)
+            self.note(Finished(group=cur.number, step=newest_step(Path(self.spec.save)), states=states))
         elif all(st in ("PENDING", "RUNNING") for st in states.values()):
-            self.note(Kind.GROUP_ADOPTED, group=cur.number, jobs=dict(cur.jobs), states=states)
+            self.note(GroupAdopted(group=cur.number, jobs=dict(cur.jobs), states=states))
             return group
         else:
             sched.stop(group, f"resumed: not every job runs ({states})")
@@ -139,13 +176,12 @@ class GeoRun(Recorder):
     def _on_event(self, event: dict[str, Any]) -> None:
         """Journal one co-scheduler event (``attempt`` becomes ``group``), and a recovery once the group after a
         change runs whole."""
-        info = {k: v for k, v in event.items() if k not in ("kind", "t", "attempt")}
-        self.note(EVENT_KINDS[event["kind"]], group=event["attempt"], **info)
+        self.note(record_of(event))
         if event["kind"] in TRIGGERS:
             self._trigger = (event["kind"], event["t"])
         elif event["kind"] == "all_running" and self._trigger is not None:
-            self.note(Kind.GROUP_RECOVERED, group=event["attempt"], trigger=self._trigger[0],
-                      recovery_s=round(event["t"] - self._trigger[1], 3))
+            self.note(GroupRecovered(group=event["attempt"], trigger=self._trigger[0],
+                      recovery_s=round(event["t"] - self._trigger[1], 3)))
             self._trigger = None
 
     def _score(self, plan: Plan) -> Score:
@@ -162,11 +198,11 @@ class GeoRun(Recorder):
                    else plan_on(self.spec, self.site, self.archive, free_with_group(self.site, grown, self.env, group)).plan)
             current, candidate = self._score(group.plan), self._score(new)
         except (SailorError, SlurmUnavailable) as exc:  # no plan fits the grown clusters, or one does not answer
-            self.note(Kind.REGROW_DECISION, group=group.attempt, clusters=list(back), resize=False, reason=str(exc))
+            self.note(RegrowDecision(group=group.attempt, clusters=list(back), resize=False, reason=str(exc)))
             return False
         remaining = max(0, self.spec.steps - newest_step(Path(self.spec.save))) * self.spec.gbs
-        measured = [float(r["recovery_s"]) for r in self.journal.records if r["kind"] == Kind.GROUP_RECOVERED]
+        measured = [r.recovery_s for r in self.journal.records if isinstance(r, GroupRecovered)]
         verdict = judge(self.spec.objective, current, candidate, remaining,
                         restart_cost(self.spec.restart_cost_s, measured), self.spec.min_gain)
-        self.note(Kind.REGROW_DECISION, group=group.attempt, clusters=list(back), **verdict.to_dict())
+        self.note(RegrowDecision(group=group.attempt, clusters=list(back), **verdict.to_dict()))
         return verdict.resize

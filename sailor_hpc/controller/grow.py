@@ -21,14 +21,27 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from sailor_hpc.controller import slurm_ops
 from sailor_hpc.controller.events import Observation, all_running
-from sailor_hpc.controller.journal import Kind, Record
 from sailor_hpc.controller.planning import plan_on
 from sailor_hpc.controller.policy import Score, judge
 from sailor_hpc.controller.progress import LogTail
+from sailor_hpc.controller.recorder import R
+from sailor_hpc.controller.records import (
+    Baseline,
+    ErrorSeen,
+    GateOpened,
+    GrowCancelled,
+    GrowRunning,
+    GrowSubmitted,
+    JobRunning,
+    Kind,
+    PlanChosen,
+    SubmitIntent,
+    Submitted,
+)
 from sailor_hpc.controller.spec import RunSpec
 from sailor_hpc.controller.state import RESIZE_REASON, Attempt, RunDir, RunState, Successor, job_name
 from sailor_hpc.core.archive import ProfileArchive
@@ -54,7 +67,7 @@ class GrowBeside:
     _succ_tails: dict[str, LogTail]
 
     if TYPE_CHECKING:  # declared for the type checker only, so no stub can shadow the Controller's methods
-        def note(self, kind: str, **data: Any) -> Record: ...  # Recorder.note
+        def note(self, record: R) -> R: ...  # Recorder.note
 
         def _plan(self, path: str | Path) -> Plan: ...  # Controller._plan
 
@@ -77,18 +90,18 @@ class GrowBeside:
         name = job_name(self.spec.run_id, number)
         plan_path, script = slurm_ops.prepare_attempt(self.rundir, self.spec, self.site, planned.plan, number, name,
                                                       gate=self.rundir.gate_file(number))
-        self.note(Kind.PLAN, reason=RESIZE_REASON, available=obs.available, planner_available=planned.available,
-                  plan_file=str(plan_path), **planned.summary())
+        self.note(PlanChosen(reason=RESIZE_REASON, available=obs.available, planner_available=planned.available,
+                  plan_file=str(plan_path), **planned.summary()))
         try:
             job = slurm_ops.submit(script, plan_path, self.spec, self.env)
         except SailorError as exc:  # sbatch refused the bigger job: train on where it is, judge again later
-            self.note(Kind.ERROR, message=str(exc), where="sbatch (bigger job)")
-            self.note(Kind.BASELINE, available=obs.available)
+            self.note(ErrorSeen(message=str(exc), where="sbatch (bigger job)"))
+            self.note(Baseline(available=obs.available))
             return True
-        self.note(Kind.GROW_SUBMITTED, attempt=cur.number, next_attempt=number, job_id=job.job_id, job_name=name,
+        self.note(GrowSubmitted(attempt=cur.number, next_attempt=number, job_id=job.job_id, job_name=name,
                   log=job.log, plan_file=str(plan_path), script=str(script), trigger_t=trigger_t,
                   gpus=planned.summary()["gpus"], throughput=planned.score.throughput,
-                  cost_per_hour=planned.score.cost_per_hour)
+                  cost_per_hour=planned.score.cost_per_hour))
         return True
 
     def _watch_successor(self, cur: Attempt) -> None:
@@ -97,28 +110,28 @@ class GrowBeside:
         ``grow_timeout_s`` (the run keeps training where it is)."""
         succ = cur.successor
         assert succ is not None
-        job = job_status(succ.job_id, self.env)
+        job = job_status(succ.grown.job_id, self.env)
         if succ.running_t is None and all_running(job):
             hosts = expand_hostlists(c.nodes for c in job.components)
-            self.note(Kind.GROW_RUNNING, attempt=cur.number, job_id=succ.job_id, nodes=hosts)
+            self.note(GrowRunning(attempt=cur.number, job_id=succ.grown.job_id, nodes=hosts))
         if succ.running_t is not None and cur.stop is None and self._successor_ready(succ):
             self._stop(cur, "resize")
-        elif cur.stop is None and (job.final or self.clock() - succ.submitted_t > self.spec.grow_timeout_s):
+        elif cur.stop is None and (job.final or self.clock() - succ.grown.t > self.spec.grow_timeout_s):
             why = f"ended ({job.state}) before its ranks were ready" if job.final else \
                 f"its ranks were not ready {self.spec.grow_timeout_s:.0f} s after it was submitted"
             self._drop_successor(cur, why)
 
     def _successor_ready(self, succ: Successor) -> bool:
         """Every rank of the bigger job said it waits for the gate (its log's ``waiting`` records)."""
-        tail = self._succ_tails.setdefault(succ.job_id, LogTail(succ.log))
+        tail = self._succ_tails.setdefault(succ.grown.job_id, LogTail(succ.grown.log))
         tail.poll()
-        return tail.waiting >= self._plan(succ.plan_file).num_gpus
+        return tail.waiting >= self._plan(succ.grown.plan_file).num_gpus
 
     def _drop_successor(self, cur: Attempt, reason: str) -> None:
         succ = cur.successor
         assert succ is not None
-        state = slurm_ops.cancel_and_wait(succ.job_id, self.env)
-        self.note(Kind.GROW_CANCELLED, attempt=cur.number, job_id=succ.job_id, reason=reason, state=state)
+        state = slurm_ops.cancel_and_wait(succ.grown.job_id, self.env)
+        self.note(GrowCancelled(attempt=cur.number, job_id=succ.grown.job_id, reason=reason, state=state))
 
     def _open_gate_early(self, cur: Attempt, tail: LogTail | None) -> bool:
         """Let the bigger job's waiting ranks load as soon as this job's ranks are gone (they saved on the
@@ -130,20 +143,21 @@ class GrowBeside:
             return False
         if not slurm_ops.training_steps_gone(cur.job_id, self.env):  # type: ignore[arg-type]
             return False
-        self._open_gate(succ.next_attempt)
-        self.note(Kind.GATE_OPENED, attempt=cur.number, next_attempt=succ.next_attempt, job_id=succ.job_id)
+        self._open_gate(succ.grown.next_attempt)
+        self.note(GateOpened(attempt=cur.number, next_attempt=succ.grown.next_attempt, job_id=succ.grown.job_id))
         return True
 
     def _handover(self, prev: Attempt) -> None:
         """The old job is gone: the bigger one becomes the run's job, and its waiting ranks may load."""
         s = prev.successor
         assert s is not None
-        n = s.next_attempt
-        self.note(Kind.SUBMIT_INTENT, attempt=n, job_name=s.job_name, plan_file=s.plan_file, script=s.script,
-                  reason=RESIZE_REASON, trigger=Kind.IDLE_GPUS, trigger_t=s.trigger_t, gpus=s.gpus,
-                  throughput=s.throughput, cost_per_hour=s.cost_per_hour, handover_from=prev.number)
-        self.note(Kind.SUBMITTED, attempt=n, job_id=s.job_id, log=s.log, submitted_t=s.submitted_t)
-        self.note(Kind.JOB_RUNNING, attempt=n, job_id=s.job_id, nodes=s.nodes, since=s.running_t)
+        g = s.grown
+        n = g.next_attempt
+        self.note(SubmitIntent(attempt=n, job_name=g.job_name, plan_file=g.plan_file, script=g.script,
+                  reason=RESIZE_REASON, trigger=Kind.IDLE_GPUS, trigger_t=g.trigger_t, gpus=g.gpus,
+                  throughput=g.throughput, cost_per_hour=g.cost_per_hour, handover_from=prev.number))
+        self.note(Submitted(attempt=n, job_id=g.job_id, log=g.log, submitted_t=g.t))
+        self.note(JobRunning(attempt=n, job_id=g.job_id, nodes=s.nodes, since=s.running_t))
         self._open_gate(n)
 
     def _open_gate(self, attempt: int) -> None:

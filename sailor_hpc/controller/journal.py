@@ -5,7 +5,9 @@ a new checkpoint), every decision (the plan chosen and why, resize or keep and t
 action (the intent to submit, the job id Slurm gave, a signal, a cancel) is a record
 ``{"seq": n, "t": unix seconds, "kind": ..., ...}``. The controller's state is a fold over these
 records (:mod:`sailor_hpc.controller.state`), so a restarted controller knows what the killed one
-knew, and ``sailor-hpc run status`` tells the run's story from the same file.
+knew, and ``sailor-hpc run status`` tells the run's story from the same file. Each record is a frozen
+dataclass of :mod:`sailor_hpc.controller.records`, written and read by its codec: a line whose kind or fields
+do not fit is refused naming the file, the line and the field.
 
 Appends are atomic for readers: a record is one ``write`` of a whole line on an ``O_APPEND``
 descriptor, then ``fsync``. A controller killed in the middle of a write can leave a torn last line
@@ -13,72 +15,25 @@ descriptor, then ``fsync``. A controller killed in the middle of a write can lea
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import time
 from collections.abc import Callable
-from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from sailor_hpc.controller.records import Kind, Record, decode, encode
 from sailor_hpc.core.errors import SailorError
 
-Record = dict[str, Any]
-
-
-class Kind(StrEnum):
-    """Every kind of journal record. A record's ``kind`` is stored as its string value, so the journal stays
-    plain JSON; a typo in the controller is an AttributeError here instead of a record nobody reads."""
-
-    ADOPTED = "adopted"
-    BACKOFF = "backoff"
-    BASELINE = "baseline"
-    CANCEL = "cancel"
-    CHECKPOINT = "checkpoint"
-    CONTROLLER_STARTED = "controller_started"
-    CONTROLLER_STOPPED = "controller_stopped"
-    DECISION = "decision"
-    ERROR = "error"
-    FAILURE = "failure"
-    FINISHED = "finished"
-    FIRST_STEP = "first_step"
-    GATE_OPENED = "gate_opened"
-    GAVE_UP = "gave_up"
-    GROW_CANCELLED = "grow_cancelled"
-    GROW_RUNNING = "grow_running"
-    GROW_SUBMITTED = "grow_submitted"
-    # a run across clusters (the co-scheduler): one group of jobs per attempt, numbered by ``group``
-    GROUP_SUBMITTED = "group_submitted"
-    GROUP_ADOPTED = "group_adopted"
-    GROUP_RUNNING = "group_running"
-    GROUP_RECOVERED = "group_recovered"
-    GROUP_FAILED = "group_failed"
-    GROUP_STOPPED = "group_stopped"
-    CLUSTER_DROPPED = "cluster_dropped"
-    CLUSTER_LOST = "cluster_lost"
-    REGROW_DECISION = "regrow_decision"
-    REGROWN = "regrown"
-    IDLE_GPUS = "idle_gpus"
-    IN_PLACE = "in_place"
-    IN_PLACE_REFUSED = "in_place_refused"
-    JOB_GONE = "job_gone"
-    JOB_RUNNING = "job_running"
-    JOB_STOPPED = "job_stopped"
-    NO_PLAN = "no_plan"
-    NODE_LOST = "node_lost"
-    PLAN = "plan"
-    RECOVERY = "recovery"
-    RUN_STARTED = "run_started"
-    SIGNAL_SENT = "signal_sent"
-    SUBMIT_INTENT = "submit_intent"
-    SUBMITTED = "submitted"
+__all__ = ["Journal", "Kind", "Record", "read_journal", "read_journal_lines"]
 
 
 _EDITED = "the journal was edited or corrupted; restore it or start a new run"
 
 
-def _check_envelope(rec: Record, number: int, path: Path) -> None:
+def _check_envelope(rec: dict[str, Any], number: int, path: Path) -> None:
     """The fields every reader uses (the writer's next ``seq``, the status' times, the fold's ``kind``) have
     the types the writer gives them, so a damaged line is named here, not met as a TypeError later."""
     seq, t, kind = rec["seq"], rec.get("t"), rec["kind"]
@@ -113,7 +68,7 @@ def _parse(data: bytes, path: Path) -> tuple[list[Record], list[int], int]:
         if not isinstance(rec, dict) or "kind" not in rec or "seq" not in rec:
             raise SailorError(f"line {number} is not a journal record", file=path, fix=_EDITED)
         _check_envelope(rec, number, path)
-        records.append(rec)
+        records.append(decode(rec, file=path, line=number))
         lines.append(number)
     return records, lines, complete
 
@@ -144,7 +99,7 @@ class Journal:
         records, lines, good = self._load()
         self.records: list[Record] = records
         self.lines: list[int] = lines  # the line of each record in the file
-        self._next = (records[-1]["seq"] + 1) if records else 0
+        self._next = (records[-1].seq + 1) if records else 0
         self.repaired = self._cut_torn_tail(good)
 
     def _load(self) -> tuple[list[Record], list[int], int]:
@@ -162,10 +117,10 @@ class Journal:
             return True
         return False
 
-    def append(self, kind: Kind, **data: Any) -> Record:
-        """Write one record (durably) and return it."""
-        rec: Record = {"seq": self._next, "t": round(self.clock(), 3), "kind": Kind(kind), **data}
-        line = (json.dumps(rec, sort_keys=True, default=str) + "\n").encode()
+    def append(self, record: Record) -> Record:
+        """Write one record (durably), stamped with its ``seq`` and time, and return the stamped record."""
+        rec = dataclasses.replace(record, seq=self._next, t=round(self.clock(), 3))
+        line = (json.dumps(encode(rec), sort_keys=True) + "\n").encode()
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             written = os.write(fd, line)

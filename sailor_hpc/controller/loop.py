@@ -54,11 +54,38 @@ from sailor_hpc.controller.events import (
     own_gpus,
 )
 from sailor_hpc.controller.grow import GrowBeside
-from sailor_hpc.controller.journal import Kind
 from sailor_hpc.controller.planning import Planned, plan_on
 from sailor_hpc.controller.policy import Score, Verdict, judge, plan_shape, restart_cost
 from sailor_hpc.controller.progress import LogTail
 from sailor_hpc.controller.recorder import EXIT_FINISHED, EXIT_GAVE_UP, EXIT_INTERRUPTED, Recorder
+from sailor_hpc.controller.records import (
+    Adopted,
+    Backoff,
+    Baseline,
+    Cancel,
+    CheckpointSeen,
+    ControllerStopped,
+    Decision,
+    ErrorSeen,
+    Failure,
+    Finished,
+    FirstStep,
+    GaveUp,
+    IdleGpus,
+    InPlaceRefusedStep,
+    InPlaceStep,
+    JobGone,
+    JobRunning,
+    JobStopped,
+    Kind,
+    NodeLost,
+    NoPlan,
+    PlanChosen,
+    RecoveryMeasured,
+    SignalSent,
+    SubmitIntent,
+    Submitted,
+)
 from sailor_hpc.controller.state import RESIZE_REASON, Attempt, RunDir, RunState, job_name
 from sailor_hpc.core.archive import open_archive
 from sailor_hpc.core.checkpoint import latest_complete, read_manifest
@@ -109,11 +136,11 @@ class Controller(Recorder, GrowBeside):
 
     # ------------------------------------------------------------------------------------------ journal
 
-    def note_once(self, kind: str, message: str, **data: Any) -> None:
+    def note_once(self, rec: ErrorSeen | NoPlan) -> None:
         """Journal a condition that repeats every poll (no plan fits, Slurm unreachable) only when it changes."""
-        if self._said.get(kind) != message:
-            self.note(kind, message=message, **data)
-            self._said[kind] = message
+        if self._said.get(rec.kind) != rec.message:
+            self.note(rec)
+            self._said[rec.kind] = rec.message
 
     # --------------------------------------------------------------------------------------------- main
 
@@ -126,7 +153,7 @@ class Controller(Recorder, GrowBeside):
                     self.reconcile()
                 return self.loop()
             except KeyboardInterrupt:
-                self.note(Kind.CONTROLLER_STOPPED, reason="interrupted; the job keeps running (sailor-hpc run --resume)")
+                self.note(ControllerStopped(reason="interrupted; the job keeps running (sailor-hpc run --resume)"))
                 return EXIT_INTERRUPTED
 
     def loop(self) -> int:
@@ -145,7 +172,7 @@ class Controller(Recorder, GrowBeside):
                     self.sleep(min(SLURM_BACKOFF_MAX_S, self.spec.poll_s * 2 ** min(unavailable, 10)))
                     continue
                 unavailable = 0
-                self.note(Kind.ERROR, message="Slurm answers again", where="slurm available")
+                self.note(ErrorSeen(message="Slurm answers again", where="slurm available"))
                 self._said.pop(Kind.ERROR, None)  # a later outage is journaled again
             cur = self.state.current
             try:
@@ -155,11 +182,11 @@ class Controller(Recorder, GrowBeside):
                     self.watch(cur)
             except SlurmUnavailable as exc:
                 unavailable += 1
-                self.note_once(Kind.ERROR, exc.message, where="slurm unavailable")
+                self.note_once(ErrorSeen(message=exc.message, where="slurm unavailable"))
                 self.sleep(min(SLURM_BACKOFF_MAX_S, self.spec.poll_s * 2 ** min(unavailable, 10)))
                 continue
             except SailorError as exc:  # bad input (a deterministic refusal): retrying cannot fix it
-                self.note(Kind.GAVE_UP, reason=str(exc))
+                self.note(GaveUp(reason=str(exc)))
                 return EXIT_GAVE_UP
             self._said.pop(Kind.ERROR, None)
             if cur is not None and self.state.current is None and self.state.backoff_until is None:
@@ -184,21 +211,21 @@ class Controller(Recorder, GrowBeside):
         job Slurm has under its name, else journal it gone (True: adopted)."""
         jid = slurm_ops.find_job_by_name(self.spec.run_id, cur.job_name, self.env, cur.intent_t)
         if jid is not None:
-            self.note(Kind.ADOPTED, attempt=cur.number, job_id=jid, log=str(self._log_of(jid)))
+            self.note(Adopted(attempt=cur.number, job_id=jid, log=str(self._log_of(jid))))
             return True
-        self.note(Kind.JOB_GONE, attempt=cur.number, job_id=None, state="NOT_SUBMITTED")
+        self.note(JobGone(attempt=cur.number, job_id=None, state="NOT_SUBMITTED"))
         return False
 
     def _cancel_strays(self) -> None:
         cur = self.state.current
         keep = {cur.job_id} if cur is not None else set()
         if cur is not None and cur.successor is not None and cur.waits_for_successor:
-            keep.add(cur.successor.job_id)  # the bigger job growing beside it
+            keep.add(cur.successor.grown.job_id)  # the bigger job growing beside it
         for base, info in slurm_ops.owned_jobs(self.spec.run_id, self.env).items():
             if info["state"] in FINAL_STATES or base in keep:
                 continue
-            self.note(Kind.CANCEL, job_id=base, reason=f"{info['name']} is not the run's current job")
-            self.note(Kind.JOB_GONE, job_id=base, state=slurm_ops.cancel_and_wait(base, self.env))
+            self.note(Cancel(job_id=base, reason=f"{info['name']} is not the run's current job"))
+            self.note(JobGone(job_id=base, state=slurm_ops.cancel_and_wait(base, self.env)))
 
     def _log_of(self, job_id: str) -> Path:
         return log_path(job_id, self.env)
@@ -259,12 +286,12 @@ class Controller(Recorder, GrowBeside):
         if path is None:
             return
         manifest = read_manifest(path)
-        if self.state.checkpoint is None or manifest["step"] > self.state.checkpoint["step"]:
-            self.note(Kind.CHECKPOINT, attempt=cur.number if cur else None, step=manifest["step"],
-                      consumed_samples=manifest.get("consumed_samples"), path=str(path))
+        if self.state.checkpoint is None or manifest["step"] > self.state.checkpoint.step:
+            self.note(CheckpointSeen(attempt=cur.number if cur else None, step=manifest["step"],
+                      consumed_samples=manifest.get("consumed_samples"), path=str(path)))
 
     def _checkpoint_step(self) -> int:
-        return int(self.state.checkpoint["step"]) if self.state.checkpoint else 0
+        return self.state.checkpoint.step if self.state.checkpoint else 0
 
     # ------------------------------------------------------------------------------------- a new job
 
@@ -278,10 +305,10 @@ class Controller(Recorder, GrowBeside):
             self._drop_successor(prev, f"job {prev.job_id} ended before the bigger job started")
         self._checkpoint(None)
         if self._checkpoint_step() >= spec.steps:
-            self.note(Kind.FINISHED, step=self._checkpoint_step(), checkpoint=st.checkpoint["path"])  # type: ignore[index]
+            self.note(Finished(step=self._checkpoint_step(), checkpoint=st.checkpoint.path if st.checkpoint else None))
             return
         if st.next_reason != RESIZE_REASON and st.restarts_without_progress >= spec.max_restarts and st.attempts:
-            self.note(Kind.GAVE_UP, reason=f"all {spec.max_restarts} restarts used without a new checkpoint")
+            self.note(GaveUp(reason=f"all {spec.max_restarts} restarts used without a new checkpoint"))
             return
         if st.backoff_until is not None and self.clock() < st.backoff_until:
             return
@@ -289,7 +316,7 @@ class Controller(Recorder, GrowBeside):
         try:
             planned = plan_on(spec, self.site, self.archive, obs.free)
         except NoPlanFits as exc:  # nothing free that fits (or the constraints exclude all): wait
-            self.note_once(Kind.NO_PLAN, str(exc), available=obs.available)
+            self.note_once(NoPlan(message=str(exc), available=obs.available))
             return
         self._said.pop(Kind.NO_PLAN, None)
         self._cancel_strays()
@@ -304,22 +331,22 @@ class Controller(Recorder, GrowBeside):
         try:
             plan_path, script = slurm_ops.prepare_attempt(self.rundir, spec, self.site, planned.plan, number, name)
         except SailorError as exc:  # rendering is deterministic: the spec (time limit, options) must change
-            self.note(Kind.GAVE_UP, reason=f"the job script cannot be rendered: {exc}")
+            self.note(GaveUp(reason=f"the job script cannot be rendered: {exc}"))
             return
-        self.note(Kind.PLAN, reason=reason, available=obs.available, planner_available=planned.available,
-                  plan_file=str(plan_path), **planned.summary())
-        self.note(Kind.SUBMIT_INTENT, attempt=number, job_name=name, plan_file=str(plan_path), script=str(script),
+        self.note(PlanChosen(reason=reason, available=obs.available, planner_available=planned.available,
+                  plan_file=str(plan_path), **planned.summary()))
+        self.note(SubmitIntent(attempt=number, job_name=name, plan_file=str(plan_path), script=str(script),
                   reason=reason, trigger=trigger[0] if trigger else None, trigger_t=trigger[1] if trigger else None,
                   gpus=planned.summary()["gpus"], throughput=planned.score.throughput,
-                  cost_per_hour=planned.score.cost_per_hour)
+                  cost_per_hour=planned.score.cost_per_hour))
         try:
             rec = slurm_ops.submit(script, plan_path, spec, self.env)
         except SailorError as exc:  # sbatch refused the job: the attempt fails (back-off, then give up)
-            self.note(Kind.ERROR, message=str(exc), where="sbatch")
-            self.note(Kind.JOB_GONE, attempt=number, job_id=None, state="NOT_SUBMITTED")
+            self.note(ErrorSeen(message=str(exc), where="sbatch"))
+            self.note(JobGone(attempt=number, job_id=None, state="NOT_SUBMITTED"))
             self._failed(self.state.attempt(number), "not submitted")
             return
-        self.note(Kind.SUBMITTED, attempt=number, job_id=rec.job_id, log=rec.log)
+        self.note(Submitted(attempt=number, job_id=rec.job_id, log=rec.log))
 
     # ------------------------------------------------------------------------------- watching the job
 
@@ -333,12 +360,12 @@ class Controller(Recorder, GrowBeside):
         if tail is not None:
             self._in_place(cur, tail.poll())
             for message in tail.malformed[len(self._malformed.get(cur.number, [])):]:
-                self.note(Kind.ERROR, message=message, where="job log")
+                self.note(ErrorSeen(message=message, where="job log"))
             self._malformed[cur.number] = list(tail.malformed)
         job = obs.job
         running = job is not None and all_running(job)
         if running and cur.running_t is None:
-            self.note(Kind.JOB_RUNNING, attempt=cur.number, job_id=cur.job_id, nodes=obs.job_nodes)
+            self.note(JobRunning(attempt=cur.number, job_id=cur.job_id, nodes=obs.job_nodes))
         self._first_step(cur, tail)
         self._in_place_recovered(cur, tail)
         if cur.waits_for_successor:
@@ -348,10 +375,10 @@ class Controller(Recorder, GrowBeside):
             return  # not visible yet (just submitted)
         lost = lost_nodes(sorted(set(cur.nodes) | set(obs.job_nodes)), obs.lost, {**cur.lost_nodes, **cur.released})
         if lost:
-            rec = self.note(Kind.NODE_LOST, attempt=cur.number, job_id=cur.job_id, nodes=lost)
+            rec = self.note(NodeLost(attempt=cur.number, job_id=cur.job_id, nodes=lost))
             if running and draining_only(lost) and cur.stop is None:
-                self.note(Kind.DECISION, attempt=cur.number, action="checkpoint", trigger=Kind.NODE_LOST,
-                          trigger_t=rec["t"], reason="a node of the job drains: checkpoint and move")
+                self.note(Decision(attempt=cur.number, action="checkpoint", trigger=Kind.NODE_LOST,
+                          trigger_t=rec.t, reason="a node of the job drains: checkpoint and move"))
                 self._stop(cur, DRAIN_REASON)
                 return
         if not job.final and any(c.state == "COMPLETING" for c in job.components):
@@ -375,33 +402,39 @@ class Controller(Recorder, GrowBeside):
         return self._checkpoint_step() >= tail.progress.signal_step
 
     def _first_step(self, cur: Attempt, tail: LogTail | None) -> None:
-        if tail is None or cur.first_step_t is not None or tail.progress.first_step is None:
+        """Journal the job's first step and, for a job that answers a change, what the change cost; each once,
+        also when a controller was killed between the two (the resumed one writes the recovery then)."""
+        first = tail.progress.first_step if tail is not None else None
+        if tail is None or first is None:
             return
         p = tail.progress
-        rec = self.note(Kind.FIRST_STEP, attempt=cur.number, job_id=cur.job_id, step=p.first_step,
-                        loaded_step=p.loaded_step or 0, consumed_samples=p.loaded_consumed or 0)
-        if cur.trigger_t is not None:
-            queue = (cur.running_t - cur.submitted_t) if cur.running_t and cur.submitted_t else None
-            down = rec["t"] - cur.trigger_t
-            # ranks idle: from the change; for a job that took over from a running one (which trained while
-            # this one queued), from that one's last step to this one's first, both by the runtime's clock
-            prev = self.state.attempt(cur.handover_from) if cur.handover_from is not None else None
-            before = (prev.stopped or {}).get("last_step_t") if prev is not None else None
-            idle = p.first_step_t - before if before and p.first_step_t else down
-            self.note(Kind.RECOVERY, attempt=cur.number, trigger=cur.trigger, trigger_t=cur.trigger_t,
-                      submitted_t=cur.submitted_t, running_t=cur.running_t, first_step_t=rec["t"],
-                      queue_wait_s=queue, downtime_s=down, recovery_s=down - (queue or 0.0), ranks_idle_s=idle,
-                      new_job=True, handover=prev is not None)
+        if cur.first_step_t is None:
+            self.note(FirstStep(attempt=cur.number, job_id=cur.job_id, step=first,
+                                loaded_step=p.loaded_step or 0, consumed_samples=p.loaded_consumed or 0))
+        if cur.trigger_t is None or cur.recovery is not None or cur.first_step_t is None:
+            return
+        queue = (cur.running_t - cur.submitted_t) if cur.running_t and cur.submitted_t else None
+        down = cur.first_step_t - cur.trigger_t
+        # ranks idle: from the change; for a job that took over from a running one (which trained while
+        # this one queued), from that one's last step to this one's first, both by the runtime's clock
+        # (the log's account is the job's first only before any in-place step)
+        prev = self.state.attempt(cur.handover_from) if cur.handover_from is not None else None
+        before = prev.stopped.last_step_t if prev is not None and prev.stopped is not None else None
+        idle = p.first_step_t - before if before and p.first_step_t and not cur.in_place else down
+        self.note(RecoveryMeasured(attempt=cur.number, trigger=cur.trigger, trigger_t=cur.trigger_t,
+                                   submitted_t=cur.submitted_t, running_t=cur.running_t, first_step_t=cur.first_step_t,
+                                   queue_wait_s=queue, downtime_s=down, recovery_s=down - (queue or 0.0),
+                                   ranks_idle_s=idle, new_job=True, handover=prev is not None))
 
     def _in_place(self, cur: Attempt, events: list[RuntimeEvent]) -> None:
         """Journal the steps the job's batch script re-planned on its surviving nodes (once each: a resumed
         controller reads the log again from the start)."""
         for e in events:
             if isinstance(e, InPlace) and e.step_index > len(cur.in_place):
-                self.note(Kind.IN_PLACE, attempt=cur.number, **event_fields(e))
+                self.note(InPlaceStep(attempt=cur.number, **event_fields(e)))
             elif isinstance(e, InPlaceRefused) and e.step_index > len(cur.in_place):
-                self.note(Kind.IN_PLACE_REFUSED, attempt=cur.number,
-                          **{k: v for k, v in event_fields(e).items() if k != "t"})
+                self.note(InPlaceRefusedStep(attempt=cur.number,
+                          **{k: v for k, v in event_fields(e).items() if k != "t"}))
 
     def _in_place_recovered(self, cur: Attempt, tail: LogTail | None) -> None:
         """The first step after an in-place re-plan: how long the change cost, inside the same job."""
@@ -411,10 +444,10 @@ class Controller(Recorder, GrowBeside):
         step_end = change.t_step_end if change.t_step_end is not None else t
         idle = p.first_step_t - p.before_t if p.first_step_t and p.before_t else t - step_end
         trigger = change.trigger or (Kind.NODE_LOST, step_end)  # seen by the job first
-        self.note(Kind.RECOVERY, attempt=cur.number, in_place=True, trigger=trigger[0], trigger_t=trigger[1],
+        self.note(RecoveryMeasured(attempt=cur.number, in_place=True, trigger=trigger[0], trigger_t=trigger[1],
                   first_step_t=t, step=p.first_step, loaded_step=p.loaded_step or 0, queue_wait_s=0.0,
                   downtime_s=t - float(trigger[1]), recovery_s=t - float(trigger[1]),
-                  ranks_idle_s=idle, new_job=False)
+                  ranks_idle_s=idle, new_job=False))
 
     def _stop(self, cur: Attempt, reason: str) -> None:
         try:
@@ -422,25 +455,25 @@ class Controller(Recorder, GrowBeside):
                 keep_from_requeue(cur.job_id, self.env)  # type: ignore[arg-type]
             slurm_ops.request_checkpoint(cur.job_id, self.env)  # type: ignore[arg-type]
         except SailorError as exc:  # gone meanwhile: the next poll sees it stopped
-            self.note_once(Kind.ERROR, str(exc), where="checkpoint signal")
+            self.note_once(ErrorSeen(message=str(exc), where="checkpoint signal"))
             return
-        self.note(Kind.SIGNAL_SENT, attempt=cur.number, job_id=cur.job_id, signal="USR1", reason=reason)
+        self.note(SignalSent(attempt=cur.number, job_id=cur.job_id, signal="USR1", reason=reason))
 
     def _consider_resize(self, cur: Attempt, obs: Observation, tail: LogTail | None) -> None:
         st, spec = self.state, self.spec
         more = idle_increase(st.baseline, obs.available)
         if not more:
             if any(obs.available.get(p, 0) < n for p, n in st.baseline.items()):
-                self.note(Kind.BASELINE, available=obs.available)  # fewer free now: a later return counts
+                self.note(Baseline(available=obs.available))  # fewer free now: a later return counts
             return
         if st.last_replan_t is not None and obs.t - st.last_replan_t < spec.replan_interval_s:
             return
-        rec = self.note(Kind.IDLE_GPUS, attempt=cur.number, change={p: list(v) for p, v in more.items()},
-                        available=obs.available)
+        rec = self.note(IdleGpus(attempt=cur.number, change={p: list(v) for p, v in more.items()},
+                        available=obs.available))
         try:
             planned = plan_on(spec, self.site, self.archive, obs.free)
         except NoPlanFits as exc:
-            self.note(Kind.BASELINE, available=obs.available, note=str(exc))
+            self.note(Baseline(available=obs.available, note=str(exc)))
             return
         step = (tail.progress.last_step if tail is not None else None) or self._checkpoint_step()
         remaining = max(0, spec.steps - step) * spec.gbs
@@ -450,15 +483,15 @@ class Controller(Recorder, GrowBeside):
         else:
             verdict = judge(spec.objective, Score(cur.throughput, cur.cost_per_hour), planned.score, remaining,
                             restart_s, spec.min_gain)
-        self.note(Kind.DECISION, attempt=cur.number, action="resize" if verdict.resize else "keep",
-                  trigger=Kind.IDLE_GPUS, trigger_t=rec["t"], candidate=planned.summary(),
+        self.note(Decision(attempt=cur.number, action="resize" if verdict.resize else "keep",
+                  trigger=Kind.IDLE_GPUS, trigger_t=rec.t, candidate=planned.summary(),
                   current={"gpus": cur.gpus, "throughput": cur.throughput, "cost_per_hour": cur.cost_per_hour},
-                  restart_cost_s=restart_s, remaining_samples=remaining, step=step, **verdict.to_dict())
+                  restart_cost_s=restart_s, remaining_samples=remaining, step=step, **verdict.to_dict()))
         if verdict.resize:
-            if not self._grow(cur, obs, rec["t"], remaining, restart_s):
+            if not self._grow(cur, obs, rec.t, remaining, restart_s):
                 self._stop(cur, "resize")
         else:
-            self.note(Kind.BASELINE, available=obs.available)
+            self.note(Baseline(available=obs.available))
 
     # --------------------------------------------------------------------------------- the job ended
 
@@ -468,44 +501,45 @@ class Controller(Recorder, GrowBeside):
         if job.state == "FAILED" and not any(c.exit_code for c in job.components):
             job = self._with_exit_codes(cur, job)
         if cur.stopped is None:
-            self.note(Kind.JOB_STOPPED, attempt=cur.number, job_id=cur.job_id, state=job.state,
+            self.note(JobStopped(attempt=cur.number, job_id=cur.job_id, state=job.state,
                       reason=why or _classify(cur, job, prog),
                       step=prog.last_step if prog else None, last_step_t=prog.last_step_t if prog else None,
-                      exit_codes=[c.exit_code for c in job.components if c.exit_code])
+                      exit_codes=[c.exit_code for c in job.components if c.exit_code]))
         early = self._open_gate_early(cur, tail)
         final = job.state if job.final else None
-        if final is None:
-            self.note(Kind.CANCEL, job_id=cur.job_id, reason="what is left of the stopped job")
+        if final is None and cur.job_id is not None:
+            self.note(Cancel(job_id=cur.job_id, reason="what is left of the stopped job"))
             # ranks that saved on the signal have left their step: end the rest (the batch script) at once,
             # which matters when a bigger job waits for this one to be gone before it loads
             grace = 0.0 if self._saved_on_signal(tail) else 10.0
-            final = slurm_ops.cancel_and_wait(cur.job_id, self.env, grace_s=grace)  # type: ignore[arg-type]
+            final = slurm_ops.cancel_and_wait(cur.job_id, self.env, grace_s=grace)
         if tail is not None:
             tail.poll()  # its last words: saved, done, error
         if not early:  # else newer checkpoints are the bigger job's: journaled once it is the run's job
             self._checkpoint(cur)
-        self.note(Kind.JOB_GONE, attempt=cur.number, job_id=cur.job_id, state=final)
+        self.note(JobGone(attempt=cur.number, job_id=cur.job_id, state=final))
         if self._checkpoint_step() >= self.spec.steps:
             if cur.waits_for_successor:
                 self._drop_successor(cur, "the run is finished")
-            self.note(Kind.FINISHED, step=self._checkpoint_step(), checkpoint=self.state.checkpoint["path"])  # type: ignore[index]
+            ck = self.state.checkpoint
+            self.note(Finished(step=self._checkpoint_step(), checkpoint=ck.path if ck else None))
             return
         bad_input = any(c.exit_code.startswith("2:") for c in job.components if c.exit_code)
         if bad_input and prog is not None and prog.errors:
             if cur.waits_for_successor:
                 self._drop_successor(cur, "the run gave up")
-            self.note(Kind.GAVE_UP, reason="the training refused its input: " + " | ".join(prog.errors[-3:]))
+            self.note(GaveUp(reason="the training refused its input: " + " | ".join(prog.errors[-3:])))
             return
         if cur.first_step_t is None and cur.stop is None and not cur.lost_nodes:
-            self._failed(cur, (cur.stopped or {}).get("reason", final))
+            self._failed(cur, cur.stopped.reason if cur.stopped is not None else str(final))
 
     def _failed(self, cur: Attempt, reason: str) -> None:
         """A job that never trained a step: wait longer after each such failure in a row before the next."""
-        self.note(Kind.FAILURE, attempt=cur.number, reason=reason)
+        self.note(Failure(attempt=cur.number, reason=reason))
         k = self.state.failures_in_a_row
         wait = min(self.spec.backoff_max_s, self.spec.backoff_s * 2 ** (k - 1)) if k > 0 else 0.0
         if wait > 0:
-            self.note(Kind.BACKOFF, seconds=wait, until=self.clock() + wait)
+            self.note(Backoff(seconds=wait, until=self.clock() + wait))
 
     def _with_exit_codes(self, cur: Attempt, job: JobStatus, tries: int = 10, poll_s: float = 0.5) -> JobStatus:
         """Slurm can show a job FAILED before its accounting holds the exit codes, which tell a training

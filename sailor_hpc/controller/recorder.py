@@ -5,12 +5,18 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
-from sailor_hpc.controller.journal import Kind, Record
+from sailor_hpc.controller.records import (
+    ControllerStarted,
+    Record,
+    RunStarted,
+)
 from sailor_hpc.controller.spec import RunSpec
 from sailor_hpc.controller.state import RunDir, RunState, apply, fold
 from sailor_hpc.controller.story import describe
+
+R = TypeVar("R", bound=Record)
 
 #: how a run's driver exits (``sailor-hpc run`` returns it): done, gave up, interrupted by a signal
 EXIT_FINISHED, EXIT_GAVE_UP, EXIT_INTERRUPTED = 0, 1, 130
@@ -25,9 +31,10 @@ class Recorder:
     journal: Any
     echo: Callable[[str], None]
 
-    def note(self, kind: str, **data: Any) -> Record:
-        """Journal a record, then let it change the state (the same :func:`apply` a resume uses)."""
-        rec = self.journal.append(kind, **data)
+    def note(self, record: R) -> R:
+        """Journal a record, then let it change the state (the same :func:`apply` a resume uses); returns it
+        stamped with its ``seq`` and time."""
+        rec = self.journal.append(record)
         apply(self.state, rec)
         self.echo(describe(rec))
         return rec
@@ -38,6 +45,6 @@ class Recorder:
         self.state = fold(self.journal.records, source=self.journal.path, lines=self.journal.lines)
         resumed = bool(self.journal.records)
         if not resumed:
-            self.note(Kind.RUN_STARTED, run_id=self.spec.run_id, spec=self.spec.to_dict())
-        self.note(Kind.CONTROLLER_STARTED, pid=os.getpid(), host=socket.gethostname(), resumed=resumed,
-                  repaired_torn_line=self.journal.repaired)
+            self.note(RunStarted(run_id=self.spec.run_id, spec=self.spec.to_dict()))
+        self.note(ControllerStarted(pid=os.getpid(), host=socket.gethostname(), resumed=resumed,
+                  repaired_torn_line=self.journal.repaired))

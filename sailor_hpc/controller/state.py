@@ -17,9 +17,44 @@ import contextlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from sailor_hpc.controller.journal import Journal, Kind, Record, read_journal, read_journal_lines
+from sailor_hpc.controller.journal import Journal, read_journal, read_journal_lines
+from sailor_hpc.controller.records import (
+    Adopted,
+    Backoff,
+    Baseline,
+    CheckpointSeen,
+    ClusterDropped,
+    ClusterLost,
+    ControllerStarted,
+    Decision,
+    Failure,
+    Finished,
+    FirstStep,
+    GateOpened,
+    GaveUp,
+    GroupRunning,
+    GroupStopped,
+    GroupSubmitted,
+    GrowCancelled,
+    GrowRunning,
+    GrowSubmitted,
+    IdleGpus,
+    InPlaceStep,
+    JobGone,
+    JobRunning,
+    JobStopped,
+    Kind,
+    NodeLost,
+    PlanChosen,
+    Record,
+    RecoveryMeasured,
+    Regrown,
+    RunStarted,
+    SignalSent,
+    SubmitIntent,
+    Submitted,
+)
 from sailor_hpc.controller.spec import RunSpec
 from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.locking import LockTimeout, file_lock
@@ -126,17 +161,7 @@ class Successor:
     """A bigger job submitted beside an attempt's running job (grow without a gap), from ``grow_submitted``
     on; each later step of the takeover sets its own field, so no meaning hides in a key's presence."""
 
-    next_attempt: int  # the attempt number it becomes once the old job is gone
-    job_id: str
-    job_name: str
-    log: str
-    plan_file: str
-    script: str
-    trigger_t: float
-    gpus: dict[str, int]
-    throughput: float
-    cost_per_hour: float
-    submitted_t: float
+    grown: GrowSubmitted  # the job, its plan and score; it becomes attempt ``grown.next_attempt``
     running_t: float | None = None  # grow_running: every component runs
     nodes: list[str] = field(default_factory=list)
     gate_t: float | None = None  # gate_opened: its ranks load (and save) from here on, the old job's never again
@@ -206,7 +231,7 @@ class Attempt:
     nodes: list[str] = field(default_factory=list)  # the job's nodes when it was seen running
     stop: StopRequest | None = None  # the controller asked it to checkpoint and stop
     lost_nodes: dict[str, str] = field(default_factory=dict)
-    stopped: dict[str, Any] | None = None  # job_stopped: it stopped running, and why
+    stopped: JobStopped | None = None  # it stopped running, and why
     end_state: str | None = None
     gone: bool = False
     recovery: Recovery | None = None  # the change this (new) job answered, and what it cost
@@ -245,11 +270,11 @@ class GeoGroup:
 class RunState:
     run_id: str | None = None
     attempts: list[Attempt] = field(default_factory=list)
-    finished: dict[str, Any] | None = None
+    finished: Finished | None = None
     gave_up: str | None = None
     failures_in_a_row: int = 0  # jobs that ended without training a step, since the last step
     backoff_until: float | None = None
-    checkpoint: dict[str, Any] | None = None  # newest complete checkpoint seen: step, consumed_samples
+    checkpoint: CheckpointSeen | None = None  # the newest complete checkpoint seen
     baseline: dict[str, int] = field(default_factory=dict)  # GPUs available to the run when last judged
     last_replan_t: float | None = None
     trigger: tuple[str, float] | None = None  # the change the next submission answers
@@ -306,137 +331,127 @@ class RunState:
 
 def apply(state: RunState, rec: Record) -> None:
     """Advance ``state`` by one journal record (the one place that gives records their meaning)."""
-    kind, t = rec["kind"], float(rec["t"])
-    att = state.attempt(rec["attempt"]) if rec.get("attempt") is not None and kind != Kind.SUBMIT_INTENT else None
-    if kind == Kind.RUN_STARTED:
-        state.run_id = rec.get("run_id")
-    elif kind == Kind.CONTROLLER_STARTED:
-        state.controller_starts += 1
-    elif kind == Kind.PLAN:
-        state.baseline = {k: int(v) for k, v in rec.get("available", {}).items()}
-    elif kind == Kind.BASELINE:
-        state.baseline = {k: int(v) for k, v in rec["available"].items()}
-    elif kind == Kind.SUBMIT_INTENT:
-        state.attempts.append(Attempt(
-            number=rec["attempt"], job_name=rec["job_name"], plan_file=rec["plan_file"], script=rec["script"],
-            reason=rec["reason"], trigger=rec.get("trigger"), trigger_t=rec.get("trigger_t"),
-            gpus=dict(rec.get("gpus", {})), throughput=float(rec.get("throughput", 0.0)),
-            cost_per_hour=float(rec.get("cost_per_hour", 0.0)), intent_t=t, handover_from=rec.get("handover_from")))
-        state.trigger = None
-        state.backoff_until = None
-    elif kind in (Kind.SUBMITTED, Kind.ADOPTED):
-        assert att is not None
-        att.job_id = str(rec["job_id"])
-        att.log = rec.get("log") or att.log
-        att.submitted_t = att.submitted_t or rec.get("submitted_t") or (t if kind == Kind.SUBMITTED else att.intent_t)
-    elif kind == Kind.JOB_RUNNING:
-        assert att is not None
-        att.running_t = att.running_t or rec.get("since") or t
-        att.nodes = sorted(set(att.nodes) | set(rec.get("nodes", [])))
-    elif kind == Kind.FIRST_STEP:
-        assert att is not None
-        att.first_step_t = att.first_step_t or t
-        att.start_step = rec.get("loaded_step", 0)
-        state.failures_in_a_row = 0
-    elif kind == Kind.RECOVERY:
-        assert att is not None
-        recovery = Recovery(t=t, trigger=rec.get("trigger"), trigger_t=_opt_float(rec.get("trigger_t")),
-                            in_place=bool(rec.get("in_place")), downtime_s=float(rec["downtime_s"]),
-                            recovery_s=float(rec["recovery_s"]), queue_wait_s=_opt_float(rec.get("queue_wait_s")),
-                            ranks_idle_s=_opt_float(rec.get("ranks_idle_s")))
-        if recovery.in_place:
-            att.in_place[-1].recovery = recovery
-        else:
-            att.recovery = recovery
-        state.recoveries.append(recovery)
-    elif kind == Kind.GROW_SUBMITTED:
-        assert att is not None
-        att.successor = Successor(
-            next_attempt=int(rec["next_attempt"]), job_id=str(rec["job_id"]), job_name=str(rec["job_name"]),
-            log=str(rec["log"]), plan_file=str(rec["plan_file"]), script=str(rec["script"]),
-            trigger_t=float(rec["trigger_t"]), gpus=dict(rec.get("gpus", {})), throughput=float(rec.get("throughput", 0.0)),
-            cost_per_hour=float(rec.get("cost_per_hour", 0.0)), submitted_t=t)
-    elif kind == Kind.GROW_RUNNING:
-        assert att is not None and att.successor is not None
-        att.successor.running_t, att.successor.nodes = t, list(rec.get("nodes", []))
-    elif kind == Kind.GATE_OPENED:
-        assert att is not None and att.successor is not None
-        att.successor.gate_t = att.successor.gate_t or t
-    elif kind == Kind.GROW_CANCELLED:
-        assert att is not None and att.successor is not None
-        att.successor.cancelled = str(rec.get("reason") or "cancelled")
-        state.trigger = None
-    elif kind == Kind.IN_PLACE:
-        assert att is not None
-        att.in_place.append(InPlaceChange(step_index=int(rec["step_index"]), t_step_end=_opt_float(rec.get("t_step_end")),
-                                          lost=dict(rec.get("lost", {})), trigger=state.trigger))
-        att.plan_file, att.gpus, att.nodes = rec["plan_file"], dict(rec["gpus"]), list(rec["nodes"])
-        att.throughput, att.cost_per_hour = float(rec["throughput"]), float(rec["cost_per_hour"])
-        att.released.update({**att.lost_nodes, **rec.get("lost", {})})
-        att.lost_nodes, att.stop, state.trigger = {}, None, None
-    elif kind == Kind.CHECKPOINT:
-        state.checkpoint = {"step": rec["step"], "consumed_samples": rec.get("consumed_samples"), "path": rec.get("path")}
-        if state.attempts:  # one job at a time: a new checkpoint is the latest job's (also if seen after it ended)
-            state.attempts[-1].advanced = True
-    elif kind == Kind.NODE_LOST:
-        assert att is not None
-        att.lost_nodes.update(rec["nodes"])
-        state.trigger = state.trigger or (Kind.NODE_LOST, t)
-    elif kind == Kind.IDLE_GPUS:
-        state.last_replan_t = t
-    elif kind == Kind.DECISION:
-        if rec["action"] in ("resize", "checkpoint"):
-            state.trigger = (str(rec.get("trigger") or rec["action"]), float(rec.get("trigger_t", t)))
-    elif kind == Kind.SIGNAL_SENT:
-        assert att is not None
-        att.stop = StopRequest(t=t, reason=str(rec.get("reason") or "asked to stop"), signal=str(rec.get("signal") or "USR1"))
-    elif kind == Kind.JOB_STOPPED:
-        assert att is not None
-        att.stopped = {k: v for k, v in rec.items() if k not in ("seq", "kind", "attempt")}
-        state.trigger = state.trigger or (rec.get("reason", "stopped"), t)
-    elif kind == Kind.JOB_GONE and att is not None:  # without an attempt: a stray job of the run, cancelled
-        att.gone = True
-        att.end_state = rec.get("state")
-    elif kind in _GEO:
-        _apply_geo(state, rec, t)
-    elif kind == Kind.FAILURE:
-        state.failures_in_a_row += 1
-    elif kind == Kind.BACKOFF:
-        state.backoff_until = float(rec["until"])
-    elif kind == Kind.FINISHED:
-        state.finished = {k: v for k, v in rec.items() if k not in ("seq", "kind")}
-    elif kind == Kind.GAVE_UP:
-        state.gave_up = rec.get("reason", "gave up")
+    t = rec.t
+    match rec:
+        case RunStarted():
+            state.run_id = rec.run_id
+        case ControllerStarted():
+            state.controller_starts += 1
+        case PlanChosen() | Baseline():
+            state.baseline = dict(rec.available)
+        case SubmitIntent():
+            state.attempts.append(Attempt(
+                number=rec.attempt, job_name=rec.job_name, plan_file=rec.plan_file, script=rec.script,
+                reason=rec.reason, trigger=rec.trigger, trigger_t=rec.trigger_t, gpus=dict(rec.gpus),
+                throughput=rec.throughput, cost_per_hour=rec.cost_per_hour, intent_t=t, handover_from=rec.handover_from))
+            state.trigger = None
+            state.backoff_until = None
+        case Submitted():
+            att = state.attempt(rec.attempt)
+            att.job_id, att.log = rec.job_id, rec.log or att.log
+            att.submitted_t = att.submitted_t or rec.submitted_t or t
+        case Adopted():
+            att = state.attempt(rec.attempt)
+            att.job_id, att.log = rec.job_id, rec.log or att.log
+            att.submitted_t = att.submitted_t or att.intent_t
+        case JobRunning():
+            att = state.attempt(rec.attempt)
+            att.running_t = att.running_t or rec.since or t
+            att.nodes = sorted(set(att.nodes) | set(rec.nodes))
+        case FirstStep():
+            att = state.attempt(rec.attempt)
+            att.first_step_t = att.first_step_t or t
+            att.start_step = rec.loaded_step
+            state.failures_in_a_row = 0
+        case RecoveryMeasured():
+            att = state.attempt(rec.attempt)
+            recovery = Recovery(t=t, trigger=rec.trigger, trigger_t=rec.trigger_t, in_place=rec.in_place,
+                                downtime_s=rec.downtime_s, recovery_s=rec.recovery_s, queue_wait_s=rec.queue_wait_s,
+                                ranks_idle_s=rec.ranks_idle_s)
+            if recovery.in_place:
+                att.in_place[-1].recovery = recovery
+            else:
+                att.recovery = recovery
+            state.recoveries.append(recovery)
+        case GrowSubmitted():
+            state.attempt(rec.attempt).successor = Successor(grown=rec)
+        case GrowRunning():
+            succ = _successor(state, rec.attempt)
+            succ.running_t, succ.nodes = t, list(rec.nodes)
+        case GateOpened():
+            succ = _successor(state, rec.attempt)
+            succ.gate_t = succ.gate_t or t
+        case GrowCancelled():
+            _successor(state, rec.attempt).cancelled = rec.reason
+            state.trigger = None
+        case InPlaceStep():
+            att = state.attempt(rec.attempt)
+            att.in_place.append(InPlaceChange(step_index=rec.step_index, t_step_end=rec.t_step_end, lost=dict(rec.lost),
+                                              trigger=state.trigger))
+            att.plan_file, att.gpus, att.nodes = rec.plan_file, dict(rec.gpus), list(rec.nodes)
+            att.throughput, att.cost_per_hour = rec.throughput, rec.cost_per_hour
+            att.released.update({**att.lost_nodes, **rec.lost})
+            att.lost_nodes, att.stop, state.trigger = {}, None, None
+        case CheckpointSeen():
+            state.checkpoint = rec
+            if state.attempts:  # one job at a time: a new checkpoint is the latest job's (also if seen after it ended)
+                state.attempts[-1].advanced = True
+        case NodeLost():
+            state.attempt(rec.attempt).lost_nodes.update(rec.nodes)
+            state.trigger = state.trigger or (Kind.NODE_LOST, t)
+        case IdleGpus():
+            state.last_replan_t = t
+        case Decision():
+            if rec.action in ("resize", "checkpoint"):
+                state.trigger = (rec.trigger or rec.action, t if rec.trigger_t is None else rec.trigger_t)
+        case SignalSent():
+            state.attempt(rec.attempt).stop = StopRequest(t=t, reason=rec.reason, signal=rec.signal)
+        case JobStopped():
+            state.attempt(rec.attempt).stopped = rec
+            state.trigger = state.trigger or (rec.reason, t)
+        case JobGone():
+            if rec.attempt is not None:  # without an attempt: a stray job of the run, cancelled
+                att = state.attempt(rec.attempt)
+                att.gone, att.end_state = True, rec.state
+        case Failure():
+            state.failures_in_a_row += 1
+        case Backoff():
+            state.backoff_until = rec.until
+        case Finished():
+            state.finished = rec
+        case GaveUp():
+            state.gave_up = rec.reason
+        case GroupSubmitted():
+            state.groups.append(GeoGroup(number=rec.group, clusters=list(rec.clusters), jobs=dict(rec.jobs),
+                                         start_step=rec.start_step, plan_file=rec.plan_file, submitted_t=t))
+        case ClusterDropped() | ClusterLost():
+            _group(state, rec.group)
+            state.left.update({c: t for c in rec.clusters})
+        case Regrown():
+            _group(state, rec.group)
+            for c in rec.clusters:
+                state.left.pop(c, None)
+        case GroupRunning():
+            group = _group(state, rec.group)
+            group.running_t = group.running_t or t
+        case GroupStopped():
+            _group(state, rec.group).end = rec.reason
+        case _:  # said for people (story), no change to what the controller knows
+            pass
 
 
-def _opt_float(value: Any) -> float | None:
-    return None if value is None else float(value)
+def _successor(state: RunState, attempt: int) -> Successor:
+    succ = state.attempt(attempt).successor
+    if succ is None:
+        raise KeyError(f"journal refers to a bigger job beside attempt {attempt}, which has no grow_submitted record")
+    return succ
 
 
-_GEO = frozenset({Kind.GROUP_SUBMITTED, Kind.GROUP_RUNNING, Kind.GROUP_STOPPED, Kind.CLUSTER_DROPPED,
-                  Kind.CLUSTER_LOST, Kind.REGROWN})
-
-
-def _apply_geo(state: RunState, rec: Record, t: float) -> None:
-    """The co-scheduler's records (a run across clusters): its groups and the clusters that left."""
-    kind = rec["kind"]
-    if kind == Kind.GROUP_SUBMITTED:
-        state.groups.append(GeoGroup(number=rec["group"], clusters=list(rec["clusters"]), jobs=dict(rec["jobs"]),
-                                     start_step=int(rec.get("start_step", 0)), plan_file=rec["plan_file"],
-                                     submitted_t=t))
-        return
-    if kind in (Kind.CLUSTER_DROPPED, Kind.CLUSTER_LOST):
-        state.left.update({c: t for c in rec.get("clusters", [])})
-    elif kind == Kind.REGROWN:
-        for c in rec.get("clusters", []):
-            state.left.pop(c, None)
-    group = next((g for g in state.groups if g.number == rec.get("group")), None)
-    if group is None:
-        raise KeyError(f"journal refers to group {rec.get('group')}, which has no group_submitted record")
-    if kind == Kind.GROUP_RUNNING:
-        group.running_t = group.running_t or t
-    elif kind == Kind.GROUP_STOPPED:
-        group.end = str(rec.get("reason", "stopped"))
+def _group(state: RunState, number: int) -> GeoGroup:
+    for g in state.groups:
+        if g.number == number:
+            return g
+    raise KeyError(f"journal refers to group {number}, which has no group_submitted record")
 
 
 class InconsistentJournal(SailorError):
@@ -454,7 +469,7 @@ def fold(records: Iterable[Record], *, source: str | Path | None = None, lines: 
         except (KeyError, TypeError, ValueError, AssertionError, AttributeError, IndexError) as exc:
             line = lines[i] if lines is not None and i < len(lines) else i + 1
             raise InconsistentJournal(
-                f"line {line}: record seq {rec.get('seq')} ({rec.get('kind')!r}) does not fit the records before "
+                f"line {line}: record seq {rec.seq} ({rec.kind.value!r}) does not fit the records before "
                 f"it ({type(exc).__name__}: {exc})", file=source, field=f"line {line}",
                 fix="the journal was edited or mixed with another run's: restore it, or start a new run "
                     "(sailor-hpc run without --resume)") from None

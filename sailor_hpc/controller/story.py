@@ -6,7 +6,51 @@ from __future__ import annotations
 
 from typing import Any
 
-from sailor_hpc.controller.journal import Kind, Record
+from sailor_hpc.controller.records import (
+    Adopted,
+    Backoff,
+    Baseline,
+    Cancel,
+    CheckpointSeen,
+    ClusterDropped,
+    ClusterLost,
+    ControllerStarted,
+    ControllerStopped,
+    Decision,
+    ErrorSeen,
+    Failure,
+    Finished,
+    FirstStep,
+    GateOpened,
+    GaveUp,
+    GroupAdopted,
+    GroupFailed,
+    GroupRecovered,
+    GroupRunning,
+    GroupStopped,
+    GroupSubmitted,
+    GrowCancelled,
+    GrowRunning,
+    GrowSubmitted,
+    IdleGpus,
+    InPlaceRefusedStep,
+    InPlaceStep,
+    JobGone,
+    JobRunning,
+    JobStopped,
+    Kind,
+    NodeLost,
+    NoPlan,
+    PlanChosen,
+    Record,
+    RecoveryMeasured,
+    RegrowDecision,
+    Regrown,
+    RunStarted,
+    SignalSent,
+    SubmitIntent,
+    Submitted,
+)
 from sailor_hpc.controller.state import RunState
 
 
@@ -16,104 +60,109 @@ def _gpus(g: dict[str, int] | None) -> str:
 
 def describe(rec: Record) -> str:
     """One line saying what the record means."""
-    k = rec["kind"]
-    a = f"attempt {rec['attempt']}: " if "attempt" in rec else ""
-    if k == Kind.RUN_STARTED:
-        return f"run {rec.get('run_id')} started"
-    if k == Kind.CONTROLLER_STARTED:
-        return f"controller pid {rec.get('pid')} on {rec.get('host')}" + (" resumed the run" if rec.get("resumed") else "")
-    if k == Kind.CONTROLLER_STOPPED:
-        return f"controller stopped: {rec.get('reason')}"
-    if k == Kind.PLAN:
-        return (f"planned ({rec.get('reason')}) on free {_gpus(rec.get('available'))}: {_gpus(rec.get('gpus'))}, "
-                f"{rec.get('throughput', 0):.2f} samples/s, {rec.get('cost_per_hour', 0):.2f}/h")
-    if k == Kind.NO_PLAN:
-        return f"no plan possible now: {rec.get('message')}"
-    if k == Kind.SUBMIT_INTENT:
-        return f"{a}submitting {rec.get('job_name')} ({rec.get('reason')})"
-    if k == Kind.SUBMITTED:
-        return f"{a}job {rec.get('job_id')} submitted, log {rec.get('log')}"
-    if k == Kind.ADOPTED:
-        return f"{a}found its job {rec.get('job_id')} in Slurm (submitted before the controller restarted)"
-    if k == Kind.JOB_RUNNING:
-        return f"{a}job running on {', '.join(rec.get('nodes', []))}"
-    if k == Kind.FIRST_STEP:
-        return f"{a}first step {rec.get('step')} (resumed from step {rec.get('loaded_step')})"
-    if k == Kind.IN_PLACE:
-        return (f"{a}re-planned in job {rec.get('job_id')} on its surviving nodes {', '.join(rec.get('nodes', []))}: "
-                f"{_gpus(rec.get('was_gpus'))} -> {_gpus(rec.get('gpus'))}, released {', '.join(rec.get('released', [])) or '-'}"
-                + (f" (Slurm refused: {'; '.join(rec['refused'])})" if rec.get("refused") else ""))
-    if k == Kind.GROW_SUBMITTED:
-        return (f"{a}bigger job {rec.get('job_id')} ({_gpus(rec.get('gpus'))}) submitted beside the running one, "
-                f"which trains until it runs")
-    if k == Kind.GROW_RUNNING:
-        return (f"{a}bigger job {rec.get('job_id')} runs on {', '.join(rec.get('nodes', []))}: the old one trains "
-                f"until its ranks are ready")
-    if k == Kind.GATE_OPENED:
-        return f"{a}its ranks are gone: bigger job {rec.get('job_id')} loads the checkpoint and trains"
-    if k == Kind.GROW_CANCELLED:
-        return f"{a}bigger job {rec.get('job_id')} cancelled ({rec.get('reason')}); training goes on where it is"
-    if k == Kind.IN_PLACE_REFUSED:
-        return f"{a}no in-place step in job {rec.get('job_id')} ({rec.get('reason')}): the job ends, a new one follows"
-    if k == Kind.RECOVERY and rec.get("in_place"):
-        return (f"{a}recovered from {rec.get('trigger')} inside the same job in {rec.get('recovery_s', 0):.1f} s "
-                f"(ranks idle {rec.get('ranks_idle_s', 0):.1f} s, no queue)")
-    if k == Kind.RECOVERY:
-        return (f"{a}recovered from {rec.get('trigger')} in {rec.get('recovery_s', 0):.1f} s "
-                f"(+ {rec.get('queue_wait_s') or 0:.1f} s queue wait)")
-    if k in _GEO_DESCRIBE:
-        return _GEO_DESCRIBE[k](rec)
-    if k == Kind.CHECKPOINT:
-        return f"checkpoint of step {rec.get('step')} complete ({rec.get('consumed_samples')} samples consumed)"
-    if k == Kind.NODE_LOST:
-        return f"{a}node(s) of the job lost: " + ", ".join(f"{n} {s}" for n, s in rec.get("nodes", {}).items())
-    if k == Kind.IDLE_GPUS:
-        ch = ", ".join(f"{p} {b}->{n}" for p, (b, n) in rec.get("change", {}).items())
-        return f"{a}more GPUs free for the run: {ch}"
-    if k == Kind.DECISION:
-        return f"{a}{rec.get('action')}: {rec.get('reason')}"
-    if k == Kind.BASELINE:
-        return f"free GPUs for the run now {_gpus(rec.get('available'))}"
-    if k == Kind.SIGNAL_SENT:
-        return f"{a}asked job {rec.get('job_id')} to checkpoint and stop (SIG{rec.get('signal')}, {rec.get('reason')})"
-    if k == Kind.JOB_STOPPED:
-        return f"{a}job {rec.get('job_id')} stopped running ({rec.get('state')}, {rec.get('reason')}) at step {rec.get('step')}"
-    if k == Kind.CANCEL:
-        return f"cancelling job {rec.get('job_id')}: {rec.get('reason')}"
-    if k == Kind.JOB_GONE:
-        return f"{a}job {rec.get('job_id')} gone ({rec.get('state')})"
-    if k == Kind.FAILURE:
-        return f"{a}failed without training a step ({rec.get('reason')})"
-    if k == Kind.BACKOFF:
-        return f"backing off {rec.get('seconds', 0):.0f} s before the next job"
-    if k == Kind.FINISHED:
-        return f"finished: step {rec.get('step')} checkpointed at {rec.get('checkpoint')}"
-    if k == Kind.GAVE_UP:
-        return f"gave up: {rec.get('reason')}"
-    if k == Kind.ERROR:
-        return f"error ({rec.get('where')}): {rec.get('message')}"
-    return k
+    attempt = getattr(rec, "attempt", None)  # the records of one job name its attempt
+    a = f"attempt {attempt}: " if attempt is not None else ""
+    match rec:
+        case RunStarted():
+            return f"run {rec.run_id} started"
+        case ControllerStarted():
+            return f"controller pid {rec.pid} on {rec.host}" + (" resumed the run" if rec.resumed else "")
+        case ControllerStopped():
+            return f"controller stopped: {rec.reason}"
+        case PlanChosen():
+            return (f"planned ({rec.reason}) on free {_gpus(rec.available)}: {_gpus(rec.gpus)}, "
+                    f"{rec.throughput:.2f} samples/s, {rec.cost_per_hour:.2f}/h")
+        case NoPlan():
+            return f"no plan possible now: {rec.message}"
+        case SubmitIntent():
+            return f"{a}submitting {rec.job_name} ({rec.reason})"
+        case Submitted():
+            return f"{a}job {rec.job_id} submitted, log {rec.log}"
+        case Adopted():
+            return f"{a}found its job {rec.job_id} in Slurm (submitted before the controller restarted)"
+        case JobRunning():
+            return f"{a}job running on {', '.join(rec.nodes)}"
+        case FirstStep():
+            return f"{a}first step {rec.step} (resumed from step {rec.loaded_step})"
+        case InPlaceStep():
+            return (f"{a}re-planned in job {rec.job_id} on its surviving nodes {', '.join(rec.nodes)}: "
+                    f"{_gpus(rec.was_gpus)} -> {_gpus(rec.gpus)}, released {', '.join(rec.released) or '-'}"
+                    + (f" (Slurm refused: {'; '.join(rec.refused)})" if rec.refused else ""))
+        case GrowSubmitted():
+            return (f"{a}bigger job {rec.job_id} ({_gpus(rec.gpus)}) submitted beside the running one, "
+                    f"which trains until it runs")
+        case GrowRunning():
+            return (f"{a}bigger job {rec.job_id} runs on {', '.join(rec.nodes)}: the old one trains "
+                    f"until its ranks are ready")
+        case GateOpened():
+            return f"{a}its ranks are gone: bigger job {rec.job_id} loads the checkpoint and trains"
+        case GrowCancelled():
+            return f"{a}bigger job {rec.job_id} cancelled ({rec.reason}); training goes on where it is"
+        case InPlaceRefusedStep():
+            return f"{a}no in-place step in job {rec.job_id} ({rec.reason}): the job ends, a new one follows"
+        case RecoveryMeasured(in_place=True):
+            return (f"{a}recovered from {rec.trigger} inside the same job in {rec.recovery_s:.1f} s "
+                    f"(ranks idle {rec.ranks_idle_s or 0:.1f} s, no queue)")
+        case RecoveryMeasured():
+            return (f"{a}recovered from {rec.trigger} in {rec.recovery_s:.1f} s "
+                    f"(+ {rec.queue_wait_s or 0:.1f} s queue wait)")
+        case CheckpointSeen():
+            return f"checkpoint of step {rec.step} complete ({rec.consumed_samples} samples consumed)"
+        case NodeLost():
+            return f"{a}node(s) of the job lost: " + ", ".join(f"{n} {s}" for n, s in rec.nodes.items())
+        case IdleGpus():
+            ch = ", ".join(f"{p} {b}->{n}" for p, (b, n) in rec.change.items())
+            return f"{a}more GPUs free for the run: {ch}"
+        case Decision():
+            return f"{a}{rec.action}: {rec.reason}"
+        case Baseline():
+            return f"free GPUs for the run now {_gpus(rec.available)}"
+        case SignalSent():
+            return f"{a}asked job {rec.job_id} to checkpoint and stop (SIG{rec.signal}, {rec.reason})"
+        case JobStopped():
+            return f"{a}job {rec.job_id} stopped running ({rec.state}, {rec.reason}) at step {rec.step}"
+        case Cancel():
+            return f"cancelling job {rec.job_id}: {rec.reason}"
+        case JobGone():
+            return f"{a}job {rec.job_id} gone ({rec.state})"
+        case Failure():
+            return f"{a}failed without training a step ({rec.reason})"
+        case Backoff():
+            return f"backing off {rec.seconds:.0f} s before the next job"
+        case Finished():
+            return f"finished: step {rec.step} checkpointed at {rec.checkpoint}"
+        case GaveUp():
+            return f"gave up: {rec.reason}"
+        case ErrorSeen():
+            return f"error ({rec.where}): {rec.message}"
+        # a run across clusters (sailor_hpc.controller.geo_run): the co-scheduler's groups
+        case GroupSubmitted():
+            return (f"group {rec.group}: jobs " + ", ".join(f"{c} {j}" for c, j in rec.jobs.items())
+                    + f" submitted (from step {rec.start_step})")
+        case GroupAdopted():
+            return f"group {rec.group}: found its jobs {rec.states} (before the co-scheduler restarted)"
+        case GroupRunning():
+            return f"group {rec.group}: every cluster's job runs"
+        case GroupRecovered():
+            return f"group {rec.group}: recovered from {rec.trigger} in {rec.recovery_s:.1f} s"
+        case GroupFailed():
+            return f"group {rec.group}: a job failed ({rec.states}): retried on the same clusters"
+        case GroupStopped():
+            return f"group {rec.group}: stopped ({rec.reason})"
+        case ClusterDropped():
+            return f"group {rec.group}: {_clusters(rec.clusters)} pending past the bound: dropped, re-planned without"
+        case ClusterLost():
+            return f"group {rec.group}: cluster {_clusters(rec.clusters)} lost ({rec.states}): re-planned on the rest"
+        case RegrowDecision():
+            return (f"group {rec.group}: {'grow' if rec.resize else 'do not grow'} back across "
+                    f"{_clusters(rec.clusters)}: {rec.reason}")
+        case Regrown():
+            return f"group {rec.group}: {_clusters(rec.clusters)} back: checkpoint, stop and re-plan across it"
+    return rec.kind.value
 
 
-def _clusters(rec: Record) -> str:
-    return ", ".join(rec.get("clusters", [])) or "-"
-
-
-#: a run across clusters (sailor_hpc.controller.geo_run): one line per co-scheduler record
-_GEO_DESCRIBE: dict[str, Any] = {
-    Kind.GROUP_SUBMITTED: lambda r: (f"group {r['group']}: jobs " + ", ".join(f"{c} {j}" for c, j in r.get("jobs", {}).items())
-                                     + f" submitted (from step {r.get('start_step')})"),
-    Kind.GROUP_ADOPTED: lambda r: f"group {r['group']}: found its jobs {r.get('states')} (before the co-scheduler restarted)",
-    Kind.GROUP_RUNNING: lambda r: f"group {r['group']}: every cluster's job runs",
-    Kind.GROUP_RECOVERED: lambda r: f"group {r['group']}: recovered from {r.get('trigger')} in {r.get('recovery_s', 0):.1f} s",
-    Kind.GROUP_FAILED: lambda r: f"group {r['group']}: a job failed ({r.get('states')}): retried on the same clusters",
-    Kind.GROUP_STOPPED: lambda r: f"group {r['group']}: stopped ({r.get('reason')})",
-    Kind.CLUSTER_DROPPED: lambda r: f"group {r['group']}: {_clusters(r)} pending past the bound: dropped, re-planned without",
-    Kind.CLUSTER_LOST: lambda r: f"group {r['group']}: cluster {_clusters(r)} lost ({r.get('states')}): re-planned on the rest",
-    Kind.REGROW_DECISION: lambda r: (f"group {r['group']}: {'grow' if r.get('resize') else 'do not grow'} back across "
-                                     f"{_clusters(r)}: {r.get('reason')}"),
-    Kind.REGROWN: lambda r: f"group {r['group']}: {_clusters(r)} back: checkpoint, stop and re-plan across it",
-}
+def _clusters(clusters: list[str]) -> str:
+    return ", ".join(clusters) or "-"
 
 
 def attempt_rows(state: RunState) -> list[tuple[Any, ...]]:
@@ -133,7 +182,7 @@ def _end(att: Any) -> str:
     """How the job ended: why it stopped (the controller's words) and Slurm's final state."""
     if not att.gone:
         return "running" if att.running_t else "queued"
-    why = (att.stopped or {}).get("reason")
+    why = att.stopped.reason if att.stopped is not None else None
     return f"{why} ({att.end_state})" if why and why != "completed" else str(att.end_state)
 
 

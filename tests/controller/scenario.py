@@ -21,6 +21,7 @@ from typing import Any
 
 from sailor_hpc.controller import RunDir, RunSpec, new_run_id
 from sailor_hpc.controller.journal import Journal, read_journal
+from sailor_hpc.controller.records import Record, RunStarted, SubmitIntent, encode
 from sailor_hpc.controller.state import job_name
 from tests.data.tiny_archive import write_tiny_archive
 
@@ -38,9 +39,9 @@ def started_run(root: Path, steps: int) -> tuple[RunDir, Journal]:
                    profiles=str(write_tiny_archive(root / "tiny.h5")))
     rd = RunDir.create(root / "run", spec)
     j = Journal(rd.journal_file)
-    j.append("run_started", run_id=spec.run_id)
-    j.append("submit_intent", attempt=1, job_name=job_name(spec.run_id, 1), plan_file="p", script="s",
-             reason="start", gpus={"v100": 1}, throughput=1.0, cost_per_hour=0.5)
+    j.append(RunStarted(run_id=spec.run_id))
+    j.append(SubmitIntent(attempt=1, job_name=job_name(spec.run_id, 1), plan_file="p", script="s",
+             reason="start", gpus={"v100": 1}, throughput=1.0, cost_per_hour=0.5))
     return rd, j
 
 
@@ -185,7 +186,7 @@ class Scenario:
         return time.time()
 
     def records(self) -> list[dict[str, Any]]:
-        return read_journal(self.run_dir / "journal.jsonl")
+        return wire(read_journal(self.run_dir / "journal.jsonl"))
 
     def controller_output(self) -> str:
         return "".join(f"--- {p.name}\n{p.read_text()}" for p in self.outputs if p.exists())
@@ -209,6 +210,11 @@ class Scenario:
             return self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             raise AssertionError(f"controller still running after {timeout} s:\n{self.controller_output()}") from None
+
+
+def wire(records: list[Record]) -> list[dict[str, Any]]:
+    """Journal records as their lines' JSON objects (``encode``): what the story tests read, as on disk."""
+    return [encode(r) for r in records]
 
 
 def kind(k: str, **match: Any) -> Callable[[dict[str, Any]], bool]:

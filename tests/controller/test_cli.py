@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from sailor_hpc.controller.journal import Journal
+from sailor_hpc.controller.records import NodeLost, PlanChosen, RunStarted, SubmitIntent, Submitted
 from sailor_hpc.controller.spec import RunSpec
 from sailor_hpc.controller.state import RunDir, job_name
 from tests.controller.scenario import LOCAL_LAB, REPO
@@ -59,13 +60,13 @@ def _fake_run(tmp_path: Path, archive: Path) -> RunDir:
     rd = RunDir.create(tmp_path / "run", spec)
     t = iter(range(100, 200))
     j = Journal(rd.journal_file, clock=lambda: float(next(t)))
-    j.append("run_started", run_id="feed01")
-    j.append("plan", reason="start", available={"a100": 1, "v100": 8}, gpus={"a100": 1, "v100": 1},
-             throughput=26.39, cost_per_hour=1.5)
-    j.append("submit_intent", attempt=1, job_name=job_name("feed01", 1), plan_file="p", script="s", reason="start",
-             gpus={"a100": 1, "v100": 1}, throughput=26.39, cost_per_hour=1.5)
-    j.append("submitted", attempt=1, job_id="13", log="/l")
-    j.append("node_lost", attempt=1, job_id="13", nodes={"a100-1": "down"})
+    j.append(RunStarted(run_id="feed01"))
+    j.append(PlanChosen(reason="start", available={"a100": 1, "v100": 8}, gpus={"a100": 1, "v100": 1},
+             throughput=26.39, cost_per_hour=1.5))
+    j.append(SubmitIntent(attempt=1, job_name=job_name("feed01", 1), plan_file="p", script="s", reason="start",
+             gpus={"a100": 1, "v100": 1}, throughput=26.39, cost_per_hour=1.5))
+    j.append(Submitted(attempt=1, job_id="13", log="/l"))
+    j.append(NodeLost(attempt=1, job_id="13", nodes={"a100-1": "down"}))
     return rd
 
 

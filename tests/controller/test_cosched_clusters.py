@@ -41,7 +41,7 @@ from sailor_hpc.core.plan import Pipeline, Plan, Stage
 from sailor_hpc.core.site import load_site
 from sailor_hpc.core.toml_writer import dump_toml
 from sailor_hpc.jobs.render import plan_clusters
-from tests.controller.scenario import step_events
+from tests.controller.scenario import step_events, wire
 from tests.data.tiny_archive import write_tiny_archive
 from tests.jobs.conftest import A100, REPO, cross_plan, two_lab_doc, two_lab_site
 from tests.megatron_patch.conftest import ADAM, python
@@ -116,12 +116,12 @@ def story(slurm_two_clusters, tmp_path_factory: pytest.TempPathFactory, job_env_
     def wait_for(kind: str, group: int, timeout: float = 120.0) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            hit = next((r for r in rundir.records() if r["kind"] == kind and r.get("group") == group), None)
+            hit = next((r for r in wire(rundir.records()) if r["kind"] == kind and r.get("group") == group), None)
             if hit is not None:
                 return hit
             assert "error" not in out, out["error"]
             time.sleep(0.2)
-        raise AssertionError(f"no {kind} of group {group} after {timeout} s: {rundir.records()}")
+        raise AssertionError(f"no {kind} of group {group} after {timeout} s: {wire(rundir.records())}")
 
     def saved_after(start: int) -> bool:
         ck = latest_complete(root / "ckpt", deep=False)
@@ -144,11 +144,11 @@ def story(slurm_two_clusters, tmp_path_factory: pytest.TempPathFactory, job_env_
             time.sleep(0.2)
         lab2.run(["scancel", g3["jobs"]["lab2"]], check=True)
         thread.join(timeout=240)
-        assert not thread.is_alive(), rundir.records()
+        assert not thread.is_alive(), wire(rundir.records())
     finally:
         if thread.is_alive():  # do not leave jobs behind a failed test
             lab2.run(["scancel", blocker])
-    out.update(records=rundir.records(), root=root, seconds=time.monotonic() - t0, rundir=rundir)
+    out.update(records=wire(rundir.records()), root=root, seconds=time.monotonic() - t0, rundir=rundir)
     return out
 
 

@@ -12,6 +12,17 @@ from sailor_hpc.controller.cosched import Group
 from sailor_hpc.controller.geo_run import GeoRun
 from sailor_hpc.controller.journal import Journal, Kind, read_journal
 from sailor_hpc.controller.planning import plan_on
+from sailor_hpc.controller.records import (
+    ClusterDropped,
+    ClusterLost,
+    GroupRecovered,
+    GroupRunning,
+    GroupStopped,
+    GroupSubmitted,
+    RegrowDecision,
+    Regrown,
+    RunStarted,
+)
 from sailor_hpc.controller.spec import RunSpec
 from sailor_hpc.controller.state import InconsistentJournal, RunDir, fold
 from sailor_hpc.controller.story import describe, group_rows
@@ -27,21 +38,21 @@ from tests.jobs.conftest import A100, cross_plan, two_lab_doc, two_lab_site
 
 def _geo_story(j: Journal) -> None:
     """The co-scheduler's records of test_cosched_clusters.py's first three groups, as geo_run journals them."""
-    j.append(Kind.RUN_STARTED, run_id="g1")
-    j.append(Kind.GROUP_SUBMITTED, group=1, jobs={"lab": "11", "lab2": "7"}, clusters=["lab", "lab2"], start_step=0,
-             plan_file="/run/plan.1.json")
-    j.append(Kind.CLUSTER_DROPPED, group=1, clusters=["lab2"], reason="pending")
-    j.append(Kind.GROUP_STOPPED, group=1, reason="pending", states={"lab": "CANCELLED", "lab2": "CANCELLED"})
-    j.append(Kind.GROUP_SUBMITTED, group=2, jobs={"lab": "12"}, clusters=["lab"], start_step=0,
-             plan_file="/run/plan.2.json")
-    j.append(Kind.GROUP_RUNNING, group=2)
-    j.append(Kind.GROUP_RECOVERED, group=2, trigger="dropped", recovery_s=3.5)
-    j.append(Kind.REGROW_DECISION, group=2, clusters=["lab2"], resize=True, gain=0.4, keep=10.0, move=7.0,
-             reason="gain 40.0% >= 10%")
-    j.append(Kind.REGROWN, group=2, clusters=["lab2"], step=6)
-    j.append(Kind.GROUP_STOPPED, group=2, reason="rejoin")
-    j.append(Kind.GROUP_SUBMITTED, group=3, jobs={"lab": "13", "lab2": "8"}, clusters=["lab", "lab2"], start_step=6,
-             plan_file="/run/plan.3.json")
+    j.append(RunStarted(run_id="g1"))
+    j.append(GroupSubmitted(group=1, jobs={"lab": "11", "lab2": "7"}, clusters=["lab", "lab2"], start_step=0,
+             plan_file="/run/plan.1.json"))
+    j.append(ClusterDropped(group=1, clusters=["lab2"], reason="pending"))
+    j.append(GroupStopped(group=1, reason="pending", states={"lab": "CANCELLED", "lab2": "CANCELLED"}))
+    j.append(GroupSubmitted(group=2, jobs={"lab": "12"}, clusters=["lab"], start_step=0,
+             plan_file="/run/plan.2.json"))
+    j.append(GroupRunning(group=2))
+    j.append(GroupRecovered(group=2, trigger="dropped", recovery_s=3.5))
+    j.append(RegrowDecision(group=2, clusters=["lab2"], resize=True, gain=0.4, keep=10.0, move=7.0,
+             reason="gain 40.0% >= 10%"))
+    j.append(Regrown(group=2, clusters=["lab2"], step=6))
+    j.append(GroupStopped(group=2, reason="rejoin"))
+    j.append(GroupSubmitted(group=3, jobs={"lab": "13", "lab2": "8"}, clusters=["lab", "lab2"], start_step=6,
+             plan_file="/run/plan.3.json"))
 
 
 def test_fold_tells_the_groups_and_the_clusters_that_left(tmp_path: Path):
@@ -54,8 +65,8 @@ def test_fold_tells_the_groups_and_the_clusters_that_left(tmp_path: Path):
     assert state.groups[1].running_t == 105.0
     assert state.left == {} and state.attempts == []  # lab2 left at t=102 and came back at t=108
 
-    j.append(Kind.CLUSTER_LOST, group=3, clusters=["lab2"], states={"lab2": "CANCELLED"})
-    j.append(Kind.GROUP_STOPPED, group=3, reason="cluster lost")
+    j.append(ClusterLost(group=3, clusters=["lab2"], states={"lab2": "CANCELLED"}))
+    j.append(GroupStopped(group=3, reason="cluster lost"))
     state = fold(read_journal(j.path))
     assert state.left == {"lab2": 111.0} and state.current_group is None
     assert group_rows(state)[-1] == (3, "lab 13, lab2 8", 6, "cluster lost")
@@ -74,7 +85,7 @@ def test_every_geo_record_has_a_story_line(tmp_path: Path):
 
 def test_a_record_of_an_unknown_group_is_refused(tmp_path: Path):
     j = Journal(tmp_path / "journal.jsonl")
-    j.append(Kind.GROUP_RUNNING, group=4)
+    j.append(GroupRunning(group=4))
     with pytest.raises(InconsistentJournal, match="group 4"):  # exit 2 naming the line, not a traceback
         fold(j.records, source=j.path, lines=j.lines)
 
@@ -115,6 +126,6 @@ def test_growing_back_must_pay_for_its_restart(tmp_path: Path, restart_cost_s: f
             for name, p in (("lab", lab), ("both", both))}
     keep, move = 320 / sims["lab"], (restart_cost_s if restart_cost_s is not None else 60.0) + 320 / sims["both"]
     rec = geo.journal.records[-1]
-    assert rec["kind"] == Kind.REGROW_DECISION and rec["clusters"] == ["lab2"]
-    assert rec["gain"] == pytest.approx(keep / move - 1) and grows == rec["resize"] == (keep / move - 1 >= 0.10)
+    assert isinstance(rec, RegrowDecision) and rec.clusters == ["lab2"]
+    assert rec.gain == pytest.approx(keep / move - 1) and grows == rec.resize == (keep / move - 1 >= 0.10)
     assert grows == (restart_cost_s == 0.0)

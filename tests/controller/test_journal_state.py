@@ -1,6 +1,7 @@
 """The journal (atomic appends, torn last line), the state folded from it, the run spec and directory."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -9,6 +10,27 @@ from pathlib import Path
 import pytest
 
 from sailor_hpc.controller.journal import Journal, read_journal
+from sailor_hpc.controller.records import (
+    Backoff,
+    CheckpointSeen,
+    ControllerStarted,
+    Failure,
+    FirstStep,
+    GrowCancelled,
+    GrowRunning,
+    GrowSubmitted,
+    InPlaceStep,
+    JobGone,
+    JobRunning,
+    JobStopped,
+    NodeLost,
+    PlanChosen,
+    RunStarted,
+    SignalSent,
+    SubmitIntent,
+    Submitted,
+    encode,
+)
 from sailor_hpc.controller.spec import RunSpec
 from sailor_hpc.controller.state import RunDir, fold, job_name
 from sailor_hpc.core.errors import SailorError
@@ -25,22 +47,22 @@ def spec(**kw) -> RunSpec:
 def test_appends_survive_a_torn_last_line(tmp_path: Path):
     path = tmp_path / "journal.jsonl"
     j = Journal(path, clock=lambda: 100.0)
-    j.append("run_started", run_id="r1")
-    j.append("plan", available={"a100": 1})
+    j.append(RunStarted(run_id="r1"))
+    j.append(PlanChosen(reason="start", available={"a100": 1}, gpus={"a100": 1}, throughput=1.0))
     with open(path, "a") as fh:  # a controller killed in the middle of a write
         fh.write('{"seq": 2, "t": 101.0, "kind": "submit_int')
-    assert [r["kind"] for r in read_journal(path)] == ["run_started", "plan"]  # readers skip the torn tail
+    assert [r.kind for r in read_journal(path)] == ["run_started", "plan"]  # readers skip the torn tail
     j2 = Journal(path, clock=lambda: 102.0)  # the next writer cuts it off and continues the sequence
     assert j2.repaired
-    j2.append("controller_started", resumed=True)
+    j2.append(ControllerStarted(resumed=True))
     recs = read_journal(path)
-    assert [(r["seq"], r["kind"]) for r in recs] == [(0, "run_started"), (1, "plan"), (2, "controller_started")]
+    assert [(r.seq, r.kind) for r in recs] == [(0, "run_started"), (1, "plan"), (2, "controller_started")]
     assert path.read_text().endswith("\n") and len(path.read_text().splitlines()) == 3
 
 
 def test_a_corrupted_record_names_the_file_and_line(tmp_path: Path):
     path = tmp_path / "journal.jsonl"
-    path.write_text('{"seq": 0, "t": 1, "kind": "run_started"}\nnot json\n{"seq": 2, "t": 1, "kind": "x"}\n')
+    path.write_text('{"seq": 0, "t": 1, "kind": "run_started", "run_id": "r1"}\nnot json\n{"seq": 2, "t": 1, "kind": "x"}\n')
     with pytest.raises(SailorError) as err:
         read_journal(path)
     assert err.value.file == str(path) and "line 2" in err.value.message
@@ -51,28 +73,29 @@ def test_concurrent_reader_never_sees_half_a_record(tmp_path: Path):
     path = tmp_path / "journal.jsonl"
     code = ("import sys; from sailor_hpc.controller.journal import Journal\n"
             "j = Journal(sys.argv[1])\n"
-            "for i in range(300): j.append('checkpoint', step=i, pad='x' * 5000)\n")
+            "from sailor_hpc.controller.records import CheckpointSeen\n"
+            "for i in range(300): j.append(CheckpointSeen(step=i, path='x' * 5000))\n")
     writer = subprocess.Popen([sys.executable, "-c", code, str(path)], cwd=REPO)
     counts = []
     while writer.poll() is None:
         recs = read_journal(path)
-        assert [r["step"] for r in recs] == list(range(len(recs)))
+        assert [r.step for r in recs] == list(range(len(recs)))
         counts.append(len(recs))
     assert writer.returncode == 0
     assert len(read_journal(path)) == 300 and any(0 < c < 300 for c in counts)
 
 
 def _story(j: Journal) -> None:
-    j.append("run_started", run_id="r1")
-    j.append("controller_started", resumed=False)
-    j.append("plan", available={"a100": 1, "v100": 8}, gpus={"a100": 1, "v100": 1})
-    j.append("submit_intent", attempt=1, job_name=job_name("r1", 1), plan_file="p1", script="s1", reason="start",
-             gpus={"a100": 1, "v100": 1}, throughput=26.0, cost_per_hour=1.5)
-    j.append("submitted", attempt=1, job_id="13", log="/logs/13.out")
-    j.append("job_running", attempt=1, job_id="13", nodes=["a100-1", "v100-1"])
-    j.append("first_step", attempt=1, job_id="13", step=1, loaded_step=0)
-    j.append("checkpoint", attempt=1, step=10, consumed_samples=640, path="/ckpt/step_00000010")
-    j.append("node_lost", attempt=1, job_id="13", nodes={"a100-1": "down"})
+    j.append(RunStarted(run_id="r1"))
+    j.append(ControllerStarted(resumed=False))
+    j.append(PlanChosen(reason="start", available={"a100": 1, "v100": 8}, gpus={"a100": 1, "v100": 1}, throughput=26.0))
+    j.append(SubmitIntent(attempt=1, job_name=job_name("r1", 1), plan_file="p1", script="s1", reason="start",
+             gpus={"a100": 1, "v100": 1}, throughput=26.0, cost_per_hour=1.5))
+    j.append(Submitted(attempt=1, job_id="13", log="/logs/13.out"))
+    j.append(JobRunning(attempt=1, job_id="13", nodes=["a100-1", "v100-1"]))
+    j.append(FirstStep(attempt=1, job_id="13", step=1, loaded_step=0))
+    j.append(CheckpointSeen(attempt=1, step=10, consumed_samples=640, path="/ckpt/step_00000010"))
+    j.append(NodeLost(attempt=1, job_id="13", nodes={"a100-1": "down"}))
 
 
 def test_fold_tells_where_the_run_stands(tmp_path: Path):
@@ -83,21 +106,21 @@ def test_fold_tells_where_the_run_stands(tmp_path: Path):
     cur = st.current
     assert cur is not None and cur.number == 1 and cur.job_id == "13" and cur.nodes == ["a100-1", "v100-1"]
     assert cur.lost_nodes == {"a100-1": "down"} and st.trigger == ("node_lost", 1008.0)
-    assert st.checkpoint["step"] == 10 and st.baseline == {"a100": 1, "v100": 8}
-    j.append("job_stopped", attempt=1, job_id="13", state="PENDING", reason="node_lost")
-    j.append("job_gone", attempt=1, job_id="13", state="CANCELLED")
+    assert st.checkpoint is not None and st.checkpoint.step == 10 and st.baseline == {"a100": 1, "v100": 8}
+    j.append(JobStopped(attempt=1, job_id="13", state="PENDING", reason="node_lost"))
+    j.append(JobGone(attempt=1, job_id="13", state="CANCELLED"))
     st = fold(read_journal(j.path))
     assert st.current is None and st.trigger == ("node_lost", 1008.0)  # the first change is what counts
-    j.append("submit_intent", attempt=2, job_name=job_name("r1", 2), plan_file="p2", script="s2", reason="node_lost",
-             trigger="node_lost", trigger_t=1008.0, gpus={"v100": 2}, throughput=13.8, cost_per_hour=1.0)
+    j.append(SubmitIntent(attempt=2, job_name=job_name("r1", 2), plan_file="p2", script="s2", reason="node_lost",
+             trigger="node_lost", trigger_t=1008.0, gpus={"v100": 2}, throughput=13.8, cost_per_hour=1.0))
     st = fold(read_journal(j.path))
     assert st.current.number == 2 and st.current.job_id is None  # the intent is known before sbatch answers
     assert st.trigger is None and st.restarts == 1
     # a job that fails before its first step counts; the next first step resets the count
-    j.append("submitted", attempt=2, job_id="15", log="/logs/15.out")
-    j.append("job_gone", attempt=2, job_id="15", state="FAILED")
-    j.append("failure", attempt=2, reason="failed (FAILED)")
-    j.append("backoff", seconds=30, until=5000.0)
+    j.append(Submitted(attempt=2, job_id="15", log="/logs/15.out"))
+    j.append(JobGone(attempt=2, job_id="15", state="FAILED"))
+    j.append(Failure(attempt=2, reason="failed (FAILED)"))
+    j.append(Backoff(seconds=30, until=5000.0))
     st = fold(read_journal(j.path))
     assert st.failures_in_a_row == 1 and st.backoff_until == 5000.0 and st.current is None
 
@@ -161,12 +184,12 @@ def test_restarts_that_advance_the_checkpoint_do_not_use_up_the_limit(tmp_path: 
     j = Journal(tmp_path / "journal.jsonl", clock=lambda: 1.0)
 
     def attempt(n: int, reason: str, checkpoint: int | None) -> None:
-        j.append("submit_intent", attempt=n, job_name=job_name("r1", n), plan_file=f"p{n}", script=f"s{n}",
-                 reason=reason, gpus={"v100": 2}, throughput=1.0, cost_per_hour=1.0)
-        j.append("submitted", attempt=n, job_id=str(10 + n), log="/l")
+        j.append(SubmitIntent(attempt=n, job_name=job_name("r1", n), plan_file=f"p{n}", script=f"s{n}",
+                 reason=reason, gpus={"v100": 2}, throughput=1.0, cost_per_hour=1.0))
+        j.append(Submitted(attempt=n, job_id=str(10 + n), log="/l"))
         if checkpoint is not None:
-            j.append("checkpoint", attempt=n, step=checkpoint, consumed_samples=checkpoint * 8, path=f"/ck/{checkpoint}")
-        j.append("job_gone", attempt=n, job_id=str(10 + n), state="COMPLETED")
+            j.append(CheckpointSeen(attempt=n, step=checkpoint, consumed_samples=checkpoint * 8, path=f"/ck/{checkpoint}"))
+        j.append(JobGone(attempt=n, job_id=str(10 + n), state="COMPLETED"))
 
     attempt(1, "start", 50)
     for n in range(2, 15):  # 13 time limits, each saved a newer checkpoint
@@ -179,7 +202,7 @@ def test_restarts_that_advance_the_checkpoint_do_not_use_up_the_limit(tmp_path: 
     st = fold(read_journal(j.path))
     assert st.restarts == 15 and st.restarts_without_progress == 2
     # a checkpoint noticed only after its job ended (saved on Slurm's SIGTERM) is still that job's progress
-    j.append("checkpoint", attempt=None, step=999, consumed_samples=1, path="/ck/999")
+    j.append(CheckpointSeen(attempt=None, step=999, consumed_samples=1, path="/ck/999"))
     assert fold(read_journal(j.path)).restarts_without_progress == 0
 
 
@@ -187,31 +210,31 @@ def test_fold_of_an_in_place_step_and_a_grown_job(tmp_path: Path):
     """What a resumed controller knows: the job re-planned in place (new plan, node handled, stop cleared),
     then a bigger job beside it that became the run's attempt only once the old one was gone."""
     j = Journal(tmp_path / "journal.jsonl", clock=lambda: 10.0)
-    j.append("submit_intent", attempt=1, job_name=job_name("r1", 1), plan_file="p1", script="s1", reason="start",
-             gpus={"a100": 2}, throughput=2.0, cost_per_hour=2.0)
-    j.append("submitted", attempt=1, job_id="7", log="l7")
-    j.append("node_lost", attempt=1, nodes={"a100-2": "draining"})
-    j.append("signal_sent", attempt=1, job_id="7", signal="USR1", reason="node draining")
-    j.append("in_place", attempt=1, job_id="7", step_index=1, plan_file="p1.step-1", gpus={"a100": 1},
-             nodes=["a100-1"], throughput=1.0, cost_per_hour=1.0, lost={"a100-2": "draining"}, t_step_end=9.0)
+    j.append(SubmitIntent(attempt=1, job_name=job_name("r1", 1), plan_file="p1", script="s1", reason="start",
+             gpus={"a100": 2}, throughput=2.0, cost_per_hour=2.0))
+    j.append(Submitted(attempt=1, job_id="7", log="l7"))
+    j.append(NodeLost(attempt=1, nodes={"a100-2": "draining"}))
+    j.append(SignalSent(attempt=1, job_id="7", signal="USR1", reason="node draining"))
+    j.append(InPlaceStep(attempt=1, job_id="7", step_index=1, plan_file="p1.step-1", gpus={"a100": 1},
+             nodes=["a100-1"], throughput=1.0, cost_per_hour=1.0, lost={"a100-2": "draining"}, t_step_end=9.0))
     mid = fold(j.records)
     att = mid.attempt(1)
     assert (att.plan_file, att.gpus, att.nodes, att.stop, att.lost_nodes) == ("p1.step-1", {"a100": 1}, ["a100-1"], None, {})
     assert att.released == {"a100-2": "draining"} and mid.trigger is None and mid.current is att
-    j.append("grow_submitted", attempt=1, next_attempt=2, job_id="8", job_name=job_name("r1", 2), log="l8",
-             plan_file="p2", script="s2", trigger_t=10.0, gpus={"a100": 2}, throughput=2.0, cost_per_hour=2.0)
-    j.append("grow_running", attempt=1, job_id="8", nodes=["a100-1", "a100-2"])
+    j.append(GrowSubmitted(attempt=1, next_attempt=2, job_id="8", job_name=job_name("r1", 2), log="l8",
+             plan_file="p2", script="s2", trigger_t=10.0, gpus={"a100": 2}, throughput=2.0, cost_per_hour=2.0))
+    j.append(GrowRunning(attempt=1, job_id="8", nodes=["a100-1", "a100-2"]))
     assert fold(j.records).attempt(1).waits_for_successor and len(fold(j.records).attempts) == 1
-    j.append("job_gone", attempt=1, job_id="7", state="CANCELLED")
-    j.append("submit_intent", attempt=2, job_name=job_name("r1", 2), plan_file="p2", script="s2", reason="idle_gpus",
-             handover_from=1, gpus={"a100": 2}, throughput=2.0, cost_per_hour=2.0)
-    j.append("submitted", attempt=2, job_id="8", log="l8", submitted_t=5.0)
-    j.append("job_running", attempt=2, job_id="8", since=6.0)
+    j.append(JobGone(attempt=1, job_id="7", state="CANCELLED"))
+    j.append(SubmitIntent(attempt=2, job_name=job_name("r1", 2), plan_file="p2", script="s2", reason="idle_gpus",
+             handover_from=1, gpus={"a100": 2}, throughput=2.0, cost_per_hour=2.0))
+    j.append(Submitted(attempt=2, job_id="8", log="l8", submitted_t=5.0))
+    j.append(JobRunning(attempt=2, job_id="8", since=6.0))
     end = fold(j.records)
     assert end.current is end.attempt(2) and end.attempt(2).handover_from == 1
     assert (end.attempt(2).submitted_t, end.attempt(2).running_t) == (5.0, 6.0)
     assert end.restarts == 0  # growing is a choice, not a restart
-    j.append("grow_cancelled", attempt=1, job_id="8", reason="x")  # (a cancelled successor is no longer awaited)
+    j.append(GrowCancelled(attempt=1, job_id="8", reason="x"))  # (a cancelled successor is no longer awaited)
     assert not fold(j.records).attempt(1).waits_for_successor
 
 
@@ -229,15 +252,15 @@ def test_an_inconsistent_journal_is_refused_naming_file_line_and_fix(tmp_path: P
     journal the controller wrote itself (today's records) replays."""
     rd = RunDir.create(tmp_path / "run", spec(site=str(REPO / "site_configs" / "local-lab.toml")))
     j = Journal(rd.journal_file, clock=lambda: 100.0)
-    j.append("run_started", run_id="r1")
-    j.append("submit_intent", attempt=1, job_name=job_name("r1", 1), plan_file="p", script="s", reason="start",
-             gpus={"v100": 1}, throughput=1.0, cost_per_hour=0.5)
-    j.append("submitted", attempt=1, job_id="7", log="/l")
-    j.append("node_lost", attempt=1, job_id="7", nodes={"v100-1": "draining"})
+    j.append(RunStarted(run_id="r1"))
+    j.append(SubmitIntent(attempt=1, job_name=job_name("r1", 1), plan_file="p", script="s", reason="start",
+             gpus={"v100": 1}, throughput=1.0, cost_per_hour=0.5))
+    j.append(Submitted(attempt=1, job_id="7", log="/l"))
+    j.append(NodeLost(attempt=1, job_id="7", nodes={"v100-1": "draining"}))
     assert rd.state().attempt(1).lost_nodes == {"v100-1": "draining"}  # today's journal replays
     with open(rd.journal_file, "a") as fh:
         fh.write("\n")  # a blank line: lines are counted in the file, not records
-        fh.write(json.dumps({"seq": 4, "t": 101.0, "kind": "submitted", "attempt": 2, "job_id": "8"}) + "\n")
+        fh.write(json.dumps({"seq": 4, "t": 101.0, "kind": "submitted", "attempt": 2, "job_id": "8", "log": "/l"}) + "\n")
     with pytest.raises(SailorError) as exc:
         rd.state()
     assert exc.value.file == str(rd.journal_file) and exc.value.field == "line 6" and "attempt 2" in str(exc.value)
@@ -246,3 +269,61 @@ def test_an_inconsistent_journal_is_refused_naming_file_line_and_fix(tmp_path: P
                               text=True, timeout=120)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
         assert f"{rd.journal_file}: line 6: " in proc.stderr and "fix: the journal was edited" in proc.stderr
+
+
+DATA = Path(__file__).parent / "data"
+#: journals the story tests (resize, in place, co-scheduled across clusters) wrote with the untyped records of
+#: commit 72435c8, and what that commit's fold and story made of them (tests/controller/data/README.md)
+OLD_JOURNALS = sorted(DATA.glob("*.jsonl"))
+
+
+@pytest.mark.parametrize("journal", OLD_JOURNALS, ids=[p.stem for p in OLD_JOURNALS])
+def test_a_journal_of_the_untyped_records_replays_to_the_same_state_and_story(journal: Path):
+    from sailor_hpc.controller.story import attempt_rows, change_rows, describe, group_rows
+    expected = json.loads(journal.with_suffix(".expected.json").read_text())
+    records = read_journal(journal)
+    st = fold(records, source=journal)
+    got = {
+        "story": [describe(r) for r in records],
+        "attempt_rows": [list(map(str, r)) for r in attempt_rows(st)],
+        "change_rows": [list(map(str, r)) for r in change_rows(st)],
+        "group_rows": [list(map(str, r)) for r in group_rows(st)],
+        "checkpoint_step": st.checkpoint.step if st.checkpoint else None,
+        "finished_step": st.finished.step if st.finished else None,
+        "gave_up": st.gave_up, "restarts": st.restarts, "run_id": st.run_id,
+        "controller_starts": st.controller_starts, "left": sorted(st.left),
+        "recoveries": [[r.trigger, r.in_place, r.recovery_s] for r in st.recoveries],
+    }
+    assert got == expected
+    # the codec writes each record back as the line it read, plus the fields that line left at their default
+    for line, rec in zip((ln for ln in journal.read_text().splitlines() if ln.strip()), records, strict=True):
+        written, again = json.loads(line), encode(rec)
+        defaults = {f.name: f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+                    for f in dataclasses.fields(rec)}
+        assert again == {**{k: defaults[k] for k in again.keys() - written.keys()}, **written}
+
+
+def _edited(tmp_path: Path, edit) -> tuple[Path, int]:
+    """The resize story's journal with its first ``submitted`` record edited."""
+    lines = (DATA / "resize.jsonl").read_text().splitlines()
+    i = next(i for i, ln in enumerate(lines) if json.loads(ln)["kind"] == "submitted")
+    lines[i] = json.dumps(edit(json.loads(lines[i])))
+    path = tmp_path / "journal.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path, i + 1
+
+
+@pytest.mark.parametrize("edit, says", [
+    (lambda r: {**{k: v for k, v in r.items() if k != "job_id"}, "jobid": r["job_id"]},
+     "unknown field(s) 'jobid'"),
+    (lambda r: {k: v for k, v in r.items() if k != "log"}, "has no field 'log'"),
+    (lambda r: {**r, "job_id": 13}, "field 'job_id' must be str, got 13"),
+    (lambda r: {**r, "kind": "submited"}, "unknown record kind 'submited'"),
+])
+def test_an_edited_journal_is_refused_naming_file_line_and_field(tmp_path: Path, edit, says: str):
+    path, line = _edited(tmp_path, edit)
+    for read in (read_journal, lambda p: RunDir(p.parent).state(), Journal):
+        with pytest.raises(SailorError) as err:
+            read(path)
+        assert err.value.file == str(path) and err.value.field == f"line {line}", err.value
+        assert says in err.value.message and err.value.fix, err.value

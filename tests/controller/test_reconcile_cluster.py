@@ -12,7 +12,7 @@ import pytest
 
 from sailor_hpc.controller import Controller, RunDir
 from sailor_hpc.controller.state import job_name
-from tests.controller.scenario import started_run
+from tests.controller.scenario import started_run, wire
 
 
 @pytest.fixture()
@@ -34,7 +34,7 @@ def test_resume_adopts_the_job_submitted_before_the_kill(slurm_cluster, run_dir:
         with run_dir.lock():
             ctl.begin()
             ctl.reconcile()
-        recs = run_dir.records()
+        recs = wire(run_dir.records())
         adopted = [r for r in recs if r["kind"] == "adopted"]
         assert [(r["attempt"], r["job_id"]) for r in adopted] == [(1, job)]
         assert adopted[0]["log"] == str(tmp_path / "job.out")
@@ -52,6 +52,6 @@ def test_an_intent_without_a_job_is_closed_not_adopted(slurm_cluster, run_dir: R
     with run_dir.lock():
         ctl.begin()
         ctl.reconcile()
-    gone = [r for r in run_dir.records() if r["kind"] == "job_gone"]
+    gone = [r for r in wire(run_dir.records()) if r["kind"] == "job_gone"]
     assert [(r["attempt"], r["state"]) for r in gone] == [(1, "NOT_SUBMITTED")]
     assert ctl.state.current is None  # the next loop round plans and submits attempt 2

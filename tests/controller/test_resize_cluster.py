@@ -214,7 +214,7 @@ def test_no_sample_lost_or_repeated(story):
     # the ranks' last lines never reached the log), and saved in the checkpoint the next job loaded
     missing = set(range(1, STEPS + 1)) - seen_steps
     for att, nxt in zip(state.attempts, state.attempts[1:]):
-        if att.stopped and att.stopped["reason"] == "node_lost":
+        if att.stopped and att.stopped.reason == "node_lost":
             logged = [e["step"] for e in step_events(Path(att.log)) if e["event"] == "step"]
             missing -= set(range(max(logged, default=0) + 1, (nxt.start_step or 0) + 1))
     assert not missing, sorted(missing)

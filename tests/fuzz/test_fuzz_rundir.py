@@ -11,7 +11,8 @@ from pathlib import Path
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from sailor_hpc.controller.journal import Journal, Kind, read_journal
+from sailor_hpc.controller.journal import Journal, read_journal
+from sailor_hpc.controller.records import ControllerStarted, NodeLost, PlanChosen, RunStarted, SubmitIntent, Submitted
 from sailor_hpc.controller.spec import RunSpec
 from sailor_hpc.controller.state import InconsistentJournal, RunDir, job_name
 from tests.data import LOCAL_LAB
@@ -27,12 +28,12 @@ def _template() -> dict[str, bytes]:
         rd = RunDir.create(Path(tmp) / "run", spec)
         clock = iter(range(100, 200))
         j = Journal(rd.journal_file, clock=lambda: float(next(clock)))
-        j.append(Kind.RUN_STARTED, run_id="feed01")
-        j.append(Kind.PLAN, reason="start", available={"a100": 1, "v100": 8}, gpus={"a100": 1}, throughput=26.4)
-        j.append(Kind.SUBMIT_INTENT, attempt=1, job_name=job_name("feed01", 1), plan_file="p", script="s",
-                 reason="start", gpus={"a100": 1}, throughput=26.4, cost_per_hour=1.5)
-        j.append(Kind.SUBMITTED, attempt=1, job_id="13", log="/l")
-        j.append(Kind.NODE_LOST, attempt=1, job_id="13", nodes={"a100-1": "down"})
+        j.append(RunStarted(run_id="feed01"))
+        j.append(PlanChosen(reason="start", available={"a100": 1, "v100": 8}, gpus={"a100": 1}, throughput=26.4))
+        j.append(SubmitIntent(attempt=1, job_name=job_name("feed01", 1), plan_file="p", script="s",
+                              reason="start", gpus={"a100": 1}, throughput=26.4, cost_per_hour=1.5))
+        j.append(Submitted(attempt=1, job_id="13", log="/l"))
+        j.append(NodeLost(attempt=1, job_id="13", nodes={"a100-1": "down"}))
         return {p.name: p.read_bytes() for p in (rd.spec_file, rd.journal_file)}
 
 
@@ -80,7 +81,7 @@ def test_journal_loads_or_names_the_file(data: bytes) -> None:
             # the writer keeps the complete lines and cuts only a torn last one: nothing half-written stays
             kept = rd.journal_file.read_bytes()
             assert kept == data[:data.rfind(b"\n") + 1] and journal.repaired == (kept != data)
-            journal.append(Kind.CONTROLLER_STARTED, resumed=True)
+            journal.append(ControllerStarted(resumed=True))
             assert read_journal(rd.journal_file)[:-1] == journal.records[:-1]
         if not opened:
             assert rd.journal_file.read_bytes() == data  # a refused journal is left as it was
