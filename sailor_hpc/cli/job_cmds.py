@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import getpass
+import hashlib
 import sys
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -13,14 +15,19 @@ from sailor_hpc.cli.output import echo_json, json_option, table
 from sailor_hpc.cli.run_cmds import status_cmd as run_status
 from sailor_hpc.cli.training_options import (
     DATA_HELP,
+    SKIP_PATH_CHECK,
     job_work,
     pop_training_args,
     skip_path_check_option,
     training_options,
 )
-from sailor_hpc.core.atomic import removed_on_error
+from sailor_hpc.core.atomic import atomic_write_text, removed_on_error
+from sailor_hpc.core.ds_config import ds_config, ds_config_text
+from sailor_hpc.core.errors import SailorError
+from sailor_hpc.core.plan import Plan
 from sailor_hpc.core.site import load_site
-from sailor_hpc.jobs.options import JobOptions, Limits
+from sailor_hpc.core.training import FLAGS
+from sailor_hpc.jobs.options import DryRun, JobOptions, Limits, Training, UserEntry, WholePlan, check_user_entry
 from sailor_hpc.jobs.render import (
     check_job_dir,
     placed_plan,
@@ -38,6 +45,7 @@ def _job_options(f: Any) -> Any:
     """Options shared by ``sbatch`` and ``submit`` (what the job script is rendered from)."""
     opts = [
         click.argument("plan_file", metavar="PLAN", type=_PATH),
+        click.argument("entry_args", metavar="[-- ENTRY_ARGS...]", nargs=-1, type=click.UNPROCESSED),
         click.option("--site", "site_file", type=_PATH, required=True, help="Site config TOML."),
         click.option("--model", default=None, help="Model (required for a Sailor plan_config)."),
         click.option("--data", default=None, help=DATA_HELP),
@@ -57,6 +65,11 @@ def _job_options(f: Any) -> Any:
         click.option("--runtime", type=click.Choice(["megatron_patch", "deepspeed"]), default="megatron_patch",
                      show_default=True, help="Who trains the plan: megatron_patch, or stock DeepSpeed "
                                              "(megatron_patch.ds_runtime; only plans its engine runs)."),
+        click.option("--entry", type=_PATH, default=None,
+                     help="With --runtime deepspeed: your own DeepSpeed script, started on every rank of the plan as "
+                          "`python SCRIPT --deepspeed_config DS_CONFIG ENTRY_ARGS...` with the plan's ds_config.json "
+                          "(written next to the job from the training options) and torch.distributed's variables; "
+                          "the script's own arguments go after --."),
         click.option("--python", default=sys.executable, show_default=True,
                      help="Interpreter on the compute nodes (default: this one, as `run` and `profile`)."),
         click.option("--signal-grace", type=int, default=None,
@@ -74,10 +87,35 @@ def _job_options(f: Any) -> Any:
 
 def _with_training_args(kw: dict[str, Any]) -> dict[str, Any]:
     """The command's arguments with the training options turned into launch arguments (before --train-arg's,
-    which may override them)."""
+    which may override them), or, for a user's --entry, kept as values for its ds_config.json."""
     out = dict(kw)
-    out["train_arg"] = (*pop_training_args(out), *kw["train_arg"])
+    out["train_values"] = {f.dest: out.get(f.dest) for f in FLAGS}
+    launch = pop_training_args(out)
+    out["train_arg"] = tuple(kw["train_arg"]) if kw["entry"] is not None else (*launch, *kw["train_arg"])
     return out
+
+
+def _entry_script(entry: Path, skip: bool, **beside: object) -> Path:
+    """A user's script, absolute (the job starts elsewhere) and checked to exist unless ``skip``; the options
+    that belong to sailor-hpc's runtimes are refused beside it (``beside``: option -> value given)."""
+    for option, value in beside.items():
+        if value:
+            raise SailorError(f"--{option.replace('_', '-')} is an option of sailor-hpc's runtimes; your script "
+                              "reads its own data and writes its own checkpoints", field=f"--{option.replace('_', '-')}",
+                              fix="pass it to your script after --, e.g. -- --data PREFIX")
+    script = entry.expanduser().absolute()
+    if not skip and not script.is_file():
+        raise SailorError("no script here", file=script, field="--entry",
+                          fix=f"check the path, or pass {SKIP_PATH_CHECK} if only the compute nodes see it")
+    return script
+
+
+def _ds_config_file(plan: Plan, train_values: dict[str, Any], steps: int, job_dir: Path, stem: str) -> tuple[Path, str]:
+    """Where the plan's ds_config.json goes and its text: in the job directory, named by its content (a queued
+    job's config is never replaced by a later render's); refused (engine, schedule, optimizer) here, before
+    anything is written."""
+    text = ds_config_text(ds_config(plan, train_values, steps))
+    return job_dir.absolute() / f"{stem}.{hashlib.sha256(text.encode()).hexdigest()[:12]}.ds_config.json", text
 
 
 def _job_dir(script: Path | None, option: str, workdir: str | None) -> Path:
@@ -95,33 +133,53 @@ def _render(plan_file: Path, site_file: Path, model: str | None, data: str | Non
             extra_sbatch: tuple[str, ...],
             train_arg: tuple[str, ...], python: str, signal_grace: int | None, workdir: str | None,
             log_dir: str | None, dry_run: bool, skip_path_check: bool, *, job_dir: Path,
-            runtime: str = "megatron_patch") -> tuple[str, Path]:
-    """Render the job; a placed copy of the plan (if one is needed) goes into ``job_dir`` (see
-    :func:`_job_dir`), never next to the input plan, which may be read-only shared data."""
+            runtime: str = "megatron_patch", entry: Path | None = None, entry_args: tuple[str, ...] = (),
+            train_values: dict[str, Any] | None = None) -> tuple[str, Path]:
+    """Render the job; a placed copy of the plan (if one is needed) and a user entry's ds_config.json go into
+    ``job_dir`` (see :func:`_job_dir`), never next to the input plan, which may be read-only shared data."""
 
     site = load_site(site_file)
-    if save is None and not dry_run:  # next to the plan, whatever -o says: a re-rendered job resumes from it
-        save = str(check_job_dir(plan_file.absolute().parent, "--save (default: next to the plan)")
-                   / f"{plan_file.stem}-ckpt")
-    job = job_work(data, save, load, steps, dry_run=dry_run, skip=skip_path_check, dry_run_option="--dry-run")
+    job: Training | DryRun | UserEntry
+    if entry is not None:
+        check_user_entry(runtime, train_arg, WholePlan())
+        script = _entry_script(entry, skip_path_check, data=data, save=save, load=load, dry_run=dry_run)
+    elif entry_args:
+        raise SailorError(f"arguments after PLAN ({' '.join(entry_args)}) are a user script's, given with --entry",
+                          field="--entry", fix="add --runtime deepspeed --entry SCRIPT, or pass runtime arguments "
+                                               "with --train-arg")
+    else:
+        if save is None and not dry_run:  # next to the plan, whatever -o says: a re-rendered job resumes from it
+            save = str(check_job_dir(plan_file.absolute().parent, "--save (default: next to the plan)")
+                       / f"{plan_file.stem}-ckpt")
+        job = job_work(data, save, load, steps, dry_run=dry_run, skip=skip_path_check, dry_run_option="--dry-run")
     work = check_job_dir(workdir, "--workdir") if workdir is not None else job_dir
     logs = check_job_dir(log_dir, "--log-dir") if log_dir is not None else work
     plan, plan_path = placed_plan(plan_file, site, model)
     copy = plan_path is None
     plan_path = plan_path or placed_plan_path(plan, job_dir, plan_file.stem)
-    options = JobOptions(plan_path=plan_path, work=job,
-                         steps=steps, model=model, runtime=runtime, train_args=train_arg, python=python,
-                         job_name=job_name, limits=Limits(time_limit, time_min, signal_grace),
-                         extra_sbatch=extra_sbatch, workdir=work, log_dir=logs)
-    # no script: no placed copy of the plan left behind for it either
-    with removed_on_error(plan_path):
+    config: tuple[Path, str] | None = None
+    if entry is not None:
+        config = _ds_config_file(plan, train_values or {}, steps, job_dir, plan_file.stem)
+        job = UserEntry(script, config[0], entry_args)
+    options = JobOptions(plan_path=plan_path, work=job, steps=steps, model=model, runtime=runtime,
+                         train_args=train_arg, python=python, job_name=job_name,
+                         limits=Limits(time_limit, time_min, signal_grace), extra_sbatch=extra_sbatch,
+                         workdir=work, log_dir=logs)
+    with ExitStack() as undo:  # no script: no placed copy of the plan, no config left behind for it either
+        undo.enter_context(removed_on_error(plan_path))
         if copy:
             plan.save(plan_path)
+        if config is not None:
+            undo.enter_context(removed_on_error(config[0]))
+            atomic_write_text(*config)
         text = render_job_script(plan, site, options)
         for d in (work, logs):  # Slurm creates neither
             d.mkdir(parents=True, exist_ok=True)
     if copy:
         click.echo(f"placed plan written to {plan_path} (the job reads it: keep it until the job has ended)", err=True)
+    if config is not None:
+        click.echo(f"DeepSpeed config written to {config[0]} (the job reads it: keep it until the job has ended)",
+                   err=True)
     return text, plan_path
 
 

@@ -107,11 +107,38 @@ def ds_config(plan: Plan, train: Mapping[str, Any], steps: int) -> dict[str, Any
     return config
 
 
+def ds_config_text(config: Mapping[str, Any]) -> str:
+    """The file's text: sorted keys, so one config is always the same bytes (jobs name it by its hash)."""
+    return json.dumps(config, indent=2, sort_keys=True) + "\n"
+
+
 def write_ds_config(path: Path, plan: Plan, train: Mapping[str, Any], steps: int) -> dict[str, Any]:
     """Write :func:`ds_config` atomically (nothing is written when the plan or options are refused)."""
     config = ds_config(plan, train, steps)
-    atomic_write_text(Path(path), json.dumps(config, indent=2, sort_keys=True) + "\n")
+    atomic_write_text(Path(path), ds_config_text(config))
     return config
 
 
-__all__ = ["ADAM_BETAS", "batch_fields", "ds_config", "scheduler", "write_ds_config"]
+def check_ds_config_file(path: Path, plan: Plan) -> None:
+    """Refuse a ds_config.json that does not belong to ``plan``: a job would start the user's script under the
+    plan's allocation, and DeepSpeed would refuse (batch) or silently train otherwise (ZeRO stage)."""
+    try:
+        config = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise SailorError(f"cannot read the DeepSpeed config: {exc.strerror}", file=path, field="ds_config",
+                          fix="write it with `sailor-hpc plan --runtime deepspeed --ds-config` or render again") from None
+    except ValueError as exc:
+        raise SailorError(f"not JSON: {exc}", file=path, field="ds_config", fix="write it again from the plan") from None
+    if not isinstance(config, dict):
+        raise SailorError("not a JSON object", file=path, field="ds_config", fix="write it again from the plan")
+    zero = config.get("zero_optimization")
+    got = {**{k: config.get(k) for k in batch_fields(plan)},
+           "zero_optimization.stage": zero.get("stage", 0) if isinstance(zero, dict) else 0}
+    want: dict[str, Any] = {**batch_fields(plan), "zero_optimization.stage": zero_stage_of(plan)}
+    for key, value in want.items():
+        if got.get(key) != value:
+            raise SailorError(f"{key} is {got.get(key)!r}, the plan's is {value!r}", file=path, field=key,
+                              fix="write the config from this plan (render again, or sailor-hpc plan --ds-config)")
+
+
+__all__ = ["ADAM_BETAS", "batch_fields", "check_ds_config_file", "ds_config", "ds_config_text", "scheduler", "write_ds_config"]

@@ -4,7 +4,8 @@ The CLI (``sbatch``, ``submit``, ``plan --sbatch``) and the controller (each att
 build a :class:`JobOptions`; :func:`sailor_hpc.jobs.render.render_job_script` lays it out. The modes of a
 job are nested values rather than flags that exclude each other:
 
-- ``work``: :class:`Training` (dataset, checkpoints) or :class:`DryRun` (every rank only prints its role);
+- ``work``: :class:`Training` (dataset, checkpoints), :class:`DryRun` (every rank only prints its role) or
+  :class:`UserEntry` (the user's own DeepSpeed script with the plan's ds_config.json);
 - ``scope``: :class:`WholePlan` (one job runs every rank), :class:`InPlace` (the controller's run
   directory: a loop of ``srun`` steps that re-plans on the surviving nodes) or :class:`ClusterPart`
   (one cluster's ranks of a plan across clusters, joined by a rendezvous file);
@@ -70,6 +71,27 @@ class DryRun:
 
 
 @dataclass(frozen=True)
+class UserEntry:
+    """The user's own DeepSpeed script, started on every rank as ``python SCRIPT --deepspeed_config DS_CONFIG
+    ARGS...`` (DeepSpeed's own convention: ``deepspeed.add_config_arguments`` parses it and
+    ``deepspeed.initialize(args=...)`` reads it) under the plan's allocation and the torch.distributed
+    environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT); ``SAILOR_PLAN`` and
+    ``SAILOR_DS_CONFIG`` name the plan and the config for a script that wants them. The script owns its data
+    and checkpoints: it is requeued only if it exits 75 after the limit signal (SIGUSR1), as the runtimes do."""
+
+    script: PathLike
+    ds_config: PathLike  # written from the plan (sailor_hpc.core.ds_config); checked against it when rendering
+    args: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "args", tuple(self.args))
+        safety.shell_path(self.script, "--entry")
+        safety.shell_path(self.ds_config, "ds_config")
+        for arg in self.args:
+            safety.no_control_chars(arg, "--entry arguments")
+
+
+@dataclass(frozen=True)
 class WholePlan:
     """One (het) job runs every rank of the plan."""
 
@@ -132,6 +154,20 @@ class Limits:
                               fix="checkpointing needs time before the limit, but less than all of it")
 
 
+def check_user_entry(runtime: str, train_args: tuple[str, ...], scope: WholePlan | InPlace | ClusterPart) -> None:
+    """What a :class:`UserEntry` job needs of the other options (callers check it before writing anything)."""
+    if runtime != "deepspeed":
+        raise SailorError("--entry starts your own DeepSpeed script with the plan's ds_config.json", field="--entry",
+                          fix="add --runtime deepspeed (only plans DeepSpeed's engine runs)")
+    if train_args:
+        raise SailorError("--train-arg and the training options are arguments of sailor-hpc's runtimes; with --entry "
+                          "the training options go into the ds_config.json", field="--train-arg",
+                          fix="pass your script's own arguments after --")
+    if isinstance(scope, InPlace):
+        raise SailorError("in-place steps re-plan and restart sailor-hpc's runtimes, not a user's script",
+                          field="scope", fix="render a user's entry point for the whole plan")
+
+
 @dataclass(frozen=True)
 class JobOptions:
     """Everything a training job script is rendered from besides the plan and the site.
@@ -147,7 +183,7 @@ class JobOptions:
     """
 
     plan_path: PathLike
-    work: Training | DryRun
+    work: Training | DryRun | UserEntry
     steps: int = DEFAULT_STEPS
     model: str | None = None
     runtime: str = "megatron_patch"
@@ -165,9 +201,9 @@ class JobOptions:
         # sequences given as lists are kept as tuples: the value stays immutable and comparable
         object.__setattr__(self, "train_args", tuple(self.train_args))
         object.__setattr__(self, "extra_sbatch", tuple(self.extra_sbatch))
-        if not isinstance(self.work, (Training, DryRun)):
-            raise SailorError(f"work must be Training(...) or DryRun(), got {self.work!r}", field="work",
-                              fix="pass --data and --save, or --dry-run")
+        if not isinstance(self.work, (Training, DryRun, UserEntry)):
+            raise SailorError(f"work must be Training(...), DryRun() or UserEntry(...), got {self.work!r}",
+                              field="work", fix="pass --data and --save, --dry-run, or --entry SCRIPT")
         if not isinstance(self.scope, (WholePlan, InPlace, ClusterPart)):
             raise SailorError(f"scope must be WholePlan(), InPlace(...) or ClusterPart(...), got {self.scope!r}",
                               field="scope", fix="choose one scope")
@@ -183,6 +219,8 @@ class JobOptions:
         if self.job_name is not None:
             safety.job_name(self.job_name)
         safety.shell_path(self.plan_path, "plan_path")
+        if isinstance(self.work, UserEntry):
+            check_user_entry(self.runtime, self.train_args, self.scope)
         if isinstance(self.scope, ClusterPart) and self.scope.rendezvous_file is not None and self.requeue:
             raise SailorError("one cluster's job requeued alone would wait for ranks that have left",
                               field="requeue", fix="render with requeue=False; the controller resubmits every "
@@ -198,4 +236,5 @@ class JobOptions:
 
 
 __all__ = ["ClusterPart", "DEFAULT_RENDEZVOUS_WAIT_S", "DEFAULT_STEPS", "DryRun", "InPlace", "JobOptions",
-           "LAUNCH_MODULES", "Limits", "PathLike", "Training", "WholePlan", "parse_time_limit"]
+           "LAUNCH_MODULES", "Limits", "PathLike", "Training", "UserEntry", "WholePlan", "check_user_entry",
+           "parse_time_limit"]

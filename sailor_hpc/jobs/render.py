@@ -3,8 +3,9 @@
 One ``#SBATCH`` component per partition the plan uses (het job; a plan on one partition renders an
 ordinary job), nodes / tasks / GPUs / CPUs from the plan's placement and the site, time, account,
 QOS and constraint from the site and the caller, the site's environment prelude, the rendezvous
-address from het group 0, and one ``srun`` step that starts ``megatron_patch.launch`` on every rank
-through :mod:`sailor_hpc.jobs.rank_env`. Every user-supplied value is validated or quoted here
+address from het group 0, and one ``srun`` step that starts the runtime (``megatron_patch.launch``, DeepSpeed's
+``megatron_patch.ds_runtime.launch``, or the user's own DeepSpeed script with the plan's ds_config.json) on
+every rank through :mod:`sailor_hpc.jobs.rank_env`. Every user-supplied value is validated or quoted here
 (:mod:`sailor_hpc.slurm.safety`); the template only lays values out.
 """
 from __future__ import annotations
@@ -25,6 +26,7 @@ from sailor_hpc import __version__
 from sailor_hpc.core.atomic import atomic_write_text
 from sailor_hpc.core.deepspeed_plan import check_engine_plan
 from sailor_hpc.core.dist_env import EXIT_SAVED_ON_SIGNAL
+from sailor_hpc.core.ds_config import check_ds_config_file
 from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.models import get_model
 from sailor_hpc.core.paths import writable_dir
@@ -42,6 +44,7 @@ from sailor_hpc.jobs.options import (
     InPlace,
     JobOptions,
     Training,
+    UserEntry,
     parse_time_limit,
 )
 from sailor_hpc.slurm import safety
@@ -248,6 +251,7 @@ def render_job_script(plan: Plan, site: Site, options: JobOptions) -> str:
         raise SailorError(f"the plan trains {plan.model}, not {o.model}", field="--model", fix="drop --model or fix it")
     work = o.work
     data, save, load = (work.data, work.save, work.load) if isinstance(work, Training) else (None, None, None)
+    entry = _entry_words(work, plan) if isinstance(work, UserEntry) else None
     layout = job_layout(plan, part.partitions)
     time_text, seconds = job_time(o.limits.time, site, layout)
     min_text = _time_min(o.limits.time_min, seconds)
@@ -281,7 +285,7 @@ def render_job_script(plan: Plan, site: Site, options: JobOptions) -> str:
         "save": safety.q(safety.shell_path(save, "--save")) if save is not None else "",
         "load": safety.q(safety.shell_path(load, "--load")) if load is not None else "",
         "steps": o.steps, "train_args": [safety.q(a) for a in o.train_args],
-        "launch_module": o.launch_module,
+        "launch_module": o.launch_module, "entry": entry,
         "python": safety.q(safety.quoted_python_exe(o.python or sys.executable)),
         "exit_saved_on_signal": EXIT_SAVED_ON_SIGNAL,
         "partitions": ",".join(part.partitions) if part.partitions else "", "hosts_rendezvous": part.hosts_rendezvous,
@@ -291,6 +295,24 @@ def render_job_script(plan: Plan, site: Site, options: JobOptions) -> str:
         if part.partitions and rendezvous_file is not None else "",
     }
     return _environment().get_template(sbatch_templates.TRAIN_TEMPLATE).render(**ctx)
+
+
+@dataclass(frozen=True)
+class EntryWords:
+    """The user's script, its config and its arguments, shell-quoted for the template."""
+
+    script: str
+    ds_config: str
+    args: tuple[str, ...]
+
+
+def _entry_words(entry: UserEntry, plan: Plan) -> EntryWords:
+    """A user's entry point: its ds_config.json must be the plan's (batch, ZeRO stage), read now, not by
+    DeepSpeed once the ranks hold the allocation."""
+    config = Path(safety.shell_path(entry.ds_config, "ds_config"))
+    check_ds_config_file(config, plan)
+    return EntryWords(safety.q(safety.shell_path(entry.script, "--entry")), safety.q(str(config)),
+                      tuple(safety.q(a) for a in entry.args))
 
 
 def _data_args(data: str | os.PathLike[str]) -> str:

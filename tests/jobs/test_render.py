@@ -18,7 +18,7 @@ from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.plan_io import load_plan
 from sailor_hpc.core.site import load_site, load_site_dict
 from sailor_hpc.core.toml_writer import dump_toml
-from sailor_hpc.jobs.options import ClusterPart, DryRun, JobOptions, Limits, Training
+from sailor_hpc.jobs.options import ClusterPart, DryRun, InPlace, JobOptions, Limits, Training, UserEntry
 from sailor_hpc.jobs.render import placed_plan_file, render_job_script
 from tests.conftest import slurm_missing
 from tests.jobs.conftest import LOCAL_LAB, job_options, write_plan
@@ -644,6 +644,11 @@ def test_checked_paths_go_into_the_job_absolute(tmp_path, monkeypatch):
     (lambda p: JobOptions(plan_path=p, work=DryRun(), scope=ClusterPart("c1", rendezvous_wait_s=0)),
      "rendezvous_wait_s"),
     (lambda p: JobOptions(plan_path=p, work="train"), "work"),  # type: ignore[arg-type]
+    (lambda p: JobOptions(plan_path=p, work=UserEntry("t.py", "c.json")), "--entry"),  # needs runtime deepspeed
+    (lambda p: JobOptions(plan_path=p, work=UserEntry("t.py", "c.json"), runtime="deepspeed", train_args=("--x",)),
+     "--train-arg"),
+    (lambda p: JobOptions(plan_path=p, work=UserEntry("t.py", "c.json"), runtime="deepspeed", scope=InPlace("run")),
+     "scope"),
 ])
 def test_job_options_refuse_a_bad_combination_on_construction(tmp_path, build, field):
     """Checked once, when the CLI or the controller builds the value: before any search or file write."""
