@@ -61,23 +61,28 @@ def balance(groups: Sequence[tuple[PipelineSpeed, int]], global_batch: int) -> t
     if not groups or sum(s.mbs * n for s, n in groups) > global_batch:
         return None
     lo = max(s.time(1) for s, _ in groups)  # every pipeline runs at least one micro-batch
-    if _capacity(groups, lo) < global_batch:
+    capacity = _Capacity(groups)
+    if capacity.counts(lo)[1] < global_batch:
         step = max(s.slope if s.slope > 0 else s.time(1) for s, _ in groups)
         hi = lo + step * global_batch
         # bracket around the deadline the pipelines' steady rates give, to bisect a narrow interval
         rate = sum(n * s.mbs / s.slope for s, n in groups if s.slope > 0)
         if rate > 0:
             guess = (global_batch + sum(n * s.mbs * s.time(1) / s.slope for s, n in groups if s.slope > 0)) / rate
-            if guess + 2 * step < hi and _capacity(groups, guess + 2 * step) >= global_batch:
+            if guess + 2 * step < hi and capacity.counts(guess + 2 * step)[1] >= global_batch:
                 hi = guess + 2 * step
-            if lo < guess - 2 * step and _capacity(groups, guess - 2 * step) < global_batch:
+            if lo < guess - 2 * step and capacity.counts(guess - 2 * step)[1] < global_batch:
                 lo = guess - 2 * step
+        steps_lo, steps_hi = capacity.counts(lo)[0], capacity.counts(hi)[0]
         for _ in range(200):
+            if steps_hi - steps_lo == 1:
+                break  # the shares are known: see _Capacity
             mid = 0.5 * (lo + hi)
-            if _capacity(groups, mid) >= global_batch:
-                hi = mid
+            steps, samples = capacity.counts(mid)
+            if samples >= global_batch:
+                hi, steps_hi = mid, steps
             else:
-                lo = mid
+                lo, steps_lo = mid, steps
             if hi - lo <= 1e-7 * hi:
                 break
         lo = hi
@@ -88,13 +93,40 @@ def balance(groups: Sequence[tuple[PipelineSpeed, int]], global_batch: int) -> t
     return flush, shares
 
 
-def _capacity(groups: Sequence[tuple[PipelineSpeed, int]], deadline: float) -> int:
-    return sum(s.fits(deadline) * s.mbs * n for s, n in groups)
+class _Capacity:
+    """Micro-batches each group's pipelines finish by a deadline (:meth:`PipelineSpeed.fits`, each
+    group's numbers unpacked once: the bisection asks a few dozen times per call, and the planner
+    balances thousands of allocations per search), and the samples they make.
+
+    Why the bisection may stop once the counts at ``hi`` exceed those at ``lo`` by one in all: each
+    group's count is a nondecreasing step function of the deadline (a bisection over the sorted table,
+    then the floor of a quotient by a positive slope), so a total rise of one is one group's single
+    step, at one deadline D in (lo, hi]. The bisection keeps the smallest deadline whose samples reach
+    the batch inside (lo, hi]; only D can be it, so every later ``hi`` lies in [D, hi], where every
+    group's count is the one at ``hi``: the shares it would end with (tests/planner/test_balance.py
+    checks them against an exhaustive reference)."""
+
+    __slots__ = ("groups",)
+
+    def __init__(self, groups: Sequence[tuple[PipelineSpeed, int]]) -> None:
+        self.groups = [(s.flush, len(s.flush), s.flush[-1], s.slope, s.mbs * n) for s, n in groups]
+
+    def counts(self, deadline: float) -> tuple[int, int]:
+        """The micro-batches of all groups by ``deadline`` (one pipeline of each), and the samples of all."""
+        steps = samples = 0
+        for flush, size, last, slope, per_micro_batch in self.groups:
+            n = bisect_right(flush, deadline)
+            if n == size and slope > 0:  # past the table: whole steady periods (PipelineSpeed.fits)
+                n += int((deadline - last) // slope)
+            steps += n
+            samples += n * per_micro_batch
+        return steps, samples
 
 
 def _trim(groups: Sequence[tuple[PipelineSpeed, int]], shares: list[Share], global_batch: int) -> bool:
     """Take surplus micro-batches from the pipelines that finish last until the samples are exact."""
-    excess = sum(sum(sh.counts()) * s.mbs for (s, _), sh in zip(groups, shares)) - global_batch
+    # sum(sh.counts()) without the list: high copies run m micro-batches, the others m - 1
+    excess = sum((sh.m * sh.copies - (sh.copies - sh.high)) * s.mbs for (s, _), sh in zip(groups, shares)) - global_batch
     while excess > 0:
         order = sorted(range(len(groups)), key=lambda j: (-groups[j][0].time(shares[j].m), j))
         for j in order:

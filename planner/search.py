@@ -36,6 +36,7 @@ from simulator.network import Endpoint
 Option = tuple[Template, int]  # a template and how many copies
 ESTIMATE_SLACK = 0.05  # an allocation's estimated time against the simulation of its plan (capped sync tails)
 Progress = Callable[[int, int], None]
+TailCache = dict[tuple, float]  # Tails' memo: sorted (template key, copies) pairs -> seconds
 
 
 @dataclass
@@ -134,11 +135,11 @@ def search(site: Site, archive: ProfileArchive, request: PlanRequest, *, setting
     settings = settings or SearchSettings()
     ev = StageEvaluator(archive, site, get_model(request.model), dtype=request.dtype,
                         options=SimOptions(runtime=request.runtime))
-    per_part, priced_out = _options_per_partition(ev, archive, request, settings)
+    tails = Tails(ev, request, copies=settings.tail_copies)
+    per_part, priced_out = _options_per_partition(ev, archive, request, settings, tails.cache)
     if not per_part:
         raise _no_partition(request, site, priced_out)
-    allocations, scored = _combine(per_part, request, site, Tails(ev, request, copies=settings.tail_copies),
-                                   progress, settings)
+    allocations, scored = _combine(per_part, request, site, tails, progress, settings)
     if request.time_goal is not None:
         allocations = start_now_first(allocations)
     best, simulated, rejected, fitting = _simulate_best(site, archive, request, allocations, settings)
@@ -202,15 +203,16 @@ def ranking(request: PlanRequest) -> Callable[[Candidate], tuple[float, float]]:
 
 
 def _options_per_partition(ev: StageEvaluator, archive: ProfileArchive, request: PlanRequest,
-                           settings: SearchSettings) -> tuple[list[list[Option]], bool]:
+                           settings: SearchSettings, tail_cache: TailCache | None = None) -> tuple[list[list[Option]], bool]:
     """Step 1: each partition's (template, copies) options, and whether the cost budget buys no GPU of
-    some partition (which then explains an empty result)."""
+    some partition (which then explains an empty result). ``tail_cache``: the sync tails the allocations'
+    :class:`Tails` will read (the ranking's one-template tails are among them)."""
     site = ev.site
     capacity = default_available(site)
     available = usable_gpus(site, request)
     for name in available:
         site.partition(name)  # unknown partition names are errors
-    solo = SoloTime(ev, request, settings)
+    solo = SoloTime(ev, request, settings, tail_cache)
     per_part: list[list[Option]] = []
     priced_out = False
     for part in site.partitions:
@@ -309,9 +311,10 @@ class SoloTime:
     """Seconds per sample of a template on ``gpus`` GPUs of its partition alone (the template ranking), with
     a quick sync-tail estimate (few copies, not crossing nodes: no cheap plan takes a whole partition)."""
 
-    def __init__(self, ev: StageEvaluator, request: PlanRequest, settings: SearchSettings) -> None:
+    def __init__(self, ev: StageEvaluator, request: PlanRequest, settings: SearchSettings,
+                 tail_cache: TailCache | None = None) -> None:
         self.gbs = request.global_batch_size
-        self.tails = Tails(ev, request, copies=settings.solo_tail_copies, cross_nodes=False)
+        self.tails = Tails(ev, request, copies=settings.solo_tail_copies, cross_nodes=False, cache=tail_cache)
 
     def __call__(self, t: Template, gpus: int, with_tail: bool = True) -> float:
         n = max(1, min(gpus // t.gpus, self.gbs // t.mbs))
@@ -332,11 +335,16 @@ class Tails:
     template, capped at ``copies``: exact for small allocations; larger ones reuse the capped ring (a ring
     all-reduce grows slowly with its size), as long as the capped copies still leave one node when the
     real ones do (a ring that crosses nodes runs at the inter-node bandwidth, often 10-50x below the
-    intra-node one). The plans finally returned are simulated whole."""
+    intra-node one). The plans finally returned are simulated whole.
 
-    def __init__(self, ev: StageEvaluator, request: PlanRequest, copies: int = 8, cross_nodes: bool = True) -> None:
+    ``cache`` may be shared by instances of one evaluator and request whatever their caps: a key names
+    the copies of each template its plan holds. A one-template key is a pure function of itself; a
+    key of several templates keeps the tail of the first order it was asked in, as within one instance."""
+
+    def __init__(self, ev: StageEvaluator, request: PlanRequest, copies: int = 8, cross_nodes: bool = True,
+                 cache: TailCache | None = None) -> None:
         self.ev, self.request, self.copies, self.cross_nodes = ev, request, copies, cross_nodes
-        self._cache: dict[tuple, float] = {}
+        self.cache: TailCache = {} if cache is None else cache
 
     def capped(self, t: Template, n: int) -> int:
         """Copies rounded down to a power of two and capped (few distinct small plans to simulate), but
@@ -350,7 +358,7 @@ class Tails:
 
     def __call__(self, options: tuple[Option, ...]) -> float:
         key = tuple(sorted((t.key, self.capped(t, n)) for t, n in options))
-        hit = self._cache.get(key)
+        hit = self.cache.get(key)
         if hit is None:
             pipes = []
             copies = dict(key)
@@ -363,14 +371,14 @@ class Tails:
                 placed = place_plan(plan, self.ev.site)
                 validate_plan(placed, self.ev.site, check_placement=True)
             except SailorError:  # its TP groups do not pack into the nodes a job may take: not a candidate
-                hit = self._cache[key] = math.inf
+                hit = self.cache[key] = math.inf
                 return hit
             costs = [[self.ev.stage(s.gpu_type, s.tp, p.micro_batch_size, s.first_layer, s.last_layer)
                       for s in p.stages] for p in placed.pipelines]
             ends = [[Endpoint.of(s) for s in p.stages] for p in placed.pipelines]
             timing = self.ev.iteration(costs, ends, [1] * len(costs))  # what simulate() computes, minus reports
             flush = max(float(sched.makespan.max()) for sched in timing.schedules)
-            hit = self._cache[key] = timing.time_s - flush
+            hit = self.cache[key] = timing.time_s - flush
         return hit
 
 

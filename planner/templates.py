@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
@@ -46,7 +47,8 @@ class Template:
             self._speed = PipelineSpeed(self.flush, self.slope, self.mbs)
         return self._speed
 
-    @property
+    # cached: the allocation search reads them for every allocation it scores (the fields never change)
+    @cached_property
     def gpus(self) -> int:
         return sum(t for _, _, t in self.stages)
 
@@ -54,7 +56,7 @@ class Template:
     def num_stages(self) -> int:
         return len(self.stages)
 
-    @property
+    @cached_property
     def key(self) -> tuple:
         return (self.partition, self.mbs, self.stages)
 
@@ -86,6 +88,7 @@ class TemplateBuilder:
         self.max_m = max_micro_batches
         self.capacity = ev.capacity(part.gpu_type)
         self._fits: dict[tuple, int] = {}
+        self._memory: dict[tuple[int, int], list[list[list[float]]]] = {}
 
     # -------------------------------------------------------------- per-stage numbers
     def _cost(self, mbs: int, tp: int, i: int, j: int):
@@ -101,16 +104,28 @@ class TemplateBuilder:
         key = (mbs, tp, i, k)
         hit = self._fits.get(key)
         if hit is None:
+            totals = self._totals(mbs, tp, k)[i]
             lo, hi = i - 1, self.L - 1  # invariant: lo fits (i - 1: the empty stage), everything > hi does not
             while lo < hi:
                 mid = (lo + hi + 1) // 2
-                cost = self._cost(mbs, tp, i, mid)
-                if self.ev.stage_memory(cost, stage=0, num_stages=k, micro_batches=k).total <= self.capacity:
+                if totals[mid] <= self.capacity:
                     lo = mid
                 else:
                     hi = mid - 1
             hit = self._fits[key] = lo
         return hit
+
+    def _totals(self, mbs: int, tp: int, k: int) -> list[list[float]]:
+        """Peak memory of every layer range at TP ``tp`` holding ``k`` micro-batches: one array pass of the
+        simulator's memory model per (mbs, tp) for every in-flight count up to ``max_stages`` at once,
+        instead of one call per range and count the bisections visit."""
+        hit = self._memory.get((mbs, tp))
+        if hit is None:
+            counts = range(1, self.max_stages + 1)
+            hit = self._memory[(mbs, tp)] = self.ev.first_stage_totals(self.part.gpu_type, tp, mbs, counts).tolist()
+        if k > len(hit):  # no pipeline of this builder holds more micro-batches than it has stages
+            return self.ev.first_stage_totals(self.part.gpu_type, tp, mbs, [k]).tolist()[0]
+        return hit[k - 1]
 
     def _boundary_endpoint(self) -> Endpoint | None:
         """Where the DP prices a stage boundary: nowhere when no pipeline of this builder has two stages;

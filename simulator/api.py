@@ -158,6 +158,8 @@ class StageEvaluator:
         self._memory: dict[tuple, StageMemory] = {}
         self._p2p: dict[tuple, tuple[float, float]] = {}  # (seconds, bytes of one rank's message)
         self._heads: dict[int, HeadShape] = {}
+        self._schedules: dict[tuple, ScheduleResult] = {}  # one pipeline's schedule: its per-stage numbers -> result
+        self._rings: dict[tuple, float] = {}
 
     # ------------------------------------------------------------------ stages
     def compute_table(self, gpu: str, mbs: int, tp: int) -> ComputeTable:
@@ -209,6 +211,25 @@ class StageEvaluator:
                                micro_batches=micro_batches, input_bytes=cost.in_bytes,
                                overhead=self.archive.overhead_bytes(cost.gpu, cost.tp),
                                freed_output_bytes=self.freed_output(cost.out_bytes, cost.tp))
+
+    def first_stage_totals(self, gpu: str, tp: int, mbs: int, in_flight_counts: Sequence[int]) -> np.ndarray:
+        """(K, L, L) table: ``[c, i, j]`` is :meth:`stage_memory`'s ``total`` of layers ``i..j`` at TP ``tp``
+        holding ``in_flight_counts[c]`` micro-batches (stage 0 of that many, as the planner's fit checks
+        ask), ``inf`` below the diagonal. One array pass of the same formulas instead of one call per layer
+        range and count: the planner bisects over ``j`` for every ``i`` and count (tests/simulator checks
+        it float for float against the per-stage path)."""
+        L = self.model.num_pipeline_layers
+        first, last = np.triu_indices(L)
+        gpu = self.compute_table(gpu, mbs, tp).gpu  # the name a StageCost carries (the overhead's key)
+        out = np.where(last < L - 1, self.tables.boundary_bytes(np.minimum(last, L - 2), mbs, tp, self.dtype), 0.0)
+        inp = np.where(first > 0, self.tables.boundary_bytes(np.maximum(first - 1, 0), mbs, tp, self.dtype), 0.0)
+        counts = np.asarray(in_flight_counts, dtype=np.int64)[:, None]  # broadcast against the layer ranges
+        mem = self._memory_of(tp, first, last, stage=0, num_stages=counts, mbs=mbs, micro_batches=counts,
+                              input_bytes=inp, overhead=self.archive.overhead_bytes(gpu, tp),
+                              freed_output_bytes=self.freed_output(out, tp))
+        totals = np.full((counts.size, L, L), np.inf)
+        totals[:, first, last] = np.broadcast_to(mem.total, (counts.size, first.size))
+        return totals
 
     def _memory_of(self, tp: int, first, last, **stage: Any) -> StageMemory:
         """:func:`simulator.memory.stage_memory` with this evaluator's model, dtype, optimizer and runtime."""
@@ -267,8 +288,13 @@ class StageEvaluator:
                    default=0.0)
 
     def allreduce(self, holders: Sequence[Endpoint], per_gpu_bytes: Sequence[float], elem_bytes: float) -> float:
-        buckets = [self.options.bucket_elems * elem_bytes] * len(holders)
-        return ring_allreduce_seconds(self.site, holders, per_gpu_bytes, buckets)
+        """Seconds of one ring all-reduce (cached: the planner's plans repeat each other's rings)."""
+        key = (tuple(holders), tuple(per_gpu_bytes), elem_bytes)
+        hit = self._rings.get(key)
+        if hit is None:
+            buckets = [self.options.bucket_elems * elem_bytes] * len(holders)
+            hit = self._rings[key] = ring_allreduce_seconds(self.site, holders, per_gpu_bytes, buckets)
+        return hit
 
     # ------------------------------------------------------------------ pipelines
     def exchanges(self, costs: Sequence[StageCost], ends: Sequence[Endpoint]) -> Exchanges:
@@ -365,7 +391,7 @@ class StageEvaluator:
         What :func:`simulate` computes for a plan, for callers that hold per-stage numbers instead.
         """
         scheds, transfers = [], []
-        same: dict[tuple, ScheduleResult] = {}  # plans repeat pipelines: schedule each distinct one once
+        same = self._schedules  # plans repeat pipelines (and the planner's plans each other's): schedule each once
         for c, e, m in zip(costs, ends, micro_batches):
             x = self.exchanges(c, e)
             transfers.append((x.act, x.grad))

@@ -41,6 +41,7 @@ engine (the independent check used by the tests, and the ``--timeline`` chart).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -127,11 +128,7 @@ def _exchange(yL, yR, oL, oR, iL, iR, a, g, va, vg, asy, serial: bool):
     receive ends when its bytes have arrived. ``serial`` is DeepSpeed's order (the activation is sent
     only after the gradient was received); otherwise both are posted at once (megatron's batched
     send/recv). Returns the new (yL, yR, oL, oR, iL, iR)."""
-    due = va | vg
-    if serial:
-        e = np.maximum(yL, yR) + a * va + g * vg
-    else:
-        e = np.maximum(yL, yR) + np.maximum(a * va, g * vg)
+    due, e = _blocking_end(yL, yR, a, g, va, vg, serial)
     g_arr = np.maximum(np.maximum(yR, oR), iL) + g
     rL = np.where(vg, np.maximum(yL, g_arr), yL)
     a_arr = np.maximum(np.maximum(rL if serial else yL, oL), iR) + a
@@ -147,6 +144,15 @@ def _exchange(yL, yR, oL, oR, iL, iR, a, g, va, vg, asy, serial: bool):
     iR_new = np.where(asy, np.where(va, a_arr, iR), np.where(got_a, np.maximum(iR, e), iR))
     return (pick(rL, yL), pick(rR, yR), pick(np.where(va, a_arr, oL), oL), pick(np.where(vg, g_arr, oR), oR),
             iL_new, iR_new)
+
+
+def _blocking_end(yL, yR, a, g, va, vg, serial: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Which boundaries exchange at this step, and when a blocking exchange there ends (both stages leave
+    it then): the later ready time plus the activation and gradient, one after the other when ``serial``."""
+    due = va | vg
+    if serial:
+        return due, np.maximum(yL, yR) + a * va + g * vg
+    return due, np.maximum(yL, yR) + np.maximum(a * va, g * vg)
 
 
 def pipeline_schedule(F, B, act, grad, m, asynchronous=None, serial: bool = True) -> ScheduleResult:
@@ -206,9 +212,10 @@ def _recurrence(F: np.ndarray, B: np.ndarray, act: np.ndarray, grad: np.ndarray,
                 if links:
                     ny[L], ny[R], nout[L], nout[R], ninn[L], ninn[R] = _exchange(
                         y[L], y[R], out[L], out[R], inn[L], inn[R], At[L], Gt[L], va, vg, St[L], serial)
-                else:
-                    ny[L], ny[R], *_ = _exchange(y[L], y[R], y[L], y[R], y[L], y[R], At[L], Gt[L], va, vg, False,
-                                                 serial)
+                else:  # every exchange blocks: both stages leave it at its end (_exchange without links)
+                    due, e = _blocking_end(y[L], y[R], At[L], Gt[L], va, vg, serial)
+                    ny[L] = np.where(due, np.maximum(y[L], e), y[L])
+                    ny[R] = np.where(due, np.maximum(y[R], e), y[R])
             _compute(ny, t, P, Ft, Bt, mc)
         prev2, prev1, x = prev1, x, new
         t += 1
@@ -222,19 +229,37 @@ def _recurrence(F: np.ndarray, B: np.ndarray, act: np.ndarray, grad: np.ndarray,
 
 def _due(t: int, P: int, j0: int, mc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Whether the activation / the gradient of each boundary j0, j0 + 2, ... is due at step t."""
-    js = np.arange(j0, P - 1, 2)
-    ka = ((t - js - 1) // 2)[:, None]
-    kg = ((t - 2 * P + js + 1) // 2)[:, None]
+    ka, kg = _boundary_micro_batches(t, P, j0)
     return (ka >= 0) & (ka < mc), (kg >= 0) & (kg < mc)
+
+
+@lru_cache(maxsize=4096)
+def _boundary_micro_batches(t: int, P: int, j0: int) -> tuple[np.ndarray, np.ndarray]:
+    """Columns of the micro-batch whose activation / gradient crosses boundary j0, j0 + 2, ... at step t
+    (the same for every batch of P stages: cached, read-only)."""
+    js = np.arange(j0, P - 1, 2)
+    return _frozen(((t - js - 1) // 2)[:, None]), _frozen(((t - 2 * P + js + 1) // 2)[:, None])
 
 
 def _compute(y: np.ndarray, t: int, P: int, Ft: np.ndarray, Bt: np.ndarray, mc: np.ndarray) -> None:
     """Add step t's forwards and backwards (of valid micro-batches) to the stage clocks ``y`` in place."""
     sf, sb = slice(t % 2, P, 2), slice(1 - t % 2, P, 2)
-    kf = (t - np.arange(t % 2, P, 2)) // 2  # micro-batch of each forward (valid if 0 <= k < m)
+    kf, kb = _stage_micro_batches(t, P)
+    y[sf] += Ft[sf] * ((kf >= 0) & (kf < mc))
+    y[sb] += Bt[sb] * ((kb >= 0) & (kb < mc))
+
+
+@lru_cache(maxsize=4096)
+def _stage_micro_batches(t: int, P: int) -> tuple[np.ndarray, np.ndarray]:
+    """Columns of the micro-batch of each forward / backward at step t (valid if 0 <= k < m; cached, read-only)."""
+    kf = (t - np.arange(t % 2, P, 2)) // 2
     kb = (t - 2 * P + np.arange(1 - t % 2, P, 2) + 1) // 2
-    y[sf] += Ft[sf] * ((kf[:, None] >= 0) & (kf[:, None] < mc))
-    y[sb] += Bt[sb] * ((kb[:, None] >= 0) & (kb[:, None] < mc))
+    return _frozen(kf[:, None]), _frozen(kb[:, None])
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    a.setflags(write=False)
+    return a
 
 
 def _retire(done: np.ndarray, finish: np.ndarray, idx: np.ndarray, clocks: np.ndarray, offset: np.ndarray,

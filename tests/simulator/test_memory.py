@@ -151,3 +151,33 @@ def test_one_stage_backward_working_set_is_the_many_stage_one() -> None:
             many = backward_working(mem, firsts, lasts, **kw)
             one = [backward_working(mem, int(f), int(la), **kw) for f, la in zip(firsts, lasts)]
             np.testing.assert_allclose(many, one, rtol=1e-12)
+
+
+@pytest.mark.parametrize(("options", "recompute"), [(SimOptions.megatron_patch(), False),
+                                                    (SimOptions.megatron_patch(), True),
+                                                    (SimOptions.deepspeed_pipe(), False),
+                                                    (SimOptions(runtime="deepspeed", zero_stage=3, zero_dp=4), False)],
+                         ids=["megatron_patch", "megatron_patch-recompute", "deepspeed-pipe", "deepspeed-zero3"])
+def test_first_stage_totals_are_stage_memory_for_every_layer_range(options: SimOptions, recompute: bool) -> None:
+    """The planner's fit checks read one array pass per (mbs, TP, in-flight count); every entry must be the
+    per-stage path's total exactly (a fit decision at the capacity's edge must not move)."""
+    from sailor_hpc.core.archive import open_archive
+    from sailor_hpc.core.site import load_site
+    from simulator import StageEvaluator
+    from tests.simulator.conftest import SITES
+    site = load_site(SITES / "a100-v100.toml")
+    archive = open_archive(site=site)
+    ev = StageEvaluator(archive, site, "OPT-350M", options=options, recompute=recompute)
+    L = ev.model.num_pipeline_layers
+    for gpu in ("A100-40", "V100-16"):
+        points = sorted(archive.compute_points("OPT-350M", gpu, "fp32"))
+        for mbs, tp in (points[0], points[-1]):  # the smallest and largest micro-batch, TP 1 and the widest
+            counts = (1, 2, 5)
+            tables = ev.first_stage_totals(gpu, tp, mbs, counts)
+            assert tables.shape == (len(counts), L, L)
+            for k, totals in zip(counts, tables):
+                for i in range(L):
+                    want = [float(ev.stage_memory(ev.stage(gpu, tp, mbs, i, j), stage=0, num_stages=k,
+                                                  micro_batches=k).total) for j in range(i, L)]
+                    assert totals[i, i:].tolist() == want, (gpu, mbs, tp, k, i)
+                    assert np.isinf(totals[i, :i]).all()
