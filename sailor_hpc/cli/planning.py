@@ -16,7 +16,7 @@ from planner.geo import gpus_per_cluster
 from planner.pareto import plot_pareto
 from planner.time_pareto import plot_time_pareto
 from sailor_hpc.cli.output import echo_json, memory_by_gpu_type_cell, table
-from sailor_hpc.cli.time_planning import TimeOptions, echo_time, refine, time_goal, time_json
+from sailor_hpc.cli.time_planning import TimeOptions, echo_time, refine, time_goal, time_json, timed_job
 from sailor_hpc.cli.training_options import job_work
 from sailor_hpc.core.archive import open_archive
 from sailor_hpc.core.atomic import removed_on_error
@@ -173,6 +173,8 @@ def run_planner(query: PlanSearch, out: PlanOutputs) -> None:
     if ds_config_out is not None:  # refused (schedule, optimizer) before any file is written
         write_ds_config(ds_config_out, best.plan, out.train_values, steps or DEFAULT_STEPS)
     if job is not None and sbatch_out is not None:
+        if goal is not None:
+            job = timed_job(job, result, best)
         plan_file = Path(job.plan_path)
         with removed_on_error(plan_file):  # no script: no plan file left behind for it either
             best.plan.save(plan_file)

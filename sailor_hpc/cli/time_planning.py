@@ -23,6 +23,7 @@ from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.models import get_model
 from sailor_hpc.core.site import Site
 from sailor_hpc.core.start_times import QueueSnapshot, shape_text
+from sailor_hpc.jobs.options import JobOptions
 from sailor_hpc.jobs.render import parse_time_limit
 from sailor_hpc.slurm.start_estimate import StartEstimator
 
@@ -139,6 +140,17 @@ def refine(site: Site, result: SearchResult, estimator: StartEstimator | None, t
     if not kept:
         raise time_infeasible(request, result.candidates)
     return replace(result, request=request, candidates=sorted(kept, key=ranking(request)))
+
+
+def timed_job(job: JobOptions, result: SearchResult, best: Candidate) -> JobOptions:
+    """The plan's job asks for the time limit its expected finish was computed with (and ``--time-min``):
+    with the default hour instead, its start, restarts and finish would not be the ones the plan shows."""
+    goal = result.request.time_goal
+    assert goal is not None
+    minutes = math.ceil(goal.plan_outlook(best.plan, best.result.iteration_time_s).job_time_s / 60)
+    least = None if goal.time_min_s is None else math.ceil(goal.time_min_s / 60)
+    time_min = str(least) if least is not None and least < minutes else None  # a shorter job needs no minimum
+    return replace(job, limits=replace(job.limits, time=str(minutes), time_min=time_min))
 
 
 def _hms(seconds: float) -> str:

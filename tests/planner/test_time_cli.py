@@ -47,3 +47,21 @@ def test_plan_time_json_and_refusals(tmp_path) -> None:
                          (("--steps", "10", "--deadline", "yesterday"), "--deadline")):
         code, out = plan(archive, *extra)
         assert code == 2 and field in out, out
+
+
+def test_the_sbatch_job_asks_for_the_limit_its_finish_was_computed_with(tmp_path) -> None:
+    """``plan --objective time --sbatch``: the job's --time is the first job's limit of the best plan's outlook
+    (whole minutes), not the default hour; --time-min goes with it while the job is longer than it."""
+    archive = write_tiny_archive(tmp_path / "tiny.h5")
+    job = ["--sbatch", str(tmp_path / "job.sbatch"), "-o", str(tmp_path / "plan.json"), "--data",
+           str(tmp_path / "data/tokens"), "--save", str(tmp_path / "ckpt"), "--skip-path-check", "--json"]
+    for extra, floor in ((("--steps", "400", "--time", "00:02:00", "--time-min", "00:01:00"), True),
+                         (("--steps", "3"), False)):
+        code, out = plan(archive, *extra, *job)
+        assert code == 0, out
+        want_min = math.ceil(json.loads(out)["time"][0]["job_time_s"] / 60)
+        lines = (tmp_path / "job.sbatch").read_text().splitlines()
+        assert f"#SBATCH --time=00:{want_min:02d}:00" in lines
+        assert ("#SBATCH --time-min=00:01:00" in lines) == (floor and want_min > 1)
+        # 400 steps outlast --time: each job asks for all of it; 3 steps ask for far less than the default hour
+        assert want_min == 2 if floor else want_min < 60
