@@ -32,6 +32,7 @@ from typing import Any
 
 import pytest
 
+from sailor_hpc.controller.journal import read_journal
 from sailor_hpc.controller.state import fold
 from sailor_hpc.core.checkpoint import latest_complete, read_manifest
 from tests.controller.scenario import (
@@ -192,7 +193,7 @@ def test_final_parameters_equal_the_uninterrupted_reference(story):
 def test_no_sample_lost_or_repeated(story):
     sc, records = story["sc"], story["records"]
     ref_losses = json.loads((story["root"] / "ref" / "losses.json").read_text())
-    state = fold(records)
+    state = fold(read_journal(sc.run_dir / "journal.jsonl"))  # typed: what a resumed controller folds
     seen_steps: set[int] = set()
     for att in state.attempts:
         intent = next(r for r in records if r["kind"] == "submit_intent" and r["attempt"] == att.number)
