@@ -40,7 +40,8 @@ test: $(VENV)/.installed-test
 	-bash tests/slurm/install.sh
 	$(PY) -m pytest -q --durations=20 tests
 
-# style and types (CI runs it before the tests): ruff everywhere, mypy on the login-node layers
+# style and types (CI runs it before the tests): ruff everywhere, mypy on every package (the runtime and
+# profiler included: torch's types come from the test install; megatron-core and DeepSpeed have none)
 lint: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy

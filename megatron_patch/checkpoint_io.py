@@ -14,9 +14,10 @@ import base64
 import io
 import pickle
 import sys
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -28,7 +29,47 @@ from megatron_patch.patch import megatron_version
 from sailor_hpc.core import checkpoint as ck
 
 if TYPE_CHECKING:
-    from megatron_patch.engine import Trainer
+    from megatron_patch.options import TrainOptions
+    from megatron_patch.precision import LossScaler
+    from sailor_hpc.core.models import ModelSpec
+    from sailor_hpc.core.plan import Plan
+    from sailor_hpc.core.roles import Role
+
+
+class OptimizerState(Protocol):
+    """Adam's state by Megatron name, full precision, this rank's shards."""
+
+    def state_of(self, name: str) -> dict[str, torch.Tensor]: ...
+
+    def adam_steps(self) -> int: ...
+
+    def load_state(self, name: str, param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                   steps: int) -> None: ...
+
+
+class Checkpointed(Protocol):
+    """What :func:`save` reads and :func:`load` sets: megatron_patch's ``Trainer`` and the DeepSpeed runtime's
+    ``DsTrainer`` alike, so a checkpoint moves between the two runtimes."""
+
+    step: int
+    consumed_samples: int
+    rank: int
+    world: int
+    role: Role
+    plan: Plan
+    spec: ModelSpec
+    opts: TrainOptions
+    device: torch.device
+    pgc: Any  # megatron's ProcessGroupCollection (untyped): its ``tp`` group
+    layout: list[ParamInfo]
+    infos: dict[str, ParamInfo]
+    params: OrderedDict[str, torch.nn.Parameter]
+
+    @property  # read-only: each runtime has its own optimizer and scaler types
+    def optimizer(self) -> OptimizerState: ...
+    @property
+    def scaler(self) -> LossScaler | None: ...
+
 
 FIELDS = ("param", "exp_avg", "exp_avg_sq")
 
@@ -79,7 +120,7 @@ def rng_from_json(text: str) -> None:
     torch.set_rng_state(torch.from_numpy(np.frombuffer(base64.b64decode(text), dtype=np.uint8).copy()))
 
 
-def save(trainer: Trainer, root: str, keep: int = 3) -> str:
+def save(trainer: Checkpointed, root: str, keep: int = 3) -> str:
     """Collective over all ranks of the plan: write a complete checkpoint of the trainer's state."""
     t = trainer
     rank, role = t.rank, t.role
@@ -222,7 +263,7 @@ class CheckpointReader:
         return {n: self.tensors(n) for n in self.names()}
 
 
-def _check_schedule(manifest: dict[str, Any], t: Trainer, path: object) -> None:
+def _check_schedule(manifest: dict[str, Any], t: Checkpointed, path: object) -> None:
     """Refuse to continue a run under another learning-rate schedule (a resume or resize must pass the
     same schedule options; a checkpoint without one was trained at a constant rate)."""
     saved = manifest.get("lr_schedule")
@@ -240,7 +281,7 @@ def _warn_skipped(skipped: ck.Skipped, using: str | None) -> None:
     print(f"warning: {skipped.line(using, 'loading')}", file=sys.stderr, flush=True)
 
 
-def load(trainer: Trainer, path: str, *, missing_ok: bool = False,
+def load(trainer: Checkpointed, path: str, *, missing_ok: bool = False,
          on_skip: Callable[[ck.Skipped, str | None], None] = _warn_skipped) -> str | None:
     """Collective: load a checkpoint written under any plan into this trainer's layout.
 

@@ -294,7 +294,7 @@ def build_samples(blend: DataBlend, seq_len: int, seed: int,
     per = [split_samples(p, seq_len, seed, split) for p in blend.prefixes]
     out: dict[str, Samples | None] = {}
     for name in SPLITS:
-        have = [(parts[name], f) for parts, f in zip(per, blend.fractions()) if parts[name] is not None and f > 0]
+        have = [(s, f) for parts, f in zip(per, blend.fractions()) if (s := parts[name]) is not None and f > 0]
         if not have:
             out[name] = None
         elif len(have) == 1 and len(blend.prefixes) == 1:
@@ -303,6 +303,15 @@ def build_samples(blend: DataBlend, seq_len: int, seed: int,
             out[name] = BlendedSamples([s for s, _ in have], [f for _, f in have])
     return out
 
+
+
+def train_split(data: dict[str, Samples | None], split: str) -> Samples:
+    """The train samples of :func:`build_samples`' result; an error naming ``--split`` when it has none."""
+    train = data["train"]
+    if train is None:
+        raise SailorError(f"--split {split} leaves no document of the data for training", field="--split",
+                          fix="give the train split (the first weight) a share large enough for one document")
+    return train
 
 def read_documents(files: Iterable[str | Path], json_key: str = "text") -> Iterable[str]:
     """Documents of raw text files: a ``.jsonl`` file holds one per line (its ``json_key`` field, as

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from megatron_patch.grad_sync import Bucket, Piece
 from megatron_patch.groups import group
 from megatron_patch.layout import ParamInfo, chunk_views
-from megatron_patch.main_grad import attach_main_grads
+from megatron_patch.main_grad import attach_main_grads, main_grad_of
 
 
 @dataclass
@@ -96,16 +96,17 @@ class GradBuckets:
                 offset += p.numel
             assert offset == b.numel, "a member lacks a slot of its bucket"  # grad_sync.rank_sets' invariant
             self.order.append(local)
-            first = {}
+            first: dict[tuple[str, int], int] = {}  # (parameter, chunk) -> its first holder in the bucket
             for p in b.pieces:
                 first.setdefault((p.name, p.chunk), p.rank)
             self.owned += [p for p in own if first[(p.name, p.chunk)] == self.rank]
         self._handles = attach_main_grads(params, views=in_bucket, on_accumulated=self._accumulated)
         self.slots: dict[str, _Slot] = {}
         for name, param in params.items():
-            if getattr(param, "main_grad", None) is None:
+            buf = main_grad_of(param)
+            if buf is None:
                 raise ValueError(f"{name}: a frozen parameter cannot take part in the gradient sync")
-            self.slots[name] = _Slot(param.main_grad)  # the contract: fp32, param's shape, synced after finish()
+            self.slots[name] = _Slot(buf)  # the contract: fp32, param's shape, synced after finish()
         for local in self.order:
             names = {p.name for p, _ in local.pieces}
             for n in names:

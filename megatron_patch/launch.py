@@ -28,7 +28,7 @@ import os
 import signal
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megatron_patch.mcore_import import quiet_fallback_notices
 from megatron_patch.memory import peak_rss
@@ -42,8 +42,8 @@ from megatron_patch.options import (
     add_precision_args,
     check_layer_spec,
     check_train_args,
-    precision_from_args,
     schedule_from_args,
+    with_precision_from_args,
 )
 from sailor_hpc.core.checkpoint import Skipped
 from sailor_hpc.core.dist_env import EXIT_BAD_INPUT, EXIT_DONE, EXIT_SAVED_ON_SIGNAL, DistEnv, read_env
@@ -53,6 +53,9 @@ from sailor_hpc.core.plan import Plan
 from sailor_hpc.core.plan_io import load_plan
 from sailor_hpc.core.roles import Role, role_of
 from sailor_hpc.core.training import DATA_FLAGS, LOG_FLAGS, DataBlend, eval_due, parse_split
+
+if TYPE_CHECKING:  # torch: imported where a rank trains, never for --dry-run
+    from megatron_patch.data import Samples
 
 _STOP: list[int] = []  # signals received (set by the handler, read at step boundaries)
 
@@ -138,12 +141,12 @@ def memory_record(device: Any) -> dict[str, int]:
     return out
 
 
-def checked_data(args: argparse.Namespace, plan: Plan, rank: int) -> dict[str, Any]:
-    """Collective: train/valid/test samples of ``--data``, after rank 0 checked every token id against the
+def checked_data(args: argparse.Namespace, plan: Plan, rank: int) -> tuple[Samples, Samples | None]:
+    """Collective: train and valid samples of ``--data``, after rank 0 checked every token id against the
     model's vocabulary (one pass over the corpus, not one per rank); all ranks raise its error alike."""
     import torch.distributed as dist
 
-    from megatron_patch.data import build_samples, check_vocab
+    from megatron_patch.data import build_samples, check_vocab, train_split
     blend = DataBlend.parse(args.data)
     spec = plan.model_spec
     verdict: list[Any] = [None]
@@ -160,7 +163,7 @@ def checked_data(args: argparse.Namespace, plan: Plan, rank: int) -> dict[str, A
     if args.eval_interval and data["valid"] is None:  # found now, not at the first evaluation
         raise SailorError(f"--split {args.split} leaves no document of the data for validation", field="--split",
                           fix="give the valid split more weight, or drop --eval-interval")
-    return data
+    return train_split(data, args.split), data["valid"]
 
 
 def train(args: argparse.Namespace, plan: Plan, env: DistEnv, role: Role) -> int:
@@ -191,12 +194,12 @@ def train(args: argparse.Namespace, plan: Plan, env: DistEnv, role: Role) -> int
                             device_id=device if cuda else None)  # NCCL: communicators built eagerly
     base = {"rank": role.rank, "pipeline": role.pipeline, "stage": role.stage, "tp_rank": role.tp_rank}
     emit({"event": "start", **role_record(role, env), "device": str(device), "plan_gpus": plan.num_gpus})
-    data = checked_data(args, plan, env.rank)
+    train_data, valid_data = checked_data(args, plan, env.rank)
     opts = TrainOptions(adam=adam_from_args(args), seed=args.seed, weighting=args.grad_weighting,
                         layer_spec=args.layer_spec, grad_bucket_mb=args.grad_bucket_mb,
-                        schedule=schedule_from_args(args, plan.global_batch_size, args.steps),
-                        **precision_from_args(args))
-    trainer = Trainer(plan, data["train"], opts, device, valid=data["valid"])
+                        schedule=schedule_from_args(args, plan.global_batch_size, args.steps))
+    opts = with_precision_from_args(opts, args)
+    trainer = Trainer(plan, train_data, opts, device, valid=valid_data)
     metrics = args.metrics_file or (os.path.join(args.save, "metrics.jsonl") if args.save else None)
     log = RunLog(env.rank == 0, steps=args.steps, tokens_per_step=plan.global_batch_size * trainer.seq_len,
                  log_interval=args.log_interval, metrics_file=metrics, tensorboard_dir=args.tensorboard_dir,
@@ -204,7 +207,7 @@ def train(args: argparse.Namespace, plan: Plan, env: DistEnv, role: Role) -> int
     emit({"event": "ready", **base, "megatron_core": patch.megatron_version(), "patches": trainer.patches,
           "params": sum(p.numel() for p in trainer.params.values()), "sync_groups": trainer.sync.num_groups,
           "sync_buckets": len(trainer.sync.order), "tf32": trainer.tf32,
-          "valid_samples": data["valid"] is not None})
+          "valid_samples": valid_data is not None})
     if args.wait_for:
         _wait_for(args.wait_for, base)
     resume = args.load is None and args.auto_resume and bool(args.save)

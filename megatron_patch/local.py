@@ -43,8 +43,14 @@ class RankResult:
     stderr: str
 
 
+class RankProcess(subprocess.Popen[str]):
+    """A rank's process, with the files its stdout and stderr go to (:func:`wait` reads them)."""
+
+    outputs: tuple[IO[str], IO[str]]
+
+
 def start(argv: list[str], world: int, extra_env: dict[str, str] | None = None,
-          logs: Path | None = None) -> list[subprocess.Popen]:
+          logs: Path | None = None) -> list[RankProcess]:
     """Start ``python argv...`` as ranks 0..world-1 (returns the processes, not waiting).
 
     Output goes to files (a full pipe would block a rank inside a collective): ``logs/rank{r}.out``
@@ -58,9 +64,9 @@ def start(argv: list[str], world: int, extra_env: dict[str, str] | None = None,
             out, err = open(logs / f"rank{r}.out", "w+"), open(logs / f"rank{r}.err", "w+")
         else:
             out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-        p = subprocess.Popen([sys.executable, *argv], env=rank_env(r, world, port, extra_env), cwd=REPO,
-                             stdin=subprocess.DEVNULL, stdout=out, stderr=err, text=True)
-        p.outputs = (out, err)  # type: ignore[attr-defined]
+        p = RankProcess([sys.executable, *argv], env=rank_env(r, world, port, extra_env), cwd=REPO,
+                        stdin=subprocess.DEVNULL, stdout=out, stderr=err, text=True)
+        p.outputs = (out, err)
         procs.append(p)
     return procs
 
@@ -82,7 +88,7 @@ class LaunchTimeout(RuntimeError):
         self.results = results
 
 
-def wait(procs: list[subprocess.Popen], timeout: float = 600, grace: float = 20) -> list[RankResult]:
+def wait(procs: list[RankProcess], timeout: float = 600, grace: float = 20) -> list[RankResult]:
     """Wait for every rank; raise :class:`LaunchTimeout` (after killing them) past ``timeout``.
 
     As torchrun does, once a rank failed (non-zero exit) the others get ``grace`` seconds to finish
@@ -102,7 +108,7 @@ def wait(procs: list[subprocess.Popen], timeout: float = 600, grace: float = 20)
                     p.wait()
             break
         time.sleep(0.05)
-    results = [RankResult(r, p.returncode, _read(p.outputs[0]), _read(p.outputs[1]))  # type: ignore[attr-defined]
+    results = [RankResult(r, p.returncode, _read(p.outputs[0]), _read(p.outputs[1]))
                for r, p in enumerate(procs)]
     if timed_out:
         raise LaunchTimeout(timeout, results)

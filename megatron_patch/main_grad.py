@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["attach_main_grads", "zero_main_grads"]
+__all__ = ["attach_main_grads", "main_grad_of", "zero_main_grads"]
 
 
 def attach_main_grads(params: Mapping[str, torch.nn.Parameter], views: Mapping[str, torch.Tensor] | None = None,
@@ -37,14 +37,16 @@ def attach_main_grads(params: Mapping[str, torch.nn.Parameter], views: Mapping[s
             buf = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
         elif buf.dtype != torch.float32 or buf.shape != p.shape:
             raise ValueError(f"{name}: main_grad view must be fp32 of shape {tuple(p.shape)}")
-        p.main_grad = buf
+        _set_main_grad(p, buf)
         handles.append(p.register_post_accumulate_grad_hook(_accumulator(name, on_accumulated)))
     return handles
 
 
 def _accumulator(name: str, on_accumulated: Callable[[str], None] | None) -> Callable[[torch.Tensor], None]:
     def hook(p: torch.Tensor) -> None:
-        p.main_grad.add_(p.grad)  # upcast inside add_: no fp32 copy of the gradient
+        buf = main_grad_of(p)
+        assert buf is not None and p.grad is not None, "the hook runs only on parameters attach_main_grads set up"
+        buf.add_(p.grad)  # upcast inside add_: no fp32 copy of the gradient
         p.grad = None
         if on_accumulated is not None:
             on_accumulated(name)
@@ -55,5 +57,17 @@ def zero_main_grads(params: Mapping[str, torch.nn.Parameter]) -> None:
     """Start the next step's accumulation (buffers are kept, as Megatron's grad buffers)."""
     for p in params.values():
         p.grad = None
-        if getattr(p, "main_grad", None) is not None:
-            p.main_grad.zero_()
+        buf = main_grad_of(p)
+        if buf is not None:
+            buf.zero_()
+
+
+def main_grad_of(p: torch.Tensor) -> torch.Tensor | None:
+    """``p.main_grad`` (None where :func:`attach_main_grads` gave it none). An accessor because torch's
+    ``Tensor`` type does not declare the attribute that Megatron's convention adds to parameters."""
+    buf = getattr(p, "main_grad", None)
+    return buf if isinstance(buf, torch.Tensor) else None
+
+
+def _set_main_grad(p: torch.Tensor, buf: torch.Tensor) -> None:
+    p.main_grad = buf  # type: ignore[attr-defined]  # Megatron's attribute, unknown to torch's type

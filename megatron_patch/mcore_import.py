@@ -58,8 +58,8 @@ def import_megatron() -> None:
     quiet_fallback_notices()
     import torch
     real = torch.compile
-    torch.compile = deferred_compile(real)  # type: ignore[assignment]
+    torch.compile = deferred_compile(real)
     try:
         import megatron.core  # noqa: F401
     finally:
-        torch.compile = real  # type: ignore[assignment]
+        torch.compile = real

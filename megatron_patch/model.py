@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,7 +114,18 @@ class StageContext:
     device: torch.device
 
 
-class EmbeddingLayer(torch.nn.Module):
+class PipelineLayer(torch.nn.Module):
+    """One pipeline layer of a stage: its index in the plan's layer numbering and its megatron name prefix."""
+
+    index: int
+    prefix: str
+
+    def local_params(self) -> dict[str, torch.nn.Parameter]:
+        """This layer's parameters by their names under ``prefix`` (megatron's GPTModel names)."""
+        raise NotImplementedError
+
+
+class EmbeddingLayer(PipelineLayer):
     """Pipeline layer 0: word (+ learned position) embeddings -> hidden states [s, b, h]."""
 
     def __init__(self, ctx: StageContext) -> None:
@@ -132,7 +144,7 @@ class EmbeddingLayer(torch.nn.Module):
         return self.embedding(input_ids=tokens, position_ids=position_ids)
 
 
-class BlockLayer(torch.nn.Module):
+class BlockLayer(PipelineLayer):
     """Pipeline layer b (1..T): megatron's TransformerLayer with global layer number b."""
 
     def __init__(self, ctx: StageContext, index: int, layer_spec: Any, recompute: bool) -> None:
@@ -155,7 +167,7 @@ class BlockLayer(torch.nn.Module):
         return self._run(h, mask, rotary)
 
 
-class FinalNormLayer(torch.nn.Module):
+class FinalNormLayer(PipelineLayer):
     """The final norm (megatron's ``decoder.final_layernorm``)."""
 
     def __init__(self, ctx: StageContext) -> None:
@@ -177,8 +189,10 @@ class FinalNormLayer(torch.nn.Module):
         return self.norm(h)
 
 
-class OutputLayer(torch.nn.Module):
+class OutputLayer(PipelineLayer):
     """LM head + loss: vocab-parallel logits, padded vocabulary masked (P6), per-token loss [b, s]."""
+
+    pad_mask: torch.Tensor  # a buffer: follows the module's device
 
     def __init__(self, ctx: StageContext, shares_embedding: bool) -> None:
         super().__init__()
@@ -218,7 +232,7 @@ class StageModule(torch.nn.Module):
         self.model_type = ModelType.encoder_or_decoder
         self.first_layer, self.last_layer = first, last
         self.input_tensor: torch.Tensor | None = None
-        layers: list[torch.nn.Module] = []
+        layers: list[PipelineLayer] = []
         block_spec = layer_spec(spec) if first <= spec.num_layers and last >= 1 else None
         for i in range(first, last + 1):
             if i == 0:
@@ -229,7 +243,8 @@ class StageModule(torch.nn.Module):
                 layers.append(FinalNormLayer(ctx))
             if i == head_layer(spec):
                 layers.append(OutputLayer(ctx, shares_embedding=spec.tied_embeddings and first == 0))
-        self.layers = torch.nn.ModuleList(layers)
+        self.layers = torch.nn.ModuleList(layers)  # registers them (parameters, .to, state_dict)
+        self.pipeline_layers: tuple[PipelineLayer, ...] = tuple(layers)  # the same modules, typed
         self.rotary = None
         if ctx.arch.position == "rope" and any(isinstance(m, BlockLayer) for m in layers):
             from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
@@ -250,28 +265,47 @@ class StageModule(torch.nn.Module):
 
     def forward(self, tokens: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states [s, b, h] to the next stage, or the per-token loss [b, s] on the last stage."""
-        h = self.input_tensor
+        return self.run_layers(self.pipeline_layers, self.input_tensor, tokens, labels)
+
+    def run_layers(self, layers: Sequence[PipelineLayer], h: torch.Tensor | None, tokens: torch.Tensor | None,
+                   labels: torch.Tensor | None) -> torch.Tensor:
+        """``layers`` (this stage's, in order) on input ``h``: the forward, and the profiler's one layer at a time."""
         rotary = None
-        for layer in self.layers:
+        for layer in layers:
             if isinstance(layer, EmbeddingLayer):
+                if tokens is None:
+                    raise ValueError("the stage holding the embedding needs tokens")
                 pos = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
                 h = layer(tokens, pos)
-            elif isinstance(layer, BlockLayer):
+                continue
+            if h is None:
+                raise ValueError(f"pipeline layer {layer.index} needs an input: set_input_tensor() first")
+            if isinstance(layer, BlockLayer):
                 if self.rotary is not None and rotary is None:
                     rotary = self.rotary(h.shape[0])
                 h = layer(h, self._causal_mask(h.shape[0]), rotary)
             elif isinstance(layer, FinalNormLayer):
                 h = layer(h)
-            else:
-                weight = self.layers[0].embedding.word_embeddings.weight if layer.linear.weight is None else None
-                h = layer(h, labels, weight)
+            elif isinstance(layer, OutputLayer):
+                if labels is None:
+                    raise ValueError("the stage holding the LM head needs labels")
+                h = layer(h, labels, self._tied_weight() if layer.linear.weight is None else None)
+        if h is None:
+            raise ValueError("a stage without layers has no output")
         return h
+
+    def _tied_weight(self) -> torch.Tensor:
+        """The embedding's weight, for an output layer that shares it (on the stage holding both)."""
+        first = self.pipeline_layers[0]
+        if not isinstance(first, EmbeddingLayer):
+            raise RuntimeError("a tied output layer without the embedding on its stage")
+        return first.embedding.word_embeddings.weight
 
     # -- canonical parameters
     def canonical_params(self) -> OrderedDict[str, torch.nn.Parameter]:
         """Megatron (GPTModel) name -> local parameter; a tied output weight is named after the embedding."""
         out: OrderedDict[str, torch.nn.Parameter] = OrderedDict()
-        for layer in self.layers:
+        for layer in self.pipeline_layers:
             for local, p in layer.local_params().items():
                 name = layer.prefix + local
                 if isinstance(layer, OutputLayer) and layer.tied:

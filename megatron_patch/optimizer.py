@@ -18,7 +18,7 @@ from collections import OrderedDict
 import torch
 
 from megatron_patch.layout import ParamInfo
-from megatron_patch.main_grad import zero_main_grads
+from megatron_patch.main_grad import main_grad_of, zero_main_grads
 from megatron_patch.options import AdamConfig
 
 __all__ = ["AdamConfig", "StageOptimizer", "adamw", "clip_coefficient", "set_lr"]  # AdamConfig re-exported (profiler uses it)
@@ -46,7 +46,7 @@ class StageOptimizer:
         (zeros where a parameter got none). The masters' ``.grad`` are these tensors."""
         out: OrderedDict[str, torch.Tensor] = OrderedDict()
         for name, p in self.params.items():
-            g = getattr(p, "main_grad", None)
+            g = main_grad_of(p)
             if g is None:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)

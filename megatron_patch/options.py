@@ -3,7 +3,7 @@ and the Slurm side can parse arguments without torch)."""
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.training import DEFAULTS, FLAGS, OPTIMIZER_FLAGS, Flag, LrSchedule, check_values
@@ -89,12 +89,15 @@ def add_precision_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--inject-overflow", default=None, help=argparse.SUPPRESS)  # "RANK:STEP", tests only
 
 
-def precision_from_args(args: argparse.Namespace) -> dict[str, object]:
-    """TrainOptions fields from :func:`add_precision_args`' options."""
-    inject = tuple(int(x) for x in args.inject_overflow.split(":")) if args.inject_overflow else None
-    return dict(tf32=not args.no_tf32, inject_overflow=inject,
-                loss_scale=LossScaleConfig(initial=args.initial_loss_scale, growth_interval=args.loss_scale_window,
-                                           min_scale=args.min_loss_scale))
+def with_precision_from_args(opts: TrainOptions, args: argparse.Namespace) -> TrainOptions:
+    """``opts`` with the fields that :func:`add_precision_args`' options set."""
+    inject: tuple[int, int] | None = None
+    if args.inject_overflow:
+        rank, step = (int(x) for x in args.inject_overflow.split(":"))
+        inject = (rank, step)
+    return replace(opts, tf32=not args.no_tf32, inject_overflow=inject,
+                   loss_scale=LossScaleConfig(initial=args.initial_loss_scale, growth_interval=args.loss_scale_window,
+                                              min_scale=args.min_loss_scale))
 
 
 def adam_from_args(args: argparse.Namespace) -> AdamConfig:

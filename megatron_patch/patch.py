@@ -217,7 +217,7 @@ def cpu_torch_in(modules: tuple[str, ...]) -> None:
             continue
         if getattr(mod, "torch", None) is not torch:
             raise RuntimeError(f"{name}.torch is not torch: megatron-core changed, re-check patch P7")
-        mod.torch = _PROXY
+        vars(mod)["torch"] = _PROXY  # a module's attributes are its namespace; the module type declares none
 
 
 _PROXY = _CpuTorch()

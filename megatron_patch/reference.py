@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_patch import patch
-from megatron_patch.data import Samples, build_samples
+from megatron_patch.data import Samples, build_samples, train_split
 from megatron_patch.init_weights import canonical_init
 from megatron_patch.layout import arch_of, param_layout
 from megatron_patch.local import free_port
@@ -183,7 +183,7 @@ def train(args: argparse.Namespace) -> None:
     opts = TrainOptions(adam=adam_from_args(args), seed=args.seed,
                         schedule=schedule_from_args(args, args.global_batch, args.steps))
     data = build_samples(DataBlend.parse(args.data), args.seq_len or spec.seq_len, args.seed, parse_split(args.split))
-    ref = ReferenceTrainer(spec, data["train"], args.global_batch, opts)
+    ref = ReferenceTrainer(spec, train_split(data, args.split), args.global_batch, opts)
     if args.load:
         ref.load(args.load)
     snaps = {int(s) for s in args.snapshots.split(",") if s} or {args.steps}

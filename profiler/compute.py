@@ -69,15 +69,7 @@ import torch.distributed as dist
 from megatron_patch import patch
 from megatron_patch.layout import local_shape, param_layout, params_of_layers
 from megatron_patch.main_grad import attach_main_grads
-from megatron_patch.model import (
-    BlockLayer,
-    EmbeddingLayer,
-    FinalNormLayer,
-    OutputLayer,
-    StageModule,
-    build_stage_module,
-    padded_vocab_size,
-)
+from megatron_patch.model import PipelineLayer, StageModule, build_stage_module, padded_vocab_size
 from megatron_patch.optimizer import AdamConfig, StageOptimizer
 from profiler.monotonic import ModelTotals, violations
 from sailor_hpc.core.archive import PointSpread
@@ -206,26 +198,12 @@ class _Stage:
     def __init__(self, module: StageModule, spec: ModelSpec) -> None:
         self.module = module
         self.spec = spec
-        self.by_layer: dict[int, list[torch.nn.Module]] = {}
-        for m in module.layers:
-            self.by_layer.setdefault(int(m.index), []).append(m)
+        self.by_layer: dict[int, list[PipelineLayer]] = {}
+        for m in module.pipeline_layers:
+            self.by_layer.setdefault(m.index, []).append(m)
 
     def run(self, layer: int, x: torch.Tensor | None, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        h = x
-        for m in self.by_layer[layer]:
-            if isinstance(m, EmbeddingLayer):
-                pos = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
-                h = m(tokens, pos)
-            elif isinstance(m, BlockLayer):
-                rotary = self.module.rotary(h.shape[0]) if self.module.rotary is not None else None
-                h = m(h, self.module._causal_mask(h.shape[0]), rotary)
-            elif isinstance(m, FinalNormLayer):
-                h = m(h)
-            elif isinstance(m, OutputLayer):
-                tied = self.module.layers[0].embedding.word_embeddings.weight if m.linear.weight is None else None
-                h = m(h, labels, tied)
-        assert h is not None
-        return h
+        return self.module.run_layers(self.by_layer[layer], x, tokens, labels)
 
 
 def _inputs(spec: ModelSpec, mbs: int, device: torch.device, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -305,7 +283,7 @@ class LayerProfiler:
         for layer in self.measured:
             x = None if prev is None else prev.detach().requires_grad_(True)
             stage = self._stage_of(layer)
-            prev = each(layer, lambda s=stage, l=layer, x=x: s.run(l, x, tokens, labels), x)
+            prev = each(layer, functools.partial(stage.run, layer, x, tokens, labels), x)
         assert prev is not None
         return prev
 
@@ -632,27 +610,27 @@ def profile_compute(spec: ModelSpec, mbs_list: Sequence[int], *, tp_group: Any, 
         return LayerProfiler(spec, tp_group=agree.group, device=device, dtype=dtype, blocks=blocks, warmup=warmup,
                              iters=iters, min_time_s=min_time_s)
 
+    current = [build()]  # the one live profiler; a list so that recover() can drop it before building the next
+
     def recover() -> None:
-        nonlocal prof
-        _release(prof, device)
+        _release(current[0], device)
         if agree.world == 1:
             return
-        prof = None  # the failed stages go before new ones are built: after an OOM there is no room for both
+        current.clear()  # the failed stages go before new ones are built: after an OOM there is no room for both
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
         agree.renew()
-        prof = build()
+        current.append(build())
 
     def measure(mbs: int, step: str) -> PointResult:
-        point, why = agree.run(step, functools.partial(prof.measure_point, mbs))
+        point, why = agree.run(step, functools.partial(current[0].measure_point, mbs))
         if why:
             recover()
             return PointResult(mbs=mbs, times=None, reason=f"micro-batch {mbs}: {why}")
         return point
 
-    prof: LayerProfiler | None = build()
-    memory, memory_failure = agree.run("memory", prof.memory_table)
+    memory, memory_failure = agree.run("memory", current[0].memory_table)
     if memory_failure:
         recover()
     points = {mbs: measure(mbs, f"mbs{mbs}") for mbs in sorted(set(mbs_list))}
@@ -668,6 +646,7 @@ def profile_compute(spec: ModelSpec, mbs_list: Sequence[int], *, tp_group: Any, 
     for mbs, why in suspect.items():
         points[mbs].flag = why
     agree.finish()
+    prof = current[0]
     return ComputeResult(points=list(points.values()), memory=memory, overhead_bytes=prof.overhead_bytes(baseline_rss),
                          profiled_blocks=prof.k, device=device.type,
                          extra={"padded_vocab": prof.padded, "warmup": warmup, "iters": iters, "min_time_s": min_time_s,

@@ -160,7 +160,7 @@ def compute_job(task: ComputeTask) -> dict[str, Any] | None:
     entries: list[Any] = []
     points = []
     for p in res.points:
-        times = p.times if p.ok else np.full((L, 3), np.nan)
+        times = p.times if p.times is not None else np.full((L, 3), np.nan)  # None: the point failed
         entries.append(ComputeEntry(spec.name, task.gpu_key, p.mbs, task.tp, times, {**prov, **p.info},
                                     status="ok" if p.ok else "failed", reason=p.reason, dtype=task.dtype,
                                     spread=p.spread, flag=p.flag))

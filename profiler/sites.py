@@ -18,8 +18,11 @@ from sailor_hpc.core.site import Site
 
 
 def _overlay(table: LinkTable | None, fits: dict[int, NetworkFit]) -> LinkTable | None:
-    if not fits:
-        return table
+    """``fits`` over ``table``'s (no fits: the table as it is, None included)."""
+    return _laid_over(table, fits) if fits else table
+
+
+def _laid_over(table: LinkTable | None, fits: dict[int, NetworkFit]) -> LinkTable:
     return LinkTable({**(table.fits if table is not None else {}), **fits})
 
 
@@ -41,7 +44,7 @@ def measured_site(site: Site, archive: ProfileArchive, *, cpu: bool) -> Site:
                           inter_node=_overlay(p.inter_node, inter.get(p.name, {}))) for p in site.partitions)
     links = dict(site.between)
     for pair, fits in between.items():
-        links[pair] = _overlay(links.get(pair), fits)  # type: ignore[assignment]
+        links[pair] = _laid_over(links.get(pair), fits)  # a measured pair has at least one fit
     return replace(site, name=key if cpu else site.name, gpu_types=gpu_types, partitions=parts,
                    links=replace(site.links, partitions=links))
 

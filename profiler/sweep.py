@@ -313,20 +313,21 @@ def compute_groups(cfg: SweepConfig, units: Sequence[Unit], *, remeasure: bool =
                    ) -> dict[tuple[str, int], list[tuple[list[Unit], ComputeTask]]]:
     """The pending compute points by (partition, TP degree), in chunks of ``points_per_job`` micro-batch
     sizes, each chunk with the task one job (or one local run) measures."""
-    groups: dict[tuple[str, int], list[Unit]] = defaultdict(list)
+    groups: dict[tuple[str, int], list[tuple[ComputePoint, Unit]]] = defaultdict(list)
     for u in units:
         if u.point is not None and u.status == "pending":
-            groups[(u.point.partition, u.point.tp)].append(u)
+            groups[(u.point.partition, u.point.tp)].append((u.point, u))
     spec = get_model(cfg.model)
     out: dict[tuple[str, int], list[tuple[list[Unit], ComputeTask]]] = {}
     for (part_name, tp), members in groups.items():
-        members.sort(key=lambda u: u.point.mbs)  # type: ignore[union-attr]
+        members.sort(key=lambda pu: pu[0].mbs)
         chunks = [members[i:i + cfg.points_per_job] for i in range(0, len(members), cfg.points_per_job)]
         out[(part_name, tp)] = [
-            (c, ComputeTask(model=spec.name, partition=part_name, gpu_key=c[0].point.gpu_key, tp=tp,  # type: ignore
-                            mbs=tuple(u.point.mbs for u in c), archive=str(cfg.archive), cpu=cfg.cpu,  # type: ignore
-                            sweep=str(cfg.folder), dtype=cfg.dtype, blocks=cfg.blocks, warmup=cfg.warmup,
-                            iters=cfg.iters, min_time_s=cfg.min_time_s, remeasure=remeasure)) for c in chunks]
+            ([u for _, u in c],
+             ComputeTask(model=spec.name, partition=part_name, gpu_key=c[0][0].gpu_key, tp=tp,
+                         mbs=tuple(p.mbs for p, _ in c), archive=str(cfg.archive), cpu=cfg.cpu,
+                         sweep=str(cfg.folder), dtype=cfg.dtype, blocks=cfg.blocks, warmup=cfg.warmup,
+                         iters=cfg.iters, min_time_s=cfg.min_time_s, remeasure=remeasure)) for c in chunks]
     return out
 
 
@@ -495,7 +496,7 @@ def apply_result(units: Sequence[Unit], value: Any, reason: str) -> None:
     if "points" in value:
         by_mbs = {p["mbs"]: p for p in value["points"]}
         for u in units:
-            p = by_mbs.get(u.point.mbs) if u.point else None  # type: ignore[union-attr]
+            p = by_mbs.get(u.point.mbs) if u.point else None
             if p is None:
                 u.status, u.reason = "failed", "the job returned no result for this point"
             else:
@@ -566,7 +567,8 @@ def _watch(cfg: SweepConfig, units: Sequence[Unit], progress: Progress, deadline
         if deadline is not None and time.monotonic() >= deadline:
             for jid in watcher.open:
                 cancel_job(jid)
-                _fail(by_job[jid], f"job {jid} still {watcher.status(jid).state if watcher.status(jid) else 'queued'}"
+                last = watcher.status(jid)
+                _fail(by_job[jid], f"job {jid} still {last.state if last else 'queued'}"
                                    f" after the sweep's timeout of {cfg.timeout_s:.0f} s: cancelled")
                 for u in by_job[jid]:
                     progress.message(f"failed: {u.key}: {u.reason}")

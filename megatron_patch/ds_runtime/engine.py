@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from megatron_patch import patch
 from megatron_patch.data import Samples
-from megatron_patch.ds_runtime.pipe import PlanPipelineModule, StageLayer, stage_of
+from megatron_patch.ds_runtime.pipe import PlanPipelineModule, StageBuild, StageLayer, stage_of
 from megatron_patch.ds_runtime.state import DsOptimizerState, SampleSchedule
 from megatron_patch.engine import StepResult
 from megatron_patch.groups import singleton_collection
@@ -98,11 +98,11 @@ class DsTrainer:
         self.layout = param_layout(self.spec, self.padded_vocab)
         self.infos = {p.name: p for p in self.layout}
         self.pipe = plan.pipelines[self.role.pipeline]
-        kwargs = dict(dtype=plan.dtype, padded_vocab=self.padded_vocab, device=self.device, seed=opts.seed,
-                      recompute=plan.recompute)
+        build = StageBuild(dtype=plan.dtype, padded_vocab=self.padded_vocab, device=self.device, seed=opts.seed,
+                           recompute=plan.recompute)
         pipelined = len(self.pipe.stages) > 1
-        module: torch.nn.Module = (PlanPipelineModule(plan, self.spec, **kwargs) if pipelined else
-                                   StageLayer(self.spec, 0, self.spec.num_pipeline_layers - 1, **kwargs))
+        module: torch.nn.Module = (PlanPipelineModule(plan, self.spec, build) if pipelined else
+                                   StageLayer(self.spec, 0, self.spec.num_pipeline_layers - 1, build))
         self.params = stage_of(module).canonical_params()
         groups = [{"params": [p for n, p in self.params.items() if self.infos[n].decay],
                    "weight_decay": opts.adam.weight_decay},

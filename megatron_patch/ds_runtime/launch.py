@@ -68,14 +68,14 @@ def train(args: argparse.Namespace, plan: Plan, env: DistEnv, role: Role) -> int
     base = {"rank": role.rank, "pipeline": role.pipeline, "stage": role.stage, "tp_rank": role.tp_rank}
     emit({"event": "start", **role_record(role, env), "device": str(device), "plan_gpus": plan.num_gpus,
           "runtime": "deepspeed", "deepspeed": deepspeed.__version__, "zero_stage": zero_stage_of(plan)})
-    data = checked_data(args, plan, env.rank)
+    train_data, valid_data = checked_data(args, plan, env.rank)
     opts = TrainOptions(adam=adam_from_args(args), seed=args.seed,
                         schedule=schedule_from_args(args, plan.global_batch_size, args.steps))
-    trainer = DsTrainer(plan, data["train"], opts, device, valid=data["valid"])
+    trainer = DsTrainer(plan, train_data, opts, device, valid=valid_data)
     emit({"event": "ready", **base, "params": sum(p.numel() for p in trainer.params.values())})
     if args.load or (args.auto_resume and args.save):
         t0 = time.perf_counter()
-        path = checkpoint_io.load(trainer, args.load or args.save, missing_ok=args.load is None)  # type: ignore[arg-type]
+        path = checkpoint_io.load(trainer, args.load or args.save, missing_ok=args.load is None)
         if path is not None:
             trainer.resume_at(trainer.step, trainer.consumed_samples)
             emit({"event": "loaded", **base, "path": path, "step": trainer.step,
@@ -85,7 +85,7 @@ def train(args: argparse.Namespace, plan: Plan, env: DistEnv, role: Role) -> int
         if args.save:
             t0 = time.perf_counter()
             trainer.save_state()
-            path = checkpoint_io.save(trainer, args.save, keep=args.keep)  # type: ignore[arg-type]
+            path = checkpoint_io.save(trainer, args.save, keep=args.keep)
             emit({"event": "saved", **base, "path": path, "step": trainer.step, "seconds": time.perf_counter() - t0})
 
     start_step = trainer.step

@@ -23,6 +23,7 @@ it once.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,16 +38,27 @@ from sailor_hpc.core.plan import Plan
 TIED = "embedding.word_embeddings.weight"
 
 
+@dataclass(frozen=True)
+class StageBuild:
+    """What every stage of a run is built with, beside its layer range (``build_stage_module``'s arguments)."""
+
+    dtype: str
+    padded_vocab: int
+    device: torch.device
+    seed: int
+    recompute: bool
+
+
 class StageLayer(torch.nn.Module):
     """Pipeline layers ``first..last`` (a megatron_patch stage at TP 1) with DeepSpeed's tuple interface."""
 
-    def __init__(self, spec: ModelSpec, first: int, last: int, *, dtype: str, padded_vocab: int,
-                 device: torch.device, seed: int, recompute: bool) -> None:
+    def __init__(self, spec: ModelSpec, first: int, last: int, build: StageBuild) -> None:
         super().__init__()
         self.first, self.last = first, last
         self.is_last = last == spec.num_pipeline_layers - 1
-        self.stage: StageModule = build_stage_module(spec, first, last, dtype=dtype, padded_vocab=padded_vocab,
-                                                     device=device, seed=seed, recompute=recompute)
+        self.stage: StageModule = build_stage_module(spec, first, last, dtype=build.dtype,
+                                                     padded_vocab=build.padded_vocab, device=build.device,
+                                                     seed=build.seed, recompute=build.recompute)
 
     def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> Any:
         if self.first == 0:
@@ -65,10 +77,10 @@ class StageLayer(torch.nn.Module):
 class PlanPipelineModule(PipelineModule):
     """DeepSpeed's pipeline module over a plan's stages, with the plan's rank order and tied embedding."""
 
-    def __init__(self, plan: Plan, spec: ModelSpec, **layer_kwargs: Any) -> None:
+    def __init__(self, plan: Plan, spec: ModelSpec, build: StageBuild) -> None:
         stages = plan.pipelines[0].stages
         P, D = len(stages), len(plan.pipelines)
-        specs = [LayerSpec(StageLayer, spec, s.first_layer, s.last_layer, **layer_kwargs) for s in stages]
+        specs = [LayerSpec(StageLayer, spec, s.first_layer, s.last_layer, build) for s in stages]
         # every rank creates every group, in one order: one tie group per replica (first and last stage)
         ties = [dist.new_group([d * P, d * P + P - 1]) for d in range(D)] if P > 1 and spec.tied_embeddings else []
         super().__init__(specs, topology=ProcessTopology(axes=["data", "pipe"], dims=[D, P]),
@@ -99,4 +111,4 @@ def stage_of(module: torch.nn.Module) -> StageModule:
     return layer.stage
 
 
-__all__ = ["PlanPipelineModule", "StageLayer", "TIED", "stage_of"]
+__all__ = ["PlanPipelineModule", "StageBuild", "StageLayer", "TIED", "stage_of"]
