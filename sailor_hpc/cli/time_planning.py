@@ -11,12 +11,15 @@ import re
 import time
 from dataclasses import asdict, dataclass, replace
 from datetime import datetime
+from functools import partial
 from typing import Any
 
 import click
 
-from planner.search import Candidate, SearchResult, ranking, time_infeasible
+from planner.search import Candidate, SearchResult
 from planner.time_goal import Outlook, TimeGoal, plan_shape
+from planner.time_queue import queue_goal
+from planner.time_queue import refine as refine_on_queue
 from planner.time_strategy import Strategy, choose
 from sailor_hpc.cli.output import table
 from sailor_hpc.core.errors import SailorError
@@ -108,38 +111,19 @@ def build_goal(site: Site, steps: int, opts: TimeOptions, partitions: list[str],
                                            for p in site.partitions}, time.time())
     else:
         snapshot = estimator.snapshot(partitions)
-    limit = float(parse_time_limit(opts.time_limit)[1]) if opts.time_limit else None
-    tmin = float(parse_time_limit(opts.time_min)[1]) if opts.time_min else None
-    if tmin is not None and limit is not None and tmin > limit:
-        raise SailorError(f"--time-min {opts.time_min} is longer than --time {opts.time_limit}", field="--time-min",
-                          fix="give a minimum below --time")
+    for name, text in (("--time", opts.time_limit), ("--time-min", opts.time_min)):
+        if text:
+            parse_time_limit(text, name)  # a malformed time is bad input, said with its option
     deadline = parse_deadline(opts.deadline, snapshot.taken_at) if opts.deadline else None
     if deadline is not None and deadline <= 0:
         raise SailorError(f"--deadline {opts.deadline} has passed", field="--deadline", fix="give a later one")
-    return TimeGoal.for_site(site, steps, snapshot, time_limit_s=limit, time_min_s=tmin,
-                             restart_cost_s=opts.restart_cost, deadline_s=deadline, max_gpu_hours=opts.max_gpu_hours)
+    return queue_goal(site, steps, snapshot, time_limit=opts.time_limit, time_min=opts.time_min,
+                      restart_cost_s=opts.restart_cost, deadline_s=deadline, max_gpu_hours=opts.max_gpu_hours)
 
 
 def refine(site: Site, result: SearchResult, estimator: StartEstimator | None, top_k: int) -> SearchResult:
-    """Ask Slurm (``sbatch --test-only``) when the first ``top_k`` plans and the grow strategy's plans would
-    start, and rank the plans again on those answers (with --time-min, the timeline's estimate stays)."""
-    goal = result.request.time_goal
-    assert goal is not None
-    if estimator is None or goal.time_min_s is not None:
-        return result
-    strategy = choose(result, goal)
-    plans = [*result.candidates[:top_k], *(c for c in (strategy.grow_from, strategy.grow_to) if c is not None)]
-    keys = []
-    for c in plans:
-        shape = plan_shape(c.plan)
-        keys.append((shape, round(goal.job_time_s(shape, goal.steps * c.result.iteration_time_s))))
-    refined = replace(goal, snapshot=estimator.test_only(site, goal.snapshot, keys))
-    request = replace(result.request, time_goal=refined)
-    kept = [c for c in result.candidates
-            if refined.violation(refined.plan_outlook(c.plan, c.result.iteration_time_s)) is None]
-    if not kept:
-        raise time_infeasible(request, result.candidates)
-    return replace(result, request=request, candidates=sorted(kept, key=ranking(request)))
+    """The plans ranked again on Slurm's ``sbatch --test-only`` answers (:func:`planner.time_queue.refine`)."""
+    return refine_on_queue(result, None if estimator is None else partial(estimator.test_only, site), top_k)
 
 
 def timed_job(job: JobOptions, result: SearchResult, best: Candidate) -> JobOptions:
