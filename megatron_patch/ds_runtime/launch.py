@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import os
 import signal
 import sys
@@ -46,6 +47,18 @@ def _device(cuda: bool, local_rank: int) -> Any:
     return torch.device("cuda", torch.cuda.current_device())
 
 
+def _without_shm_op() -> None:
+    """On the CPU, DeepSpeed's communication backend builds its shared-memory all-reduce op with the host's
+    C++ compiler when it starts: a compiler needed on every node, and minutes whenever torch's extension
+    cache is cold or rebuilt (measured: 5 min for a launch on this busy 2-core host). Only its inference
+    all-reduce uses the op; training's collectives are torch.distributed's, so it is started without it."""
+    # by name: ``deepspeed.comm``'s attribute ``torch`` is torch itself, not this submodule
+    ds_torch = importlib.import_module("deepspeed.comm.torch")
+    if not callable(getattr(ds_torch, "build_shm_op", None)):
+        raise RuntimeError("deepspeed.comm.torch.build_shm_op is gone: DeepSpeed changed, re-check _without_shm_op")
+    vars(ds_torch)["build_shm_op"] = lambda: None  # a module attribute: its namespace
+
+
 def train(args: argparse.Namespace, plan: Plan, env: DistEnv, role: Role) -> int:
     for signum in (signal.SIGUSR1, signal.SIGTERM):
         signal.signal(signum, _on_signal)
@@ -64,6 +77,8 @@ def train(args: argparse.Namespace, plan: Plan, env: DistEnv, role: Role) -> int
     dist.init_process_group("nccl" if cuda else "gloo", rank=env.rank, world_size=env.world_size,
                             timeout=datetime.timedelta(minutes=args.timeout_min))
     import deepspeed
+    if not cuda:
+        _without_shm_op()
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
     base = {"rank": role.rank, "pipeline": role.pipeline, "stage": role.stage, "tp_rank": role.tp_rank}
     emit({"event": "start", **role_record(role, env), "device": str(device), "plan_gpus": plan.num_gpus,
@@ -72,7 +87,7 @@ def train(args: argparse.Namespace, plan: Plan, env: DistEnv, role: Role) -> int
     opts = TrainOptions(adam=adam_from_args(args), seed=args.seed,
                         schedule=schedule_from_args(args, plan.global_batch_size, args.steps))
     trainer = DsTrainer(plan, train_data, opts, device, valid=valid_data)
-    emit({"event": "ready", **base, "params": sum(p.numel() for p in trainer.params.values())})
+    emit({"event": "ready", **base, "params": sum(getattr(p, "ds_numel", p.numel()) for p in trainer.params.values())})
     if args.load or (args.auto_resume and args.save):
         t0 = time.perf_counter()
         path = checkpoint_io.load(trainer, args.load or args.save, missing_ok=args.load is None)

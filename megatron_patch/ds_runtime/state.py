@@ -7,8 +7,11 @@
 * ZeRO 1-3: each replica holds a fragment of the flat fp32 partition; DeepSpeed's
   ``safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state`` assemble the full tensors (a
   collective over the replicas of the stage), so :meth:`DsOptimizerState.collect` reads every local
-  parameter, in one order on every rank, before a save. Loading into ZeRO 1-3 is refused: DeepSpeed
-  creates the partitioned state only at the first step, and its setters need it to exist.
+  parameter, in one order on every rank, before a save. Loading writes this rank's fragments with the
+  matching setters (``safe_set_full_*``). Those need Adam's state of the flat partitions, which torch
+  creates only at the first step: :meth:`DsOptimizerState.load_state` creates it first (zeros, the
+  checkpoint's step count), as torch would, then links DeepSpeed's per-parameter views to it. The
+  model's own copy of each weight (ZeRO 3: its partition, gathered and re-partitioned) is set too.
 """
 from __future__ import annotations
 
@@ -19,7 +22,6 @@ import torch
 
 from megatron_patch.optimizer import set_lr
 from megatron_patch.options import TrainOptions
-from sailor_hpc.core.errors import SailorError
 
 FIELDS = ("exp_avg", "exp_avg_sq")
 
@@ -104,7 +106,8 @@ class DsOptimizerState:
 
     def load_state(self, name: str, param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                    steps: int) -> None:
-        """Set one parameter's weights and moments (ZeRO 0; ZeRO 1-3 are refused, see the module doc)."""
+        """Set one parameter's weights and moments (``steps`` 0: Adam starts afresh, no moments are kept).
+        ZeRO 3: a collective over the replicas (every rank loads the same names in the same order)."""
         p = self.params[name]
         if self.zero == 0:
             with torch.no_grad():
@@ -114,10 +117,41 @@ class DsOptimizerState:
                                                     "exp_avg": exp_avg.to(p).clone(),
                                                     "exp_avg_sq": exp_avg_sq.to(p).clone()}
             return
-        raise SailorError(f"resuming a ZeRO-{self.zero} DeepSpeed run from a layout-free checkpoint is not supported: "
-                          "DeepSpeed creates its partitioned Adam state only at the first step",
-                          field="notes.deepspeed.zero_stage",
-                          fix="resume with a ZeRO-0 plan (or under megatron_patch), then continue under ZeRO")
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+        self._set_model_copy(p, param)
+        safe_set_full_fp32_param(p, param.float())
+        if steps > 0:
+            self._create_flat_state(steps)
+            for key, value in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+                safe_set_full_optimizer_state(p, value.float(), key)
+
+    def _set_model_copy(self, p: torch.nn.Parameter, value: torch.Tensor) -> None:
+        """The weight the forward reads (ZeRO 1-2: a view of DeepSpeed's flat buffer; ZeRO 3: partitioned)."""
+        if self.zero == 3:
+            import deepspeed
+            with deepspeed.zero.GatheredParameters([p], modifier_rank=0), torch.no_grad():
+                p.copy_(value)  # rank 0's value (equal on every rank) is partitioned again on exit
+            return
+        with torch.no_grad():
+            p.copy_(value)
+
+    def _create_flat_state(self, steps: int) -> None:
+        """Adam's state of the flat fp32 partitions, as torch creates it at a first step (zero moments),
+        once per load, with the checkpoint's step count; then DeepSpeed's views into it (ZeRO 1-2)."""
+        opt = self._torch_optimizer()
+        # ZeRO 3 puts its flat partitions in torch's param groups only during its step
+        flats = getattr(self.engine.optimizer, "fp32_partitioned_groups_flat", None) or \
+            [f for g in opt.param_groups for f in g["params"]]
+        # "exp_avg", not mere presence: torch's state is a defaultdict, and DeepSpeed's reads leave empty entries
+        if all("exp_avg" in opt.state.get(f, {}) for f in flats):
+            return
+        for f in flats:
+            opt.state[f] = {"step": torch.tensor(float(steps)), "exp_avg": torch.zeros_like(f),
+                            "exp_avg_sq": torch.zeros_like(f)}
+        link = getattr(self.engine.optimizer, "_lazy_init_hp_params_optimizer_state", None)
+        if link is not None:
+            self.engine.optimizer._hp_optimizer_states_linked = False
+            link()
 
 
 __all__ = ["DsOptimizerState", "SampleSchedule"]

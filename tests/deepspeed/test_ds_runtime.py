@@ -1,13 +1,15 @@
 """DeepSpeed trains what megatron_patch trains, and a run moves between the two runtimes.
 
-One chain of four real launches (4 gloo ranks each, tiny-gpt, fp32, clipping and weight decay active):
-megatron_patch on a uniform PP2 x DP2 plan for 10 steps (the reference: megatron_patch is itself checked
-against a single process in tests/megatron_patch); DeepSpeed ZeRO 1 on the same plan for 10 steps; its
-step-5 checkpoint continued by megatron_patch on a heterogeneous plan DeepSpeed cannot express; and
-megatron_patch's step-5 checkpoint continued by DeepSpeed ZeRO 0 (steps 6-10). Each launch costs process
-start-up and imports far more than its steps, so the chain shares them. Parameters and both Adam
-moments are compared after step 10 (1e-6, the runtime's fp32 bound; Adam's eps is 1e-5 for the reason
-given in tests/megatron_patch/test_exactness.py).
+One chain of real launches (tiny-gpt, fp32, clipping and weight decay active): megatron_patch on a
+uniform PP2 x DP2 plan for 10 steps (the reference: megatron_patch is itself checked against a single
+process in tests/megatron_patch); DeepSpeed ZeRO 1 on the same plan for 10 steps; its step-5 checkpoint
+continued by megatron_patch on a heterogeneous plan DeepSpeed cannot express; and megatron_patch's step-5
+checkpoint continued by DeepSpeed (steps 6-10, saved at 10) under ZeRO 1 on the same plan and, on two
+ranks, under ZeRO 2 and ZeRO 3 on a one-stage DP 2 plan (DeepSpeed's pipeline engine runs ZeRO 0 and 1
+only). The checkpoints are layout-free, so every run is compared with the reference's step 10 whatever
+its plan. Each launch costs process start-up and imports far more than its steps, so the chain shares
+them. Parameters and both Adam moments are compared after step 10 (1e-6, the runtime's fp32 bound; Adam's
+eps is 1e-5 for the reason given in tests/megatron_patch/test_exactness.py).
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ TOL = 1e-6
 STEPS = 10
 _STAGES = (Stage(0, 2, 1, "A100-40"), Stage(3, 5, 1, "A100-40"))
 UNIFORM = Plan("tiny-gpt", 8, (Pipeline(2, 2, _STAGES),) * 2)  # PP2 x DP2, the tied embedding split
+ONE_STAGE = Plan("tiny-gpt", 8, (Pipeline(2, 2, (Stage(0, 5, 1, "A100-40"),)),) * 2)  # DP 2: ZeRO 2 and 3
 
 
 def _launch(module: str, plan: Plan, root: Path, name: str, steps: int, *extra: str) -> list[local.RankResult]:
@@ -59,8 +62,11 @@ def chain(tmp_path_factory: pytest.TempPathFactory, shipped_data: str) -> dict[s
     }
     logs["resized"] = _launch("megatron_patch.launch", PLAN_A, root, "resized", STEPS, "--load",
                               str(step_dir(root / "ds1", 5)))
-    logs["back"] = _launch("megatron_patch.ds_runtime.launch", UNIFORM, root, "back", STEPS, "--load",
-                           str(step_dir(root / "mp", 5)))
+    resumed = {"back": with_zero_stage(UNIFORM, 1), "zero2": with_zero_stage(ONE_STAGE, 2),
+               "zero3": with_zero_stage(ONE_STAGE, 3)}
+    for name, plan in resumed.items():
+        logs[name] = _launch("megatron_patch.ds_runtime.launch", plan, root, name, STEPS, "--load",
+                             str(step_dir(root / "mp", 5)))
     return {"root": root, "logs": logs}
 
 
@@ -79,7 +85,7 @@ def _max_diff(a: Path, b: Path) -> dict[str, float]:
     return {k: max(float(torch.max(torch.abs(x[n][k] - y[n][k]))) for n in x) for k in FIELDS}
 
 
-@pytest.mark.parametrize("run", ["ds1", "resized", "back"])
+@pytest.mark.parametrize("run", ["ds1", "resized", "back", "zero2", "zero3"])
 def test_deepspeed_and_resize_match_megatron_patch(chain: dict, run: str) -> None:
     root: Path = chain["root"]  # type: ignore[assignment]
     diff = _max_diff(step_dir(root / run, STEPS), step_dir(root / "mp", STEPS))
@@ -95,7 +101,8 @@ def test_logged_losses_match(chain: dict) -> None:
     ref = losses("mp")
     assert len(ref) == STEPS
     assert losses("ds1") == pytest.approx(ref, abs=1e-5)
-    assert losses("back") == pytest.approx(ref[5:], abs=1e-5)
+    for name in ("back", "zero2", "zero3"):
+        assert losses(name) == pytest.approx(ref[5:], abs=1e-5), name
     assert [e["deepspeed"] for e in events(logs["ds1"][0], "start")][0].startswith("0.19")
 
 
