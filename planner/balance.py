@@ -60,15 +60,15 @@ def balance(groups: Sequence[tuple[PipelineSpeed, int]], global_batch: int) -> t
     """
     if not groups or sum(s.mbs * n for s, n in groups) > global_batch:
         return None
-    lo = max(s.time(1) for s, _ in groups)  # every pipeline runs at least one micro-batch
+    lo = max(s.flush[0] for s, _ in groups)  # every pipeline runs at least one micro-batch: time(1)
     capacity = _Capacity(groups)
     if capacity.counts(lo)[1] < global_batch:
-        step = max(s.slope if s.slope > 0 else s.time(1) for s, _ in groups)
+        step = max(s.slope if s.slope > 0 else s.flush[0] for s, _ in groups)
         hi = lo + step * global_batch
         # bracket around the deadline the pipelines' steady rates give, to bisect a narrow interval
         rate = sum(n * s.mbs / s.slope for s, n in groups if s.slope > 0)
         if rate > 0:
-            guess = (global_batch + sum(n * s.mbs * s.time(1) / s.slope for s, n in groups if s.slope > 0)) / rate
+            guess = (global_batch + sum(n * s.mbs * s.flush[0] / s.slope for s, n in groups if s.slope > 0)) / rate
             if guess + 2 * step < hi and capacity.counts(guess + 2 * step)[1] >= global_batch:
                 hi = guess + 2 * step
             if lo < guess - 2 * step and capacity.counts(guess - 2 * step)[1] < global_batch:

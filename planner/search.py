@@ -345,13 +345,14 @@ class Tails:
                  cache: TailCache | None = None) -> None:
         self.ev, self.request, self.copies, self.cross_nodes = ev, request, copies, cross_nodes
         self.cache: TailCache = {} if cache is None else cache
+        self._per_node = {p.name: p.gpus_per_node for p in ev.site.partitions}  # asked for every allocation
 
     def capped(self, t: Template, n: int) -> int:
         """Copies rounded down to a power of two and capped (few distinct small plans to simulate), but
         never so few that they fit in one node when the ``n`` copies do not (unless ``cross_nodes`` is
         off: the template ranking prices a template on its whole partition, which no cheap plan takes)."""
         c = min(1 << (n.bit_length() - 1), self.copies)
-        per_node = self.ev.site.partition(t.partition).gpus_per_node
+        per_node = self._per_node[t.partition]
         if self.cross_nodes and n * t.gpus > per_node >= c * t.gpus:
             c = min(n, per_node // t.gpus + 1)
         return c
