@@ -54,7 +54,7 @@ from sailor_hpc.controller.events import (
     own_gpus,
 )
 from sailor_hpc.controller.grow import GrowBeside
-from sailor_hpc.controller.planning import Planned, plan_on
+from sailor_hpc.controller.planning import Planned, judge_pending, plan_on, plan_on_queue
 from sailor_hpc.controller.policy import Score, Verdict, judge, plan_shape, restart_cost
 from sailor_hpc.controller.progress import LogTail
 from sailor_hpc.controller.recorder import EXIT_FINISHED, EXIT_GAVE_UP, EXIT_INTERRUPTED, Recorder
@@ -98,6 +98,7 @@ from sailor_hpc.slurm.commands import controller_answers, sinfo_nodes
 from sailor_hpc.slurm.control import keep_from_requeue
 from sailor_hpc.slurm.discover import live_availability
 from sailor_hpc.slurm.hostlist import expand_hostlist
+from sailor_hpc.slurm.start_estimate import StartEstimator
 from sailor_hpc.slurm.status import FINAL_STATES, JobStatus, job_status
 from sailor_hpc.slurm.submit import log_path
 from sailor_hpc.slurm.watch import JobWatcher
@@ -133,6 +134,8 @@ class Controller(Recorder, GrowBeside):
         self._hosts: dict[str, list[str]] = {}
         self._said: dict[str, str] = {}  # what was last journaled about a repeating condition, per kind
         self._malformed: dict[int, list[str]] = {}  # log lines journaled as malformed, per attempt
+        self.estimator = StartEstimator(env)  # objective time: the queue, read within its budget per plan
+        self._queue_judged_t = 0.0  # when a pending job was last judged against the queue
 
     # ------------------------------------------------------------------------------------------ journal
 
@@ -314,7 +317,8 @@ class Controller(Recorder, GrowBeside):
             return
         obs = self.observe(None)
         try:
-            planned = plan_on(spec, self.site, self.archive, obs.free)
+            planned = (plan_on_queue(spec, self.site, self.archive, self.estimator)[0] if spec.objective == "time"
+                       else plan_on(spec, self.site, self.archive, obs.free))
         except NoPlanFits as exc:  # nothing free that fits (or the constraints exclude all): wait
             self.note_once(NoPlan(message=str(exc), available=obs.available))
             return
@@ -392,6 +396,8 @@ class Controller(Recorder, GrowBeside):
                 self._consider_resize(cur, obs, tail)
             return
         if cur.running_t is None and not job.final and job.state != "LOST" and not cur.lost_nodes:
+            if self.spec.objective == "time" and job.state == "PENDING":
+                self._judge_pending(cur, obs.t)
             return  # queued: waiting is the queue's business (excluded from recovery time)
         self._end(cur, job, tail)
 
@@ -448,6 +454,30 @@ class Controller(Recorder, GrowBeside):
                   first_step_t=t, step=p.first_step, loaded_step=p.loaded_step or 0, queue_wait_s=0.0,
                   downtime_s=t - float(trigger[1]), recovery_s=t - float(trigger[1]),
                   ranks_idle_s=idle, new_job=False))
+
+    def _judge_pending(self, cur: Attempt, now: float) -> None:
+        """Objective time, the job pends: every ``replan_interval`` re-plan on the current queue; when another
+        plan finishes first by more than ``min_gain``, cancel the pending job (the next poll submits the best
+        plan). A wait that still pays is journaled once per job."""
+        if now - self._queue_judged_t < self.spec.replan_interval_s or cur.job_id is None:
+            return
+        self._queue_judged_t = now
+        try:
+            v = judge_pending(self.spec, self.site, self.archive, self.estimator, cur.job_id,
+                              self._plan(cur.plan_file), self.spec.gbs / cur.throughput)
+        except NoPlanFits as exc:
+            self.note_once(NoPlan(message=str(exc), available={}))
+            return
+        if not v.move:
+            if self._said.get(Kind.DECISION) != f"keep {cur.number}":
+                self.note(Decision(attempt=cur.number, action="keep", trigger="queue", trigger_t=now, reason=v.reason,
+                                   candidate=v.best.summary(), gain=v.gain, resize=False))
+                self._said[Kind.DECISION] = f"keep {cur.number}"
+            return
+        self.note(Decision(attempt=cur.number, action="resize", trigger="queue", trigger_t=now, reason=v.reason,
+                           candidate=v.best.summary(), gain=v.gain, resize=True))
+        self.note(Cancel(job_id=cur.job_id, reason="a plan on the current queue finishes first"))
+        self.note(JobGone(attempt=cur.number, job_id=cur.job_id, state=slurm_ops.cancel_and_wait(cur.job_id, self.env)))
 
     def _stop(self, cur: Attempt, reason: str) -> None:
         try:

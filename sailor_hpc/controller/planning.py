@@ -7,15 +7,24 @@ free GPUs of usable nodes); where it does not fit, the partition's count is lowe
 that plan used and the planner asked again.
 
 "Free" means idle, plus the GPUs of the run's own running job: moving the job releases them.
+
+Objective time plans a new job on the queue instead (:func:`plan_on_queue`): a plan may wait for a busy
+partition when that finishes first, and while the job pends it is judged again on the current queue
+(:func:`judge_pending`), since the blockers may end sooner or later than their limits said.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
+from planner import PlanRequest
 from planner.entry import plan_search
-from planner.time_goal import free_now_goal
+from planner.search import SearchResult
+from planner.time_goal import TimeGoal, free_now_goal, plan_shape
+from planner.time_queue import queue_goal, refine
 from sailor_hpc.controller.policy import Score
 from sailor_hpc.controller.spec import RunSpec
 from sailor_hpc.core.archive import ProfileArchive
@@ -25,8 +34,21 @@ from sailor_hpc.core.plan import Plan
 from sailor_hpc.core.site import Site
 from sailor_hpc.jobs.layout import job_layout
 from sailor_hpc.jobs.render import parse_time_limit
+from sailor_hpc.slurm.start_estimate import StartEstimator
 
 FreeByNode = Mapping[str, Mapping[str, int]]  # partition -> node -> free GPUs
+TEST_ONLY_TOP = 3  # plans whose start Slurm is asked (sbatch --test-only), as `plan` shows by default
+
+
+@dataclass(frozen=True)
+class QueueOutlook:
+    """When a plan on the queue is expected to start (and from which estimate) and to finish, in seconds from
+    ``queue_read_t``, when the queue was read."""
+
+    start_s: float
+    source: str
+    finish_s: float
+    queue_read_t: float
 
 
 @dataclass(frozen=True)
@@ -35,11 +57,29 @@ class Planned:
     score: Score
     iteration_s: float
     available: dict[str, int]  # GPUs per partition the planner was given
+    queue: QueueOutlook | None = None  # objective time on the queue
 
     def summary(self) -> dict[str, Any]:
-        return {"gpus": gpus_by_partition(self.plan), "throughput": self.score.throughput,
-                "cost_per_hour": self.score.cost_per_hour, "iteration_s": self.iteration_s,
-                "pipelines": len(self.plan.pipelines)}
+        out = {"gpus": gpus_by_partition(self.plan), "throughput": self.score.throughput,
+               "cost_per_hour": self.score.cost_per_hour, "iteration_s": self.iteration_s,
+               "pipelines": len(self.plan.pipelines)}
+        if self.queue is not None:
+            q = self.queue
+            out.update(expected_start_s=q.start_s, start_source=q.source, expected_finish_s=q.finish_s,
+                       queue_read_t=q.queue_read_t)
+        return out
+
+
+@dataclass(frozen=True)
+class PendingVerdict:
+    """The run's pending job against the best plan on the current queue (finishes: seconds from the read)."""
+
+    move: bool
+    best: Planned
+    pending_finish_s: float
+    pending_start_s: float
+    gain: float  # the share of the pending job's expected finish the best plan saves
+    reason: str
 
 
 def gpus_by_partition(plan: Plan) -> dict[str, int]:
@@ -102,13 +142,7 @@ def plan_on(spec: RunSpec, site: Site, archive: ProfileArchive, free: FreeByNode
                               time_min=spec.time_min,
                               restart_cost_s=spec.restart_cost_s) if spec.objective == "time" else None)
         request = spec.plan_request(available, goal)  # a bad request is bad input (SailorError), not a wait
-        try:
-            best = plan_search(site, archive, request).candidates[0]
-        except NoPlanFits:
-            raise
-        except SailorError as exc:  # the planner finds nothing on these GPUs (memory, profiles of free types)
-            raise NoPlanFits(exc.message, file=exc.file, field=exc.field,
-                             fix="the controller waits for GPUs to become idle") from exc
+        best = _search(site, archive, request).candidates[0]
         bad = misfit(best.plan, free)
         if bad is None:
             r = best.result
@@ -117,3 +151,60 @@ def plan_on(spec: RunSpec, site: Site, archive: ProfileArchive, free: FreeByNode
         available[bad] = max(0, min(available[bad], gpus_by_partition(best.plan).get(bad, 0)) - 1)
     raise NoPlanFits(f"no plan fits the free GPUs now ({ {p: sum(n.values()) for p, n in free.items()} })",
                       field="availability", fix="the controller waits for GPUs to become idle")
+
+
+def _search(site: Site, archive: ProfileArchive, request: PlanRequest) -> SearchResult:
+    try:
+        return plan_search(site, archive, request)
+    except NoPlanFits:
+        raise
+    except SailorError as exc:  # the planner finds nothing on these GPUs (memory, profiles of free types)
+        raise NoPlanFits(exc.message, file=exc.file, field=exc.field,
+                         fix="the controller waits for GPUs to become idle") from exc
+
+
+def plan_on_queue(spec: RunSpec, site: Site, archive: ProfileArchive, estimator: StartEstimator,
+                  pending: frozenset[str] = frozenset()) -> tuple[Planned, TimeGoal]:
+    """Objective time: the plan of the run's remaining steps that finishes first on the queue read now (the
+    same goal and ranking as ``plan --objective time``), and the goal it was ranked on. ``pending``: the job
+    ids of the run's own pending job, left out of the queue (it is the one being judged, not a blocker)."""
+    allowed = partitions_for_time(spec.time_limit, site)
+    estimator.new_plan()  # each re-plan gets the whole budget of Slurm calls
+    snapshot = estimator.snapshot(sorted(allowed))
+    if pending:
+        snapshot = replace(snapshot, holds=tuple(h for h in snapshot.holds if h.job not in pending))
+    goal = queue_goal(site, max(1, spec.steps - newest_step(spec.save)), snapshot, time_limit=spec.time_limit,
+                      time_min=spec.time_min, restart_cost_s=60.0 if spec.restart_cost_s is None else spec.restart_cost_s)
+    available = {p.name: int(sum(snapshot.node_gpus.get(p.name, {}).values())) if p.name in allowed else 0
+                 for p in site.partitions}
+    result = refine(_search(site, archive, spec.plan_request(available, goal)), partial(estimator.test_only, site),
+                    TEST_ONLY_TOP)
+    best, ranked = result.candidates[0], result.request.time_goal
+    assert ranked is not None
+    o = ranked.plan_outlook(best.plan, best.result.iteration_time_s)
+    r = best.result
+    return Planned(best.plan, Score(r.throughput_samples_per_s, r.cost_per_hour), r.iteration_time_s, available,
+                   QueueOutlook(o.start.start_s, o.start.source, o.finish_s, snapshot.taken_at)), ranked
+
+
+def judge_pending(spec: RunSpec, site: Site, archive: ProfileArchive, estimator: StartEstimator, job_id: str,
+                  plan: Plan, iteration_s: float) -> PendingVerdict:
+    """Re-plan on the current queue while the run's job ``job_id`` (of ``plan``) pends: move (cancel it and
+    submit the best plan) only when the best plan's expected finish beats the pending job's by more than
+    ``min_gain`` of it; the pending job's own finish is the queue timeline's (Slurm's --test-only would
+    queue the question behind the job itself)."""
+    pending = frozenset(str(int(job_id) + i) for i in range(len(job_layout(plan).components)))  # het components
+    best, goal = plan_on_queue(spec, site, archive, estimator, pending)
+    timeline = replace(goal, snapshot=replace(goal.snapshot, tested={}))
+    mine = timeline.plan_outlook(plan, iteration_s)
+    assert best.queue is not None
+    if plan_shape(best.plan) == plan_shape(plan):
+        return PendingVerdict(False, best, mine.finish_s, mine.start.start_s, 0.0,
+                              "the pending job's plan is still the one that finishes first")
+    gain = (mine.finish_s - best.queue.finish_s) / mine.finish_s if math.isfinite(mine.finish_s) else 1.0
+    move = gain > spec.min_gain
+    reason = (f"pending job: start in {mine.start.start_s:.0f} s ({mine.start.source}), finish in "
+              f"{mine.finish_s:.0f} s; best plan {gpus_by_partition(best.plan)}: start in {best.queue.start_s:.0f} s "
+              f"({best.queue.source}), finish in {best.queue.finish_s:.0f} s; gain {100 * gain:.0f} % "
+              f"{'>' if move else '<='} min_gain {100 * spec.min_gain:.0f} %")
+    return PendingVerdict(move, best, mine.finish_s, mine.start.start_s, gain, reason)

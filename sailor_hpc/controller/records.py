@@ -118,6 +118,12 @@ class PlanChosen(Record):
     plan_file: str | None = None
     iteration_s: float | None = None
     pipelines: int | None = None
+    # objective time, planned on the queue: seconds from queue_read_t to the expected start (and its source:
+    # idle now, squeue timeline, sbatch --test-only, sacct history) and to the expected finish
+    expected_start_s: float | None = None
+    start_source: str | None = None
+    expected_finish_s: float | None = None
+    queue_read_t: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
