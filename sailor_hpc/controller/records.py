@@ -124,6 +124,8 @@ class PlanChosen(Record):
     start_source: str | None = None
     expected_finish_s: float | None = None
     queue_read_t: float | None = None
+    runtime: str | None = None  # who trains the plan (None: a journal without it, megatron_patch)
+    runtime_reason: str | None = None  # run --runtime auto: why this runtime's plan was taken
 
 
 @dataclass(frozen=True, kw_only=True)
