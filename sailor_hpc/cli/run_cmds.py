@@ -25,6 +25,7 @@ from sailor_hpc.controller import Controller, RunDir, RunSpec, new_run_id
 from sailor_hpc.controller.geo_run import GeoRun, across_clusters
 from sailor_hpc.controller.planning import partitions_for_time
 from sailor_hpc.controller.records import encode
+from sailor_hpc.controller.spec import RUN_RUNTIMES
 from sailor_hpc.controller.story import (
     ATTEMPT_HEADER,
     CHANGE_HEADER,
@@ -45,7 +46,7 @@ _FILE = click.Path(dir_okay=False, path_type=Path)
 _DIR = click.Path(file_okay=False, path_type=Path)
 #: options that describe a new run; --resume reads them from run.json instead
 _RUN_OPTIONS = ("site_file", "model", "data", "save", "run_dir", "profiles", "gbs", "seq_len", "dtype", "steps", "objective",
-                "max_cost_per_hour", "max_cost_per_iteration", "min_throughput", "max_gpus", "max_stages", "min_gain",
+                "max_cost_per_hour", "max_cost_per_iteration", "min_throughput", "max_gpus", "max_stages", "runtime", "min_gain",
                 "restart_cost", "max_restarts", "backoff", "poll", "replan_interval", "grow_timeout", "save_interval",
                 "time_limit", "time_min", "signal_grace", "python", "train_arg", "extra_sbatch", *(f.dest for f in FLAGS))
 
@@ -80,7 +81,7 @@ def new_run(opts: dict[str, Any]) -> Path:
                    max_cost_per_hour=opts.get("max_cost_per_hour"),
                    max_cost_per_iteration=opts.get("max_cost_per_iteration"),
                    min_throughput=opts.get("min_throughput"), max_gpus=opts.get("max_gpus"),
-                   max_stages=opts.get("max_stages"), min_gain=parse_gain(opts["min_gain"]),
+                   max_stages=opts.get("max_stages"), runtime=opts["runtime"], min_gain=parse_gain(opts["min_gain"]),
                    restart_cost_s=opts.get("restart_cost"), max_restarts=opts["max_restarts"],
                    backoff_s=opts["backoff"], poll_s=opts["poll"], replan_interval_s=opts["replan_interval"],
                    grow_timeout_s=opts["grow_timeout"],
@@ -135,6 +136,10 @@ def drive(run_dir: Path) -> int:
 @click.option("--min-throughput", type=float, default=None, help="Samples per second.")
 @click.option("--max-gpus", type=int, default=None)
 @click.option("--max-stages", type=int, default=None, help="Most pipeline stages per pipeline.")
+@click.option("--runtime", type=click.Choice(RUN_RUNTIMES), default="megatron_patch",
+              show_default=True, help="Who trains the jobs: deepspeed plans only what DeepSpeed's engine runs; auto "
+                                      "takes DeepSpeed's best plan at each re-plan while it is within --min-gain of "
+                                      "megatron_patch's (docs/deepspeed.md).")
 @click.option("--min-gain", default="10%", show_default=True,
               help="Resize a running job only if the new plan gains this much after the restart cost.")
 @click.option("--restart-cost", type=float, default=None,

@@ -11,14 +11,19 @@ that plan used and the planner asked again.
 Objective time plans a new job on the queue instead (:func:`plan_on_queue`): a plan may wait for a busy
 partition when that finishes first, and while the job pends it is judged again on the current queue
 (:func:`judge_pending`), since the blockers may end sooner or later than their limits said.
+
+A run of runtime ``auto`` searches both runtimes at every re-plan and takes DeepSpeed's best plan while it is
+within ``min_gain`` of megatron_patch's (:func:`_per_runtime`): DeepSpeed is what its users run, and the
+layout-free checkpoint lets the next job resume under either runtime when the free GPUs need a plan DeepSpeed's
+engine cannot express (a heterogeneous one).
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 from planner import PlanRequest
 from planner.entry import plan_search
@@ -38,6 +43,8 @@ from sailor_hpc.slurm.start_estimate import StartEstimator
 
 FreeByNode = Mapping[str, Mapping[str, int]]  # partition -> node -> free GPUs
 TEST_ONLY_TOP = 3  # plans whose start Slurm is asked (sbatch --test-only), as `plan` shows by default
+AUTO_RUNTIMES = ("deepspeed", "megatron_patch")  # what runtime auto searches, preferred first
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -58,11 +65,15 @@ class Planned:
     iteration_s: float
     available: dict[str, int]  # GPUs per partition the planner was given
     queue: QueueOutlook | None = None  # objective time on the queue
+    runtime: str = "megatron_patch"  # who trains the plan
+    runtime_reason: str | None = None  # runtime auto: why this runtime's plan was taken
 
     def summary(self) -> dict[str, Any]:
         out = {"gpus": gpus_by_partition(self.plan), "throughput": self.score.throughput,
                "cost_per_hour": self.score.cost_per_hour, "iteration_s": self.iteration_s,
-               "pipelines": len(self.plan.pipelines)}
+               "pipelines": len(self.plan.pipelines), "runtime": self.runtime}
+        if self.runtime_reason is not None:
+            out["runtime_reason"] = self.runtime_reason
         if self.queue is not None:
             q = self.queue
             out.update(expected_start_s=q.start_s, start_source=q.source, expected_finish_s=q.finish_s,
@@ -130,8 +141,13 @@ def partitions_for_time(time_limit: str | None, site: Site) -> set[str]:
 
 def plan_on(spec: RunSpec, site: Site, archive: ProfileArchive, free: FreeByNode) -> Planned:
     """The planner's best plan for the run on the free GPUs ``free``, placeable now, on partitions that
-    admit the run's time limit."""
+    admit the run's time limit (runtime auto: the runtime chosen as :func:`_per_runtime` says)."""
+    best, runtime, why = _per_runtime(spec, partial(_plan_on, spec, site, archive, free), lambda p: p)
+    return replace(best, runtime=runtime, runtime_reason=why)
 
+
+def _plan_on(spec: RunSpec, site: Site, archive: ProfileArchive, free: FreeByNode, runtime: str) -> Planned:
+    """:func:`plan_on` for one runtime."""
     allowed = partitions_for_time(spec.time_limit, site)
     available = {p.name: int(sum(free.get(p.name, {}).values())) if p.name in allowed else 0 for p in site.partitions}
     for _ in range(1 + sum(available.values())):
@@ -141,16 +157,56 @@ def plan_on(spec: RunSpec, site: Site, archive: ProfileArchive, free: FreeByNode
         goal = (free_now_goal(site, max(1, spec.steps - newest_step(spec.save)), free, time_limit=spec.time_limit,
                               time_min=spec.time_min,
                               restart_cost_s=spec.restart_cost_s) if spec.objective == "time" else None)
-        request = spec.plan_request(available, goal)  # a bad request is bad input (SailorError), not a wait
+        request = spec.plan_request(available, goal, runtime)  # a bad request is bad input (SailorError), not a wait
         best = _search(site, archive, request).candidates[0]
         bad = misfit(best.plan, free)
         if bad is None:
             r = best.result
             return Planned(best.plan, Score(r.throughput_samples_per_s, r.cost_per_hour), r.iteration_time_s,
-                           dict(available))
+                           dict(available), runtime=runtime)
         available[bad] = max(0, min(available[bad], gpus_by_partition(best.plan).get(bad, 0)) - 1)
     raise NoPlanFits(f"no plan fits the free GPUs now ({ {p: sum(n.values()) for p, n in free.items()} })",
                       field="availability", fix="the controller waits for GPUs to become idle")
+
+
+def _measure(objective: str, planned: Planned) -> float:
+    """What the objective minimises for ``planned``: the expected finish on the queue, the cost of a sample, or
+    the time of a sample (throughput, and time on the GPUs free now, where the finish is remaining / throughput)."""
+    if planned.queue is not None:
+        return planned.queue.finish_s
+    if planned.score.throughput <= 0:
+        return math.inf
+    per_sample = 1.0 / planned.score.throughput
+    return per_sample * planned.score.cost_per_hour if objective == "cost" else per_sample
+
+
+def _per_runtime(spec: RunSpec, plan_with: Callable[[str], _T],
+                 planned_of: Callable[[_T], Planned]) -> tuple[_T, str, str | None]:
+    """``plan_with(runtime)`` for the run's runtime; under ``auto`` for both, taking DeepSpeed's plan when its
+    objective measure is within ``min_gain`` of megatron_patch's (or when only one runtime has a plan on these
+    GPUs). Returns the result, its runtime and why (None: the run has one runtime)."""
+    if spec.runtime != "auto":
+        return plan_with(spec.runtime), spec.runtime, None
+    found: dict[str, _T] = {}
+    failed: dict[str, NoPlanFits] = {}
+    for runtime in AUTO_RUNTIMES:
+        try:
+            found[runtime] = plan_with(runtime)
+        except NoPlanFits as exc:
+            failed[runtime] = exc
+    if not found:
+        raise failed["megatron_patch"]  # its plan space holds DeepSpeed's: its reason is the general one
+    if len(found) == 1:
+        (runtime, result), = found.items()
+        other = next(iter(failed))
+        return result, runtime, f"only {runtime} has a plan here ({other}: {failed[other].message})"
+    ds, mp = (_measure(spec.objective, planned_of(found[r])) for r in AUTO_RUNTIMES)
+    behind = ds / mp - 1.0 if math.isfinite(ds) and mp > 0 else math.inf
+    runtime = "deepspeed" if behind <= spec.min_gain else "megatron_patch"
+    what = "expected finish" if planned_of(found["deepspeed"]).queue is not None else spec.objective
+    why = (f"DeepSpeed's best plan is {100 * behind:+.1f} % behind megatron_patch's in {what} "
+           f"({'<=' if runtime == 'deepspeed' else '>'} min_gain {100 * spec.min_gain:.0f} %)")
+    return found[runtime], runtime, why
 
 
 def _search(site: Site, archive: ProfileArchive, request: PlanRequest) -> SearchResult:
@@ -167,7 +223,8 @@ def plan_on_queue(spec: RunSpec, site: Site, archive: ProfileArchive, estimator:
                   pending: frozenset[str] = frozenset()) -> tuple[Planned, TimeGoal]:
     """Objective time: the plan of the run's remaining steps that finishes first on the queue read now (the
     same goal and ranking as ``plan --objective time``), and the goal it was ranked on. ``pending``: the job
-    ids of the run's own pending job, left out of the queue (it is the one being judged, not a blocker)."""
+    ids of the run's own pending job, left out of the queue (it is the one being judged, not a blocker).
+    Runtime auto: the runtime chosen as :func:`_per_runtime` says, on the same queue read."""
     allowed = partitions_for_time(spec.time_limit, site)
     estimator.new_plan()  # each re-plan gets the whole budget of Slurm calls
     snapshot = estimator.snapshot(sorted(allowed))
@@ -177,14 +234,19 @@ def plan_on_queue(spec: RunSpec, site: Site, archive: ProfileArchive, estimator:
                       time_min=spec.time_min, restart_cost_s=60.0 if spec.restart_cost_s is None else spec.restart_cost_s)
     available = {p.name: int(sum(snapshot.node_gpus.get(p.name, {}).values())) if p.name in allowed else 0
                  for p in site.partitions}
-    result = refine(_search(site, archive, spec.plan_request(available, goal)), partial(estimator.test_only, site),
-                    TEST_ONLY_TOP)
-    best, ranked = result.candidates[0], result.request.time_goal
-    assert ranked is not None
-    o = ranked.plan_outlook(best.plan, best.result.iteration_time_s)
-    r = best.result
-    return Planned(best.plan, Score(r.throughput_samples_per_s, r.cost_per_hour), r.iteration_time_s, available,
-                   QueueOutlook(o.start.start_s, o.start.source, o.finish_s, snapshot.taken_at)), ranked
+
+    def on_queue(runtime: str) -> tuple[Planned, TimeGoal]:
+        result = refine(_search(site, archive, spec.plan_request(available, goal, runtime)),
+                        partial(estimator.test_only, site), TEST_ONLY_TOP)
+        best, ranked = result.candidates[0], result.request.time_goal
+        assert ranked is not None
+        o = ranked.plan_outlook(best.plan, best.result.iteration_time_s)
+        r = best.result
+        return Planned(best.plan, Score(r.throughput_samples_per_s, r.cost_per_hour), r.iteration_time_s, available,
+                       QueueOutlook(o.start.start_s, o.start.source, o.finish_s, snapshot.taken_at), runtime), ranked
+
+    (planned, ranked), _, why = _per_runtime(spec, on_queue, lambda t: t[0])
+    return replace(planned, runtime_reason=why), ranked
 
 
 def judge_pending(spec: RunSpec, site: Site, archive: ProfileArchive, estimator: StartEstimator, job_id: str,

@@ -66,7 +66,7 @@ def prepare_attempt(rundir: RunDir, spec: RunSpec, site: Site, plan: Plan, attem
     plan_path.parent.mkdir(parents=True, exist_ok=True)
     plan.save(plan_path)
     options = JobOptions(plan_path=plan_path, work=Training(spec.data, spec.save), steps=spec.steps,
-                         model=spec.model, job_name=name, extra_sbatch=spec.extra_sbatch,
+                         model=spec.model, runtime=spec.runtime_of(plan), job_name=name, extra_sbatch=spec.extra_sbatch,
                          train_args=("--save-interval", str(spec.save_interval), *spec.train_args,
                                      *(("--wait-for", str(gate)) if gate is not None else ())),
                          python=spec.python, limits=Limits(spec.time_limit, spec.time_min, spec.signal_grace_s),

@@ -19,7 +19,9 @@ from typing import Any, get_args, get_origin, get_type_hints
 from planner import Constraints, PlanRequest
 from planner.time_goal import TimeGoal
 from sailor_hpc.core.atomic import atomic_write_text
+from sailor_hpc.core.deepspeed_plan import NOTES_KEY as DEEPSPEED_NOTES
 from sailor_hpc.core.errors import SailorError
+from sailor_hpc.core.plan import Plan
 from sailor_hpc.core.precision import DTYPES
 from sailor_hpc.jobs.render import parse_time_limit
 
@@ -28,6 +30,8 @@ SPEC_VERSION = 1
 #: runtime arguments the controller sets itself (a --train-arg must not fight them)
 RESERVED_TRAIN_ARGS = ("--plan", "--model", "--data", "--save", "--load", "--auto-resume", "--steps",
                        "--save-interval", "--dry-run", "--wait-for")
+#: who trains the run's jobs; auto: at each re-plan DeepSpeed when its best plan is within min_gain of the best
+RUN_RUNTIMES = ("megatron_patch", "deepspeed", "auto")
 
 
 def new_run_id() -> str:
@@ -53,6 +57,7 @@ class RunSpec:
     min_throughput: float | None = None
     max_gpus: int | None = None
     max_stages: int | None = None
+    runtime: str = "megatron_patch"  # one of RUN_RUNTIMES; a run.json without it predates DeepSpeed runs
     min_gain: float = 0.10  # resize only if the new plan is this much better after the restart cost
     restart_cost_s: float | None = None  # None: measured from this run's own restarts
     max_restarts: int = 10  # restarts in a row without a new checkpoint (resizes for more GPUs are free)
@@ -78,6 +83,8 @@ class RunSpec:
 
         if self.dtype not in ("auto", *DTYPES):
             raise bad("--dtype", f"unknown dtype {self.dtype!r}", f"use auto or one of {', '.join(DTYPES)}")
+        if self.runtime not in RUN_RUNTIMES:
+            raise bad("--runtime", f"unknown runtime {self.runtime!r}", f"use one of {', '.join(RUN_RUNTIMES)}")
         if self.objective not in ("throughput", "cost", "time"):
             raise bad("--objective", f"unknown objective {self.objective!r}", "use throughput, cost or time")
         for name in ("steps", "gbs", "max_restarts", "save_interval"):
@@ -150,12 +157,25 @@ class RunSpec:
             raise SailorError(f"not valid JSON: {exc}", file=path) from None
         return cls.from_dict(data, source=str(path))
 
-    def plan_request(self, available: dict[str, int], time_goal: TimeGoal | None = None) -> PlanRequest:
-        """The planner's request for this run on ``available`` GPUs per partition (objective time: ``time_goal``)."""
+    def plan_request(self, available: dict[str, int], time_goal: TimeGoal | None = None,
+                     runtime: str | None = None) -> PlanRequest:
+        """The planner's request for this run on ``available`` GPUs per partition (objective time: ``time_goal``),
+        searched for ``runtime`` (default: the run's; under ``auto``, which searches both, megatron_patch)."""
+        runtime = runtime or (self.runtime if self.runtime != "auto" else "megatron_patch")
         return PlanRequest(model=self.model, global_batch_size=self.gbs, objective=self.objective, time_goal=time_goal,
                            constraints=Constraints(self.max_cost_per_hour, self.max_cost_per_iteration,
                                                    self.min_throughput, self.max_gpus),
-                           available=dict(available), seq_len=self.seq_len, dtype=self.dtype, max_stages=self.max_stages, top_k=1)
+                           available=dict(available), seq_len=self.seq_len, dtype=self.dtype, max_stages=self.max_stages,
+                           top_k=1, runtime=runtime)
+
+    def runtime_of(self, plan: Plan) -> str:
+        """The runtime whose ranks train ``plan``: the run's, or under ``auto`` the one whose search found it
+        (DeepSpeed's search writes its space and ZeRO stage into the plan's notes, which the plan file keeps,
+        so a resumed controller launches the same runtime for the same plan)."""
+        if self.runtime != "auto":
+            return self.runtime
+        space = plan.notes.get("planner", {}).get("space") if isinstance(plan.notes.get("planner"), dict) else None
+        return "deepspeed" if space == "deepspeed" or DEEPSPEED_NOTES in plan.notes else "megatron_patch"
 
 
 def _typed(value: Any, hint: Any, source: str | None, name: str) -> Any:
