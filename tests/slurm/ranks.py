@@ -15,12 +15,13 @@ from pathlib import Path
 
 def rank_pids(plan_file: str | Path) -> list[int]:
     """The training processes of the step started with ``--plan plan_file`` (every fake node runs on this
-    machine); srun and rank_env carry the same arguments, so only ``python -m megatron_patch.launch`` counts."""
+    machine); srun and rank_env carry the same arguments, so only ``python -m`` a runtime's launch module counts."""
     pids = []
     for proc in Path("/proc").iterdir():
         with contextlib.suppress(FileNotFoundError, ProcessLookupError, PermissionError):
             argv = (proc / "cmdline").read_bytes().split(b"\0") if proc.name.isdigit() else []
-            if argv[1:3] == [b"-m", b"megatron_patch.launch"] and str(plan_file).encode() in argv:
+            if argv[1:2] == [b"-m"] and argv[2:3] in ([b"megatron_patch.launch"], [b"megatron_patch.ds_runtime.launch"]) \
+                    and str(plan_file).encode() in argv:
                 pids.append(int(proc.name))
     return pids
 

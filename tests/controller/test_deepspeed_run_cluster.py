@@ -1,0 +1,109 @@
+"""``run --runtime deepspeed`` on the real local Slurm cluster: DeepSpeed trains the run to its end across a restart.
+
+tiny-gpt, global batch 64, at most 2 GPUs (2 CPU ranks), 20 steps, a checkpoint every 5. The controller plans
+among the plans DeepSpeed's engine runs and its job launches ``megatron_patch.ds_runtime.launch``. Once the
+first job has saved a checkpoint its ranks are paused (so the test never races the run's last step) and sent
+SIGTERM, as preemption does: the job saves at the step it is at and exits 75; the controller re-plans and the
+second job, again DeepSpeed, loads that checkpoint and trains to step 20.
+
+Checked against independent facts: both jobs' logs show the DeepSpeed runtime starting (its ``start`` record
+carries DeepSpeed's version) from the DeepSpeed launch module in the job script; the second job loaded the
+step the first saved on its signal; every logged step's loss is the single-process reference's (same
+parameters, same samples) and the final parameters and Adam moments equal the reference's step 20, not its
+step 19.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sailor_hpc.core.checkpoint import latest_complete, read_manifest
+from tests.controller.scenario import (
+    GBS,
+    Scenario,
+    build_inputs,
+    cleaned_up,
+    finish,
+    kind,
+    records_of,
+    start_reference,
+    step_events,
+)
+from tests.slurm import ranks
+
+if importlib.util.find_spec("deepspeed") is None or importlib.util.find_spec("megatron") is None:
+    pytest.skip("needs the deepspeed and runtime extras", allow_module_level=True)
+
+STEPS = 20
+# the reference is one process (megatron_patch.reference): fp32 summation order differs, as in test_resize_cluster
+PARAM_TOL = 5e-6
+MOMENT_TOL = 5e-6
+
+
+@pytest.fixture(scope="module")
+def story(slurm_cluster, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("ds-run")
+    data, archive = build_inputs(root)
+    reference = start_reference(root, data, STEPS)
+    sc = Scenario(slurm_cluster, root, data, archive, steps=STEPS, extra_args=["--runtime", "deepspeed"])
+    with cleaned_up(sc, reference):
+        sc.start_controller()
+        first = sc.wait_for("the first job submitted", kind("submitted", attempt=1), timeout=180)
+        ranks.wait_in_log(Path(first["log"]), '"event": "saved"', timeout=240)
+        ranks.pause(sc.plan_file(1))  # at most a few steps past the first checkpoint
+        sc.slurm("scancel", "--signal=TERM", first["job_id"])  # what preemption (or the time-limit warning) sends
+        ranks.resume(sc.plan_file(1), once_pending=signal.SIGTERM)
+        status = finish(sc, reference)
+        return {"sc": sc, "records": sc.records(), "status": status, "root": root}
+
+
+def test_every_job_is_planned_for_and_launched_by_deepspeed(story):
+    print("\n" + story["status"].stdout)
+    sc = story["sc"]
+    assert json.loads((sc.run_dir / "run.json").read_text())["runtime"] == "deepspeed"
+    plans = records_of(story, "plan")
+    assert len(plans) == 2 and all(p["runtime"] == "deepspeed" for p in plans), plans
+    for attempt in (1, 2):
+        plan = json.loads(sc.plan_file(attempt).read_text())
+        assert plan["notes"]["deepspeed"]["zero_stage"] in (0, 1), plan["notes"]  # the planner's DeepSpeed space
+        assert "-m megatron_patch.ds_runtime.launch" in (sc.run_dir / "scripts" / f"attempt-{attempt:03d}.sbatch").read_text()
+        log = Path(next(r for r in story["records"] if r["kind"] == "submitted" and r["attempt"] == attempt)["log"])
+        starts = [e for e in step_events(log) if e.get("event") == "start"]
+        assert starts and all(e["deepspeed"].startswith("0.19") for e in starts), starts
+
+
+def test_the_second_job_continues_from_the_checkpoint_saved_on_the_signal(story):
+    stopped = next(r for r in records_of(story, "job_stopped") if r["attempt"] == 1)
+    assert stopped["reason"] == "signal_saved", stopped
+    assert 5 <= stopped["step"] < STEPS
+    first2 = next(r for r in records_of(story, "first_step") if r["attempt"] == 2)
+    assert first2["loaded_step"] == stopped["step"] and first2["step"] == stopped["step"] + 1, (first2, stopped)
+    assert records_of(story, "finished")[0]["step"] == STEPS
+    assert [r["attempt"] for r in records_of(story, "submit_intent")] == [1, 2]
+
+
+def test_losses_and_final_state_equal_the_single_process_reference(story):
+    from tests.megatron_patch.conftest import max_diff
+    sc, root = story["sc"], story["root"]
+    ref_losses = json.loads((root / "ref" / "losses.json").read_text())
+    seen: set[int] = set()
+    for attempt in (1, 2):
+        log = Path(next(r for r in story["records"] if r["kind"] == "submitted" and r["attempt"] == attempt)["log"])
+        for e in (e for e in step_events(log) if e.get("event") == "step"):
+            assert abs(e["loss"] - ref_losses[e["step"] - 1]) < 1e-5, (attempt, e)
+            assert e["consumed_samples"] == e["step"] * GBS
+            seen.add(e["step"])
+    assert seen == set(range(1, STEPS + 1))
+    final = latest_complete(sc.save)
+    assert final is not None and read_manifest(final)["step"] == STEPS
+    diff = max_diff(final, root / "ref" / f"ref_step_{STEPS}.pt")
+    print(f"\nDeepSpeed, {STEPS} steps in 2 jobs: max |delta| vs the single-process reference {diff}")
+    assert diff["param"] <= PARAM_TOL
+    assert diff["exp_avg"] <= MOMENT_TOL and diff["exp_avg_sq"] <= MOMENT_TOL
+    one_less = max_diff(final, root / "ref" / f"ref_step_{STEPS - 1}.pt")  # negative control: a step apart
+    assert one_less["param"] > 100 * PARAM_TOL, one_less
