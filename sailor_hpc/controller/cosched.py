@@ -107,6 +107,7 @@ class CoScheduler:
     settle_s: float = 10.0  # after one job ends badly, how long the others get to end too (see _settle)
     poll_s: float = 0.5
     python: str | None = None  # interpreter on the compute nodes (default: the render's)
+    name_prefix: str = "sailor-geo-"  # job names: <prefix><group>-<cluster> (the run's prefix: unique to the run)
     regrow_gate: Callable[[Group, tuple[str, ...]], bool] = lambda group, back: True
     on_event: Callable[[dict[str, Any]], None] = lambda e: None
     events: list[dict[str, Any]] = field(default_factory=list)
@@ -138,12 +139,15 @@ class CoScheduler:
         plan.save(plan_path)
         rdzv = self.directory / f"rendezvous.{attempt}.{uuid.uuid4().hex}"  # fresh: an old one holds an old address
         start = self._newest_step()
+        names = {c: f"{self.name_prefix}{attempt:03d}-{c}" for c in used}
+        # journaled before the first sbatch: a group cut short by a kill or an outage is found by these names
+        self._event("intent", attempt=attempt, job_names=names, start_step=start, plan_file=str(plan_path))
         jobs, envs, logs = {}, {}, {}
         for cluster in used:
             options = JobOptions(plan_path=plan_path, work=Training(self.data, self.save), steps=self.steps,
                                  limits=Limits(self.time_limit), train_args=tuple(self.train_args),
                                  scope=ClusterPart(cluster, rdzv), requeue=False,
-                                 job_name=f"sailor-geo-{attempt}-{cluster}", workdir=self.directory,
+                                 job_name=names[cluster], workdir=self.directory,
                                  python=self.python)
             text = render_job_script(plan, self.site, options)
             env = cluster_submit_env(self.site, cluster, self.env)

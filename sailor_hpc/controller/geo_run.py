@@ -7,7 +7,9 @@ as a journal record (``group_submitted``, ``cluster_dropped``, ``cluster_lost``,
 ``group_recovered``...; numbered by ``group``, folded by :func:`~sailor_hpc.controller.state.apply`), so
 ``sailor-hpc run status`` tells the story, and ``--resume`` after a kill: the last group's jobs still
 pending or running are adopted and watched; else what is left of them is cancelled and the run continues
-from the newest complete checkpoint.
+from the newest complete checkpoint. A group's intent (``group_intent``, its jobs' names unique to the run)
+is journaled before its first ``sbatch``, so a group cut short while submitting is found by name; a Slurm
+outage is waited out with back-off and then handled as such a resume.
 
 The spec's options map onto the co-scheduler: ``--grow-timeout`` bounds how long a cluster's job may stay
 pending, ``--replan-interval`` how soon a cluster that left is tried again, ``--poll`` the polling; and a
@@ -23,7 +25,14 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from sailor_hpc.controller.cosched import CoScheduler, Group, PlanFor, idle_by_node, planner_plan_for
+from sailor_hpc.controller.cosched import (
+    SLURM_BACKOFF_MAX_S,
+    CoScheduler,
+    Group,
+    PlanFor,
+    idle_by_node,
+    planner_plan_for,
+)
 from sailor_hpc.controller.planning import plan_on
 from sailor_hpc.controller.policy import Score, judge, restart_cost
 from sailor_hpc.controller.recorder import EXIT_FINISHED, EXIT_GAVE_UP, EXIT_INTERRUPTED, Recorder
@@ -36,6 +45,7 @@ from sailor_hpc.controller.records import (
     GaveUp,
     GroupAdopted,
     GroupFailed,
+    GroupIntent,
     GroupRecovered,
     GroupRunning,
     GroupStopped,
@@ -44,7 +54,8 @@ from sailor_hpc.controller.records import (
     RegrowDecision,
     Regrown,
 )
-from sailor_hpc.controller.state import RunDir, RunState
+from sailor_hpc.controller.slurm_ops import find_job_by_name
+from sailor_hpc.controller.state import RunDir, RunState, job_name_prefix
 from sailor_hpc.core.archive import open_archive
 from sailor_hpc.core.checkpoint import newest_step
 from sailor_hpc.core.errors import JobFailed, SailorError, SlurmUnavailable
@@ -52,6 +63,7 @@ from sailor_hpc.core.plan import Plan
 from sailor_hpc.core.plan_io import load_plan
 from sailor_hpc.core.site import Site, load_site
 from sailor_hpc.jobs.render import cluster_submit_env
+from sailor_hpc.slurm.commands import controller_answers
 from sailor_hpc.slurm.hostlist import expand_hostlists
 from simulator import SimOptions, simulate
 
@@ -63,6 +75,9 @@ def record_of(event: dict[str, Any]) -> Record:
     """The journal record of one co-scheduler event (its ``attempt`` is the record's ``group``)."""
     group, kind = int(event["attempt"]), event["kind"]
     match kind:
+        case "intent":
+            return GroupIntent(group=group, job_names=event["job_names"], start_step=event["start_step"],
+                               plan_file=event["plan_file"])
         case "submitted":
             return GroupSubmitted(group=group, jobs=event["jobs"], clusters=event["clusters"],
                                   start_step=event["start_step"], plan_file=event["plan_file"])
@@ -125,7 +140,8 @@ class GeoRun(Recorder):
                            train_args=("--save-interval", str(s.save_interval), *s.train_args),
                            time_limit=s.time_limit or "00:30:00", pending_bound_s=s.grow_timeout_s,
                            rejoin_after_s=s.replan_interval_s, poll_s=s.poll_s, python=s.python,
-                           regrow_gate=self._worth_regrowing, on_event=self._on_event)
+                           regrow_gate=self._worth_regrowing, on_event=self._on_event,
+                           name_prefix=job_name_prefix(s.run_id))
 
     def run(self) -> int:
         """Hold the run's lock and drive it; returns 0 (finished), 1 (gave up) or 130 (interrupted)."""
@@ -137,15 +153,7 @@ class GeoRun(Recorder):
                 return EXIT_GAVE_UP
             sched = self.scheduler()
             try:
-                adopt = self._reconcile(sched)
-                if self.state.finished:
-                    return EXIT_FINISHED
-                gone = set(self.state.left)
-                clusters = (adopt.jobs if adopt is not None
-                            else [c.name for c in self.site.clusters if c.name not in gone] or list(gone))
-                first = adopt.attempt if adopt is not None else len(self.state.groups) + 1
-                sched.run(tuple(clusters), max_attempts=self.spec.max_restarts + 1, first_attempt=first,
-                          adopt=adopt, left={c: time.monotonic() - (time.time() - t) for c, t in self.state.left.items()})
+                self._drive(sched)
             except KeyboardInterrupt:
                 self.note(ControllerStopped(reason="interrupted; the jobs keep running (sailor-hpc run --resume)"))
                 return EXIT_INTERRUPTED
@@ -154,23 +162,63 @@ class GeoRun(Recorder):
                 return EXIT_GAVE_UP
             return EXIT_FINISHED
 
+    def _drive(self, sched: CoScheduler) -> None:
+        """Run the co-scheduler from the journal's state until the run finishes. A Slurm outage anywhere (an
+        ``sbatch`` that does not answer, a cancel, a plan's ``sinfo``) is waited out with back-off, said once
+        when it starts and once when every cluster answers again; then the run goes on as a resumed one:
+        the current group, partly submitted or not, is adopted or stopped (:meth:`_reconcile`)."""
+        while True:
+            try:
+                adopt = self._reconcile(sched)
+                if self.state.finished:
+                    return
+                gone = set(self.state.left)
+                clusters = (adopt.jobs if adopt is not None
+                            else [c.name for c in self.site.clusters if c.name not in gone] or list(gone))
+                first = adopt.attempt if adopt is not None else len(self.state.groups) + 1
+                sched.run(tuple(clusters), max_attempts=self.spec.max_restarts + 1, first_attempt=first,
+                          adopt=adopt, left={c: time.monotonic() - (time.time() - t) for c, t in self.state.left.items()})
+                return
+            except SlurmUnavailable as exc:
+                self.note(ErrorSeen(group=len(self.state.groups) or None, message=exc.message,
+                                    where="slurm unavailable"))
+            waits = 0
+            while not self._slurm_answers():
+                waits += 1
+                time.sleep(min(SLURM_BACKOFF_MAX_S, self.spec.poll_s * 2 ** min(waits, 10)))
+            self.note(ErrorSeen(group=len(self.state.groups) or None, message="Slurm answers again",
+                                where="slurm available"))
+
+    def _slurm_answers(self) -> bool:
+        """Whether the slurmctld of every cluster the run may use (not left) answers."""
+        clusters = [c.name for c in self.site.clusters if c.name not in self.state.left]
+        return all(controller_answers(cluster_submit_env(self.site, c, self.env)) for c in clusters)
+
     def _reconcile(self, sched: CoScheduler) -> Group | None:
-        """After a restart: the last group, adopted if every job of it still pends or runs; else stopped."""
+        """After a restart or an outage: the last group, adopted if every cluster's job of it (journaled, or
+        found by its name when the group was cut short while submitting) still pends or runs; else stopped."""
         cur = self.state.current_group
         if cur is None:
             return None
-        envs = {c: cluster_submit_env(self.site, c, self.env) for c in cur.jobs}
+        envs = {c: cluster_submit_env(self.site, c, self.env) for c in cur.clusters}
+        jobs = dict(cur.jobs)
+        for c, name in cur.job_names.items():
+            if c not in jobs and (found := find_job_by_name(self.spec.run_id, name, envs[c], cur.submitted_t)):
+                jobs[c] = found
         submitted = time.monotonic() - (time.time() - cur.submitted_t)  # the journal's clock -> the pending bound's
-        group = Group(cur.number, load_plan(cur.plan_file, site=self.site), dict(cur.jobs), envs, {}, submitted,
+        group = Group(cur.number, load_plan(cur.plan_file, site=self.site), jobs, envs, {}, submitted,
                       cur.start_step)
         states = {c: s.state for c, s in group.poll().items()}
-        if all(st == "COMPLETED" for st in states.values()):
+        whole = set(jobs) == set(cur.clusters)
+        if whole and all(st == "COMPLETED" for st in states.values()):
             self.note(Finished(group=cur.number, step=newest_step(Path(self.spec.save)), states=states))
-        elif all(st in ("PENDING", "RUNNING") for st in states.values()):
-            self.note(GroupAdopted(group=cur.number, jobs=dict(cur.jobs), states=states))
+        elif whole and all(st in ("PENDING", "RUNNING") for st in states.values()):
+            self.note(GroupAdopted(group=cur.number, jobs=dict(jobs), states=states))
             return group
         else:
-            sched.stop(group, f"resumed: not every job runs ({states})")
+            missing = sorted(set(cur.clusters) - set(jobs))
+            sched.stop(group, f"resumed: not every job runs ({states}"
+                              + (f"; never submitted on {', '.join(missing)})" if missing else ")"))
         return None
 
     def _on_event(self, event: dict[str, Any]) -> None:

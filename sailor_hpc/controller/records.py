@@ -42,6 +42,7 @@ class Kind(StrEnum):
     GROW_RUNNING = "grow_running"
     GROW_SUBMITTED = "grow_submitted"
     # a run across clusters (the co-scheduler): one group of jobs per attempt, numbered by ``group``
+    GROUP_INTENT = "group_intent"
     GROUP_SUBMITTED = "group_submitted"
     GROUP_ADOPTED = "group_adopted"
     GROUP_RUNNING = "group_running"
@@ -427,6 +428,18 @@ class ErrorSeen(Record):
 
 
 # --------------------------------------------------------------------------- a run across clusters (groups)
+
+@dataclass(frozen=True, kw_only=True)
+class GroupIntent(Record):
+    """Journaled before the group's first ``sbatch``: the group exists from here on, and each cluster's job is
+    found by its name in ``job_names`` (cluster -> name, unique to the run), also when only some were submitted."""
+
+    kind: ClassVar[Kind] = Kind.GROUP_INTENT
+    group: int
+    job_names: dict[str, str]
+    start_step: int
+    plan_file: str
+
 
 @dataclass(frozen=True, kw_only=True)
 class GroupSubmitted(Record):

@@ -10,6 +10,8 @@ construction.
 Each Slurm job is an *attempt*. Its record of intent (``submit_intent``, with the job name
 ``sailor-<run id>-<attempt>``) is journaled before ``sbatch`` runs, so a controller killed between
 ``sbatch`` and journaling the job id finds the job again by name instead of submitting a duplicate.
+A run across clusters journals the same for each group (``group_intent``: every cluster's job name,
+``sailor-<run id>-<group>-<cluster>``), so a group only partly submitted is found by name too.
 """
 from __future__ import annotations
 
@@ -33,6 +35,8 @@ from sailor_hpc.controller.records import (
     FirstStep,
     GateOpened,
     GaveUp,
+    GroupAdopted,
+    GroupIntent,
     GroupRunning,
     GroupStopped,
     GroupSubmitted,
@@ -262,6 +266,7 @@ class GeoGroup:
     start_step: int
     plan_file: str
     submitted_t: float
+    job_names: dict[str, str] = field(default_factory=dict)  # cluster -> job name (group_intent)
     running_t: float | None = None
     end: str | None = None  # why the co-scheduler stopped it (None: it may still run)
 
@@ -421,9 +426,19 @@ def apply(state: RunState, rec: Record) -> None:
             state.finished = rec
         case GaveUp():
             state.gave_up = rec.reason
+        case GroupIntent():
+            state.groups.append(GeoGroup(number=rec.group, clusters=list(rec.job_names), jobs={},
+                                         start_step=rec.start_step, plan_file=rec.plan_file, submitted_t=t,
+                                         job_names=dict(rec.job_names)))
         case GroupSubmitted():
-            state.groups.append(GeoGroup(number=rec.group, clusters=list(rec.clusters), jobs=dict(rec.jobs),
-                                         start_step=rec.start_step, plan_file=rec.plan_file, submitted_t=t))
+            if state.groups and state.groups[-1].number == rec.group:  # its intent came first
+                group = state.groups[-1]
+                group.clusters, group.jobs, group.submitted_t = list(rec.clusters), dict(rec.jobs), t
+            else:  # a journal without intents
+                state.groups.append(GeoGroup(number=rec.group, clusters=list(rec.clusters), jobs=dict(rec.jobs),
+                                             start_step=rec.start_step, plan_file=rec.plan_file, submitted_t=t))
+        case GroupAdopted():  # its jobs, some found by name only
+            _group(state, rec.group).jobs = dict(rec.jobs)
         case ClusterDropped() | ClusterLost():
             _group(state, rec.group)
             state.left.update({c: t for c in rec.clusters})

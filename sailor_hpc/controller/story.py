@@ -25,6 +25,7 @@ from sailor_hpc.controller.records import (
     GaveUp,
     GroupAdopted,
     GroupFailed,
+    GroupIntent,
     GroupRecovered,
     GroupRunning,
     GroupStopped,
@@ -136,6 +137,9 @@ def describe(rec: Record) -> str:
         case ErrorSeen():
             return f"error ({rec.where}): {rec.message}"
         # a run across clusters (sailor_hpc.controller.geo_run): the co-scheduler's groups
+        case GroupIntent():
+            return (f"group {rec.group}: submitting " + ", ".join(rec.job_names.values())
+                    + f" (from step {rec.start_step})")
         case GroupSubmitted():
             return (f"group {rec.group}: jobs " + ", ".join(f"{c} {j}" for c, j in rec.jobs.items())
                     + f" submitted (from step {rec.start_step})")

@@ -21,7 +21,6 @@ steps, and every step's loss is the reference's (no sample lost or repeated acro
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from typing import Any
@@ -43,7 +42,7 @@ from sailor_hpc.core.toml_writer import dump_toml
 from sailor_hpc.jobs.render import plan_clusters
 from tests.controller.scenario import step_events, wire
 from tests.data.tiny_archive import write_tiny_archive
-from tests.jobs.conftest import A100, REPO, cross_plan, two_lab_doc, two_lab_site
+from tests.jobs.conftest import A100, cross_plan, two_lab_doc, two_lab_site
 from tests.megatron_patch.conftest import ADAM, python
 
 pytestmark = pytest.mark.slurm
@@ -152,15 +151,6 @@ def story(slurm_two_clusters, tmp_path_factory: pytest.TempPathFactory, job_env_
     return out
 
 
-@pytest.fixture(scope="module")
-def job_env_two(slurm_two_clusters, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    lab, _ = slurm_two_clusters
-    env = dict(lab.env)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    env["SAILOR_HPC_STATE_DIR"] = str(tmp_path_factory.mktemp("records"))
-    return env
-
-
 def _kinds(story: dict[str, Any]) -> list[tuple[str, int, Any]]:
     return [(r["kind"], r["group"], r.get("clusters")) for r in story["records"] if "group" in r]
 
@@ -201,7 +191,9 @@ def test_every_group_resumes_from_the_newest_checkpoint_and_matches_the_referenc
     ref_losses = json.loads((root / "ref" / "losses.json").read_text())
     seen: set[int] = set()
     for sub in (r for r in story["records"] if r["kind"] == "group_submitted"):
-        events = [e for log in story["rundir"].path.glob(f"sailor-geo-{sub['group']}-*.out") for e in step_events(log)]
+        logs = [log for c, job in sub["jobs"].items()  # job ids are per cluster: the name tells them apart
+                for log in story["rundir"].path.glob(f"sailor-*-{sub['group']:03d}-{c}-{job}.out")]
+        events = [e for log in logs for e in step_events(log)]
         steps = sorted({e["step"] for e in events if e["event"] == "step"})
         # the runtime's own log: it loaded the newest complete checkpoint there was at submission, and went on
         assert {e["step"] for e in events if e["event"] == "loaded"} == ({sub["start_step"]} if sub["start_step"] else set())

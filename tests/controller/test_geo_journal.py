@@ -15,6 +15,7 @@ from sailor_hpc.controller.planning import plan_on
 from sailor_hpc.controller.records import (
     ClusterDropped,
     ClusterLost,
+    GroupIntent,
     GroupRecovered,
     GroupRunning,
     GroupStopped,
@@ -81,6 +82,23 @@ def test_every_geo_record_has_a_story_line(tmp_path: Path):
     assert lines[6] == "group 2: recovered from dropped in 3.5 s"
     assert lines[7] == "group 2: grow back across lab2: gain 40.0% >= 10%"
     assert all(line not in {str(k) for k in Kind} for line in lines)  # none fell through to the bare kind
+
+
+def test_a_group_is_known_from_its_intent_and_completed_by_its_submission(tmp_path: Path):
+    """The intent makes the group current before any sbatch (a kill or an outage may cut it short there: its
+    jobs are then found by name); its submission fills in the same group, not a second one."""
+    j = Journal(tmp_path / "journal.jsonl", clock=iter(range(100, 200)).__next__)
+    j.append(RunStarted(run_id="g1"))
+    names = {"lab": "sailor-g1-001-lab", "lab2": "sailor-g1-001-lab2"}
+    j.append(GroupIntent(group=1, job_names=names, start_step=0, plan_file="/run/plan.1.json"))
+    cur = fold(read_journal(j.path)).current_group
+    assert cur is not None and (cur.number, cur.clusters, cur.jobs, cur.job_names) == (1, ["lab", "lab2"], {}, names)
+    assert describe(j.records[-1]) == "group 1: submitting sailor-g1-001-lab, sailor-g1-001-lab2 (from step 0)"
+    j.append(GroupSubmitted(group=1, jobs={"lab": "11", "lab2": "7"}, clusters=["lab", "lab2"], start_step=0,
+             plan_file="/run/plan.1.json"))
+    state = fold(read_journal(j.path))
+    assert len(state.groups) == 1 and state.groups[0].jobs == {"lab": "11", "lab2": "7"}
+    assert state.groups[0].job_names == names and state.groups[0].submitted_t == 102.0
 
 
 def test_a_record_of_an_unknown_group_is_refused(tmp_path: Path):

@@ -1,0 +1,108 @@
+"""A run across two real local Slurm clusters whose second slurmctld is down while the first group is submitted.
+
+The group's intent (every cluster's job name, unique to the run) is journaled before the first ``sbatch``;
+lab's job is submitted, lab2's ``sbatch`` does not answer (SlurmUnavailable). The run waits it out with
+back-off like the single-cluster controller (one ``error`` when it starts, one when every cluster answers
+again), then goes on as a resumed run: the half-submitted group, never journaled as submitted, is found in
+Slurm by its jobs' names and stopped, and the next group trains the run to its end. Then: Slurm's accounting
+holds exactly those jobs of the run (nothing submitted twice, nothing left behind) and the final parameters
+equal a single-process reference of the same steps.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sailor_hpc.controller.geo_run import GeoRun
+from sailor_hpc.controller.spec import RunSpec, new_run_id
+from sailor_hpc.controller.state import RunDir
+from sailor_hpc.core.checkpoint import latest_complete, read_manifest
+from sailor_hpc.core.site import load_site
+from sailor_hpc.core.toml_writer import dump_toml
+from tests.controller.scenario import wire
+from tests.data.tiny_archive import write_tiny_archive
+from tests.jobs.conftest import cross_plan, two_lab_doc
+from tests.megatron_patch.conftest import ADAM, python
+
+pytestmark = pytest.mark.slurm
+
+STEPS = 6
+PARAM_TOL = MOMENT_TOL = 5e-6  # as test_cosched_clusters.py
+
+
+def _run_jobs(cluster: Any, prefix: str) -> dict[str, tuple[str, str]]:
+    """The run's jobs in the cluster's accounting: name -> (job id, state)."""
+    acct = cluster.run(["sacct", "-X", "-n", "-P", "-o", "JobID,JobName,State", "-S", "now-1hours"]).stdout
+    rows = [line.split("|") for line in acct.splitlines()]
+    return {r[1]: (r[0], r[2].split()[0]) for r in rows if len(r) == 3 and r[1].startswith(prefix)}
+
+
+def test_a_geo_run_waits_out_an_outage_while_it_submits(slurm_two_clusters, job_env_two, tmp_path: Path) -> None:
+    pytest.importorskip("megatron.core")
+    from tests.megatron_patch.conftest import max_diff
+
+    lab, lab2 = slurm_two_clusters
+    data = str(tmp_path / "data" / "shipped")
+    assert python("-m", "megatron_patch.data", data).returncode == 0
+    ref = python("-m", "megatron_patch.reference", "--model", "tiny-gpt", "--data", data, "--global-batch", "8",
+                 "--steps", str(STEPS), "--snapshots", str(STEPS), "--out", str(tmp_path / "ref"), *ADAM)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    site_file = tmp_path / "two-labs.toml"
+    site_file.write_text(dump_toml(two_lab_doc(lab.lab, lab2.lab, gbps=100.0)))
+    both = cross_plan(load_site(site_file), "a100", "a100_lab2")
+    spec = RunSpec(run_id=new_run_id(), site=str(site_file), model="tiny-gpt", objective="throughput", data=data,
+                   save=str(tmp_path / "ckpt"), steps=STEPS, gbs=8, profiles=str(write_tiny_archive(tmp_path / "tiny.h5")),
+                   grow_timeout_s=120.0, poll_s=0.3, save_interval=1, train_args=tuple(ADAM))
+    rundir = RunDir.create(tmp_path / "run", spec)
+    geo = GeoRun(rundir, job_env_two, plan_for=lambda cs: {("lab", "lab2"): both}[cs])
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["exit"] = geo.run()
+        except Exception as exc:  # noqa: BLE001 - reported below
+            out["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    with lab2.slurmctld_stopped() as t_down:
+        thread.start()
+        deadline = time.monotonic() + 120
+        while not any(r["kind"] == "error" for r in wire(rundir.records())):
+            assert time.monotonic() < deadline and "error" not in out, (out, wire(rundir.records()))
+            time.sleep(0.2)
+        time.sleep(2.0)  # gone for more than one back-off
+    t_up = time.time()
+    thread.join(timeout=300)
+    records = wire(rundir.records())
+    assert not thread.is_alive() and out.get("exit") == 0, (out, records)
+
+    grouped = [(r["kind"], r.get("group")) for r in records if "group" in r]
+    print(f"\nslurmctld of lab2 down {t_up - t_down:.1f} s:", *grouped, sep="\n  ")
+    assert grouped[:4] == [("group_intent", 1), ("error", 1), ("error", 1), ("group_stopped", 1)], grouped
+    assert ("group_submitted", 1) not in grouped and ("group_submitted", 2) in grouped
+    assert grouped[-1] == ("finished", 2)
+    errors = [r for r in records if r["kind"] == "error"]
+    assert [e["where"] for e in errors] == ["slurm unavailable", "slurm available"], errors
+    assert errors[0]["t"] >= t_down and errors[1]["t"] - errors[0]["t"] >= 2.0  # not before it was back
+    first, second = (r for r in records if r["kind"] == "group_intent")
+    prefix = f"sailor-{spec.run_id}-"
+    assert all(n.startswith(prefix) for n in [*first["job_names"].values(), *second["job_names"].values()])
+    # lab's job of the cut-short group was found by its name and stopped; lab2 never got one
+    stopped = next(r for r in records if r["kind"] == "group_stopped" and r["group"] == 1)
+    assert set(stopped["states"]) == {"lab"} and "lab2" in stopped["reason"], stopped
+    submitted = next(r for r in records if r["kind"] == "group_submitted")
+    on_lab, on_lab2 = _run_jobs(lab, prefix), _run_jobs(lab2, prefix)
+    assert set(on_lab) == {first["job_names"]["lab"], second["job_names"]["lab"]}, on_lab
+    assert on_lab[first["job_names"]["lab"]][1] == stopped["states"]["lab"] != "COMPLETED"  # ended by the stop
+    assert on_lab[second["job_names"]["lab"]] == (submitted["jobs"]["lab"], "COMPLETED")
+    assert on_lab2 == {second["job_names"]["lab2"]: (submitted["jobs"]["lab2"], "COMPLETED")}, on_lab2
+
+    final = latest_complete(tmp_path / "ckpt")
+    assert final is not None and read_manifest(final)["step"] == STEPS
+    diff = max_diff(final, tmp_path / "ref" / f"ref_step_{STEPS}.pt")
+    print(f"after {STEPS} steps: max |delta| vs reference {diff}")
+    assert diff["param"] <= PARAM_TOL and diff["exp_avg"] <= MOMENT_TOL and diff["exp_avg_sq"] <= MOMENT_TOL
