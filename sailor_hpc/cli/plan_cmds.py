@@ -33,7 +33,18 @@ def describe_plan(plan: Plan) -> str:
                                 "placement"), plan_rows(plan))
 
 
-@main.group(name="plan", invoke_without_command=True)
+class _PlanGroup(click.Group):
+    """``plan`` takes the arguments of the --sbatch job's --entry script after ``--``, as ``sbatch`` does; a group
+    would read the first of them as a subcommand's name, so they are set aside before click parses the rest."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if "--" in args:
+            cut = args.index("--")
+            args, ctx.meta["entry_args"] = args[:cut], tuple(args[cut + 1:])
+        return super().parse_args(ctx, args)
+
+
+@main.group(name="plan", cls=_PlanGroup, invoke_without_command=True)
 @click.option("--site", "site_file", type=click.Path(dir_okay=False, path_type=Path), help="Site TOML.")
 @click.option("--model", "model_name", help="Model (catalog name or Sailor alias; `sailor-hpc models` lists them).")
 @click.option("--profiles", "archive_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
@@ -68,6 +79,10 @@ def describe_plan(plan: Plan) -> str:
 @click.option("--sbatch", "sbatch_out", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write the sbatch script that trains the best plan (the plan goes to -o, "
                    "default <script>.plan.json next to it).")
+@click.option("--entry", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="With --runtime deepspeed --sbatch: the job runs your own DeepSpeed script on every rank as "
+                   "`python SCRIPT --deepspeed_config DS_CONFIG ARGS...` (ARGS: what follows --) with the best plan's "
+                   "ds_config.json, written next to the script from the training options (as `sbatch --entry`).")
 @click.option("--data", default=None, help="For the --sbatch job: " + DATA_HELP)
 @click.option("--save", default=None, help="Checkpoint directory for the --sbatch job.")
 @click.option("--steps", type=click.IntRange(min=1), default=None,
@@ -97,7 +112,8 @@ def plan_group(ctx: click.Context, site_file: Path | None, model_name: str | Non
                        top_k=opts["top_k"], steps=opts["steps"], time=pop_time_options(opts))
     out = PlanOutputs(plan=opts["output"], pareto=opts["pareto"], sbatch=opts["sbatch_out"],
                       ds_config=opts["ds_config_out"], data=opts["data"], save=opts["save"], train_args=train_args,
-                      train_values=train_values, skip_path_check=opts["skip_path_check"], as_json=opts["as_json"])
+                      train_values=train_values, skip_path_check=opts["skip_path_check"], as_json=opts["as_json"],
+                      entry=opts["entry"], entry_args=ctx.meta.get("entry_args", ()))
     run_planner(query, out)
 
 

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -15,17 +15,18 @@ from planner.entry import plan_search
 from planner.geo import gpus_per_cluster
 from planner.pareto import plot_pareto
 from planner.time_pareto import plot_time_pareto
+from sailor_hpc.cli.job_cmds import _ds_config_file, _entry_script
 from sailor_hpc.cli.output import echo_json, memory_by_gpu_type_cell, table
 from sailor_hpc.cli.time_planning import TimeOptions, echo_time, refine, time_goal, time_json, timed_job
 from sailor_hpc.cli.training_options import job_work
 from sailor_hpc.core.archive import open_archive
-from sailor_hpc.core.atomic import removed_on_error
+from sailor_hpc.core.atomic import atomic_write_text, removed_on_error
 from sailor_hpc.core.deepspeed_plan import zero_stage_of
 from sailor_hpc.core.ds_config import write_ds_config
 from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.models import get_model
 from sailor_hpc.core.site import Site, load_site
-from sailor_hpc.jobs.options import JobOptions
+from sailor_hpc.jobs.options import JobOptions, UserEntry
 from sailor_hpc.jobs.render import render_job_script, write_job_script
 from sailor_hpc.slurm.discover import live_availability
 
@@ -108,7 +109,8 @@ class PlanSearch:
 @dataclass(frozen=True)
 class PlanOutputs:
     """What ``sailor-hpc plan`` writes besides its report: the best plan, a Pareto plot, the job that trains the
-    best plan and its DeepSpeed config. ``data``/``save``/``train_args``/``skip_path_check`` are the job's."""
+    best plan and its DeepSpeed config. ``data``/``save``/``train_args``/``skip_path_check`` are the job's;
+    ``entry``/``entry_args``: the job runs the user's DeepSpeed script instead, with the best plan's config."""
 
     plan: Path | None = None
     pareto: Path | None = None
@@ -120,6 +122,8 @@ class PlanOutputs:
     train_values: Mapping[str, Any] = field(default_factory=dict)  # the training options, for --ds-config
     skip_path_check: bool = False
     as_json: bool = False
+    entry: Path | None = None
+    entry_args: tuple[str, ...] = ()
 
     def plan_path(self) -> Path | None:
         """Where the best plan goes: -o, else <script>.plan.json next to the --sbatch script."""
@@ -131,13 +135,22 @@ class PlanOutputs:
 def _sbatch_job(query: PlanSearch, out: PlanOutputs) -> JobOptions | None:
     """The --sbatch job's options, checked before the search, not after it (plan has no --dry-run)."""
     plan_path = out.plan_path()
+    if out.entry is None and out.entry_args:
+        raise SailorError(f"arguments after -- ({' '.join(out.entry_args)}) are a user script's, given with --entry",
+                          field="--entry", fix="add --runtime deepspeed --sbatch FILE --entry SCRIPT")
+    if out.entry is not None and out.sbatch is None:
+        raise SailorError("--entry is the script of the --sbatch job", field="--entry", fix="add --sbatch FILE")
     if out.sbatch is None or plan_path is None:
         return None
     steps = query.steps or DEFAULT_STEPS
+    runtime = "deepspeed" if query.runtime == "deepspeed" else "megatron_patch"
+    if out.entry is not None:  # the config's path names its content, known once the best plan is: see run_planner
+        script = _entry_script(out.entry, out.skip_path_check, data=out.data, save=out.save)
+        work = UserEntry(script, plan_path.absolute().with_suffix(".ds_config.json"), out.entry_args)
+        return JobOptions(plan_path=plan_path.absolute(), work=work, steps=steps, runtime=runtime)
     return JobOptions(plan_path=plan_path.absolute(),
                       work=job_work(out.data, out.save, None, steps, dry_run=False, skip=out.skip_path_check),
-                      steps=steps, train_args=out.train_args,
-                      runtime="deepspeed" if query.runtime == "deepspeed" else "megatron_patch")
+                      steps=steps, train_args=out.train_args, runtime=runtime)
 
 
 def run_planner(query: PlanSearch, out: PlanOutputs) -> None:
@@ -176,10 +189,20 @@ def run_planner(query: PlanSearch, out: PlanOutputs) -> None:
         if goal is not None:
             job = timed_job(job, result, best)
         plan_file = Path(job.plan_path)
-        with removed_on_error(plan_file):  # no script: no plan file left behind for it either
+        config: tuple[Path, str] | None = None
+        if isinstance(job.work, UserEntry):  # refused (engine, schedule, optimizer) before any file is written
+            config = _ds_config_file(best.plan, dict(out.train_values), job.steps, sbatch_out.parent, plan_file.stem)
+            job = replace(job, work=replace(job.work, ds_config=config[0]))
+        with ExitStack() as undo:  # no script: no plan file or config left behind for it either
+            undo.enter_context(removed_on_error(plan_file))
             best.plan.save(plan_file)
+            if config is not None:
+                undo.enter_context(removed_on_error(config[0]))
+                atomic_write_text(*config)
             script = render_job_script(best.plan, site, job)
         write_job_script(sbatch_out, script)
+        if config is not None and not as_json:
+            click.echo(f"its DeepSpeed config for --entry written to {config[0]} (the job reads it)")
     elif output is not None:
         best.plan.save(output)
     if pareto is not None:
