@@ -21,7 +21,7 @@ import time
 import warnings
 from typing import Any
 
-from megatron_patch.launch import checked_data, emit, exit_now, memory_record, parse_args, role_record
+from megatron_patch.launch import _wait_for, checked_data, emit, exit_now, memory_record, parse_args, role_record
 from megatron_patch.options import TrainOptions, adam_from_args, check_train_args, schedule_from_args
 from sailor_hpc.core.deepspeed_plan import check_engine_plan, zero_stage_of
 from sailor_hpc.core.dist_env import EXIT_BAD_INPUT, EXIT_DONE, EXIT_SAVED_ON_SIGNAL, DistEnv, read_env
@@ -88,6 +88,8 @@ def train(args: argparse.Namespace, plan: Plan, env: DistEnv, role: Role) -> int
                         schedule=schedule_from_args(args, plan.global_batch_size, args.steps))
     trainer = DsTrainer(plan, train_data, opts, device, valid=valid_data)
     emit({"event": "ready", **base, "params": sum(getattr(p, "ds_numel", p.numel()) for p in trainer.params.values())})
+    if args.wait_for:  # a job started beside the one it replaces (the controller's grow): load only once that is gone
+        _wait_for(args.wait_for, base)
     if args.load or (args.auto_resume and args.save):
         t0 = time.perf_counter()
         path = checkpoint_io.load(trainer, args.load or args.save, missing_ok=args.load is None)
