@@ -107,3 +107,64 @@ def test_losses_and_final_state_equal_the_single_process_reference(story):
     assert diff["exp_avg"] <= MOMENT_TOL and diff["exp_avg_sq"] <= MOMENT_TOL
     one_less = max_diff(final, root / "ref" / f"ref_step_{STEPS - 1}.pt")  # negative control: a step apart
     assert one_less["param"] > 100 * PARAM_TOL, one_less
+
+
+# ----------------------------------------------------------------------------------------------- runtime auto
+AUTO_STEPS = 60  # the first job's ranks are paused after its first step: the rest leaves the grow steps to act on
+
+
+@pytest.fixture(scope="module")
+def auto_story(slurm_cluster, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """``--runtime auto --min-gain 1%``: with one A100 idle megatron_patch's heterogeneous plan (1 A100 + 1 V100) is
+    3.5 % ahead of DeepSpeed's best (tests/controller/test_deepspeed_run.py), so the first job is megatron_patch's.
+    A blocker ends: on 2 A100 DeepSpeed's plan is as fast as megatron_patch's, so the bigger job the controller
+    starts beside the running one is DeepSpeed's, and it loads the checkpoint megatron_patch saved on SIGUSR1."""
+    root = tmp_path_factory.mktemp("auto-run")
+    data, archive = build_inputs(root)
+    reference = start_reference(root, data, AUTO_STEPS)
+    sc = Scenario(slurm_cluster, root, data, archive, steps=AUTO_STEPS,
+                  extra_args=["--runtime", "auto", "--min-gain", "1%"])
+    with cleaned_up(sc, reference):
+        sc.blocker("a100-1", 3)
+        b_a100 = sc.blocker("a100-2", 4)
+        sc.start_controller()
+        sc.wait_for("the first step", kind("first_step", attempt=1), timeout=180)
+        ranks.pause(sc.plan_file(1))
+        sc.slurm("scancel", b_a100)
+        sc.wait_for("the bigger job submitted", kind("grow_submitted"), timeout=120)
+        sc.wait_for("the old job asked to hand over", kind("signal_sent", reason="resize"), timeout=240)
+        ranks.resume(sc.plan_file(1), once_pending=signal.SIGUSR1)
+        status = finish(sc, reference)
+        return {"sc": sc, "records": sc.records(), "status": status, "root": root}
+
+
+def test_auto_moves_from_megatron_patch_to_deepspeed_through_the_checkpoint(auto_story):
+    print("\n" + auto_story["status"].stdout)
+    sc, records = auto_story["sc"], auto_story["records"]
+    plans = records_of(auto_story, "plan")
+    assert [p["runtime"] for p in plans] == ["megatron_patch", "deepspeed"], plans
+    assert plans[0]["gpus"] == {"a100": 1, "v100": 1} and plans[1]["gpus"] == {"a100": 2}
+    assert all("min_gain 1 %" in p["runtime_reason"] for p in plans), plans
+    for attempt, module in ((1, "megatron_patch.launch"), (2, "megatron_patch.ds_runtime.launch")):
+        assert f"-m {module} " in (sc.run_dir / "scripts" / f"attempt-{attempt:03d}.sbatch").read_text()
+    stopped = next(r for r in records_of(auto_story, "job_stopped") if r["attempt"] == 1)
+    first2 = next(r for r in records_of(auto_story, "first_step") if r["attempt"] == 2)
+    assert stopped["reason"] == "resize" and first2["loaded_step"] == stopped["step"], (stopped, first2)
+    grow = next(r for r in records if r["kind"] == "grow_submitted")
+    assert grow["next_attempt"] == 2
+    events2 = step_events(Path(grow["log"]))
+    assert [e["runtime"] for e in events2 if e.get("event") == "start"] == ["deepspeed", "deepspeed"]
+    for rank in (0, 1):  # each rank waited for the gate before loading: megatron_patch's job was gone by then
+        mine = [e["event"] for e in events2 if e.get("rank") == rank and e.get("event") in ("waiting", "go", "loaded")]
+        assert mine == ["waiting", "go", "loaded"], (rank, mine)
+    ref_losses = json.loads((auto_story["root"] / "ref" / "losses.json").read_text())
+    for e in (e for e in events2 if e.get("event") == "step"):
+        assert abs(e["loss"] - ref_losses[e["step"] - 1]) < 1e-5, e
+    from tests.megatron_patch.conftest import max_diff
+    final = latest_complete(sc.save)
+    assert final is not None and read_manifest(final)["step"] == AUTO_STEPS
+    diff = max_diff(final, auto_story["root"] / "ref" / f"ref_step_{AUTO_STEPS}.pt")
+    print(f"\nmegatron_patch (1 A100 + 1 V100) then DeepSpeed (2 A100), {AUTO_STEPS} steps: max |delta| vs the "
+          f"single-process reference {diff}")
+    assert diff["param"] <= PARAM_TOL
+    assert diff["exp_avg"] <= MOMENT_TOL and diff["exp_avg_sq"] <= MOMENT_TOL
