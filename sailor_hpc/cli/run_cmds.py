@@ -70,6 +70,9 @@ def new_run(opts: dict[str, Any]) -> Path:
     site_path = opts["site_file"].absolute()
     site = load_site(site_path)
     partitions_for_time(opts.get("time_limit"), site)  # a --time no partition admits: refused now
+    if opts["runtime"] != "megatron_patch" and across_clusters(site):  # the co-scheduler launches megatron_patch
+        raise SailorError(f"--runtime {opts['runtime']} is for a site of one cluster; {site_path} has several",
+                          field="--runtime", fix="leave out --runtime (megatron_patch), or give a site of one cluster")
     profiles = str(Path(opts["profiles"]).absolute()) if opts.get("profiles") else None
     open_archive(profiles, site)  # a missing archive is an error now, not in the loop
     data = absolute_blend(opts["data"])

@@ -21,6 +21,7 @@ from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.plan_io import load_plan
 from sailor_hpc.core.site import load_site
 from tests.controller.scenario import GBS, LOCAL_LAB, MODEL
+from tests.controller.test_cli import cli
 from tests.data.tiny_archive import write_tiny_archive
 
 ONE_A100 = {"a100": {"a100-1": 1}, "v100": {"v100-1": 8}}
@@ -85,3 +86,15 @@ def test_the_job_launches_the_plans_runtime(lab, tmp_path: Path) -> None:
         assert f"-m {module} " in script.read_text()
         # the plan file keeps what chose the runtime: a resumed controller launches the same one
         assert run.runtime_of(load_plan(plan_path)) == ("deepspeed" if runtime == "auto" else "megatron_patch")
+
+
+@pytest.mark.parametrize("extra", [["--runtime", "horovod"],
+                                   ["--runtime", "deepspeed", "--site", str(LOCAL_LAB.with_name("gcp-multizone.toml"))]])
+def test_run_refuses_a_runtime_it_cannot_run_with_exit_2(lab, tmp_path: Path, extra: list[str]) -> None:
+    root, _, _, _ = lab
+    proc = cli("run", "--site", str(LOCAL_LAB), "--profiles", str(root / "tiny.h5"), "--model", MODEL,
+               "--data", str(tmp_path / "d"), "--save", str(tmp_path / "ckpt"), *extra)
+    assert proc.returncode == 2 and "--runtime" in proc.stderr, proc.stderr
+    assert not (tmp_path / "ckpt" / "controller").exists()
+    resumed = cli("run", "--resume", str(tmp_path), "--runtime", "deepspeed")  # run.json has it
+    assert resumed.returncode == 2 and "no run options (runtime)" in resumed.stderr, resumed.stderr
