@@ -11,6 +11,9 @@ carries DeepSpeed's version) from the DeepSpeed launch module in the job script;
 step the first saved on its signal; every logged step's loss is the single-process reference's (same
 parameters, same samples) and the final parameters and Adam moments equal the reference's step 20, not its
 step 19.
+
+``run --runtime auto --min-gain 1%`` (:func:`auto_story`): megatron_patch's heterogeneous plan first, then the
+controller's grow onto DeepSpeed's plan, which loads megatron_patch's checkpoint; compared with the reference too.
 """
 from __future__ import annotations
 
