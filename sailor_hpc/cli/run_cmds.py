@@ -22,7 +22,6 @@ from sailor_hpc.cli.app import main
 from sailor_hpc.cli.output import echo_json, json_option, table
 from sailor_hpc.cli.training_options import DATA_HELP, absolute_blend, pop_training_args, training_options
 from sailor_hpc.controller import Controller, RunDir, RunSpec, new_run_id
-from sailor_hpc.controller.geo_run import GeoRun, across_clusters
 from sailor_hpc.controller.planning import partitions_for_time
 from sailor_hpc.controller.records import encode
 from sailor_hpc.controller.spec import RUN_RUNTIMES
@@ -110,10 +109,7 @@ def drive(run_dir: Path) -> int:
 
     previous = signal.signal(signal.SIGTERM, on_term)
     try:
-        rundir = RunDir.existing(run_dir)
-        if across_clusters(load_site(rundir.spec().site)):  # one job per cluster: the co-scheduler drives it
-            return GeoRun(rundir, echo=echo).run()
-        return Controller(rundir, echo=echo).run()
+        return Controller(RunDir.existing(run_dir), echo=echo).run()
     finally:
         signal.signal(signal.SIGTERM, previous)
 

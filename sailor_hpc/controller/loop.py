@@ -37,6 +37,7 @@ a job submitted just before the kill by its name.
 """
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -53,6 +54,7 @@ from sailor_hpc.controller.events import (
     node_states,
     own_gpus,
 )
+from sailor_hpc.controller.groups import Groups, PlanFor, across_clusters, planner_plan_for
 from sailor_hpc.controller.grow import GrowBeside
 from sailor_hpc.controller.planning import Planned, judge_pending, plan_on, plan_on_queue
 from sailor_hpc.controller.policy import Score, Verdict, judge, plan_shape, restart_cost
@@ -89,7 +91,7 @@ from sailor_hpc.controller.records import (
 from sailor_hpc.controller.state import RESIZE_REASON, Attempt, RunDir, RunState, job_name
 from sailor_hpc.core.archive import open_archive
 from sailor_hpc.core.checkpoint import latest_complete, read_manifest
-from sailor_hpc.core.errors import NoPlanFits, SailorError, SlurmUnavailable
+from sailor_hpc.core.errors import JobFailed, NoPlanFits, SailorError, SlurmUnavailable
 from sailor_hpc.core.plan import Plan
 from sailor_hpc.core.plan_io import load_plan
 from sailor_hpc.core.runtime_events import InPlace, InPlaceRefused, RuntimeEvent, event_fields
@@ -111,15 +113,18 @@ SLURM_BACKOFF_MAX_S = 30.0  # the longest wait between polls while Slurm does no
 DRAIN_REASON = "node draining"
 
 
-class Controller(Recorder, GrowBeside):
-    """Drives one run (a run directory) until it is finished or gives up."""
+class Controller(Recorder, GrowBeside, Groups):
+    """Drives one run (a run directory) until it is finished or gives up.
+
+    ``plan_for`` replaces the planner of a run across clusters (tests give fixed plans per set of clusters)."""
 
     def __init__(self, rundir: RunDir, env: Mapping[str, str] | None = None, *,
                  echo: Callable[[str], None] | None = None, clock: Callable[[], float] = time.time,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
+                 sleep: Callable[[float], None] = time.sleep, plan_for: PlanFor | None = None) -> None:
         self.rundir = rundir
         self.spec = rundir.spec()
         self.env = env
+        self.genv = dict(os.environ if env is None else env)
         self.echo = echo or (lambda _line: None)
         self.clock = clock
         self.sleep = sleep
@@ -136,6 +141,10 @@ class Controller(Recorder, GrowBeside):
         self._malformed: dict[int, list[str]] = {}  # log lines journaled as malformed, per attempt
         self.estimator = StartEstimator(env)  # objective time: the queue, read within its budget per plan
         self._queue_judged_t = 0.0  # when a pending job was last judged against the queue
+        self.fixed_plans = plan_for
+        self.plan_for = plan_for or planner_plan_for(self.spec, self.site, self.archive, self.genv)
+        self._trigger: tuple[str, float] | None = None  # a group's change whose recovery is not yet measured
+        self._left: dict[str, float] = {}
 
     # ------------------------------------------------------------------------------------------ journal
 
@@ -152,31 +161,44 @@ class Controller(Recorder, GrowBeside):
         with self.rundir.lock():
             self.begin()
             try:
+                if across_clusters(self.site):  # an attempt is a group of jobs, one per cluster
+                    return self._run_across()
                 if not (self.state.finished or self.state.gave_up):
                     self.reconcile()
                 return self.loop()
             except KeyboardInterrupt:
-                self.note(ControllerStopped(reason="interrupted; the job keeps running (sailor-hpc run --resume)"))
+                self.note(ControllerStopped(reason="interrupted; the jobs keep running (sailor-hpc run --resume)"))
                 return EXIT_INTERRUPTED
+
+    def _run_across(self) -> int:
+        if self.state.finished:
+            return EXIT_FINISHED
+        if self.state.gave_up:
+            return EXIT_GAVE_UP
+        try:
+            self.drive_groups()
+        except (JobFailed, SailorError) as exc:  # every cluster left, or bad input: retrying cannot help
+            self.note(GaveUp(reason=str(exc)))
+            return EXIT_GAVE_UP
+        return EXIT_FINISHED
+
+    def wait_for_slurm(self, answers: Callable[[], bool]) -> None:
+        """Wait, with back-off (poll x 2^k, at most ``SLURM_BACKOFF_MAX_S``), until ``answers()``."""
+        waits = 0
+        while True:
+            waits += 1
+            self.sleep(min(SLURM_BACKOFF_MAX_S, self.spec.poll_s * 2 ** min(waits, 10)))
+            if answers():
+                return
 
     def loop(self) -> int:
         """Poll until the run is finished or gives up. Slurm not answering is waited out, with back-off
         (journaled once per outage); bad input (a SailorError) ends the run: retrying cannot fix it."""
-        unavailable = 0  # polls in a row on which Slurm did not answer
         while True:
             if self.state.finished:
                 return EXIT_FINISHED
             if self.state.gave_up:
                 return EXIT_GAVE_UP
-            if unavailable:
-                # Slurm's return is journaled before what it then reports (a job that finished meanwhile)
-                if not controller_answers(self.env):
-                    unavailable += 1
-                    self.sleep(min(SLURM_BACKOFF_MAX_S, self.spec.poll_s * 2 ** min(unavailable, 10)))
-                    continue
-                unavailable = 0
-                self.note(ErrorSeen(message="Slurm answers again", where="slurm available"))
-                self._said.pop(Kind.ERROR, None)  # a later outage is journaled again
             cur = self.state.current
             try:
                 if cur is None:
@@ -184,9 +206,11 @@ class Controller(Recorder, GrowBeside):
                 else:
                     self.watch(cur)
             except SlurmUnavailable as exc:
-                unavailable += 1
                 self.note_once(ErrorSeen(message=exc.message, where="slurm unavailable"))
-                self.sleep(min(SLURM_BACKOFF_MAX_S, self.spec.poll_s * 2 ** min(unavailable, 10)))
+                self.wait_for_slurm(lambda: controller_answers(self.env))
+                # Slurm's return is journaled before what it then reports (a job that finished meanwhile)
+                self.note(ErrorSeen(message="Slurm answers again", where="slurm available"))
+                self._said.pop(Kind.ERROR, None)  # a later outage is journaled again
                 continue
             except SailorError as exc:  # bad input (a deterministic refusal): retrying cannot fix it
                 self.note(GaveUp(reason=str(exc)))

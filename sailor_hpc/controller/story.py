@@ -136,7 +136,7 @@ def describe(rec: Record) -> str:
             return f"gave up: {rec.reason}"
         case ErrorSeen():
             return f"error ({rec.where}): {rec.message}"
-        # a run across clusters (sailor_hpc.controller.geo_run): the co-scheduler's groups
+        # a run across clusters (sailor_hpc.controller.groups): attempts that are groups of jobs
         case GroupIntent():
             return (f"group {rec.group}: submitting " + ", ".join(rec.job_names.values())
                     + f" (from step {rec.start_step})")

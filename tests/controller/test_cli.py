@@ -122,7 +122,7 @@ def test_replans_only_on_partitions_that_admit_the_time_limit(archive: Path):
 
 
 def test_a_site_of_several_clusters_is_run_by_the_co_scheduler(tmp_path: Path, archive: Path):
-    """``sailor-hpc run`` on two clusters hands the run to GeoRun (journaled): here no Slurm command can be
+    """``sailor-hpc run`` on two clusters runs groups of one job per cluster (journaled): here no Slurm command can be
     found (an empty PATH: a missing slurm.conf would make sinfo retry for a minute), so it gives up at once,
     saying so, with exit 1 and a run status to read."""
     from sailor_hpc.core.toml_writer import dump_toml

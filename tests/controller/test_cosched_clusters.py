@@ -1,7 +1,7 @@
 """``sailor-hpc run`` on two real local Slurm clusters: drop a pending cluster, lose one, grow back, resume.
 
 One run of tiny-gpt (CPU ranks, global batch 8) whose preferred plan crosses ``lab`` and ``lab2``
-(pipeline across the clusters, data parallelism across them), driven by :class:`GeoRun` (what
+(pipeline across the clusters, data parallelism across them), driven by the :class:`Controller` (what
 ``sailor-hpc run`` calls for a site of several clusters) from a run directory, with fixed plans (the
 planner's own choice is tested below), told by the run's journal:
 
@@ -10,7 +10,7 @@ planner's own choice is tested below), told by the run's journal:
 2. The blocker ends: lab2 has idle GPUs again; once the lab-only group saved a checkpoint, the min-gain policy
    judges the plan across both (35 % more samples/s, simulated as megatron_patch) worth it, the group
    checkpoints and stops, and the run continues across both clusters (growth).
-3. The co-scheduler is killed once that group runs; ``--resume`` (a new GeoRun on the run directory) adopts
+3. The co-scheduler is killed once that group runs; ``--resume`` (a new Controller on the run directory) adopts
    the running jobs.
 4. lab2's job is cancelled mid-run (a lost cluster): the group is cancelled, the run continues on lab from
    the newest complete checkpoint, and comes back across both clusters.
@@ -29,8 +29,8 @@ import pytest
 from click.testing import CliRunner
 
 from sailor_hpc.cli.app import main
-from sailor_hpc.controller.cosched import idle_by_node, planner_plan_for
-from sailor_hpc.controller.geo_run import GeoRun
+from sailor_hpc.controller import Controller
+from sailor_hpc.controller.groups import idle_by_node, planner_plan_for
 from sailor_hpc.controller.spec import RunSpec, new_run_id
 from sailor_hpc.controller.state import RunDir
 from sailor_hpc.core.archive import EMBEDDED_ARCHIVE, read_archive
@@ -55,7 +55,7 @@ class Killed(BaseException):
     """The co-scheduler dies here: nothing more is journaled, the lock is released, its jobs keep running."""
 
 
-def _kill_when_group_runs(geo: GeoRun, group: int) -> None:
+def _kill_when_group_runs(geo: Controller, group: int) -> None:
     on_event = geo._on_event
 
     def dying(event: dict[str, Any]) -> None:
@@ -96,7 +96,7 @@ def story(slurm_two_clusters, tmp_path_factory: pytest.TempPathFactory, job_env_
     out: dict[str, Any] = {"exits": []}
 
     def start(kill_at: int | None = None) -> threading.Thread:
-        geo = GeoRun(rundir, job_env_two, plan_for=lambda cs: plans[cs])
+        geo = Controller(rundir, job_env_two, plan_for=lambda cs: plans[cs])
         if kill_at is not None:
             _kill_when_group_runs(geo, kill_at)
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from planner.geo import geo_search
-from sailor_hpc.controller.cosched import Group
-from sailor_hpc.controller.geo_run import GeoRun
+from sailor_hpc.controller import Controller
+from sailor_hpc.controller.groups import Group
 from sailor_hpc.controller.journal import Journal, Kind, read_journal
 from sailor_hpc.controller.planning import plan_on
 from sailor_hpc.controller.records import (
@@ -38,7 +38,7 @@ from tests.jobs.conftest import A100, cross_plan, two_lab_doc, two_lab_site
 
 
 def _geo_story(j: Journal) -> None:
-    """The co-scheduler's records of test_cosched_clusters.py's first three groups, as geo_run journals them."""
+    """The co-scheduler's records of test_cosched_clusters.py's first three groups, as the controller journals them."""
     j.append(RunStarted(run_id="g1"))
     j.append(GroupSubmitted(group=1, jobs={"lab": "11", "lab2": "7"}, clusters=["lab", "lab2"], start_step=0,
              plan_file="/run/plan.1.json"))
@@ -135,7 +135,7 @@ def test_growing_back_must_pay_for_its_restart(tmp_path: Path, restart_cost_s: f
     lab = place_plan(Plan("tiny-gpt", 8, (Pipeline(2, 4, (Stage(0, 2, 1, A100, "a100"), Stage(3, 5, 1, A100, "a100"))),)),
                      site)
     both = cross_plan(site, "a100", "a100_lab2")
-    geo = GeoRun(RunDir.create(tmp_path / "run", spec), {}, plan_for=lambda cs: {("lab", "lab2"): both}[cs])
+    geo = Controller(RunDir.create(tmp_path / "run", spec), {}, plan_for=lambda cs: {("lab", "lab2"): both}[cs])
     geo.journal = geo.rundir.journal()
     grows = geo._worth_regrowing(Group(1, lab, {"lab": "1"}, {}, {}, 0.0, 0), ("lab2",))
     # scored as the planner scores plans: as megatron_patch, which runs them (not Sailor's measured runtime)

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from sailor_hpc.controller.geo_run import GeoRun
+from sailor_hpc.controller import Controller
 from sailor_hpc.controller.spec import RunSpec, new_run_id
 from sailor_hpc.controller.state import RunDir
 from sailor_hpc.core.checkpoint import latest_complete, read_manifest
@@ -58,7 +58,7 @@ def test_a_geo_run_waits_out_an_outage_while_it_submits(slurm_two_clusters, job_
                    save=str(tmp_path / "ckpt"), steps=STEPS, gbs=8, profiles=str(write_tiny_archive(tmp_path / "tiny.h5")),
                    grow_timeout_s=120.0, poll_s=0.3, save_interval=1, train_args=tuple(ADAM))
     rundir = RunDir.create(tmp_path / "run", spec)
-    geo = GeoRun(rundir, job_env_two, plan_for=lambda cs: {("lab", "lab2"): both}[cs])
+    geo = Controller(rundir, job_env_two, plan_for=lambda cs: {("lab", "lab2"): both}[cs])
     out: dict[str, Any] = {}
 
     def run() -> None:
