@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from sailor_hpc.controller import records
 from sailor_hpc.controller.planning import plan_on
 from sailor_hpc.controller.policy import Score, judge, restart_cost
 from sailor_hpc.controller.records import (
@@ -38,13 +39,6 @@ from sailor_hpc.controller.records import (
     ClusterLost,
     ErrorSeen,
     Finished,
-    GroupAdopted,
-    GroupFailed,
-    GroupIntent,
-    GroupRecovered,
-    GroupRunning,
-    GroupStopped,
-    GroupSubmitted,
     Record,
     RegrowDecision,
     Regrown,
@@ -202,7 +196,7 @@ class Groups:
         if whole and all(st == "COMPLETED" for st in states.values()):
             self.note(Finished(group=cur.number, step=newest_step(Path(self.spec.save)), states=states))
         elif whole and all(st in ("PENDING", "RUNNING") for st in states.values()):
-            self.note(GroupAdopted(group=cur.number, jobs=dict(jobs), states=states))
+            self.note(records.GroupAdopted(group=cur.number, jobs=dict(jobs), states=states))
             return group
         else:
             missing = sorted(set(cur.clusters) - set(jobs))
@@ -222,7 +216,7 @@ class Groups:
         if event["kind"] in TRIGGERS:
             self._trigger = (event["kind"], event["t"])
         elif event["kind"] == "all_running" and self._trigger is not None:
-            self.note(GroupRecovered(group=event["attempt"], trigger=self._trigger[0],
+            self.note(records.GroupRecovered(group=event["attempt"], trigger=self._trigger[0],
                       recovery_s=round(event["t"] - self._trigger[1], 3)))
             self._trigger = None
 
@@ -381,7 +375,7 @@ class Groups:
             self.note(RegrowDecision(group=group.attempt, clusters=list(back), resize=False, reason=str(exc)))
             return False
         remaining = max(0, self.spec.steps - newest_step(Path(self.spec.save))) * self.spec.gbs
-        measured = [r.recovery_s for r in self.journal.records if isinstance(r, GroupRecovered)]
+        measured = [r.recovery_s for r in self.journal.records if isinstance(r, records.GroupRecovered)]
         verdict = judge(self.spec.objective, current, candidate, remaining,
                         restart_cost(self.spec.restart_cost_s, measured), self.spec.min_gain)
         self.note(RegrowDecision(group=group.attempt, clusters=list(back), **verdict.to_dict()))
@@ -400,23 +394,23 @@ def record_of(event: dict[str, Any]) -> Record:
     group, kind = int(event["attempt"]), event["kind"]
     match kind:
         case "intent":
-            return GroupIntent(group=group, job_names=event["job_names"], start_step=event["start_step"],
+            return records.GroupIntent(group=group, job_names=event["job_names"], start_step=event["start_step"],
                                plan_file=event["plan_file"])
         case "submitted":
-            return GroupSubmitted(group=group, jobs=event["jobs"], clusters=event["clusters"],
+            return records.GroupSubmitted(group=group, jobs=event["jobs"], clusters=event["clusters"],
                                   start_step=event["start_step"], plan_file=event["plan_file"])
         case "all_running":
-            return GroupRunning(group=group)
+            return records.GroupRunning(group=group)
         case "dropped":
             return ClusterDropped(group=group, clusters=event["clusters"], reason=event["reason"])
         case "lost":
             return ClusterLost(group=group, clusters=event["clusters"], states=event["states"])
         case "failed":
-            return GroupFailed(group=group, clusters=event["clusters"], states=event["states"])
+            return records.GroupFailed(group=group, clusters=event["clusters"], states=event["states"])
         case "rejoin":
             return Regrown(group=group, clusters=event["clusters"], step=event["step"])
         case "stopped":
-            return GroupStopped(group=group, reason=event["reason"], states=event.get("states"))
+            return records.GroupStopped(group=group, reason=event["reason"], states=event.get("states"))
         case "finished":
             return Finished(group=group, step=event["step"])
         case "slurm_unavailable" | "slurm_available":

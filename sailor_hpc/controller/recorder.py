@@ -1,5 +1,5 @@
-"""Journaling for whatever drives a run (the controller, the co-scheduler's driver): one way to write a
-record and apply it, and one way to open a run's journal, so both fold and tell the same story."""
+"""Journaling for the controller, whatever its attempts (a job, or a group of jobs across clusters): one way to
+write a record and apply it, and one way to open a run's journal, so a run and its resume fold the same."""
 from __future__ import annotations
 
 import os

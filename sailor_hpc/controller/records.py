@@ -41,7 +41,7 @@ class Kind(StrEnum):
     GROW_CANCELLED = "grow_cancelled"
     GROW_RUNNING = "grow_running"
     GROW_SUBMITTED = "grow_submitted"
-    # a run across clusters (the co-scheduler): one group of jobs per attempt, numbered by ``group``
+    # a run across clusters: one group of jobs (one per cluster) per attempt, numbered by ``group``
     GROUP_INTENT = "group_intent"
     GROUP_SUBMITTED = "group_submitted"
     GROUP_ADOPTED = "group_adopted"

@@ -258,7 +258,7 @@ class Attempt:
 
 @dataclass
 class GeoGroup:
-    """One group of a run across clusters: one job per cluster, all of one plan (the co-scheduler's attempt)."""
+    """One group of a run across clusters: one job per cluster, all of one plan (the controller's attempt there)."""
 
     number: int
     clusters: list[str]
@@ -268,7 +268,7 @@ class GeoGroup:
     submitted_t: float
     job_names: dict[str, str] = field(default_factory=dict)  # cluster -> job name (group_intent)
     running_t: float | None = None
-    end: str | None = None  # why the co-scheduler stopped it (None: it may still run)
+    end: str | None = None  # why the controller stopped it (None: it may still run)
 
 
 @dataclass
@@ -290,7 +290,7 @@ class RunState:
 
     @property
     def current_group(self) -> GeoGroup | None:
-        """The group whose jobs may still run (the co-scheduler stops one before it submits the next)."""
+        """The group whose jobs may still run (the controller stops one before it submits the next)."""
         if self.groups and self.groups[-1].end is None:
             return self.groups[-1]
         return None

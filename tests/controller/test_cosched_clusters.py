@@ -10,7 +10,7 @@ planner's own choice is tested below), told by the run's journal:
 2. The blocker ends: lab2 has idle GPUs again; once the lab-only group saved a checkpoint, the min-gain policy
    judges the plan across both (35 % more samples/s, simulated as megatron_patch) worth it, the group
    checkpoints and stops, and the run continues across both clusters (growth).
-3. The co-scheduler is killed once that group runs; ``--resume`` (a new Controller on the run directory) adopts
+3. The controller is killed once that group runs; ``--resume`` (a new Controller on the run directory) adopts
    the running jobs.
 4. lab2's job is cancelled mid-run (a lost cluster): the group is cancelled, the run continues on lab from
    the newest complete checkpoint, and comes back across both clusters.
@@ -52,7 +52,7 @@ PARAM_TOL = MOMENT_TOL = 5e-6  # fp32 summation order changes with the plans a r
 
 
 class Killed(BaseException):
-    """The co-scheduler dies here: nothing more is journaled, the lock is released, its jobs keep running."""
+    """The controller dies here: nothing more is journaled, the lock is released, its jobs keep running."""
 
 
 def _kill_when_group_runs(geo: Controller, group: int) -> None:

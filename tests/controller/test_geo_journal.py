@@ -1,4 +1,4 @@
-"""A run across clusters in the journal: the co-scheduler's records folded into groups and clusters that left,
+"""A run across clusters in the journal: the controller's group records folded into groups and clusters that left,
 their story lines, re-planning with the chains of ``geo_search`` on a site of several clusters, and growing
 back only when the controller's min-gain policy says so."""
 from __future__ import annotations
@@ -38,7 +38,7 @@ from tests.jobs.conftest import A100, cross_plan, two_lab_doc, two_lab_site
 
 
 def _geo_story(j: Journal) -> None:
-    """The co-scheduler's records of test_cosched_clusters.py's first three groups, as the controller journals them."""
+    """The group records of test_cosched_clusters.py's first three groups, as the controller journals them."""
     j.append(RunStarted(run_id="g1"))
     j.append(GroupSubmitted(group=1, jobs={"lab": "11", "lab2": "7"}, clusters=["lab", "lab2"], start_step=0,
              plan_file="/run/plan.1.json"))
@@ -109,7 +109,7 @@ def test_a_record_of_an_unknown_group_is_refused(tmp_path: Path):
 
 
 def test_replanning_on_several_clusters_uses_the_chains_of_geo_search(tmp_path: Path):
-    """plan_on (what the co-scheduler re-plans with) returns geo_search's best on a two-cluster site, which
+    """plan_on (what the controller re-plans a group with) returns geo_search's best on a two-cluster site, which
     ranks partition-local plans and chains across the clusters together."""
     site = two_lab_site(tmp_path / "lab", tmp_path / "lab2")
     archive = read_archive(write_tiny_archive(tmp_path / "tiny.h5"), EMBEDDED_ARCHIVE)
