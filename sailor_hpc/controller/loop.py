@@ -171,6 +171,7 @@ class Controller(Recorder, GrowBeside, Groups):
                 return EXIT_INTERRUPTED
 
     def _run_across(self) -> int:
+        """A run across clusters: its attempts are groups (:mod:`~sailor_hpc.controller.groups`)."""
         if self.state.finished:
             return EXIT_FINISHED
         if self.state.gave_up:
