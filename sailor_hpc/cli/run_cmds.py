@@ -22,6 +22,7 @@ from sailor_hpc.cli.app import main
 from sailor_hpc.cli.output import echo_json, json_option, table
 from sailor_hpc.cli.training_options import DATA_HELP, absolute_blend, pop_training_args, training_options
 from sailor_hpc.controller import Controller, RunDir, RunSpec, new_run_id
+from sailor_hpc.controller.groups import across_clusters
 from sailor_hpc.controller.planning import partitions_for_time
 from sailor_hpc.controller.records import encode
 from sailor_hpc.controller.spec import RUN_RUNTIMES
@@ -69,7 +70,7 @@ def new_run(opts: dict[str, Any]) -> Path:
     site_path = opts["site_file"].absolute()
     site = load_site(site_path)
     partitions_for_time(opts.get("time_limit"), site)  # a --time no partition admits: refused now
-    if opts["runtime"] != "megatron_patch" and across_clusters(site):  # the co-scheduler launches megatron_patch
+    if opts["runtime"] != "megatron_patch" and across_clusters(site):  # a group's jobs launch megatron_patch
         raise SailorError(f"--runtime {opts['runtime']} is for a site of one cluster; {site_path} has several",
                           field="--runtime", fix="leave out --runtime (megatron_patch), or give a site of one cluster")
     profiles = str(Path(opts["profiles"]).absolute()) if opts.get("profiles") else None
