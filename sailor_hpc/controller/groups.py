@@ -34,15 +34,6 @@ from typing import TYPE_CHECKING, Any
 from sailor_hpc.controller import records
 from sailor_hpc.controller.planning import plan_on
 from sailor_hpc.controller.policy import Score, judge, restart_cost
-from sailor_hpc.controller.records import (
-    ClusterDropped,
-    ClusterLost,
-    ErrorSeen,
-    Finished,
-    Record,
-    RegrowDecision,
-    Regrown,
-)
 from sailor_hpc.controller.slurm_ops import cancel_and_wait, find_job_by_name, request_checkpoint
 from sailor_hpc.controller.spec import RunSpec
 from sailor_hpc.controller.state import RunDir, RunState, job_name_prefix
@@ -128,7 +119,7 @@ class Groups:
     _left: dict[str, float]  # cluster -> when it was dropped or lost (monotonic)
 
     if TYPE_CHECKING:  # declared for the type checker only, so no stub can shadow the Controller's methods
-        def note(self, record: Record) -> Record: ...  # Recorder.note
+        def note(self, record: records.Record) -> records.Record: ...  # Recorder.note
 
         def wait_for_slurm(self, answers: Callable[[], bool]) -> None: ...  # Controller.wait_for_slurm
 
@@ -152,10 +143,10 @@ class Groups:
                 self._run_groups(tuple(clusters), first, adopt)
                 return
             except SlurmUnavailable as exc:
-                self.note(ErrorSeen(group=len(self.state.groups) or None, message=exc.message,
+                self.note(records.ErrorSeen(group=len(self.state.groups) or None, message=exc.message,
                                     where="slurm unavailable"))
             self.wait_for_slurm(self._clusters_answer)
-            self.note(ErrorSeen(group=len(self.state.groups) or None, message="Slurm answers again",
+            self.note(records.ErrorSeen(group=len(self.state.groups) or None, message="Slurm answers again",
                                 where="slurm available"))
 
     def _clusters_answer(self) -> bool:
@@ -194,7 +185,7 @@ class Groups:
         states = {c: s.state for c, s in group.poll().items()}
         whole = set(jobs) == set(cur.clusters)
         if whole and all(st == "COMPLETED" for st in states.values()):
-            self.note(Finished(group=cur.number, step=newest_step(Path(self.spec.save)), states=states))
+            self.note(records.Finished(group=cur.number, step=newest_step(Path(self.spec.save)), states=states))
         elif whole and all(st in ("PENDING", "RUNNING") for st in states.values()):
             self.note(records.GroupAdopted(group=cur.number, jobs=dict(jobs), states=states))
             return group
@@ -372,13 +363,13 @@ class Groups:
                    else plan_on(self.spec, self.site, self.archive, self._free_with_group(grown, group)).plan)
             current, candidate = self._score(group.plan), self._score(new)
         except (SailorError, SlurmUnavailable) as exc:  # no plan fits the grown clusters, or one does not answer
-            self.note(RegrowDecision(group=group.attempt, clusters=list(back), resize=False, reason=str(exc)))
+            self.note(records.RegrowDecision(group=group.attempt, clusters=list(back), resize=False, reason=str(exc)))
             return False
         remaining = max(0, self.spec.steps - newest_step(Path(self.spec.save))) * self.spec.gbs
         measured = [r.recovery_s for r in self.journal.records if isinstance(r, records.GroupRecovered)]
         verdict = judge(self.spec.objective, current, candidate, remaining,
                         restart_cost(self.spec.restart_cost_s, measured), self.spec.min_gain)
-        self.note(RegrowDecision(group=group.attempt, clusters=list(back), **verdict.to_dict()))
+        self.note(records.RegrowDecision(group=group.attempt, clusters=list(back), **verdict.to_dict()))
         return verdict.resize
 
     def _free_with_group(self, clusters: tuple[str, ...], group: Group) -> dict[str, dict[str, int]]:
@@ -389,7 +380,7 @@ class Groups:
         return idle_by_node(self.site, clusters, self.genv, ours)
 
 
-def record_of(event: dict[str, Any]) -> Record:
+def record_of(event: dict[str, Any]) -> records.Record:
     """The journal record of one group event (its ``attempt`` is the record's ``group``)."""
     group, kind = int(event["attempt"]), event["kind"]
     match kind:
@@ -402,17 +393,17 @@ def record_of(event: dict[str, Any]) -> Record:
         case "all_running":
             return records.GroupRunning(group=group)
         case "dropped":
-            return ClusterDropped(group=group, clusters=event["clusters"], reason=event["reason"])
+            return records.ClusterDropped(group=group, clusters=event["clusters"], reason=event["reason"])
         case "lost":
-            return ClusterLost(group=group, clusters=event["clusters"], states=event["states"])
+            return records.ClusterLost(group=group, clusters=event["clusters"], states=event["states"])
         case "failed":
             return records.GroupFailed(group=group, clusters=event["clusters"], states=event["states"])
         case "rejoin":
-            return Regrown(group=group, clusters=event["clusters"], step=event["step"])
+            return records.Regrown(group=group, clusters=event["clusters"], step=event["step"])
         case "stopped":
             return records.GroupStopped(group=group, reason=event["reason"], states=event.get("states"))
         case "finished":
-            return Finished(group=group, step=event["step"])
+            return records.Finished(group=group, step=event["step"])
         case "slurm_unavailable" | "slurm_available":
-            return ErrorSeen(group=group, message=event["message"], where=event["where"])
+            return records.ErrorSeen(group=group, message=event["message"], where=event["where"])
     raise ValueError(f"no journal record for the group event {kind!r}")

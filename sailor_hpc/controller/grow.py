@@ -23,25 +23,12 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sailor_hpc.controller import slurm_ops
+from sailor_hpc.controller import records, slurm_ops
 from sailor_hpc.controller.events import Observation, all_running
 from sailor_hpc.controller.planning import plan_on
 from sailor_hpc.controller.policy import Score, judge
 from sailor_hpc.controller.progress import LogTail
 from sailor_hpc.controller.recorder import R
-from sailor_hpc.controller.records import (
-    Baseline,
-    ErrorSeen,
-    GateOpened,
-    GrowCancelled,
-    GrowRunning,
-    GrowSubmitted,
-    JobRunning,
-    Kind,
-    PlanChosen,
-    SubmitIntent,
-    Submitted,
-)
 from sailor_hpc.controller.spec import RunSpec
 from sailor_hpc.controller.state import RESIZE_REASON, Attempt, RunDir, RunState, Successor, job_name
 from sailor_hpc.core.archive import ProfileArchive
@@ -90,15 +77,15 @@ class GrowBeside:
         name = job_name(self.spec.run_id, number)
         plan_path, script = slurm_ops.prepare_attempt(self.rundir, self.spec, self.site, planned.plan, number, name,
                                                       gate=self.rundir.gate_file(number))
-        self.note(PlanChosen(reason=RESIZE_REASON, available=obs.available, planner_available=planned.available,
+        self.note(records.PlanChosen(reason=RESIZE_REASON, available=obs.available, planner_available=planned.available,
                   plan_file=str(plan_path), **planned.summary()))
         try:
             job = slurm_ops.submit(script, plan_path, self.spec, self.env)
         except SailorError as exc:  # sbatch refused the bigger job: train on where it is, judge again later
-            self.note(ErrorSeen(message=str(exc), where="sbatch (bigger job)"))
-            self.note(Baseline(available=obs.available))
+            self.note(records.ErrorSeen(message=str(exc), where="sbatch (bigger job)"))
+            self.note(records.Baseline(available=obs.available))
             return True
-        self.note(GrowSubmitted(attempt=cur.number, next_attempt=number, job_id=job.job_id, job_name=name,
+        self.note(records.GrowSubmitted(attempt=cur.number, next_attempt=number, job_id=job.job_id, job_name=name,
                   log=job.log, plan_file=str(plan_path), script=str(script), trigger_t=trigger_t,
                   gpus=planned.summary()["gpus"], throughput=planned.score.throughput,
                   cost_per_hour=planned.score.cost_per_hour))
@@ -113,7 +100,7 @@ class GrowBeside:
         job = job_status(succ.grown.job_id, self.env)
         if succ.running_t is None and all_running(job):
             hosts = expand_hostlists(c.nodes for c in job.components)
-            self.note(GrowRunning(attempt=cur.number, job_id=succ.grown.job_id, nodes=hosts))
+            self.note(records.GrowRunning(attempt=cur.number, job_id=succ.grown.job_id, nodes=hosts))
         if succ.running_t is not None and cur.stop is None and self._successor_ready(succ):
             self._stop(cur, "resize")
         elif cur.stop is None and (job.final or self.clock() - succ.grown.t > self.spec.grow_timeout_s):
@@ -131,7 +118,7 @@ class GrowBeside:
         succ = cur.successor
         assert succ is not None
         state = slurm_ops.cancel_and_wait(succ.grown.job_id, self.env)
-        self.note(GrowCancelled(attempt=cur.number, job_id=succ.grown.job_id, reason=reason, state=state))
+        self.note(records.GrowCancelled(attempt=cur.number, job_id=succ.grown.job_id, reason=reason, state=state))
 
     def _open_gate_early(self, cur: Attempt, tail: LogTail | None) -> bool:
         """Let the bigger job's waiting ranks load as soon as this job's ranks are gone (they saved on the
@@ -144,7 +131,7 @@ class GrowBeside:
         if not slurm_ops.training_steps_gone(cur.job_id, self.env):  # type: ignore[arg-type]
             return False
         self._open_gate(succ.grown.next_attempt)
-        self.note(GateOpened(attempt=cur.number, next_attempt=succ.grown.next_attempt, job_id=succ.grown.job_id))
+        self.note(records.GateOpened(attempt=cur.number, next_attempt=succ.grown.next_attempt, job_id=succ.grown.job_id))
         return True
 
     def _handover(self, prev: Attempt) -> None:
@@ -153,11 +140,11 @@ class GrowBeside:
         assert s is not None
         g = s.grown
         n = g.next_attempt
-        self.note(SubmitIntent(attempt=n, job_name=g.job_name, plan_file=g.plan_file, script=g.script,
-                  reason=RESIZE_REASON, trigger=Kind.IDLE_GPUS, trigger_t=g.trigger_t, gpus=g.gpus,
+        self.note(records.SubmitIntent(attempt=n, job_name=g.job_name, plan_file=g.plan_file, script=g.script,
+                  reason=RESIZE_REASON, trigger=records.Kind.IDLE_GPUS, trigger_t=g.trigger_t, gpus=g.gpus,
                   throughput=g.throughput, cost_per_hour=g.cost_per_hour, handover_from=prev.number))
-        self.note(Submitted(attempt=n, job_id=g.job_id, log=g.log, submitted_t=g.t))
-        self.note(JobRunning(attempt=n, job_id=g.job_id, nodes=s.nodes, since=s.running_t))
+        self.note(records.Submitted(attempt=n, job_id=g.job_id, log=g.log, submitted_t=g.t))
+        self.note(records.JobRunning(attempt=n, job_id=g.job_id, nodes=s.nodes, since=s.running_t))
         self._open_gate(n)
 
     def _open_gate(self, attempt: int) -> None:

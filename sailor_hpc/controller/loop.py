@@ -43,7 +43,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from sailor_hpc.controller import slurm_ops
+from sailor_hpc.controller import records, slurm_ops
 from sailor_hpc.controller.events import (
     Observation,
     all_running,
@@ -60,34 +60,6 @@ from sailor_hpc.controller.planning import Planned, judge_pending, plan_on, plan
 from sailor_hpc.controller.policy import Score, Verdict, judge, plan_shape, restart_cost
 from sailor_hpc.controller.progress import LogTail
 from sailor_hpc.controller.recorder import EXIT_FINISHED, EXIT_GAVE_UP, EXIT_INTERRUPTED, Recorder
-from sailor_hpc.controller.records import (
-    Adopted,
-    Backoff,
-    Baseline,
-    Cancel,
-    CheckpointSeen,
-    ControllerStopped,
-    Decision,
-    ErrorSeen,
-    Failure,
-    Finished,
-    FirstStep,
-    GaveUp,
-    IdleGpus,
-    InPlaceRefusedStep,
-    InPlaceStep,
-    JobGone,
-    JobRunning,
-    JobStopped,
-    Kind,
-    NodeLost,
-    NoPlan,
-    PlanChosen,
-    RecoveryMeasured,
-    SignalSent,
-    SubmitIntent,
-    Submitted,
-)
 from sailor_hpc.controller.state import RESIZE_REASON, Attempt, RunDir, RunState, job_name
 from sailor_hpc.core.archive import open_archive
 from sailor_hpc.core.checkpoint import latest_complete, read_manifest
@@ -148,7 +120,7 @@ class Controller(Recorder, GrowBeside, Groups):
 
     # ------------------------------------------------------------------------------------------ journal
 
-    def note_once(self, rec: ErrorSeen | NoPlan) -> None:
+    def note_once(self, rec: records.ErrorSeen | records.NoPlan) -> None:
         """Journal a condition that repeats every poll (no plan fits, Slurm unreachable) only when it changes."""
         if self._said.get(rec.kind) != rec.message:
             self.note(rec)
@@ -167,7 +139,7 @@ class Controller(Recorder, GrowBeside, Groups):
                     self.reconcile()
                 return self.loop()
             except KeyboardInterrupt:
-                self.note(ControllerStopped(reason="interrupted; the jobs keep running (sailor-hpc run --resume)"))
+                self.note(records.ControllerStopped(reason="interrupted; the jobs keep running (sailor-hpc run --resume)"))
                 return EXIT_INTERRUPTED
 
     def _run_across(self) -> int:
@@ -179,7 +151,7 @@ class Controller(Recorder, GrowBeside, Groups):
         try:
             self.drive_groups()
         except (JobFailed, SailorError) as exc:  # every cluster left, or bad input: retrying cannot help
-            self.note(GaveUp(reason=str(exc)))
+            self.note(records.GaveUp(reason=str(exc)))
             return EXIT_GAVE_UP
         return EXIT_FINISHED
 
@@ -207,16 +179,16 @@ class Controller(Recorder, GrowBeside, Groups):
                 else:
                     self.watch(cur)
             except SlurmUnavailable as exc:
-                self.note_once(ErrorSeen(message=exc.message, where="slurm unavailable"))
+                self.note_once(records.ErrorSeen(message=exc.message, where="slurm unavailable"))
                 self.wait_for_slurm(lambda: controller_answers(self.env))
                 # Slurm's return is journaled before what it then reports (a job that finished meanwhile)
-                self.note(ErrorSeen(message="Slurm answers again", where="slurm available"))
-                self._said.pop(Kind.ERROR, None)  # a later outage is journaled again
+                self.note(records.ErrorSeen(message="Slurm answers again", where="slurm available"))
+                self._said.pop(records.Kind.ERROR, None)  # a later outage is journaled again
                 continue
             except SailorError as exc:  # bad input (a deterministic refusal): retrying cannot fix it
-                self.note(GaveUp(reason=str(exc)))
+                self.note(records.GaveUp(reason=str(exc)))
                 return EXIT_GAVE_UP
-            self._said.pop(Kind.ERROR, None)
+            self._said.pop(records.Kind.ERROR, None)
             if cur is not None and self.state.current is None and self.state.backoff_until is None:
                 continue  # the job is gone: plan and submit the next one now, not a poll later
             if not (self.state.finished or self.state.gave_up):
@@ -239,9 +211,9 @@ class Controller(Recorder, GrowBeside, Groups):
         job Slurm has under its name, else journal it gone (True: adopted)."""
         jid = slurm_ops.find_job_by_name(self.spec.run_id, cur.job_name, self.env, cur.intent_t)
         if jid is not None:
-            self.note(Adopted(attempt=cur.number, job_id=jid, log=str(self._log_of(jid))))
+            self.note(records.Adopted(attempt=cur.number, job_id=jid, log=str(self._log_of(jid))))
             return True
-        self.note(JobGone(attempt=cur.number, job_id=None, state="NOT_SUBMITTED"))
+        self.note(records.JobGone(attempt=cur.number, job_id=None, state="NOT_SUBMITTED"))
         return False
 
     def _cancel_strays(self) -> None:
@@ -252,8 +224,8 @@ class Controller(Recorder, GrowBeside, Groups):
         for base, info in slurm_ops.owned_jobs(self.spec.run_id, self.env).items():
             if info["state"] in FINAL_STATES or base in keep:
                 continue
-            self.note(Cancel(job_id=base, reason=f"{info['name']} is not the run's current job"))
-            self.note(JobGone(job_id=base, state=slurm_ops.cancel_and_wait(base, self.env)))
+            self.note(records.Cancel(job_id=base, reason=f"{info['name']} is not the run's current job"))
+            self.note(records.JobGone(job_id=base, state=slurm_ops.cancel_and_wait(base, self.env)))
 
     def _log_of(self, job_id: str) -> Path:
         return log_path(job_id, self.env)
@@ -315,7 +287,7 @@ class Controller(Recorder, GrowBeside, Groups):
             return
         manifest = read_manifest(path)
         if self.state.checkpoint is None or manifest["step"] > self.state.checkpoint.step:
-            self.note(CheckpointSeen(attempt=cur.number if cur else None, step=manifest["step"],
+            self.note(records.CheckpointSeen(attempt=cur.number if cur else None, step=manifest["step"],
                       consumed_samples=manifest.get("consumed_samples"), path=str(path)))
 
     def _checkpoint_step(self) -> int:
@@ -333,10 +305,10 @@ class Controller(Recorder, GrowBeside, Groups):
             self._drop_successor(prev, f"job {prev.job_id} ended before the bigger job started")
         self._checkpoint(None)
         if self._checkpoint_step() >= spec.steps:
-            self.note(Finished(step=self._checkpoint_step(), checkpoint=st.checkpoint.path if st.checkpoint else None))
+            self.note(records.Finished(step=self._checkpoint_step(), checkpoint=st.checkpoint.path if st.checkpoint else None))
             return
         if st.next_reason != RESIZE_REASON and st.restarts_without_progress >= spec.max_restarts and st.attempts:
-            self.note(GaveUp(reason=f"all {spec.max_restarts} restarts used without a new checkpoint"))
+            self.note(records.GaveUp(reason=f"all {spec.max_restarts} restarts used without a new checkpoint"))
             return
         if st.backoff_until is not None and self.clock() < st.backoff_until:
             return
@@ -345,9 +317,9 @@ class Controller(Recorder, GrowBeside, Groups):
             planned = (plan_on_queue(spec, self.site, self.archive, self.estimator)[0] if spec.objective == "time"
                        else plan_on(spec, self.site, self.archive, obs.free))
         except NoPlanFits as exc:  # nothing free that fits (or the constraints exclude all): wait
-            self.note_once(NoPlan(message=str(exc), available=obs.available))
+            self.note_once(records.NoPlan(message=str(exc), available=obs.available))
             return
-        self._said.pop(Kind.NO_PLAN, None)
+        self._said.pop(records.Kind.NO_PLAN, None)
         self._cancel_strays()
         self.submit(planned, obs)
 
@@ -360,22 +332,22 @@ class Controller(Recorder, GrowBeside, Groups):
         try:
             plan_path, script = slurm_ops.prepare_attempt(self.rundir, spec, self.site, planned.plan, number, name)
         except SailorError as exc:  # rendering is deterministic: the spec (time limit, options) must change
-            self.note(GaveUp(reason=f"the job script cannot be rendered: {exc}"))
+            self.note(records.GaveUp(reason=f"the job script cannot be rendered: {exc}"))
             return
-        self.note(PlanChosen(reason=reason, available=obs.available, planner_available=planned.available,
+        self.note(records.PlanChosen(reason=reason, available=obs.available, planner_available=planned.available,
                   plan_file=str(plan_path), **planned.summary()))
-        self.note(SubmitIntent(attempt=number, job_name=name, plan_file=str(plan_path), script=str(script),
+        self.note(records.SubmitIntent(attempt=number, job_name=name, plan_file=str(plan_path), script=str(script),
                   reason=reason, trigger=trigger[0] if trigger else None, trigger_t=trigger[1] if trigger else None,
                   gpus=planned.summary()["gpus"], throughput=planned.score.throughput,
                   cost_per_hour=planned.score.cost_per_hour))
         try:
             rec = slurm_ops.submit(script, plan_path, spec, self.env)
         except SailorError as exc:  # sbatch refused the job: the attempt fails (back-off, then give up)
-            self.note(ErrorSeen(message=str(exc), where="sbatch"))
-            self.note(JobGone(attempt=number, job_id=None, state="NOT_SUBMITTED"))
+            self.note(records.ErrorSeen(message=str(exc), where="sbatch"))
+            self.note(records.JobGone(attempt=number, job_id=None, state="NOT_SUBMITTED"))
             self._failed(self.state.attempt(number), "not submitted")
             return
-        self.note(Submitted(attempt=number, job_id=rec.job_id, log=rec.log))
+        self.note(records.Submitted(attempt=number, job_id=rec.job_id, log=rec.log))
 
     # ------------------------------------------------------------------------------- watching the job
 
@@ -389,12 +361,12 @@ class Controller(Recorder, GrowBeside, Groups):
         if tail is not None:
             self._in_place(cur, tail.poll())
             for message in tail.malformed[len(self._malformed.get(cur.number, [])):]:
-                self.note(ErrorSeen(message=message, where="job log"))
+                self.note(records.ErrorSeen(message=message, where="job log"))
             self._malformed[cur.number] = list(tail.malformed)
         job = obs.job
         running = job is not None and all_running(job)
         if running and cur.running_t is None:
-            self.note(JobRunning(attempt=cur.number, job_id=cur.job_id, nodes=obs.job_nodes))
+            self.note(records.JobRunning(attempt=cur.number, job_id=cur.job_id, nodes=obs.job_nodes))
         self._first_step(cur, tail)
         self._in_place_recovered(cur, tail)
         if cur.waits_for_successor:
@@ -404,9 +376,9 @@ class Controller(Recorder, GrowBeside, Groups):
             return  # not visible yet (just submitted)
         lost = lost_nodes(sorted(set(cur.nodes) | set(obs.job_nodes)), obs.lost, {**cur.lost_nodes, **cur.released})
         if lost:
-            rec = self.note(NodeLost(attempt=cur.number, job_id=cur.job_id, nodes=lost))
+            rec = self.note(records.NodeLost(attempt=cur.number, job_id=cur.job_id, nodes=lost))
             if running and draining_only(lost) and cur.stop is None:
-                self.note(Decision(attempt=cur.number, action="checkpoint", trigger=Kind.NODE_LOST,
+                self.note(records.Decision(attempt=cur.number, action="checkpoint", trigger=records.Kind.NODE_LOST,
                           trigger_t=rec.t, reason="a node of the job drains: checkpoint and move"))
                 self._stop(cur, DRAIN_REASON)
                 return
@@ -440,7 +412,7 @@ class Controller(Recorder, GrowBeside, Groups):
             return
         p = tail.progress
         if cur.first_step_t is None:
-            self.note(FirstStep(attempt=cur.number, job_id=cur.job_id, step=first,
+            self.note(records.FirstStep(attempt=cur.number, job_id=cur.job_id, step=first,
                                 loaded_step=p.loaded_step or 0, consumed_samples=p.loaded_consumed or 0))
         if cur.trigger_t is None or cur.recovery is not None or cur.first_step_t is None:
             return
@@ -452,7 +424,7 @@ class Controller(Recorder, GrowBeside, Groups):
         prev = self.state.attempt(cur.handover_from) if cur.handover_from is not None else None
         before = prev.stopped.last_step_t if prev is not None and prev.stopped is not None else None
         idle = p.first_step_t - before if before and p.first_step_t and not cur.in_place else down
-        self.note(RecoveryMeasured(attempt=cur.number, trigger=cur.trigger, trigger_t=cur.trigger_t,
+        self.note(records.RecoveryMeasured(attempt=cur.number, trigger=cur.trigger, trigger_t=cur.trigger_t,
                                    submitted_t=cur.submitted_t, running_t=cur.running_t, first_step_t=cur.first_step_t,
                                    queue_wait_s=queue, downtime_s=down, recovery_s=down - (queue or 0.0),
                                    ranks_idle_s=idle, new_job=True, handover=prev is not None))
@@ -462,9 +434,9 @@ class Controller(Recorder, GrowBeside, Groups):
         controller reads the log again from the start)."""
         for e in events:
             if isinstance(e, InPlace) and e.step_index > len(cur.in_place):
-                self.note(InPlaceStep(attempt=cur.number, **event_fields(e)))
+                self.note(records.InPlaceStep(attempt=cur.number, **event_fields(e)))
             elif isinstance(e, InPlaceRefused) and e.step_index > len(cur.in_place):
-                self.note(InPlaceRefusedStep(attempt=cur.number,
+                self.note(records.InPlaceRefusedStep(attempt=cur.number,
                           **{k: v for k, v in event_fields(e).items() if k != "t"}))
 
     def _in_place_recovered(self, cur: Attempt, tail: LogTail | None) -> None:
@@ -474,8 +446,8 @@ class Controller(Recorder, GrowBeside, Groups):
         change, p, t = cur.in_place[-1], tail.progress, self.clock()
         step_end = change.t_step_end if change.t_step_end is not None else t
         idle = p.first_step_t - p.before_t if p.first_step_t and p.before_t else t - step_end
-        trigger = change.trigger or (Kind.NODE_LOST, step_end)  # seen by the job first
-        self.note(RecoveryMeasured(attempt=cur.number, in_place=True, trigger=trigger[0], trigger_t=trigger[1],
+        trigger = change.trigger or (records.Kind.NODE_LOST, step_end)  # seen by the job first
+        self.note(records.RecoveryMeasured(attempt=cur.number, in_place=True, trigger=trigger[0], trigger_t=trigger[1],
                   first_step_t=t, step=p.first_step, loaded_step=p.loaded_step or 0, queue_wait_s=0.0,
                   downtime_s=t - float(trigger[1]), recovery_s=t - float(trigger[1]),
                   ranks_idle_s=idle, new_job=False))
@@ -491,18 +463,18 @@ class Controller(Recorder, GrowBeside, Groups):
             v = judge_pending(self.spec, self.site, self.archive, self.estimator, cur.job_id,
                               self._plan(cur.plan_file), self.spec.gbs / cur.throughput)
         except NoPlanFits as exc:
-            self.note_once(NoPlan(message=str(exc), available={}))
+            self.note_once(records.NoPlan(message=str(exc), available={}))
             return
         if not v.move:
-            if self._said.get(Kind.DECISION) != f"keep {cur.number}":
-                self.note(Decision(attempt=cur.number, action="keep", trigger="queue", trigger_t=now, reason=v.reason,
+            if self._said.get(records.Kind.DECISION) != f"keep {cur.number}":
+                self.note(records.Decision(attempt=cur.number, action="keep", trigger="queue", trigger_t=now, reason=v.reason,
                                    candidate=v.best.summary(), gain=v.gain, resize=False))
-                self._said[Kind.DECISION] = f"keep {cur.number}"
+                self._said[records.Kind.DECISION] = f"keep {cur.number}"
             return
-        self.note(Decision(attempt=cur.number, action="resize", trigger="queue", trigger_t=now, reason=v.reason,
+        self.note(records.Decision(attempt=cur.number, action="resize", trigger="queue", trigger_t=now, reason=v.reason,
                            candidate=v.best.summary(), gain=v.gain, resize=True))
-        self.note(Cancel(job_id=cur.job_id, reason="a plan on the current queue finishes first"))
-        self.note(JobGone(attempt=cur.number, job_id=cur.job_id, state=slurm_ops.cancel_and_wait(cur.job_id, self.env)))
+        self.note(records.Cancel(job_id=cur.job_id, reason="a plan on the current queue finishes first"))
+        self.note(records.JobGone(attempt=cur.number, job_id=cur.job_id, state=slurm_ops.cancel_and_wait(cur.job_id, self.env)))
 
     def _stop(self, cur: Attempt, reason: str) -> None:
         try:
@@ -510,25 +482,25 @@ class Controller(Recorder, GrowBeside, Groups):
                 keep_from_requeue(cur.job_id, self.env)  # type: ignore[arg-type]
             slurm_ops.request_checkpoint(cur.job_id, self.env)  # type: ignore[arg-type]
         except SailorError as exc:  # gone meanwhile: the next poll sees it stopped
-            self.note_once(ErrorSeen(message=str(exc), where="checkpoint signal"))
+            self.note_once(records.ErrorSeen(message=str(exc), where="checkpoint signal"))
             return
-        self.note(SignalSent(attempt=cur.number, job_id=cur.job_id, signal="USR1", reason=reason))
+        self.note(records.SignalSent(attempt=cur.number, job_id=cur.job_id, signal="USR1", reason=reason))
 
     def _consider_resize(self, cur: Attempt, obs: Observation, tail: LogTail | None) -> None:
         st, spec = self.state, self.spec
         more = idle_increase(st.baseline, obs.available)
         if not more:
             if any(obs.available.get(p, 0) < n for p, n in st.baseline.items()):
-                self.note(Baseline(available=obs.available))  # fewer free now: a later return counts
+                self.note(records.Baseline(available=obs.available))  # fewer free now: a later return counts
             return
         if st.last_replan_t is not None and obs.t - st.last_replan_t < spec.replan_interval_s:
             return
-        rec = self.note(IdleGpus(attempt=cur.number, change={p: list(v) for p, v in more.items()},
+        rec = self.note(records.IdleGpus(attempt=cur.number, change={p: list(v) for p, v in more.items()},
                         available=obs.available))
         try:
             planned = plan_on(spec, self.site, self.archive, obs.free)
         except NoPlanFits as exc:
-            self.note(Baseline(available=obs.available, note=str(exc)))
+            self.note(records.Baseline(available=obs.available, note=str(exc)))
             return
         step = (tail.progress.last_step if tail is not None else None) or self._checkpoint_step()
         remaining = max(0, spec.steps - step) * spec.gbs
@@ -538,15 +510,15 @@ class Controller(Recorder, GrowBeside, Groups):
         else:
             verdict = judge(spec.objective, Score(cur.throughput, cur.cost_per_hour), planned.score, remaining,
                             restart_s, spec.min_gain)
-        self.note(Decision(attempt=cur.number, action="resize" if verdict.resize else "keep",
-                  trigger=Kind.IDLE_GPUS, trigger_t=rec.t, candidate=planned.summary(),
+        self.note(records.Decision(attempt=cur.number, action="resize" if verdict.resize else "keep",
+                  trigger=records.Kind.IDLE_GPUS, trigger_t=rec.t, candidate=planned.summary(),
                   current={"gpus": cur.gpus, "throughput": cur.throughput, "cost_per_hour": cur.cost_per_hour},
                   restart_cost_s=restart_s, remaining_samples=remaining, step=step, **verdict.to_dict()))
         if verdict.resize:
             if not self._grow(cur, obs, rec.t, remaining, restart_s):
                 self._stop(cur, "resize")
         else:
-            self.note(Baseline(available=obs.available))
+            self.note(records.Baseline(available=obs.available))
 
     # --------------------------------------------------------------------------------- the job ended
 
@@ -556,14 +528,14 @@ class Controller(Recorder, GrowBeside, Groups):
         if job.state == "FAILED" and not any(c.exit_code for c in job.components):
             job = self._with_exit_codes(cur, job)
         if cur.stopped is None:
-            self.note(JobStopped(attempt=cur.number, job_id=cur.job_id, state=job.state,
+            self.note(records.JobStopped(attempt=cur.number, job_id=cur.job_id, state=job.state,
                       reason=why or _classify(cur, job, prog),
                       step=prog.last_step if prog else None, last_step_t=prog.last_step_t if prog else None,
                       exit_codes=[c.exit_code for c in job.components if c.exit_code]))
         early = self._open_gate_early(cur, tail)
         final = job.state if job.final else None
         if final is None and cur.job_id is not None:
-            self.note(Cancel(job_id=cur.job_id, reason="what is left of the stopped job"))
+            self.note(records.Cancel(job_id=cur.job_id, reason="what is left of the stopped job"))
             # ranks that saved on the signal have left their step: end the rest (the batch script) at once,
             # which matters when a bigger job waits for this one to be gone before it loads
             grace = 0.0 if self._saved_on_signal(tail) else 10.0
@@ -572,29 +544,29 @@ class Controller(Recorder, GrowBeside, Groups):
             tail.poll()  # its last words: saved, done, error
         if not early:  # else newer checkpoints are the bigger job's: journaled once it is the run's job
             self._checkpoint(cur)
-        self.note(JobGone(attempt=cur.number, job_id=cur.job_id, state=final))
+        self.note(records.JobGone(attempt=cur.number, job_id=cur.job_id, state=final))
         if self._checkpoint_step() >= self.spec.steps:
             if cur.waits_for_successor:
                 self._drop_successor(cur, "the run is finished")
             ck = self.state.checkpoint
-            self.note(Finished(step=self._checkpoint_step(), checkpoint=ck.path if ck else None))
+            self.note(records.Finished(step=self._checkpoint_step(), checkpoint=ck.path if ck else None))
             return
         bad_input = any(c.exit_code.startswith("2:") for c in job.components if c.exit_code)
         if bad_input and prog is not None and prog.errors:
             if cur.waits_for_successor:
                 self._drop_successor(cur, "the run gave up")
-            self.note(GaveUp(reason="the training refused its input: " + " | ".join(prog.errors[-3:])))
+            self.note(records.GaveUp(reason="the training refused its input: " + " | ".join(prog.errors[-3:])))
             return
         if cur.first_step_t is None and cur.stop is None and not cur.lost_nodes:
             self._failed(cur, cur.stopped.reason if cur.stopped is not None else str(final))
 
     def _failed(self, cur: Attempt, reason: str) -> None:
         """A job that never trained a step: wait longer after each such failure in a row before the next."""
-        self.note(Failure(attempt=cur.number, reason=reason))
+        self.note(records.Failure(attempt=cur.number, reason=reason))
         k = self.state.failures_in_a_row
         wait = min(self.spec.backoff_max_s, self.spec.backoff_s * 2 ** (k - 1)) if k > 0 else 0.0
         if wait > 0:
-            self.note(Backoff(seconds=wait, until=self.clock() + wait))
+            self.note(records.Backoff(seconds=wait, until=self.clock() + wait))
 
     def _with_exit_codes(self, cur: Attempt, job: JobStatus, tries: int = 10, poll_s: float = 0.5) -> JobStatus:
         """Slurm can show a job FAILED before its accounting holds the exit codes, which tell a training
@@ -628,7 +600,7 @@ def _classify(cur: Attempt, job: JobStatus, prog: Any) -> str:
     if cur.stop is not None:
         return cur.stop.reason
     if cur.lost_nodes:
-        return Kind.NODE_LOST
+        return records.Kind.NODE_LOST
     if job.state == "COMPLETED":
         return "completed"
     if prog is not None and prog.signal_step is not None:
@@ -636,7 +608,7 @@ def _classify(cur: Attempt, job: JobStatus, prog: Any) -> str:
     if job.state in ("PENDING", "REQUEUED", "REQUEUE_HOLD"):
         return "requeued"
     if job.state == "NODE_FAIL":
-        return Kind.NODE_LOST
+        return records.Kind.NODE_LOST
     if job.state in ("TIMEOUT", "PREEMPTED"):
         return job.state.lower()
     return f"failed ({job.state})"

@@ -7,16 +7,12 @@ import socket
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from sailor_hpc.controller.records import (
-    ControllerStarted,
-    Record,
-    RunStarted,
-)
+from sailor_hpc.controller import records
 from sailor_hpc.controller.spec import RunSpec
 from sailor_hpc.controller.state import RunDir, RunState, apply, fold
 from sailor_hpc.controller.story import describe
 
-R = TypeVar("R", bound=Record)
+R = TypeVar("R", bound=records.Record)
 
 #: how a run's driver exits (``sailor-hpc run`` returns it): done, gave up, interrupted by a signal
 EXIT_FINISHED, EXIT_GAVE_UP, EXIT_INTERRUPTED = 0, 1, 130
@@ -45,6 +41,6 @@ class Recorder:
         self.state = fold(self.journal.records, source=self.journal.path, lines=self.journal.lines)
         resumed = bool(self.journal.records)
         if not resumed:
-            self.note(RunStarted(run_id=self.spec.run_id, spec=self.spec.to_dict()))
-        self.note(ControllerStarted(pid=os.getpid(), host=socket.gethostname(), resumed=resumed,
+            self.note(records.RunStarted(run_id=self.spec.run_id, spec=self.spec.to_dict()))
+        self.note(records.ControllerStarted(pid=os.getpid(), host=socket.gethostname(), resumed=resumed,
                   repaired_torn_line=self.journal.repaired))

@@ -20,51 +20,14 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sailor_hpc.controller import records
 from sailor_hpc.controller.journal import Journal, read_journal, read_journal_lines
-from sailor_hpc.controller.records import (
-    Adopted,
-    Backoff,
-    Baseline,
-    CheckpointSeen,
-    ClusterDropped,
-    ClusterLost,
-    ControllerStarted,
-    Decision,
-    Failure,
-    Finished,
-    FirstStep,
-    GateOpened,
-    GaveUp,
-    GroupAdopted,
-    GroupIntent,
-    GroupRunning,
-    GroupStopped,
-    GroupSubmitted,
-    GrowCancelled,
-    GrowRunning,
-    GrowSubmitted,
-    IdleGpus,
-    InPlaceStep,
-    JobGone,
-    JobRunning,
-    JobStopped,
-    Kind,
-    NodeLost,
-    PlanChosen,
-    Record,
-    RecoveryMeasured,
-    Regrown,
-    RunStarted,
-    SignalSent,
-    SubmitIntent,
-    Submitted,
-)
 from sailor_hpc.controller.spec import RunSpec
 from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.locking import LockTimeout, file_lock
 
 #: the reason of a job submitted because more GPUs made a better plan worth its restart
-RESIZE_REASON = Kind.IDLE_GPUS
+RESIZE_REASON = records.Kind.IDLE_GPUS
 
 
 def job_name(run_id: str, attempt: int) -> str:
@@ -109,13 +72,13 @@ class RunDir:
     def journal(self) -> Journal:
         return Journal(self.journal_file)
 
-    def records(self) -> list[Record]:
+    def records(self) -> list[records.Record]:
         return read_journal(self.journal_file)
 
     def state(self) -> RunState:
         """The run's state folded from its journal; an inconsistent journal is refused naming the line."""
-        records, lines = read_journal_lines(self.journal_file)
-        return fold(records, source=self.journal_file, lines=lines)
+        entries, lines = read_journal_lines(self.journal_file)
+        return fold(entries, source=self.journal_file, lines=lines)
 
     @classmethod
     def create(cls, path: str | Path, spec: RunSpec) -> RunDir:
@@ -165,7 +128,7 @@ class Successor:
     """A bigger job submitted beside an attempt's running job (grow without a gap), from ``grow_submitted``
     on; each later step of the takeover sets its own field, so no meaning hides in a key's presence."""
 
-    grown: GrowSubmitted  # the job, its plan and score; it becomes attempt ``grown.next_attempt``
+    grown: records.GrowSubmitted  # the job, its plan and score; it becomes attempt ``grown.next_attempt``
     running_t: float | None = None  # grow_running: every component runs
     nodes: list[str] = field(default_factory=list)
     gate_t: float | None = None  # gate_opened: its ranks load (and save) from here on, the old job's never again
@@ -235,7 +198,7 @@ class Attempt:
     nodes: list[str] = field(default_factory=list)  # the job's nodes when it was seen running
     stop: StopRequest | None = None  # the controller asked it to checkpoint and stop
     lost_nodes: dict[str, str] = field(default_factory=dict)
-    stopped: JobStopped | None = None  # it stopped running, and why
+    stopped: records.JobStopped | None = None  # it stopped running, and why
     end_state: str | None = None
     gone: bool = False
     recovery: Recovery | None = None  # the change this (new) job answered, and what it cost
@@ -275,11 +238,11 @@ class GeoGroup:
 class RunState:
     run_id: str | None = None
     attempts: list[Attempt] = field(default_factory=list)
-    finished: Finished | None = None
+    finished: records.Finished | None = None
     gave_up: str | None = None
     failures_in_a_row: int = 0  # jobs that ended without training a step, since the last step
     backoff_until: float | None = None
-    checkpoint: CheckpointSeen | None = None  # the newest complete checkpoint seen
+    checkpoint: records.CheckpointSeen | None = None  # the newest complete checkpoint seen
     baseline: dict[str, int] = field(default_factory=dict)  # GPUs available to the run when last judged
     last_replan_t: float | None = None
     trigger: tuple[str, float] | None = None  # the change the next submission answers
@@ -334,41 +297,41 @@ class RunState:
         raise KeyError(f"journal refers to attempt {number}, which has no submit_intent record")
 
 
-def apply(state: RunState, rec: Record) -> None:
+def apply(state: RunState, rec: records.Record) -> None:
     """Advance ``state`` by one journal record (the one place that gives records their meaning)."""
     t = rec.t
     match rec:
-        case RunStarted():
+        case records.RunStarted():
             state.run_id = rec.run_id
-        case ControllerStarted():
+        case records.ControllerStarted():
             state.controller_starts += 1
-        case PlanChosen() | Baseline():
+        case records.PlanChosen() | records.Baseline():
             state.baseline = dict(rec.available)
-        case SubmitIntent():
+        case records.SubmitIntent():
             state.attempts.append(Attempt(
                 number=rec.attempt, job_name=rec.job_name, plan_file=rec.plan_file, script=rec.script,
                 reason=rec.reason, trigger=rec.trigger, trigger_t=rec.trigger_t, gpus=dict(rec.gpus),
                 throughput=rec.throughput, cost_per_hour=rec.cost_per_hour, intent_t=t, handover_from=rec.handover_from))
             state.trigger = None
             state.backoff_until = None
-        case Submitted():
+        case records.Submitted():
             att = state.attempt(rec.attempt)
             att.job_id, att.log = rec.job_id, rec.log or att.log
             att.submitted_t = att.submitted_t or rec.submitted_t or t
-        case Adopted():
+        case records.Adopted():
             att = state.attempt(rec.attempt)
             att.job_id, att.log = rec.job_id, rec.log or att.log
             att.submitted_t = att.submitted_t or att.intent_t
-        case JobRunning():
+        case records.JobRunning():
             att = state.attempt(rec.attempt)
             att.running_t = att.running_t or rec.since or t
             att.nodes = sorted(set(att.nodes) | set(rec.nodes))
-        case FirstStep():
+        case records.FirstStep():
             att = state.attempt(rec.attempt)
             att.first_step_t = att.first_step_t or t
             att.start_step = rec.loaded_step
             state.failures_in_a_row = 0
-        case RecoveryMeasured():
+        case records.RecoveryMeasured():
             att = state.attempt(rec.attempt)
             recovery = Recovery(t=t, trigger=rec.trigger, trigger_t=rec.trigger_t, in_place=rec.in_place,
                                 downtime_s=rec.downtime_s, recovery_s=rec.recovery_s, queue_wait_s=rec.queue_wait_s,
@@ -378,18 +341,18 @@ def apply(state: RunState, rec: Record) -> None:
             else:
                 att.recovery = recovery
             state.recoveries.append(recovery)
-        case GrowSubmitted():
+        case records.GrowSubmitted():
             state.attempt(rec.attempt).successor = Successor(grown=rec)
-        case GrowRunning():
+        case records.GrowRunning():
             succ = _successor(state, rec.attempt)
             succ.running_t, succ.nodes = t, list(rec.nodes)
-        case GateOpened():
+        case records.GateOpened():
             succ = _successor(state, rec.attempt)
             succ.gate_t = succ.gate_t or t
-        case GrowCancelled():
+        case records.GrowCancelled():
             _successor(state, rec.attempt).cancelled = rec.reason
             state.trigger = None
-        case InPlaceStep():
+        case records.InPlaceStep():
             att = state.attempt(rec.attempt)
             att.in_place.append(InPlaceChange(step_index=rec.step_index, t_step_end=rec.t_step_end, lost=dict(rec.lost),
                                               trigger=state.trigger))
@@ -397,59 +360,59 @@ def apply(state: RunState, rec: Record) -> None:
             att.throughput, att.cost_per_hour = rec.throughput, rec.cost_per_hour
             att.released.update({**att.lost_nodes, **rec.lost})
             att.lost_nodes, att.stop, state.trigger = {}, None, None
-        case CheckpointSeen():
+        case records.CheckpointSeen():
             state.checkpoint = rec
             if state.attempts:  # one job at a time: a new checkpoint is the latest job's (also if seen after it ended)
                 state.attempts[-1].advanced = True
-        case NodeLost():
+        case records.NodeLost():
             state.attempt(rec.attempt).lost_nodes.update(rec.nodes)
-            state.trigger = state.trigger or (Kind.NODE_LOST, t)
-        case IdleGpus():
+            state.trigger = state.trigger or (records.Kind.NODE_LOST, t)
+        case records.IdleGpus():
             state.last_replan_t = t
-        case Decision():
+        case records.Decision():
             if rec.action in ("resize", "checkpoint"):
                 state.trigger = (rec.trigger or rec.action, t if rec.trigger_t is None else rec.trigger_t)
-        case SignalSent():
+        case records.SignalSent():
             state.attempt(rec.attempt).stop = StopRequest(t=t, reason=rec.reason, signal=rec.signal)
-        case JobStopped():
+        case records.JobStopped():
             state.attempt(rec.attempt).stopped = rec
             state.trigger = state.trigger or (rec.reason, t)
-        case JobGone():
+        case records.JobGone():
             if rec.attempt is not None:  # without an attempt: a stray job of the run, cancelled
                 att = state.attempt(rec.attempt)
                 att.gone, att.end_state = True, rec.state
-        case Failure():
+        case records.Failure():
             state.failures_in_a_row += 1
-        case Backoff():
+        case records.Backoff():
             state.backoff_until = rec.until
-        case Finished():
+        case records.Finished():
             state.finished = rec
-        case GaveUp():
+        case records.GaveUp():
             state.gave_up = rec.reason
-        case GroupIntent():
+        case records.GroupIntent():
             state.groups.append(GeoGroup(number=rec.group, clusters=list(rec.job_names), jobs={},
                                          start_step=rec.start_step, plan_file=rec.plan_file, submitted_t=t,
                                          job_names=dict(rec.job_names)))
-        case GroupSubmitted():
+        case records.GroupSubmitted():
             if state.groups and state.groups[-1].number == rec.group:  # its intent came first
                 group = state.groups[-1]
                 group.clusters, group.jobs, group.submitted_t = list(rec.clusters), dict(rec.jobs), t
             else:  # a journal without intents
                 state.groups.append(GeoGroup(number=rec.group, clusters=list(rec.clusters), jobs=dict(rec.jobs),
                                              start_step=rec.start_step, plan_file=rec.plan_file, submitted_t=t))
-        case GroupAdopted():  # its jobs, some found by name only
+        case records.GroupAdopted():  # its jobs, some found by name only
             _group(state, rec.group).jobs = dict(rec.jobs)
-        case ClusterDropped() | ClusterLost():
+        case records.ClusterDropped() | records.ClusterLost():
             _group(state, rec.group)
             state.left.update({c: t for c in rec.clusters})
-        case Regrown():
+        case records.Regrown():
             _group(state, rec.group)
             for c in rec.clusters:
                 state.left.pop(c, None)
-        case GroupRunning():
+        case records.GroupRunning():
             group = _group(state, rec.group)
             group.running_t = group.running_t or t
-        case GroupStopped():
+        case records.GroupStopped():
             _group(state, rec.group).end = rec.reason
         case _:  # said for people (story), no change to what the controller knows
             pass
@@ -474,11 +437,11 @@ class InconsistentJournal(SailorError):
     wrong type): the journal was edited or mixed with another run's, and replaying it would guess."""
 
 
-def fold(records: Iterable[Record], *, source: str | Path | None = None, lines: list[int] | None = None) -> RunState:
+def fold(entries: Iterable[records.Record], *, source: str | Path | None = None, lines: list[int] | None = None) -> RunState:
     """The state after every record, in order. A record :func:`apply` cannot give a meaning is refused as
     :class:`InconsistentJournal`, naming the file (``source``), the record's line and the fix."""
     state = RunState()
-    for i, rec in enumerate(records):
+    for i, rec in enumerate(entries):
         try:
             apply(state, rec)
         except (KeyError, TypeError, ValueError, AssertionError, AttributeError, IndexError) as exc:

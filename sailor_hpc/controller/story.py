@@ -6,52 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sailor_hpc.controller.records import (
-    Adopted,
-    Backoff,
-    Baseline,
-    Cancel,
-    CheckpointSeen,
-    ClusterDropped,
-    ClusterLost,
-    ControllerStarted,
-    ControllerStopped,
-    Decision,
-    ErrorSeen,
-    Failure,
-    Finished,
-    FirstStep,
-    GateOpened,
-    GaveUp,
-    GroupAdopted,
-    GroupFailed,
-    GroupIntent,
-    GroupRecovered,
-    GroupRunning,
-    GroupStopped,
-    GroupSubmitted,
-    GrowCancelled,
-    GrowRunning,
-    GrowSubmitted,
-    IdleGpus,
-    InPlaceRefusedStep,
-    InPlaceStep,
-    JobGone,
-    JobRunning,
-    JobStopped,
-    Kind,
-    NodeLost,
-    NoPlan,
-    PlanChosen,
-    Record,
-    RecoveryMeasured,
-    RegrowDecision,
-    Regrown,
-    RunStarted,
-    SignalSent,
-    SubmitIntent,
-    Submitted,
-)
+from sailor_hpc.controller import records
 from sailor_hpc.controller.state import RunState
 
 
@@ -59,108 +14,108 @@ def _gpus(g: dict[str, int] | None) -> str:
     return "+".join(f"{n} {p}" for p, n in sorted((g or {}).items()) if n) or "-"
 
 
-def describe(rec: Record) -> str:
+def describe(rec: records.Record) -> str:
     """One line saying what the record means."""
     attempt = getattr(rec, "attempt", None)  # the records of one job name its attempt
     a = f"attempt {attempt}: " if attempt is not None else ""
     match rec:
-        case RunStarted():
+        case records.RunStarted():
             return f"run {rec.run_id} started"
-        case ControllerStarted():
+        case records.ControllerStarted():
             return f"controller pid {rec.pid} on {rec.host}" + (" resumed the run" if rec.resumed else "")
-        case ControllerStopped():
+        case records.ControllerStopped():
             return f"controller stopped: {rec.reason}"
-        case PlanChosen():
+        case records.PlanChosen():
             return (f"planned ({rec.reason}) on free {_gpus(rec.available)}: {_gpus(rec.gpus)}, "
                     f"{rec.throughput:.2f} samples/s, {rec.cost_per_hour:.2f}/h")
-        case NoPlan():
+        case records.NoPlan():
             return f"no plan possible now: {rec.message}"
-        case SubmitIntent():
+        case records.SubmitIntent():
             return f"{a}submitting {rec.job_name} ({rec.reason})"
-        case Submitted():
+        case records.Submitted():
             return f"{a}job {rec.job_id} submitted, log {rec.log}"
-        case Adopted():
+        case records.Adopted():
             return f"{a}found its job {rec.job_id} in Slurm (submitted before the controller restarted)"
-        case JobRunning():
+        case records.JobRunning():
             return f"{a}job running on {', '.join(rec.nodes)}"
-        case FirstStep():
+        case records.FirstStep():
             return f"{a}first step {rec.step} (resumed from step {rec.loaded_step})"
-        case InPlaceStep():
+        case records.InPlaceStep():
             return (f"{a}re-planned in job {rec.job_id} on its surviving nodes {', '.join(rec.nodes)}: "
                     f"{_gpus(rec.was_gpus)} -> {_gpus(rec.gpus)}, released {', '.join(rec.released) or '-'}"
                     + (f" (Slurm refused: {'; '.join(rec.refused)})" if rec.refused else ""))
-        case GrowSubmitted():
+        case records.GrowSubmitted():
             return (f"{a}bigger job {rec.job_id} ({_gpus(rec.gpus)}) submitted beside the running one, "
                     f"which trains until it runs")
-        case GrowRunning():
+        case records.GrowRunning():
             return (f"{a}bigger job {rec.job_id} runs on {', '.join(rec.nodes)}: the old one trains "
                     f"until its ranks are ready")
-        case GateOpened():
+        case records.GateOpened():
             return f"{a}its ranks are gone: bigger job {rec.job_id} loads the checkpoint and trains"
-        case GrowCancelled():
+        case records.GrowCancelled():
             return f"{a}bigger job {rec.job_id} cancelled ({rec.reason}); training goes on where it is"
-        case InPlaceRefusedStep():
+        case records.InPlaceRefusedStep():
             return f"{a}no in-place step in job {rec.job_id} ({rec.reason}): the job ends, a new one follows"
-        case RecoveryMeasured(in_place=True):
+        case records.RecoveryMeasured(in_place=True):
             return (f"{a}recovered from {rec.trigger} inside the same job in {rec.recovery_s:.1f} s "
                     f"(ranks idle {rec.ranks_idle_s or 0:.1f} s, no queue)")
-        case RecoveryMeasured():
+        case records.RecoveryMeasured():
             return (f"{a}recovered from {rec.trigger} in {rec.recovery_s:.1f} s "
                     f"(+ {rec.queue_wait_s or 0:.1f} s queue wait)")
-        case CheckpointSeen():
+        case records.CheckpointSeen():
             return f"checkpoint of step {rec.step} complete ({rec.consumed_samples} samples consumed)"
-        case NodeLost():
+        case records.NodeLost():
             return f"{a}node(s) of the job lost: " + ", ".join(f"{n} {s}" for n, s in rec.nodes.items())
-        case IdleGpus():
+        case records.IdleGpus():
             ch = ", ".join(f"{p} {b}->{n}" for p, (b, n) in rec.change.items())
             return f"{a}more GPUs free for the run: {ch}"
-        case Decision():
+        case records.Decision():
             return f"{a}{rec.action}: {rec.reason}"
-        case Baseline():
+        case records.Baseline():
             return f"free GPUs for the run now {_gpus(rec.available)}"
-        case SignalSent():
+        case records.SignalSent():
             return f"{a}asked job {rec.job_id} to checkpoint and stop (SIG{rec.signal}, {rec.reason})"
-        case JobStopped():
+        case records.JobStopped():
             return f"{a}job {rec.job_id} stopped running ({rec.state}, {rec.reason}) at step {rec.step}"
-        case Cancel():
+        case records.Cancel():
             return f"cancelling job {rec.job_id}: {rec.reason}"
-        case JobGone():
+        case records.JobGone():
             return f"{a}job {rec.job_id} gone ({rec.state})"
-        case Failure():
+        case records.Failure():
             return f"{a}failed without training a step ({rec.reason})"
-        case Backoff():
+        case records.Backoff():
             return f"backing off {rec.seconds:.0f} s before the next job"
-        case Finished():
+        case records.Finished():
             return f"finished: step {rec.step} checkpointed at {rec.checkpoint}"
-        case GaveUp():
+        case records.GaveUp():
             return f"gave up: {rec.reason}"
-        case ErrorSeen():
+        case records.ErrorSeen():
             return f"error ({rec.where}): {rec.message}"
         # a run across clusters (sailor_hpc.controller.groups): attempts that are groups of jobs
-        case GroupIntent():
+        case records.GroupIntent():
             return (f"group {rec.group}: submitting " + ", ".join(rec.job_names.values())
                     + f" (from step {rec.start_step})")
-        case GroupSubmitted():
+        case records.GroupSubmitted():
             return (f"group {rec.group}: jobs " + ", ".join(f"{c} {j}" for c, j in rec.jobs.items())
                     + f" submitted (from step {rec.start_step})")
-        case GroupAdopted():
+        case records.GroupAdopted():
             return f"group {rec.group}: found its jobs {rec.states} (before the co-scheduler restarted)"
-        case GroupRunning():
+        case records.GroupRunning():
             return f"group {rec.group}: every cluster's job runs"
-        case GroupRecovered():
+        case records.GroupRecovered():
             return f"group {rec.group}: recovered from {rec.trigger} in {rec.recovery_s:.1f} s"
-        case GroupFailed():
+        case records.GroupFailed():
             return f"group {rec.group}: a job failed ({rec.states}): retried on the same clusters"
-        case GroupStopped():
+        case records.GroupStopped():
             return f"group {rec.group}: stopped ({rec.reason})"
-        case ClusterDropped():
+        case records.ClusterDropped():
             return f"group {rec.group}: {_clusters(rec.clusters)} pending past the bound: dropped, re-planned without"
-        case ClusterLost():
+        case records.ClusterLost():
             return f"group {rec.group}: cluster {_clusters(rec.clusters)} lost ({rec.states}): re-planned on the rest"
-        case RegrowDecision():
+        case records.RegrowDecision():
             return (f"group {rec.group}: {'grow' if rec.resize else 'do not grow'} back across "
                     f"{_clusters(rec.clusters)}: {rec.reason}")
-        case Regrown():
+        case records.Regrown():
             return f"group {rec.group}: {_clusters(rec.clusters)} back: checkpoint, stop and re-plan across it"
     return rec.kind.value
 
@@ -215,7 +170,7 @@ def change_rows(state: RunState) -> list[tuple[Any, ...]]:
             rows.append((att.number, att.job_id or "-", change_label(r.trigger, before), "n", f"{r.idle_s:.1f}",
                          f"{r.queue_wait_s or 0:.1f}", "0"))
         for ch in att.in_place:
-            rows.append((att.number, att.job_id or "-", change_label(ch.trigger[0] if ch.trigger else Kind.NODE_LOST,
+            rows.append((att.number, att.job_id or "-", change_label(ch.trigger[0] if ch.trigger else records.Kind.NODE_LOST,
                                                                      ch.lost), "y",
                          f"{ch.recovery.idle_s:.1f}" if ch.recovery else "-", "0", avoided))
     return rows
@@ -224,7 +179,7 @@ def change_rows(state: RunState) -> list[tuple[Any, ...]]:
 def change_label(trigger: str | None, lost: dict[str, str]) -> str:
     """What happened, in a person's words: a loss whose every node drains (or drained) is a ``drain``, not a
     node lost, though the controller handles both as losses."""
-    if trigger == Kind.NODE_LOST and lost and all(str(s).lower().startswith(("drain", "drng")) for s in lost.values()):
+    if trigger == records.Kind.NODE_LOST and lost and all(str(s).lower().startswith(("drain", "drng")) for s in lost.values()):
         return "drain"
     return str(trigger)
 
