@@ -36,16 +36,15 @@ class Window:
 
 
 def fits(demands: tuple[int, ...], free: Mapping[str, int]) -> bool:
-    """First-fit decreasing of per-node GPU demands into the nodes' free GPUs (one node per demand)."""
-    slots = sorted(free.values(), reverse=True)
-    for need in demands:  # a shape lists them largest first
-        for i, have in enumerate(slots):
-            if have >= need:
-                slots[i] = -1  # one job's tasks of a node: a node is used once per demand
-                break
-        else:
-            return False
-    return True
+    """First-fit of per-node GPU demands into the nodes' free GPUs (one node per demand)."""
+    return fits_sorted(demands, sorted(free.values(), reverse=True))
+
+
+def fits_sorted(demands: tuple[int, ...], slots: list[int]) -> bool:
+    """:func:`fits` on the free GPUs sorted largest first. First-fit over sorted nodes takes the largest
+    unused node every time (a smaller one fits no demand the largest refuses), so the k-th demand lands on
+    the k-th largest node: the request fits when each of those holds it."""
+    return len(demands) <= len(slots) and all(have >= need for have, need in zip(slots, demands))
 
 
 class StartModel:
@@ -57,8 +56,9 @@ class StartModel:
         self._fit_cache: dict[tuple[RequestShape, int], bool] = {}
         self._intervals: dict[RequestShape, list[tuple[float, float]]] = {}
         self._times = sorted({0.0, *(t for h in snapshot.holds for t in (h.start_s, h.end_s) if math.isfinite(t))})
-        # free GPUs per node of each partition on each segment [times[i], times[i + 1])
-        self._free = {p: [self.free_at(p, t) for t in self._times] for p in snapshot.node_gpus}
+        # free GPUs per node of each partition on each segment [times[i], times[i + 1]), largest first
+        self._free = {p: [sorted(self.free_at(p, t).values(), reverse=True) for t in self._times]
+                      for p in snapshot.node_gpus}
 
     def free_at(self, partition: str, t: float) -> dict[str, int]:
         """Free GPUs per usable node of ``partition`` at ``t`` seconds from the snapshot."""
@@ -72,7 +72,7 @@ class StartModel:
         key = (shape, i)
         hit = self._fit_cache.get(key)
         if hit is None:
-            hit = self._fit_cache[key] = all(p in self._free and fits(gpus, self._free[p][i]) for p, gpus in shape)
+            hit = self._fit_cache[key] = all(p in self._free and fits_sorted(gpus, self._free[p][i]) for p, gpus in shape)
         return hit
 
     def intervals(self, shape: RequestShape) -> list[tuple[float, float]]:

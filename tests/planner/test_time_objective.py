@@ -163,3 +163,24 @@ def test_grow_later_against_waiting(tiny_archive) -> None:
         tied_earlier = any(p.gpu_hours == o.gpu_hours and p.finish_s == o.finish_s and id(d) in front
                            for d, p in looks if d is not c)
         assert (id(c) in front) is (not beaten and not tied_earlier)
+
+
+def test_sorted_fit_is_first_fit_node_by_node() -> None:
+    """The start model's fit test (each demand against the node of its rank by free GPUs) equals first-fit
+    done node by node, on random demands and nodes (orders included)."""
+    def first_fit(demands: tuple[int, ...], free: dict[str, int]) -> bool:
+        slots = sorted(free.values(), reverse=True)
+        for need in demands:
+            for i, have in enumerate(slots):
+                if have >= need:
+                    slots[i] = -1
+                    break
+            else:
+                return False
+        return True
+
+    rng = random.Random(7)
+    for _ in range(5000):
+        free = {f"n{i}": rng.randint(0, 8) for i in range(rng.randint(0, 6))}
+        demands = tuple(rng.randint(1, 8) for _ in range(rng.randint(1, 6)))
+        assert fits(demands, free) == first_fit(demands, free), (demands, free)
