@@ -41,12 +41,13 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.write_line(f"fuzz: {counts}; {sum(CASES.values())} in all")
 
 
-def slurm_missing(reason: str) -> NoReturn:
-    """Skip a test for a Slurm part this machine lacks, with ``reason``; under ``SAILOR_REQUIRE_SLURM=1``
-    (CI, which installs Slurm) fail it instead, so a broken Slurm set-up cannot pass as skips."""
+def slurm_missing(reason: str, *, module: bool = False) -> NoReturn:
+    """Skip a test (``module``: a whole test module) for a part this machine lacks that CI installs (Slurm,
+    the runtime and DeepSpeed extras), with ``reason``; under ``SAILOR_REQUIRE_SLURM=1`` (CI) fail it
+    instead, so a broken set-up cannot pass as skips."""
     if os.environ.get("SAILOR_REQUIRE_SLURM") == "1":
         pytest.fail(f"{reason} (SAILOR_REQUIRE_SLURM=1)", pytrace=False)
-    pytest.skip(reason)
+    pytest.skip(reason, allow_module_level=module)
 
 
 @pytest.fixture(scope="session")

@@ -26,11 +26,12 @@ from typing import Any
 import pytest
 
 from sailor_hpc.core.checkpoint import latest_complete, read_manifest
+from tests.conftest import slurm_missing
 from tests.controller import scenario
 from tests.slurm import ranks
 
 if importlib.util.find_spec("deepspeed") is None or importlib.util.find_spec("megatron") is None:
-    pytest.skip("needs the deepspeed and runtime extras", allow_module_level=True)
+    slurm_missing("needs the deepspeed and runtime extras (make install-test)", module=True)
 
 STEPS = 20
 # the reference is one process (megatron_patch.reference): fp32 summation order differs, as in test_resize_cluster

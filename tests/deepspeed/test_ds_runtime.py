@@ -26,11 +26,12 @@ from sailor_hpc.core.checkpoint import step_dir
 from sailor_hpc.core.deepspeed_plan import with_zero_stage
 from sailor_hpc.core.ds_config import write_ds_config
 from sailor_hpc.core.plan import Pipeline, Plan, Stage
+from tests.conftest import slurm_missing
 from tests.megatron_patch.conftest import ADAM, PLAN_A
 
 # found, not imported: DeepSpeed is imported by the ranks only, never by the test process (collection stays fast)
 if importlib.util.find_spec("deepspeed") is None or importlib.util.find_spec("megatron") is None:
-    pytest.skip("needs the deepspeed and runtime extras", allow_module_level=True)
+    slurm_missing("needs the deepspeed and runtime extras (make install-test)", module=True)
 
 TOL = 1e-6
 STEPS = 10
