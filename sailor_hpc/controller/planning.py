@@ -150,13 +150,13 @@ def _plan_on(spec: RunSpec, site: Site, archive: ProfileArchive, free: FreeByNod
     """:func:`plan_on` for one runtime."""
     allowed = partitions_for_time(spec.time_limit, site)
     available = {p.name: int(sum(free.get(p.name, {}).values())) if p.name in allowed else 0 for p in site.partitions}
+    # the run's remaining steps decide its finish: a resized or resumed run has fewer left than it began with
+    goal = (free_now_goal(site, max(1, spec.steps - newest_step(spec.save)), free, time_limit=spec.time_limit,
+                          time_min=spec.time_min,
+                          restart_cost_s=spec.restart_cost_s) if spec.objective == "time" else None)
     for _ in range(1 + sum(available.values())):
         if sum(available.values()) <= 0:
             break
-        # the run's remaining steps decide its finish: a resized or resumed run has fewer left than it began with
-        goal = (free_now_goal(site, max(1, spec.steps - newest_step(spec.save)), free, time_limit=spec.time_limit,
-                              time_min=spec.time_min,
-                              restart_cost_s=spec.restart_cost_s) if spec.objective == "time" else None)
         request = spec.plan_request(available, goal, runtime)  # a bad request is bad input (SailorError), not a wait
         best = _search(site, archive, request).candidates[0]
         bad = misfit(best.plan, free)
