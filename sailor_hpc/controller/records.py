@@ -12,13 +12,13 @@ without the field decodes to: a journal written before a field existed still rep
 from __future__ import annotations
 
 import dataclasses
-import types
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, ClassVar, Union, get_args, get_origin, get_type_hints
+from typing import Any, ClassVar
 
 from sailor_hpc.core.errors import SailorError
+from sailor_hpc.core.typed_json import Mismatch, from_json
 
 
 class Kind(StrEnum):
@@ -531,7 +531,6 @@ class Regrown(Record):
 RECORDS: dict[str, type[Record]] = {cls.kind.value: cls for cls in Record.__subclasses__()}
 assert set(RECORDS) == {k.value for k in Kind}, "every kind needs its record class"
 
-_ENVELOPE = ("seq", "t", "kind")
 _EDITED = "the journal was edited or corrupted, or written by another sailor-hpc version: restore it or start a new run"
 
 
@@ -544,81 +543,13 @@ def decode(obj: dict[str, Any], *, file: str | Path | None = None, line: int | N
     """The typed record of one journal line's JSON object. Refuses (SailorError naming ``file``, the line and
     the field) an unknown kind, a missing or unknown field, and a field of the wrong type."""
     where = f"line {line}" if line is not None else None
+    at = f"{where}: " if where else ""
     kind = obj.get("kind")
     cls = RECORDS.get(kind) if isinstance(kind, str) else None
     if cls is None:
-        raise SailorError(f"{_at(where)}unknown record kind {kind!r}", file=file, field=where, fix=_EDITED)
-    known = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(obj) - set(known) - {"kind"})
-    if unknown:
-        raise SailorError(f"{_at(where)}the {kind!r} record has unknown field(s) {', '.join(map(repr, unknown))}",
-                          file=file, field=where, fix=_EDITED)
-    hints = _hints(cls)
-    values: dict[str, Any] = {}
-    for name, f in known.items():
-        if name not in obj:
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise SailorError(f"{_at(where)}the {kind!r} record has no field {name!r}", file=file, field=where,
-                                  fix=_EDITED)
-            continue
-        value = _typed(obj[name], hints[name])
-        if value is _WRONG:
-            raise SailorError(f"{_at(where)}the {kind!r} record's field {name!r} must be {_hint_text(hints[name])}, "
-                              f"got {obj[name]!r}", file=file, field=where, fix=_EDITED)
-        values[name] = value
-    return cls(**values)
-
-
-def _at(where: str | None) -> str:
-    return f"{where}: " if where else ""
-
-
-_HINTS: dict[type[Record], dict[str, Any]] = {}
-
-
-def _hints(cls: type[Record]) -> dict[str, Any]:
-    if cls not in _HINTS:
-        _HINTS[cls] = get_type_hints(cls)
-    return _HINTS[cls]
-
-
-_WRONG = object()  # what _typed returns for a value that does not fit its annotation
-
-
-def _typed(value: Any, hint: Any) -> Any:
-    """``value`` (decoded JSON) as ``hint`` says, recursively (ints read as floats where a float is due),
-    or :data:`_WRONG`."""
-    if hint is Any:
-        return value
-    origin = get_origin(hint)
-    if origin in (Union, types.UnionType):
-        for option in get_args(hint):
-            out = _typed(value, option)
-            if out is not _WRONG:
-                return out
-        return _WRONG
-    if hint is type(None):
-        return None if value is None else _WRONG
-    if hint is bool:
-        return value if isinstance(value, bool) else _WRONG
-    if isinstance(value, bool):  # JSON true/false is no number
-        return _WRONG
-    if hint is int:
-        return value if isinstance(value, int) else _WRONG
-    if hint is float:
-        return float(value) if isinstance(value, int | float) else _WRONG
-    if hint is str:
-        return value if isinstance(value, str) else _WRONG
-    if origin is list and isinstance(value, list):
-        (item,) = get_args(hint)
-        items = [_typed(v, item) for v in value]
-        return _WRONG if any(v is _WRONG for v in items) else items
-    if origin is dict and isinstance(value, dict):
-        _, item = get_args(hint)
-        pairs = {k: _typed(v, item) for k, v in value.items()}
-        return _WRONG if any(v is _WRONG for v in pairs.values()) else pairs
-    return _WRONG
-
-
-def _hint_text(hint: Any) -> str:
-    return hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "")
+        raise SailorError(f"{at}unknown record kind {kind!r}", file=file, field=where, fix=_EDITED)
+    try:
+        return from_json(cls, obj, skip=("kind",))
+    except Mismatch as exc:
+        said = {"unknown": f" has {exc.message}", "missing": f" has no field {exc.field!r}", "type": f"'s {exc.message}"}
+        raise SailorError(f"{at}the {kind!r} record{said[exc.problem]}", file=file, field=where, fix=_EDITED) from None

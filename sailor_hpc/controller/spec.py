@@ -12,9 +12,9 @@ import json
 import math
 import sys
 import uuid
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, get_args, get_origin, get_type_hints
+from typing import Any
 
 from planner import Constraints, PlanRequest
 from planner.time_goal import TimeGoal
@@ -23,6 +23,7 @@ from sailor_hpc.core.deepspeed_plan import NOTES_KEY as DEEPSPEED_NOTES
 from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.plan import Plan
 from sailor_hpc.core.precision import DTYPES
+from sailor_hpc.core.typed_json import Mismatch, from_json
 from sailor_hpc.jobs.render import parse_time_limit
 
 SPEC_FORMAT = "sailor-hpc-run"
@@ -122,24 +123,20 @@ class RunSpec:
 
     @classmethod
     def from_dict(cls, data: Any, source: str | None = None) -> RunSpec:
+        """The spec of a parsed run.json (``source``: its path, for errors), every key typed and numbers finite."""
         if not isinstance(data, dict) or data.get("format") != SPEC_FORMAT or data.get("version") != SPEC_VERSION:
             raise SailorError(f"not a {SPEC_FORMAT} v{SPEC_VERSION} file", file=source,
                               fix="point --resume at the directory `sailor-hpc run` created")
-        body = {k: v for k, v in data.items() if k not in ("format", "version")}
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(body) - known)
-        if unknown:
-            raise SailorError(f"unknown keys {unknown}", file=source, field=unknown[0],
-                              fix="this run directory was written by another sailor-hpc version")
-        required = {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}
-        missing = sorted(n for n in required if n not in body)
-        if missing:
-            raise SailorError(f"missing keys {missing}", file=source, field=missing[0])
-        hints = get_type_hints(cls)
-        body = {k: _typed(v, hints[k], source, k) for k, v in body.items()}
         try:
-            return cls(**body)
-        except SailorError as exc:
+            return from_json(cls, data, skip=("format", "version"), finite=True)
+        except Mismatch as exc:
+            names = sorted(exc.names)
+            said, fix = {"unknown": (f"unknown keys {names}", "this run directory was written by another sailor-hpc version"),
+                         "missing": (f"missing keys {names}", None),
+                         "type": (f"must be {exc.expected}, got {exc.value!r}",
+                                  "run.json was edited or damaged: restore it, or start a new run")}[exc.problem]
+            raise SailorError(said, file=source, field=names[0], fix=fix) from None
+        except SailorError as exc:  # the spec's own validation: name the file
             raise SailorError(exc.message, file=source, field=exc.field, fix=exc.fix) from None
 
     def write(self, path: str | Path) -> None:
@@ -177,21 +174,3 @@ class RunSpec:
         space = plan.notes.get("planner", {}).get("space") if isinstance(plan.notes.get("planner"), dict) else None
         return "deepspeed" if space == "deepspeed" or DEEPSPEED_NOTES in plan.notes else "megatron_patch"
 
-
-def _typed(value: Any, hint: Any, source: str | None, name: str) -> Any:
-    """``value`` of run.json's field ``name`` as its annotation ``hint`` says (str, int, float, ``X | None``,
-    ``tuple[str, ...]`` from a JSON list): a hand-edited or damaged file is a SailorError naming the field,
-    not a TypeError when the controller first uses the value."""
-    args = get_args(hint)
-    if type(None) in args:  # an optional field: null, or the one type it has
-        return None if value is None else _typed(value, next(a for a in args if a is not type(None)), source, name)
-    if get_origin(hint) is tuple and isinstance(value, list) and all(isinstance(v, str) for v in value):
-        return tuple(value)
-    number = isinstance(value, int | float) and not isinstance(value, bool)  # JSON's true is no number
-    if hint is float and number and math.isfinite(value):
-        return float(value)
-    if (hint is int and number and isinstance(value, int)) or (hint is str and isinstance(value, str)):
-        return value
-    what = {str: "text", int: "an integer", float: "a finite number"}.get(hint, "a list of text")
-    raise SailorError(f"must be {what}, got {value!r}", file=source, field=name,
-                      fix="run.json was edited or damaged: restore it, or start a new run")

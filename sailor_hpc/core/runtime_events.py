@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import types
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Union, get_args, get_origin, get_type_hints
+from typing import Any, ClassVar
 
 from sailor_hpc.core.errors import SailorError
+from sailor_hpc.core.typed_json import Mismatch, from_json
 
 
 @dataclass(frozen=True)
@@ -136,38 +136,14 @@ def event_fields(event: RuntimeEvent) -> dict[str, Any]:
 
 def decode_event(obj: dict[str, Any], source: str | None = None) -> RuntimeEvent | None:
     """The typed event of one parsed log line; None for events no reader needs. Raises SailorError (naming
-    ``source``, the event and the field) when a field it needs is missing or of the wrong type."""
+    ``source``, the event and the field) when a field it needs is missing or of the wrong type; fields it does
+    not need are left undecoded."""
     cls = EVENTS.get(str(obj.get("event")))
     if cls is None:
         return None
-    hints = get_type_hints(cls)
-    values: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):
-        if f.name not in obj:
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise _bad(obj, f.name, "is missing", source)
-            continue
-        values[f.name] = _checked(obj, f.name, hints[f.name], source)
-    return cls(**values)
-
-
-def _checked(obj: dict[str, Any], name: str, hint: Any, source: str | None) -> Any:
-    value = obj[name]
-    options = get_args(hint) if get_origin(hint) in (Union, types.UnionType) else (hint,)
-    if value is None and type(None) in options:
-        return None
-    for option in options:
-        base = get_origin(option) or option
-        if base is float and isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-        if base is int and isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if base in (str, dict, list) and isinstance(value, base):
-            return value
-    raise _bad(obj, name, f"must be {hint}, got {value!r}", source)
-
-
-def _bad(obj: dict[str, Any], name: str, what: str, source: str | None) -> SailorError:
-    return SailorError(f"the runtime's {obj.get('event')!r} event: field {name!r} {what}", file=source,
-                       field=name, fix="the job ran a different sailor-hpc version than the controller: run both "
-                                       "from the same installation")
+    try:
+        return from_json(cls, obj, ignore_unknown=True)
+    except Mismatch as exc:
+        raise SailorError(f"the runtime's {obj.get('event')!r} event: {exc.message}", file=source, field=exc.field,
+                          fix="the job ran a different sailor-hpc version than the controller: run both "
+                              "from the same installation") from None
