@@ -95,9 +95,10 @@ def _with_training_args(kw: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _entry_script(entry: Path, skip: bool, **beside: object) -> Path:
+def entry_script(entry: Path, skip: bool, **beside: object) -> Path:
     """A user's script, absolute (the job starts elsewhere) and checked to exist unless ``skip``; the options
-    that belong to sailor-hpc's runtimes are refused beside it (``beside``: option -> value given)."""
+    that belong to sailor-hpc's runtimes are refused beside it (``beside``: option -> value given). Shared with
+    ``plan --sbatch``, which renders the same job."""
     for option, value in beside.items():
         if value:
             raise SailorError(f"--{option.replace('_', '-')} is an option of sailor-hpc's runtimes; your script "
@@ -110,7 +111,7 @@ def _entry_script(entry: Path, skip: bool, **beside: object) -> Path:
     return script
 
 
-def _ds_config_file(plan: Plan, train_values: dict[str, Any], steps: int, job_dir: Path, stem: str) -> tuple[Path, str]:
+def ds_config_file(plan: Plan, train_values: dict[str, Any], steps: int, job_dir: Path, stem: str) -> tuple[Path, str]:
     """Where the plan's ds_config.json goes and its text: in the job directory, named by its content (a queued
     job's config is never replaced by a later render's); refused (engine, schedule, optimizer) here, before
     anything is written."""
@@ -142,7 +143,7 @@ def _render(plan_file: Path, site_file: Path, model: str | None, data: str | Non
     job: Training | DryRun | UserEntry
     if entry is not None:
         check_user_entry(runtime, train_arg, WholePlan())
-        script = _entry_script(entry, skip_path_check, data=data, save=save, load=load, dry_run=dry_run)
+        script = entry_script(entry, skip_path_check, data=data, save=save, load=load, dry_run=dry_run)
     elif entry_args:
         raise SailorError(f"arguments after PLAN ({' '.join(entry_args)}) are a user script's, given with --entry",
                           field="--entry", fix="add --runtime deepspeed --entry SCRIPT, or pass runtime arguments "
@@ -159,7 +160,7 @@ def _render(plan_file: Path, site_file: Path, model: str | None, data: str | Non
     plan_path = plan_path or placed_plan_path(plan, job_dir, plan_file.stem)
     config: tuple[Path, str] | None = None
     if entry is not None:
-        config = _ds_config_file(plan, train_values or {}, steps, job_dir, plan_file.stem)
+        config = ds_config_file(plan, train_values or {}, steps, job_dir, plan_file.stem)
         job = UserEntry(script, config[0], entry_args)
     options = JobOptions(plan_path=plan_path, work=job, steps=steps, model=model, runtime=runtime,
                          train_args=train_arg, python=python, job_name=job_name,

@@ -15,7 +15,7 @@ from planner.entry import plan_search
 from planner.geo import gpus_per_cluster
 from planner.pareto import plot_pareto
 from planner.time_pareto import plot_time_pareto
-from sailor_hpc.cli.job_cmds import _ds_config_file, _entry_script
+from sailor_hpc.cli.job_cmds import ds_config_file, entry_script
 from sailor_hpc.cli.output import echo_json, memory_by_gpu_type_cell, table
 from sailor_hpc.cli.time_planning import TimeOptions, echo_time, refine, time_goal, time_json, timed_job
 from sailor_hpc.cli.training_options import job_work
@@ -145,7 +145,7 @@ def _sbatch_job(query: PlanSearch, out: PlanOutputs) -> JobOptions | None:
     steps = query.steps or DEFAULT_STEPS
     runtime = "deepspeed" if query.runtime == "deepspeed" else "megatron_patch"
     if out.entry is not None:  # the config's path names its content, known once the best plan is: see run_planner
-        script = _entry_script(out.entry, out.skip_path_check, data=out.data, save=out.save)
+        script = entry_script(out.entry, out.skip_path_check, data=out.data, save=out.save)
         work = UserEntry(script, plan_path.absolute().with_suffix(".ds_config.json"), out.entry_args)
         return JobOptions(plan_path=plan_path.absolute(), work=work, steps=steps, runtime=runtime)
     return JobOptions(plan_path=plan_path.absolute(),
@@ -191,7 +191,7 @@ def run_planner(query: PlanSearch, out: PlanOutputs) -> None:
         plan_file = Path(job.plan_path)
         config: tuple[Path, str] | None = None
         if isinstance(job.work, UserEntry):  # refused (engine, schedule, optimizer) before any file is written
-            config = _ds_config_file(best.plan, dict(out.train_values), job.steps, sbatch_out.parent, plan_file.stem)
+            config = ds_config_file(best.plan, dict(out.train_values), job.steps, sbatch_out.parent, plan_file.stem)
             job = replace(job, work=replace(job.work, ds_config=config[0]))
         with ExitStack() as undo:  # no script: no plan file or config left behind for it either
             undo.enter_context(removed_on_error(plan_file))
