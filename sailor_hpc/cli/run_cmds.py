@@ -215,7 +215,7 @@ def status_cmd(run_dir: Path, events: bool, as_json: bool) -> None:
         return
     click.echo(f"run {spec.run_id}: {spec.model} to step {spec.steps} ({spec.objective}, gbs {spec.gbs}) - {phase}; "
                f"checkpoint {ck.step if ck else '-'}; {state.restarts} restart(s)")
-    if state.groups:  # a run across clusters: groups of one job per cluster instead of attempts
+    if any(a.across for a in state.attempts):  # a run across clusters: its attempts are groups, one job per cluster
         click.echo(table(GROUP_HEADER, group_rows(state)))
     else:
         click.echo(table(ATTEMPT_HEADER, attempt_rows(state)))

@@ -22,15 +22,24 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from sailor_hpc.controller.records import Kind, Record, decode, encode
 from sailor_hpc.core.errors import SailorError
+
+R = TypeVar("R", bound=Record)  # append returns the record it was given, stamped
 
 __all__ = ["Journal", "Kind", "Record", "read_journal", "read_journal_lines"]
 
 
 _EDITED = "the journal was edited or corrupted; restore it or start a new run"
+
+
+def _finite(x: float) -> bool:
+    try:
+        return math.isfinite(x)
+    except OverflowError:  # an int too large for a float (a damaged line), not a number of seconds
+        return False
 
 
 def _check_envelope(rec: dict[str, Any], number: int, path: Path) -> None:
@@ -39,7 +48,7 @@ def _check_envelope(rec: dict[str, Any], number: int, path: Path) -> None:
     seq, t, kind = rec["seq"], rec.get("t"), rec["kind"]
     for field, ok, what in (("seq", isinstance(seq, int) and not isinstance(seq, bool) and seq >= 0,
                              "a non-negative integer"),
-                            ("t", isinstance(t, int | float) and not isinstance(t, bool) and math.isfinite(t),
+                            ("t", isinstance(t, int | float) and not isinstance(t, bool) and _finite(t),
                              "a finite number of seconds"),
                             ("kind", isinstance(kind, str), "text")):
         if not ok:
@@ -117,7 +126,7 @@ class Journal:
             return True
         return False
 
-    def append(self, record: Record) -> Record:
+    def append(self, record: R) -> R:
         """Write one record (durably), stamped with its ``seq`` and time, and return the stamped record."""
         rec = dataclasses.replace(record, seq=self._next, t=round(self.clock(), 3))
         line = (json.dumps(encode(rec), sort_keys=True) + "\n").encode()

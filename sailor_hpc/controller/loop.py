@@ -101,7 +101,6 @@ class Controller(Recorder, GrowBeside, Groups):
         self.clock = clock
         self.sleep = sleep
         self.state = RunState()
-        self.journal: Any = None
         self.site: Site = load_site(self.spec.site)
         self.archive = open_archive(self.spec.profiles, self.site)
         self._tails: dict[int, LogTail] = {}
@@ -115,8 +114,11 @@ class Controller(Recorder, GrowBeside, Groups):
         self._queue_judged_t = 0.0  # when a pending job was last judged against the queue
         self.fixed_plans = plan_for
         self.plan_for = plan_for or planner_plan_for(self.spec, self.site, self.archive, self.genv)
+        self.across = across_clusters(self.site)  # an attempt is a group of jobs, one per cluster
         self._trigger: tuple[str, float] | None = None  # a group's change whose recovery is not yet measured
         self._left: dict[str, float] = {}
+        self._next_clusters: tuple[str, ...] | None = None
+        self._groups_started: set[int] = set()
 
     # ------------------------------------------------------------------------------------------ journal
 
@@ -132,28 +134,12 @@ class Controller(Recorder, GrowBeside, Groups):
         """Hold the run's lock and drive it; returns 0 (finished), 1 (gave up) or 130 (interrupted)."""
         with self.rundir.lock():
             self.begin()
+            self._left = dict(self.state.left)
             try:
-                if across_clusters(self.site):  # an attempt is a group of jobs, one per cluster
-                    return self._run_across()
-                if not (self.state.finished or self.state.gave_up):
-                    self.reconcile()
                 return self.loop()
             except KeyboardInterrupt:
                 self.note(records.ControllerStopped(reason="interrupted; the jobs keep running (sailor-hpc run --resume)"))
                 return EXIT_INTERRUPTED
-
-    def _run_across(self) -> int:
-        """A run across clusters: its attempts are groups (:mod:`~sailor_hpc.controller.groups`)."""
-        if self.state.finished:
-            return EXIT_FINISHED
-        if self.state.gave_up:
-            return EXIT_GAVE_UP
-        try:
-            self.drive_groups()
-        except (JobFailed, SailorError) as exc:  # every cluster left, or bad input: retrying cannot help
-            self.note(records.GaveUp(reason=str(exc)))
-            return EXIT_GAVE_UP
-        return EXIT_FINISHED
 
     def wait_for_slurm(self, answers: Callable[[], bool]) -> None:
         """Wait, with back-off (poll x 2^k, at most ``SLURM_BACKOFF_MAX_S``), until ``answers()``."""
@@ -165,8 +151,12 @@ class Controller(Recorder, GrowBeside, Groups):
                 return
 
     def loop(self) -> int:
-        """Poll until the run is finished or gives up. Slurm not answering is waited out, with back-off
-        (journaled once per outage); bad input (a SailorError) ends the run: retrying cannot fix it."""
+        """Poll until the run is finished or gives up: first reconcile the journal with Slurm (:meth:`reconcile`),
+        then submit an attempt when there is none, else watch it (a job, or across clusters a group of jobs,
+        :mod:`~sailor_hpc.controller.groups`). Slurm not answering is waited out with back-off (journaled once
+        per outage); across clusters the run is then reconciled again (a group cut short while submitting is
+        adopted or stopped). Bad input (SailorError) or a run left without clusters (JobFailed) ends the run."""
+        reconciled = False
         while True:
             if self.state.finished:
                 return EXIT_FINISHED
@@ -174,18 +164,24 @@ class Controller(Recorder, GrowBeside, Groups):
                 return EXIT_GAVE_UP
             cur = self.state.current
             try:
-                if cur is None:
+                if not reconciled:
+                    self.reconcile()
+                    reconciled = True
+                    continue
+                if cur is None and self.across:
+                    self.start_group()
+                elif cur is None:
                     self.start_next()
+                elif cur.across:
+                    self.watch_group(cur)
                 else:
                     self.watch(cur)
             except SlurmUnavailable as exc:
-                self.note_once(records.ErrorSeen(message=exc.message, where="slurm unavailable"))
-                self.wait_for_slurm(lambda: controller_answers(self.env))
-                # Slurm's return is journaled before what it then reports (a job that finished meanwhile)
-                self.note(records.ErrorSeen(message="Slurm answers again", where="slurm available"))
-                self._said.pop(records.Kind.ERROR, None)  # a later outage is journaled again
+                self._wait_out(exc)
+                # across clusters the group may have been cut short while submitting: adopt or stop it
+                reconciled = reconciled and not self.across
                 continue
-            except SailorError as exc:  # bad input (a deterministic refusal): retrying cannot fix it
+            except (SailorError, JobFailed) as exc:  # a deterministic refusal: retrying cannot fix it
                 self.note(records.GaveUp(reason=str(exc)))
                 return EXIT_GAVE_UP
             self._said.pop(records.Kind.ERROR, None)
@@ -194,11 +190,24 @@ class Controller(Recorder, GrowBeside, Groups):
             if not (self.state.finished or self.state.gave_up):
                 self.sleep(self.spec.poll_s)
 
+    def _wait_out(self, exc: SlurmUnavailable) -> None:
+        """A Slurm outage: journal it once, wait with back-off until every cluster the run uses answers, journal
+        that."""
+        group = (len(self.state.attempts) or None) if self.across else None
+        self.note_once(records.ErrorSeen(message=exc.message, where="slurm unavailable", group=group))
+        self.wait_for_slurm(self.clusters_answer if self.across else lambda: controller_answers(self.env))
+        # Slurm's return is journaled before what it then reports (a job that finished meanwhile)
+        self.note(records.ErrorSeen(message="Slurm answers again", where="slurm available", group=group))
+        self._said.pop(records.Kind.ERROR, None)  # a later outage is journaled again
+
     # ----------------------------------------------------------------------------------------- reconcile
 
     def reconcile(self) -> None:
         """After a (re)start: adopt a job submitted just before a kill, cancel jobs of the run that are not
         the current one (never two jobs writing the same checkpoints)."""
+        if self.across:
+            self.reconcile_group()
+            return
         cur = self.state.current
         if cur is not None and cur.job_id is None:
             self._adopt_or_drop(cur)

@@ -5,14 +5,12 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Callable
-from typing import Any, TypeVar
 
 from sailor_hpc.controller import records
+from sailor_hpc.controller.journal import Journal, R
 from sailor_hpc.controller.spec import RunSpec
 from sailor_hpc.controller.state import RunDir, RunState, apply, fold
 from sailor_hpc.controller.story import describe
-
-R = TypeVar("R", bound=records.Record)
 
 #: how a run's driver exits (``sailor-hpc run`` returns it): done, gave up, interrupted by a signal
 EXIT_FINISHED, EXIT_GAVE_UP, EXIT_INTERRUPTED = 0, 1, 130
@@ -24,7 +22,7 @@ class Recorder:
     rundir: RunDir
     spec: RunSpec
     state: RunState
-    journal: Any
+    journal: Journal  # opened by begin(), under the run's lock (opening repairs a torn last line)
     echo: Callable[[str], None]
 
     def note(self, record: R) -> R:

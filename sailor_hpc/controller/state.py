@@ -7,11 +7,12 @@ separately: :func:`fold` replays the journal, and the running controller applies
 writes with the same :func:`apply`, so a resumed controller and the one that was killed agree by
 construction.
 
-Each Slurm job is an *attempt*. Its record of intent (``submit_intent``, with the job name
-``sailor-<run id>-<attempt>``) is journaled before ``sbatch`` runs, so a controller killed between
-``sbatch`` and journaling the job id finds the job again by name instead of submitting a duplicate.
-A run across clusters journals the same for each group (``group_intent``: every cluster's job name,
-``sailor-<run id>-<group>-<cluster>``), so a group only partly submitted is found by name too.
+An *attempt* is a group of one Slurm job per cluster it uses: one job on a site of one cluster, one per
+cluster on a site of several (a het job cannot span clusters). Its record of intent is journaled before
+``sbatch`` runs (``submit_intent``, job name ``sailor-<run id>-<attempt>``; across clusters ``group_intent``
+with every cluster's name, ``sailor-<run id>-<attempt>-<cluster>``), so a controller killed between
+``sbatch`` and journaling the job ids finds the jobs again by name instead of submitting duplicates. The
+``group_*`` records are the attempt records of a run across clusters: they fold into the same attempts.
 """
 from __future__ import annotations
 
@@ -174,12 +175,16 @@ class StopRequest:
     signal: str
 
 
+#: the key of an attempt's job on a site of one cluster (the site's only cluster, whatever its name)
+ONE_CLUSTER = ""
+
+
 @dataclass
 class Attempt:
-    """One Slurm job of the run, from the intent to submit until it is gone."""
+    """One try of the run: its Slurm jobs (one per cluster it uses), from the intent to submit until they are gone."""
 
     number: int
-    job_name: str
+    job_name: str  # on one cluster; across clusters each cluster's is in ``job_names``
     plan_file: str
     script: str
     reason: str  # why it was submitted: start, node_lost, resize, requeued, failed, ...
@@ -189,7 +194,8 @@ class Attempt:
     throughput: float
     cost_per_hour: float
     intent_t: float
-    job_id: str | None = None
+    jobs: dict[str, str] = field(default_factory=dict)  # cluster (ONE_CLUSTER on one cluster) -> job id
+    job_names: dict[str, str] = field(default_factory=dict)  # across clusters: cluster -> job name
     log: str | None = None
     submitted_t: float | None = None
     running_t: float | None = None
@@ -207,6 +213,22 @@ class Attempt:
     released: dict[str, str] = field(default_factory=dict)  # lost nodes handled in place (not lost again)
     successor: Successor | None = None  # a bigger job submitted beside this one (grow without a gap)
     handover_from: int | None = None  # the attempt whose job this one took over from, while it trained
+    end: str | None = None  # across clusters: why the controller stopped its jobs
+
+    @property
+    def across(self) -> bool:
+        """An attempt of a run across clusters (its jobs are keyed by cluster)."""
+        return bool(self.job_names)
+
+    @property
+    def job_id(self) -> str | None:
+        """The attempt's job on a site of one cluster (None before it is submitted)."""
+        return self.jobs.get(ONE_CLUSTER)
+
+    @property
+    def clusters(self) -> list[str]:
+        """Across clusters: the clusters its plan uses."""
+        return list(self.job_names)
 
     @property
     def waits_for_successor(self) -> bool:
@@ -217,21 +239,6 @@ class Attempt:
     def successor_loading(self) -> bool:
         """The bigger job's gate is open: its ranks load and save from here on, this job's never again."""
         return self.successor is not None and self.waits_for_successor and self.successor.gate_t is not None
-
-
-@dataclass
-class GeoGroup:
-    """One group of a run across clusters: one job per cluster, all of one plan (the controller's attempt there)."""
-
-    number: int
-    clusters: list[str]
-    jobs: dict[str, str]  # cluster -> job id
-    start_step: int
-    plan_file: str
-    submitted_t: float
-    job_names: dict[str, str] = field(default_factory=dict)  # cluster -> job name (group_intent)
-    running_t: float | None = None
-    end: str | None = None  # why the controller stopped it (None: it may still run)
 
 
 @dataclass
@@ -248,19 +255,11 @@ class RunState:
     trigger: tuple[str, float] | None = None  # the change the next submission answers
     recoveries: list[Recovery] = field(default_factory=list)
     controller_starts: int = 0
-    groups: list[GeoGroup] = field(default_factory=list)  # a run across clusters: its groups, in order
-    left: dict[str, float] = field(default_factory=dict)  # cluster -> when it was dropped or lost (not back yet)
-
-    @property
-    def current_group(self) -> GeoGroup | None:
-        """The group whose jobs may still run (the controller stops one before it submits the next)."""
-        if self.groups and self.groups[-1].end is None:
-            return self.groups[-1]
-        return None
+    left: dict[str, float] = field(default_factory=dict)  # across clusters: cluster -> when it left (not back yet)
 
     @property
     def current(self) -> Attempt | None:
-        """The attempt whose job may still exist (at most one: a new one is only submitted after it is gone)."""
+        """The attempt whose jobs may still exist (at most one: a new one is only submitted after it is gone)."""
         if self.attempts and not self.attempts[-1].gone:
             return self.attempts[-1]
         return None
@@ -316,11 +315,11 @@ def apply(state: RunState, rec: records.Record) -> None:
             state.backoff_until = None
         case records.Submitted():
             att = state.attempt(rec.attempt)
-            att.job_id, att.log = rec.job_id, rec.log or att.log
+            att.jobs[ONE_CLUSTER], att.log = rec.job_id, rec.log or att.log
             att.submitted_t = att.submitted_t or rec.submitted_t or t
         case records.Adopted():
             att = state.attempt(rec.attempt)
-            att.job_id, att.log = rec.job_id, rec.log or att.log
+            att.jobs[ONE_CLUSTER], att.log = rec.job_id, rec.log or att.log
             att.submitted_t = att.submitted_t or att.intent_t
         case records.JobRunning():
             att = state.attempt(rec.attempt)
@@ -390,30 +389,31 @@ def apply(state: RunState, rec: records.Record) -> None:
         case records.GaveUp():
             state.gave_up = rec.reason
         case records.GroupIntent():
-            state.groups.append(GeoGroup(number=rec.group, clusters=list(rec.job_names), jobs={},
-                                         start_step=rec.start_step, plan_file=rec.plan_file, submitted_t=t,
-                                         job_names=dict(rec.job_names)))
+            state.attempts.append(_group_attempt(state, rec.group, rec.job_names, rec.start_step, rec.plan_file, t))
         case records.GroupSubmitted():
-            if state.groups and state.groups[-1].number == rec.group:  # its intent came first
-                group = state.groups[-1]
-                group.clusters, group.jobs, group.submitted_t = list(rec.clusters), dict(rec.jobs), t
-            else:  # a journal without intents
-                state.groups.append(GeoGroup(number=rec.group, clusters=list(rec.clusters), jobs=dict(rec.jobs),
-                                             start_step=rec.start_step, plan_file=rec.plan_file, submitted_t=t))
+            if not (state.attempts and state.attempts[-1].number == rec.group):  # a journal without intents
+                state.attempts.append(_group_attempt(state, rec.group, {c: "" for c in rec.clusters}, rec.start_step,
+                                                     rec.plan_file, t))
+            att = state.attempts[-1]
+            att.jobs, att.submitted_t = dict(rec.jobs), t
+            att.job_names = {c: att.job_names.get(c, "") for c in rec.clusters}
         case records.GroupAdopted():  # its jobs, some found by name only
             _group(state, rec.group).jobs = dict(rec.jobs)
-        case records.ClusterDropped() | records.ClusterLost():
+        case records.ClusterDropped() | records.ClusterLost() | records.GroupFailed():
             _group(state, rec.group)
             state.left.update({c: t for c in rec.clusters})
-        case records.Regrown():
+            state.trigger = (rec.kind.value, t)
+        case records.Regrown():  # more GPUs (a cluster back) made a better plan worth its restart: a resize
             _group(state, rec.group)
             for c in rec.clusters:
                 state.left.pop(c, None)
+            state.trigger = (RESIZE_REASON, t)
         case records.GroupRunning():
             group = _group(state, rec.group)
             group.running_t = group.running_t or t
         case records.GroupStopped():
-            _group(state, rec.group).end = rec.reason
+            group = _group(state, rec.group)
+            group.end, group.gone = rec.reason, True
         case _:  # said for people (story), no change to what the controller knows
             pass
 
@@ -425,10 +425,20 @@ def _successor(state: RunState, attempt: int) -> Successor:
     return succ
 
 
-def _group(state: RunState, number: int) -> GeoGroup:
-    for g in state.groups:
-        if g.number == number:
-            return g
+def _group_attempt(state: RunState, number: int, job_names: dict[str, str], start_step: int, plan_file: str,
+                   t: float) -> Attempt:
+    """The attempt a run across clusters journals as a group (its plan's GPUs and scores are in its plan file)."""
+    trigger, state.trigger = state.trigger, None
+    return Attempt(number=number, job_name="", plan_file=plan_file, script="", reason=state.next_reason if trigger is None
+                   else trigger[0], trigger=trigger[0] if trigger else None, trigger_t=trigger[1] if trigger else None,
+                   gpus={}, throughput=0.0, cost_per_hour=0.0, intent_t=t, job_names=dict(job_names),
+                   start_step=start_step)
+
+
+def _group(state: RunState, number: int) -> Attempt:
+    for a in state.attempts:
+        if a.number == number and a.across:
+            return a
     raise KeyError(f"journal refers to group {number}, which has no group_submitted record")
 
 

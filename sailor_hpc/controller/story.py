@@ -99,7 +99,7 @@ def describe(rec: records.Record) -> str:
             return (f"group {rec.group}: jobs " + ", ".join(f"{c} {j}" for c, j in rec.jobs.items())
                     + f" submitted (from step {rec.start_step})")
         case records.GroupAdopted():
-            return f"group {rec.group}: found its jobs {rec.states} (before the co-scheduler restarted)"
+            return f"group {rec.group}: found its jobs {rec.states} (after a controller restart or a Slurm outage)"
         case records.GroupRunning():
             return f"group {rec.group}: every cluster's job runs"
         case records.GroupRecovered():
@@ -125,9 +125,11 @@ def _clusters(clusters: list[str]) -> str:
 
 
 def attempt_rows(state: RunState) -> list[tuple[Any, ...]]:
-    """One row per job: attempt, job id, GPUs, predicted samples/s, why, start step, recovery, end."""
+    """One row per attempt of one job: attempt, job id, GPUs, predicted samples/s, why, start step, recovery, end."""
     rows = []
     for att in state.attempts:
+        if att.across:
+            continue
         rec = att.recovery
         rows.append((att.number, att.job_id or "-", _gpus(att.gpus), f"{att.throughput:.2f}", att.reason,
                      "-" if att.start_step is None else att.start_step,
@@ -146,10 +148,10 @@ def _end(att: Any) -> str:
 
 
 def group_rows(state: RunState) -> list[tuple[Any, ...]]:
-    """One row per group of a run across clusters: group, each cluster's job, from step, how it ended."""
+    """One row per attempt across clusters (a group): group, each cluster's job, from step, how it ended."""
     return [(g.number, ", ".join(f"{c} {j}" for c, j in g.jobs.items()), g.start_step,
              g.end or ("completed" if state.finished else "running" if g.running_t else "queued"))
-            for g in state.groups]
+            for g in state.attempts if g.across]
 
 
 GROUP_HEADER = ("group", "jobs", "from step", "end")

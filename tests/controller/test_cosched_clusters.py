@@ -31,6 +31,7 @@ from click.testing import CliRunner
 from sailor_hpc.cli.app import main
 from sailor_hpc.controller import Controller
 from sailor_hpc.controller.groups import idle_by_node, planner_plan_for
+from sailor_hpc.controller.records import GroupRecovered, GroupRunning, Record
 from sailor_hpc.controller.spec import RunSpec, new_run_id
 from sailor_hpc.controller.state import RunDir
 from sailor_hpc.core.archive import EMBEDDED_ARCHIVE, read_archive
@@ -56,14 +57,16 @@ class Killed(BaseException):
 
 
 def _kill_when_group_runs(geo: Controller, group: int) -> None:
-    on_event = geo._on_event
+    """Raise Killed inside the controller once ``group`` runs whole and its recovery is journaled."""
+    note = geo.note
 
-    def dying(event: dict[str, Any]) -> None:
-        on_event(event)
-        if event["kind"] == "all_running" and event["attempt"] == group:
+    def dying(rec: Record) -> Record:
+        rec = note(rec)
+        if isinstance(rec, (GroupRunning, GroupRecovered)) and rec.group == group and geo._trigger is None:
             raise Killed
+        return rec
 
-    geo._on_event = dying  # type: ignore[method-assign]
+    geo.note = dying  # type: ignore[method-assign]
 
 
 @pytest.fixture(scope="module")

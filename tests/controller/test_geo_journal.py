@@ -9,7 +9,6 @@ import pytest
 
 from planner.geo import geo_search
 from sailor_hpc.controller import Controller
-from sailor_hpc.controller.groups import Group
 from sailor_hpc.controller.journal import Journal, Kind, read_journal
 from sailor_hpc.controller.planning import plan_on
 from sailor_hpc.controller.records import (
@@ -25,7 +24,7 @@ from sailor_hpc.controller.records import (
     RunStarted,
 )
 from sailor_hpc.controller.spec import RunSpec
-from sailor_hpc.controller.state import InconsistentJournal, RunDir, fold
+from sailor_hpc.controller.state import RESIZE_REASON, InconsistentJournal, RunDir, fold
 from sailor_hpc.controller.story import describe, group_rows
 from sailor_hpc.core.archive import EMBEDDED_ARCHIVE, read_archive
 from sailor_hpc.core.placement import place_plan
@@ -60,16 +59,19 @@ def test_fold_tells_the_groups_and_the_clusters_that_left(tmp_path: Path):
     j = Journal(tmp_path / "journal.jsonl", clock=iter(range(100, 200)).__next__)
     _geo_story(j)
     state = fold(read_journal(j.path))
-    assert [(g.number, g.clusters, g.start_step, g.end) for g in state.groups] == [
+    assert [(g.number, g.clusters, g.start_step, g.end) for g in state.attempts] == [
         (1, ["lab", "lab2"], 0, "pending"), (2, ["lab"], 0, "rejoin"), (3, ["lab", "lab2"], 6, None)]
-    assert state.current_group is state.groups[-1] and state.current_group.jobs == {"lab": "13", "lab2": "8"}
-    assert state.groups[1].running_t == 105.0
-    assert state.left == {} and state.attempts == []  # lab2 left at t=102 and came back at t=108
+    assert all(a.across for a in state.attempts)  # the group records fold into the one kind of attempt
+    assert state.current is state.attempts[-1] and state.current.jobs == {"lab": "13", "lab2": "8"}
+    assert state.attempts[1].running_t == 105.0
+    # why each group was submitted: a dropped cluster is a restart, a cluster back (regrown) a resize
+    assert [a.reason for a in state.attempts] == ["start", "cluster_dropped", RESIZE_REASON] and state.restarts == 1
+    assert state.left == {}  # lab2 left at t=102 and came back at t=108
 
     j.append(ClusterLost(group=3, clusters=["lab2"], states={"lab2": "CANCELLED"}))
     j.append(GroupStopped(group=3, reason="cluster lost"))
     state = fold(read_journal(j.path))
-    assert state.left == {"lab2": 111.0} and state.current_group is None
+    assert state.left == {"lab2": 111.0} and state.current is None
     assert group_rows(state)[-1] == (3, "lab 13, lab2 8", 6, "cluster lost")
 
 
@@ -91,14 +93,14 @@ def test_a_group_is_known_from_its_intent_and_completed_by_its_submission(tmp_pa
     j.append(RunStarted(run_id="g1"))
     names = {"lab": "sailor-g1-001-lab", "lab2": "sailor-g1-001-lab2"}
     j.append(GroupIntent(group=1, job_names=names, start_step=0, plan_file="/run/plan.1.json"))
-    cur = fold(read_journal(j.path)).current_group
+    cur = fold(read_journal(j.path)).current
     assert cur is not None and (cur.number, cur.clusters, cur.jobs, cur.job_names) == (1, ["lab", "lab2"], {}, names)
     assert describe(j.records[-1]) == "group 1: submitting sailor-g1-001-lab, sailor-g1-001-lab2 (from step 0)"
     j.append(GroupSubmitted(group=1, jobs={"lab": "11", "lab2": "7"}, clusters=["lab", "lab2"], start_step=0,
              plan_file="/run/plan.1.json"))
     state = fold(read_journal(j.path))
-    assert len(state.groups) == 1 and state.groups[0].jobs == {"lab": "11", "lab2": "7"}
-    assert state.groups[0].job_names == names and state.groups[0].submitted_t == 102.0
+    assert len(state.attempts) == 1 and state.attempts[0].jobs == {"lab": "11", "lab2": "7"}
+    assert state.attempts[0].job_names == names and state.attempts[0].submitted_t == 102.0
 
 
 def test_a_record_of_an_unknown_group_is_refused(tmp_path: Path):
@@ -137,7 +139,10 @@ def test_growing_back_must_pay_for_its_restart(tmp_path: Path, restart_cost_s: f
     both = cross_plan(site, "a100", "a100_lab2")
     geo = Controller(RunDir.create(tmp_path / "run", spec), {}, plan_for=lambda cs: {("lab", "lab2"): both}[cs])
     geo.journal = geo.rundir.journal()
-    grows = geo._worth_regrowing(Group(1, lab, {"lab": "1"}, {}, {}, 0.0, 0), ("lab2",))
+    lab.save(tmp_path / "plan.1.json")
+    geo.note(GroupSubmitted(group=1, jobs={"lab": "1"}, clusters=["lab"], start_step=0,
+                            plan_file=str(tmp_path / "plan.1.json")))
+    grows = geo._worth_regrowing(geo.state.attempts[0], ("lab2",))
     # scored as the planner scores plans: as megatron_patch, which runs them (not Sailor's measured runtime)
     sims = {name: simulate(p, site, read_archive(archive, EMBEDDED_ARCHIVE),
                            options=SimOptions(runtime="megatron_patch")).throughput_samples_per_s

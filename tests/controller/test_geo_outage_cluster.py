@@ -4,7 +4,9 @@ The group's intent (every cluster's job name, unique to the run) is journaled be
 lab's job is submitted, lab2's ``sbatch`` does not answer (SlurmUnavailable). The run waits it out with
 back-off like the single-cluster controller (one ``error`` when it starts, one when every cluster answers
 again), then goes on as a resumed run: the half-submitted group, never journaled as submitted, is found in
-Slurm by its jobs' names and stopped, and the next group trains the run to its end. Then: Slurm's accounting
+Slurm by its jobs' names and stopped, and the next group trains the run to its end. While that group trains,
+lab2's slurmctld is stopped again: the same loop waits it out, adopts the group (its jobs kept running on their
+slurmd) and the group trains on: no third group. Then: Slurm's accounting
 holds exactly those jobs of the run (nothing submitted twice, nothing left behind) and the final parameters
 equal a single-process reference of the same steps.
 """
@@ -68,26 +70,37 @@ def test_a_geo_run_waits_out_an_outage_while_it_submits(slurm_two_clusters, job_
             out["error"] = exc
 
     thread = threading.Thread(target=run, daemon=True)
-    with lab2.slurmctld_stopped() as t_down:
-        thread.start()
+    def wait_for(seen: Any, after: float) -> None:
         deadline = time.monotonic() + 120
-        while not any(r["kind"] == "error" for r in wire(rundir.records())):
+        while not any(seen(r) and r["t"] >= after for r in wire(rundir.records())):
             assert time.monotonic() < deadline and "error" not in out, (out, wire(rundir.records()))
             time.sleep(0.2)
+
+    with lab2.slurmctld_stopped() as t_down:
+        thread.start()
+        wait_for(lambda r: r["kind"] == "error", t_down)
         time.sleep(2.0)  # gone for more than one back-off
     t_up = time.time()
+    # and again while the second group trains: the same loop waits it out and adopts the group, which goes on
+    wait_for(lambda r: r["kind"] == "group_running" and r["group"] == 2, t_up)
+    with lab2.slurmctld_stopped() as t_down2:
+        wait_for(lambda r: r["kind"] == "error", t_down2)
+        time.sleep(2.0)
     thread.join(timeout=300)
     records = wire(rundir.records())
     assert not thread.is_alive() and out.get("exit") == 0, (out, records)
 
     grouped = [(r["kind"], r.get("group")) for r in records if "group" in r]
-    print(f"\nslurmctld of lab2 down {t_up - t_down:.1f} s:", *grouped, sep="\n  ")
+    print(f"\nslurmctld of lab2 down {t_up - t_down:.1f} s, then again while group 2 trains:", *grouped, sep="\n  ")
     assert grouped[:4] == [("group_intent", 1), ("error", 1), ("error", 1), ("group_stopped", 1)], grouped
     assert ("group_submitted", 1) not in grouped and ("group_submitted", 2) in grouped
-    assert grouped[-1] == ("finished", 2)
+    assert grouped[-1] == ("finished", 2) and not any(g == 3 for _, g in grouped)  # group 2 was never replaced
+    second_outage = grouped[grouped.index(("group_running", 2)) + 1:]
+    assert second_outage[:3] == [("error", 2), ("error", 2), ("group_adopted", 2)], grouped
     errors = [r for r in records if r["kind"] == "error"]
-    assert [e["where"] for e in errors] == ["slurm unavailable", "slurm available"], errors
+    assert [e["where"] for e in errors] == ["slurm unavailable", "slurm available"] * 2, errors
     assert errors[0]["t"] >= t_down and errors[1]["t"] - errors[0]["t"] >= 2.0  # not before it was back
+    assert errors[2]["t"] >= t_down2 and errors[3]["t"] - errors[2]["t"] >= 2.0
     first, second = (r for r in records if r["kind"] == "group_intent")
     prefix = f"sailor-{spec.run_id}-"
     assert all(n.startswith(prefix) for n in [*first["job_names"].values(), *second["job_names"].values()])

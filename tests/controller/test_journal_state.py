@@ -327,3 +327,10 @@ def test_an_edited_journal_is_refused_naming_file_line_and_field(tmp_path: Path,
             read(path)
         assert err.value.file == str(path) and err.value.field == f"line {line}", err.value
         assert says in err.value.message and err.value.fix, err.value
+
+
+def test_a_time_too_large_for_a_float_is_refused_not_a_traceback(tmp_path: Path):
+    path, line = _edited(tmp_path, lambda r: {**r, "t": 10 ** 400})
+    with pytest.raises(SailorError) as err:
+        read_journal(path)
+    assert err.value.file == str(path) and err.value.field == "t" and f"line {line}" in err.value.message
