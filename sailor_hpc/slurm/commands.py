@@ -2,8 +2,9 @@
 
 Every function takes an optional ``env``: extra environment variables laid over ``os.environ``
 (typically ``{"SLURM_CONF": ...}`` for a non-default cluster; a complete environment such as
-the test fixture's ``slurm_cluster.env`` works as well). A missing command, a non-zero exit or
-a refusal raises :class:`sailor_hpc.core.errors.SailorError` naming the command and Slurm's message; a
+the test fixture's ``slurm_cluster.env`` works as well). A missing command (:class:`SlurmCommandMissing`) or a
+refusal (:class:`SlurmRefused`) is a :class:`sailor_hpc.core.errors.SailorError` naming the command and Slurm's
+message; a
 timeout, or a failure while slurmctld does not answer, raises :class:`~sailor_hpc.core.errors.SlurmUnavailable`.
 """
 from __future__ import annotations
@@ -22,6 +23,19 @@ PING_TIMEOUT_S = 20.0
 _INSTALL_FIX = ("run sailor-hpc on a machine with the Slurm client tools (a login node) and SLURM_CONF "
                 "pointing at the cluster; for the local test cluster: tests/slurm/install.sh + start.sh")
 _UNAVAILABLE_FIX = "check that slurmctld is up (scontrol ping) and SLURM_CONF is right, then try again"
+
+
+class SlurmCommandMissing(SailorError):
+    """The Slurm client command is not installed (not in PATH): the machine, not the request, must change."""
+
+
+class SlurmRefused(SailorError):
+    """Slurm ran the command and refused it while slurmctld answers; ``output`` is what Slurm said, for the
+    callers that tell one of Slurm's own refusals from another (e.g. accounting that is switched off)."""
+
+    def __init__(self, message: str, *, output: str, field: str, fix: str) -> None:
+        super().__init__(message, field=field, fix=fix)
+        self.output = output
 
 
 def slurm_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -46,7 +60,7 @@ def run_slurm(args: Sequence[str], env: Mapping[str, str] | None = None, *, time
     exe = shutil.which(args[0], path=full_env.get("PATH", os.defpath))
     cmd_text = " ".join(args)
     if exe is None:
-        raise SailorError(f"Slurm command {args[0]!r} not found in PATH", field=cmd_text, fix=_INSTALL_FIX)
+        raise SlurmCommandMissing(f"Slurm command {args[0]!r} not found in PATH", field=cmd_text, fix=_INSTALL_FIX)
     try:
         proc = subprocess.run([exe, *args[1:]], input=stdin, env=full_env, capture_output=True, text=True,
                               timeout=timeout)
@@ -62,8 +76,9 @@ def run_slurm(args: Sequence[str], env: Mapping[str, str] | None = None, *, time
             if not controller_answers(env):
                 raise SlurmUnavailable(text + " while slurmctld does not answer", field=cmd_text,
                                        fix=_UNAVAILABLE_FIX)
-        raise SailorError(text, field=cmd_text, fix="Slurm refused the request: check the command's values "
-                                                     "(job id, partition, options) and SLURM_CONF")
+        raise SlurmRefused(text, output=proc.stderr + proc.stdout, field=cmd_text,
+                           fix="Slurm refused the request: check the command's values (job id, partition, "
+                               "options) and SLURM_CONF")
     return proc
 
 

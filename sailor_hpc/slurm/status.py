@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from sailor_hpc.core.errors import SailorError
-from sailor_hpc.slurm.commands import AcctJob, QueueJob, sacct, squeue
+from sailor_hpc.slurm.commands import AcctJob, QueueJob, SlurmCommandMissing, SlurmRefused, sacct, squeue
 from sailor_hpc.slurm.safety import job_id as check_id
 
 #: states after which a job never runs again (unless requeued by hand)
@@ -152,8 +152,10 @@ def _sacct_rows(env: Mapping[str, str] | None, ids: Sequence[str]) -> list[AcctJ
     """sacct rows, or none where accounting is disabled (squeue then carries the state)."""
     try:
         return sacct(env, jobs=ids, allocations_only=True)
-    except SailorError as exc:
-        if "accounting storage is disabled" in str(exc).lower() or "not found in path" in str(exc):
+    except SlurmCommandMissing:
+        return []
+    except SlurmRefused as exc:  # Slurm's own words for a cluster without accounting
+        if "accounting storage is disabled" in exc.output.lower():
             return []
         raise
 

@@ -25,3 +25,29 @@ def test_a_refused_request_is_bad_input_and_a_stopped_controller_is_unavailable(
     assert controller_answers(env) and sinfo_nodes(env)
     assert proc.returncode == EXIT_SLURM_UNAVAILABLE, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr and '"exit_code": 3' in proc.stderr
+
+
+def test_a_cluster_without_accounting_reads_job_states_from_squeue(slurm_cluster, tmp_path):
+    """Slurm's refusal is typed (SlurmRefused, with Slurm's own output), so status tells a cluster whose
+    accounting is switched off (sacct refuses: squeue carries the state) from other refusals without reading
+    our message; a missing Slurm binary is its own type too."""
+    from sailor_hpc.slurm.commands import SlurmCommandMissing, SlurmRefused, sacct
+    from sailor_hpc.slurm.status import poll_jobs
+
+    conf = (slurm_cluster.lab / "etc" / "slurm.conf").read_text()
+    no_acct = tmp_path / "slurm.conf"
+    no_acct.write_text("\n".join(ln for ln in conf.splitlines() if not ln.startswith(("AccountingStorage",
+                                                                                      "JobAcctGather")))
+                       + "\nAccountingStorageType=accounting_storage/none\n")
+    env = {**slurm_cluster.env, "SLURM_CONF": str(no_acct)}
+    with pytest.raises(SlurmRefused) as refused:
+        sacct(env, jobs=["1"])
+    assert "accounting storage is disabled" in refused.value.output.lower()
+    job = slurm_cluster.sbatch(["-p", "v100", "-o", "/dev/null", "--wrap", "sleep 30"])
+    try:
+        status = poll_jobs([job], env)[job]  # squeue alone: the job is known and its state read
+        assert status.known and status.state in ("PENDING", "RUNNING"), status
+    finally:
+        slurm_cluster.run(["scancel", job])
+    with pytest.raises(SlurmCommandMissing):
+        sacct({**env, "PATH": str(tmp_path)}, jobs=["1"])
