@@ -17,8 +17,9 @@ complete checkpoint, which every plan can load. Modules, one job each:
 - :mod:`.policy`: resize only when it pays for the restart;
 - :mod:`.slurm_ops`: render and submit an attempt, find the run's own jobs, cancel (every Slurm command line
   is in :mod:`sailor_hpc.slurm`);
-- :mod:`.loop`: the controller itself, the one driver of every run; :mod:`.grow`, :mod:`.inplace` and
-  :mod:`.groups` (an attempt across clusters: one job per cluster) are its policies;
+- :mod:`.loop`: the controller itself, the one loop of every run, whose attempt is a group of one Slurm job
+  per cluster it uses (one job on a one-cluster site); :mod:`.grow` (a bigger job beside), :mod:`.inplace`
+  (re-planned inside the job) and :mod:`.groups` (one job per cluster) are its policies;
 - :mod:`.story`: the run's history for people.
 """
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """The controller: watch the job and the partitions, re-plan, resubmit, resume from the newest checkpoint.
 
-One loop, one job at a time (an *attempt*), every step journaled before it is acted on:
+One loop, one *attempt* at a time, every step journaled before it is acted on. An attempt is a group of one
+Slurm job per cluster it uses; on a site of several clusters its steps are :mod:`~sailor_hpc.controller.groups`'
+(the same loop, reconcile and outage wait). On one cluster the attempt is one (het) job:
 
 1. No job: plan on the GPUs free now (``sinfo``), write the plan and the job script, journal the
    intent, ``sbatch`` it, journal the job id. The job trains with ``--auto-resume`` on the run's one
