@@ -43,7 +43,7 @@ def _run_jobs(cluster: Any, prefix: str) -> dict[str, tuple[str, str]]:
     return {r[1]: (r[0], r[2].split()[0]) for r in rows if len(r) == 3 and r[1].startswith(prefix)}
 
 
-def test_a_geo_run_waits_out_an_outage_while_it_submits(slurm_two_clusters, job_env_two, tmp_path: Path) -> None:
+def test_a_geo_run_waits_out_outages_while_it_submits_and_trains(slurm_two_clusters, job_env_two, tmp_path: Path) -> None:
     pytest.importorskip("megatron.core")
     from tests.megatron_patch.conftest import max_diff
 
