@@ -21,7 +21,8 @@ attempt and :meth:`Groups.watch_group` on each poll (its run directory, lock, jo
   group checkpoints and stops (SIGUSR1), then the run is re-planned across it;
 - a Slurm outage anywhere is waited out with the controller's back-off, then the run goes on as a resumed
   one: the current group's jobs, journaled or found by name, are adopted when none of them ended badly, else
-  stopped. A run starts at most ``--max-restarts`` + 1 groups per controller start, then gives up.
+  stopped. As on one cluster, the run gives up after ``--max-restarts`` restarts in a row without a new
+  checkpoint (a group regrown across a cluster that came back is a resize, not a restart).
 """
 from __future__ import annotations
 
@@ -101,7 +102,6 @@ class Groups:
     _trigger: tuple[str, float] | None  # the change whose recovery (the next group running whole) is not measured
     _left: dict[str, float]  # cluster -> when it left or was last judged not worth regrowing (wall clock)
     _next_clusters: tuple[str, ...] | None  # where the next group is planned, once the current one decided it
-    _groups_started: set[int]  # groups this controller submitted or adopted: at most max_restarts + 1
 
     if TYPE_CHECKING:  # declared for the type checker only, so no stub can shadow the Controller's methods
         def note(self, record: records.Record) -> records.Record: ...  # Recorder.note
@@ -111,6 +111,10 @@ class Groups:
         def _plan(self, path: str | Path) -> Plan: ...  # Controller._plan
 
         def note_once(self, rec: records.ErrorSeen | records.NoPlan) -> None: ...  # Controller.note_once
+
+        def next_attempt_due(self) -> bool: ...  # Controller.next_attempt_due
+
+        def _checkpoint(self, cur: Attempt | None) -> None: ...  # Controller._checkpoint
 
     # ------------------------------------------------------------------------------------------ journal
 
@@ -134,12 +138,7 @@ class Groups:
     def start_group(self) -> None:
         """Plan on the clusters the last group left the run with (at a start: every cluster that has not
         left) and submit one job per cluster the plan uses."""
-        tries = self.spec.max_restarts + 1
-        if len(self._groups_started) >= tries:
-            raise JobFailed(f"no finished run after {tries} groups", field="max_attempts",
-                            fix="see the events: a cluster keeps failing or pending")
-        if newest_step(Path(self.spec.save)) >= self.spec.steps:  # the last group saved its last step, then ended
-            self.note(records.Finished(step=newest_step(Path(self.spec.save))))
+        if not self.next_attempt_due():  # finished, or out of restarts: the same rules as one job's
             return
         gone = set(self.state.left)
         clusters = self._next_clusters or tuple(c.name for c in self.site.clusters if c.name not in gone) or tuple(gone)
@@ -162,7 +161,6 @@ class Groups:
         names = {c: f"{job_name_prefix(s.run_id)}{attempt:03d}-{c}" for c in used}
         # journaled before the first sbatch: a group cut short by a kill or an outage is found by these names
         self.note(records.GroupIntent(group=attempt, job_names=names, start_step=start, plan_file=str(plan_path)))
-        self._groups_started.add(attempt)
         jobs = {}
         for cluster in used:
             options = JobOptions(plan_path=plan_path, work=Training(s.data, Path(s.save)), steps=s.steps,
@@ -195,7 +193,6 @@ class Groups:
         elif whole and not any(s.final and s.state != "COMPLETED" for s in polled.values()):
             # pending, running or (some) completed: the group goes on; watching it decides the rest
             self.note(records.GroupAdopted(group=cur.number, jobs=dict(jobs), states=states))
-            self._groups_started.add(cur.number)
         else:
             missing = sorted(set(cur.clusters) - set(jobs))
             self._stop_group(cur, f"resumed: not every job runs ({states}"
@@ -210,6 +207,7 @@ class Groups:
             self.reconcile_group()
             return
         states = self._poll(cur.jobs)  # a Slurm outage here is the loop's to wait out, then the group is adopted
+        self._checkpoint(cur)  # a newer complete checkpoint: the group made progress (restarts count from 0)
         if all(s.state == "COMPLETED" for s in states.values()):
             self.note(records.Finished(group=cur.number, step=newest_step(Path(self.spec.save))))
             return

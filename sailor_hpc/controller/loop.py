@@ -120,7 +120,6 @@ class Controller(Recorder, GrowBeside, Groups):
         self._trigger: tuple[str, float] | None = None  # a group's change whose recovery is not yet measured
         self._left: dict[str, float] = {}
         self._next_clusters: tuple[str, ...] | None = None
-        self._groups_started: set[int] = set()
 
     # ------------------------------------------------------------------------------------------ journal
 
@@ -306,6 +305,20 @@ class Controller(Recorder, GrowBeside, Groups):
 
     # ------------------------------------------------------------------------------------- a new job
 
+    def next_attempt_due(self) -> bool:
+        """Before any new attempt (a job, or a group across clusters): journal the newest checkpoint; the run is
+        finished once it holds the last step, gives up after ``max_restarts`` restarts in a row without a new
+        checkpoint (a resize for more GPUs is not a restart), and waits out a back-off."""
+        st, spec = self.state, self.spec
+        self._checkpoint(None)
+        if self._checkpoint_step() >= spec.steps:
+            self.note(records.Finished(step=self._checkpoint_step(), checkpoint=st.checkpoint.path if st.checkpoint else None))
+            return False
+        if st.next_reason != RESIZE_REASON and st.restarts_without_progress >= spec.max_restarts and st.attempts:
+            self.note(records.GaveUp(reason=f"all {spec.max_restarts} restarts used without a new checkpoint"))
+            return False
+        return st.backoff_until is None or self.clock() >= st.backoff_until
+
     def start_next(self) -> None:
         st, spec = self.state, self.spec
         prev = st.attempts[-1] if st.attempts else None
@@ -314,14 +327,7 @@ class Controller(Recorder, GrowBeside, Groups):
                 self._handover(prev)
                 return
             self._drop_successor(prev, f"job {prev.job_id} ended before the bigger job started")
-        self._checkpoint(None)
-        if self._checkpoint_step() >= spec.steps:
-            self.note(records.Finished(step=self._checkpoint_step(), checkpoint=st.checkpoint.path if st.checkpoint else None))
-            return
-        if st.next_reason != RESIZE_REASON and st.restarts_without_progress >= spec.max_restarts and st.attempts:
-            self.note(records.GaveUp(reason=f"all {spec.max_restarts} restarts used without a new checkpoint"))
-            return
-        if st.backoff_until is not None and self.clock() < st.backoff_until:
+        if not self.next_attempt_due():
             return
         obs = self.observe(None)
         try:

@@ -108,7 +108,14 @@ def test_a_geo_run_waits_out_outages_while_it_submits_and_trains(slurm_two_clust
     stopped = next(r for r in records if r["kind"] == "group_stopped" and r["group"] == 1)
     assert set(stopped["states"]) == {"lab"} and "lab2" in stopped["reason"], stopped
     submitted = next(r for r in records if r["kind"] == "group_submitted")
-    on_lab, on_lab2 = _run_jobs(lab, prefix), _run_jobs(lab2, prefix)
+    # slurmctld sends accounting to slurmdbd in the background: after its restarts, give sacct time to catch up
+    deadline = time.monotonic() + 60
+    while True:
+        on_lab, on_lab2 = _run_jobs(lab, prefix), _run_jobs(lab2, prefix)
+        settled = len(on_lab) == 2 and [s for _, s in on_lab2.values()] == ["COMPLETED"]
+        if settled or time.monotonic() > deadline:
+            break
+        time.sleep(1.0)
     assert set(on_lab) == {first["job_names"]["lab"], second["job_names"]["lab"]}, on_lab
     assert on_lab[first["job_names"]["lab"]][1] == stopped["states"]["lab"] != "COMPLETED"  # ended by the stop
     assert on_lab[second["job_names"]["lab"]] == (submitted["jobs"]["lab"], "COMPLETED")
@@ -119,3 +126,27 @@ def test_a_geo_run_waits_out_outages_while_it_submits_and_trains(slurm_two_clust
     diff = max_diff(final, tmp_path / "ref" / f"ref_step_{STEPS}.pt")
     print(f"after {STEPS} steps: max |delta| vs reference {diff}")
     assert diff["param"] <= PARAM_TOL and diff["exp_avg"] <= MOMENT_TOL and diff["exp_avg_sq"] <= MOMENT_TOL
+
+
+def test_a_geo_run_gives_up_after_its_restarts_without_a_checkpoint(slurm_two_clusters, job_env_two,
+                                                                     tmp_path: Path) -> None:
+    """A group whose jobs fail (here: no interpreter on the compute nodes) is retried on the same clusters; the
+    run gives up by the one-cluster rule, ``max_restarts`` restarts in a row without a new checkpoint."""
+    lab, lab2 = slurm_two_clusters
+    site_file = tmp_path / "two-labs.toml"
+    site_file.write_text(dump_toml(two_lab_doc(lab.lab, lab2.lab, gbps=100.0)))
+    both = cross_plan(load_site(site_file), "a100", "a100_lab2")
+    spec = RunSpec(run_id=new_run_id(), site=str(site_file), model="tiny-gpt", objective="throughput",
+                   data=str(tmp_path / "data"), save=str(tmp_path / "ckpt"), steps=STEPS, gbs=8,
+                   profiles=str(write_tiny_archive(tmp_path / "tiny.h5")), poll_s=0.3, max_restarts=1,
+                   python=str(tmp_path / "no-python"))
+    rundir = RunDir.create(tmp_path / "run", spec)
+    assert Controller(rundir, job_env_two, plan_for=lambda cs: {("lab", "lab2"): both}[cs]).run() == 1
+    records = wire(rundir.records())
+    steps = [(r["kind"], r.get("group")) for r in records if r["kind"] in (
+        "group_submitted", "group_failed", "cluster_lost", "group_stopped", "gave_up")]
+    assert steps == [("group_submitted", 1), ("group_failed", 1), ("group_stopped", 1),
+                     ("group_submitted", 2), ("group_failed", 2), ("group_stopped", 2), ("gave_up", None)], steps
+    assert records[-1]["reason"] == "all 1 restarts used without a new checkpoint"
+    prefix = f"sailor-{spec.run_id}-"
+    assert len(_run_jobs(lab, prefix)) == len(_run_jobs(lab2, prefix)) == 2  # nothing left, nothing twice
