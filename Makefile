@@ -35,10 +35,14 @@ demo: $(VENV)/.installed
 		--data $(CURDIR)/$(DEMO_OUT)/data/tokens --save $(CURDIR)/$(DEMO_OUT)/checkpoints
 	@echo "--- $(DEMO_OUT)/train.sbatch (head)"; head -n 30 $(DEMO_OUT)/train.sbatch
 
-# Installs Debian's Slurm (root) so the tests can start a real local cluster; then the whole suite.
+# Installs Debian's Slurm (root) so the tests can start a real local cluster; then the whole suite, a file per
+# worker (pytest-xdist --dist loadfile keeps a file's tests and module fixtures on one worker; every worker
+# starts its own lab, with its own ports and job ids: tests/slurm/cluster.py). TEST_WORKERS=1 runs it serially.
+# Bytecode is written (PYTHONDONTWRITEBYTECODE unset): every rank and CLI process imports the project afresh.
+TEST_WORKERS ?= 3
 test: $(VENV)/.installed-test
 	-bash tests/slurm/install.sh
-	$(PY) -m pytest -q --durations=20 tests
+	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q --durations=20 $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) tests
 
 # style and types (CI runs it before the tests): ruff everywhere, mypy on every package (the runtime and
 # profiler included: torch's types come from the test install; megatron-core and DeepSpeed have none)

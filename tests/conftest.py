@@ -25,12 +25,43 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slurm: needs the real local Slurm test cluster (fixture slurm_cluster)")
 
 
+# the longest files (minutes each, measured with `make test`'s --durations), longest first: under pytest-xdist
+# (make test) they start first, so that no worker begins one of them while the others run out of work
+LONG_FILES = (
+    "tests/deepspeed/test_ds_runtime.py", "tests/controller/test_resize_cluster.py", "tests/planner/test_planner.py",
+    "tests/controller/test_deepspeed_run_cluster.py", "tests/megatron_patch/test_precision.py",
+    "tests/megatron_patch/test_exactness.py", "tests/cli/test_cli.py", "tests/megatron_patch/test_training_run.py",
+    "tests/megatron_patch/test_checkpoint_faults.py", "tests/test_readme_walkthrough.py",
+    "tests/controller/test_time_run_cluster.py", "tests/controller/test_cosched_clusters.py", "tests/test_gpu_check.py",
+    "tests/controller/test_inplace_cluster.py",
+)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # a test that uses the fixture is a slurm test, marked or not (so `-m "not slurm"` leaves it out)
     for item in items:
         names = getattr(item, "fixturenames", ())
         if {"slurm_cluster", "slurm_two_clusters"} & set(names) and item.get_closest_marker("slurm") is None:
             item.add_marker(pytest.mark.slurm)
+    if hasattr(config, "workerinput"):   # a pytest-xdist worker (every worker sorts alike); serial runs keep the order
+        rank = {f: i for i, f in enumerate(LONG_FILES)}
+        items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    # a pytest-xdist worker hands its fuzz counts to the controller, which prints the summary
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["fuzz"] = {"cases": dict(CASES), "refused": dict(REFUSED)}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:  # noqa: ANN001 - pytest-xdist's hook (a WorkerController)
+    fuzz = getattr(node, "workeroutput", {}).get("fuzz") or {}
+    for name, n in fuzz.get("cases", {}).items():
+        CASES[name] = CASES.get(name, 0) + n
+    for name, n in fuzz.get("refused", {}).items():
+        REFUSED[name] = REFUSED.get(name, 0) + n
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

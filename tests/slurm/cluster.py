@@ -32,8 +32,17 @@ HERE = Path(__file__).resolve().parent
 INSTALL_SH = HERE / "install.sh"
 START_SH = HERE / "start.sh"
 STOP_SH = HERE / "stop.sh"
-DEFAULT_PORT_BASE = 26800
+# Several labs run side by side (pytest-xdist workers, two sessions): each takes a free *slot* i, which gives
+# it the daemon ports DEFAULT_PORT_BASE + 200 i + PORT_OFFSETS and the job ids from 1 + JOB_ID_SLOT i on
+# (FirstJobId, as on a big site whose ids are large). A job's rendezvous port follows from its id (base + id
+# % 20000: sailor_hpc/jobs/render.py 20000+, profiler/jobs.py 30000+), so two labs that both numbered from 1
+# would meet on one port; slots keep every lab's ids apart modulo 20000 (10 slots of 2000), and the
+# daemons' ports below 20000, out of every job's rendezvous range. Slot 0 is start.sh's defaults (a lab started
+# by hand, numbering from 1 as labs did before slots): the tests' labs take slots 1 to 9.
+DEFAULT_PORT_BASE = 16800
 PORT_OFFSETS = (6, 17, 19, 101, 102, 103, 104)   # mariadbd, slurmctld, slurmdbd, 4 x slurmd (see start.sh)
+LAB_SLOTS = 10
+JOB_ID_SLOT = 2000
 PORT_LOCK = Path(tempfile.gettempdir()) / "sailor-slurm-ports.lock"
 # variables of an enclosing Slurm job that would confuse the clients of this cluster
 _JOB_VARS = ("SLURM_JOB_ID", "SLURM_JOBID", "SLURM_CLUSTERS", "SLURM_CONF")
@@ -215,12 +224,13 @@ def _ports_free(base: int) -> bool:
     return True
 
 
-def choose_port_base(preferred: int = DEFAULT_PORT_BASE, tries: int = 40) -> int:
-    for i in range(tries):
-        base = preferred + 200 * i
-        if _ports_free(base):
-            return base
-    raise ClusterUnavailable(f"no free TCP port range found from {preferred} on (tried {tries})")
+def choose_slot(preferred: int = DEFAULT_PORT_BASE, slots: int = LAB_SLOTS) -> int:
+    """The first lab slot whose ports are free (a running lab holds its slot's ports; call under PORT_LOCK)."""
+    for i in range(1, slots):
+        if _ports_free(preferred + 200 * i):
+            return i
+    raise ClusterUnavailable(f"no free lab slot: the TCP ports of slots 1 to {slots - 1} from {preferred} on are taken "
+                             f"(other test clusters running?)")
 
 
 def _tail(text: str, n: int = 3000) -> str:
@@ -259,11 +269,14 @@ def start_cluster(lab: Path | None = None, port_base: int | None = None, install
     PORT_LOCK.touch(exist_ok=True)
     with open(PORT_LOCK) as lock:       # two test sessions starting at once must not pick the same ports
         fcntl.flock(lock, fcntl.LOCK_EX)
-        base = port_base if port_base is not None else choose_port_base()
+        slot = choose_slot() if port_base is None else 0
+        base = port_base if port_base is not None else DEFAULT_PORT_BASE + 200 * slot
         env = {**os.environ, "SAILOR_SLURM_PORT_BASE": str(base), "SAILOR_SLURM_CLUSTER_NAME": name}
-        if join is not None:
+        if join is not None:    # job ids as the first cluster's (start.sh reads them there): ids are per cluster
             env["SAILOR_SLURM_JOIN"] = str(join.lab)
             env["SAILOR_SLURM_PARTITION_SUFFIX"] = f"_{name}"
+        else:
+            env["SAILOR_SLURM_FIRST_JOB_ID"] = str(1 + JOB_ID_SLOT * slot)
         for k in _JOB_VARS:
             env.pop(k, None)
         try:

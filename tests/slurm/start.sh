@@ -9,21 +9,25 @@
 # MariaDB + slurmdbd so that sacct works. Needs root and the packages of tests/slurm/install.sh.
 #
 # Ports (change them to run a second cluster beside this one):
-#   SAILOR_SLURM_PORT_BASE (default 26800) -> slurmctld BASE+17, slurmdbd BASE+19,
+#   SAILOR_SLURM_PORT_BASE (default 16800) -> slurmctld BASE+17, slurmdbd BASE+19,
 #   mariadbd BASE+6, slurmd a100-1/a100-2/v100-1/v100-2 BASE+101..BASE+104.
 #   Each can be overridden: SAILOR_SLURMCTLD_PORT, SAILOR_SLURMDBD_PORT, SAILOR_MYSQL_PORT,
 #   SAILOR_SLURMD_PORT0 (first slurmd port; the four slurmd use PORT0..PORT0+3).
+# Job ids: SAILOR_SLURM_FIRST_JOB_ID (default 1) -> FirstJobId. A job's rendezvous port is base + id % 20000,
+#   so a cluster beside this one needs other ids too (tests/slurm/cluster.py gives each lab its own range).
 # Stop with tests/slurm/stop.sh LAB (stops only what this script started, by PID).
 #
 # A second cluster beside a running one (Slurm multi-cluster: one slurmdbd knows both):
 #   SAILOR_SLURM_JOIN=FIRST_LAB SAILOR_SLURM_CLUSTER_NAME=lab2 SAILOR_SLURM_PORT_BASE=... start.sh LAB2
 # starts only slurmctld and the slurmd of LAB2, using FIRST_LAB's munged and slurmdbd (stop LAB2 first);
-# SAILOR_SLURM_PARTITION_SUFFIX=_lab2 names its partitions a100_lab2 and v100_lab2.
+# SAILOR_SLURM_PARTITION_SUFFIX=_lab2 names its partitions a100_lab2 and v100_lab2; its job ids start where
+# FIRST_LAB's do (ids are per cluster: both clusters' first job has the same id).
 set -euo pipefail
 L=${1:-${LAB:-/tmp/sailor-slurm-lab}}
 case "$L" in /*) ;; *) L=$(pwd)/$L;; esac
 case "$L" in *[[:space:]]*) echo "start.sh: ERROR: LAB path must not contain spaces: '$L'" >&2; exit 2;; esac
-BASE=${SAILOR_SLURM_PORT_BASE:-26800}
+BASE=${SAILOR_SLURM_PORT_BASE:-16800}
+FIRST_JOB_ID=${SAILOR_SLURM_FIRST_JOB_ID:-1}
 CTLD_PORT=${SAILOR_SLURMCTLD_PORT:-$((BASE + 17))}
 DBD_PORT=${SAILOR_SLURMDBD_PORT:-$((BASE + 19))}
 MYSQL_PORT=${SAILOR_MYSQL_PORT:-$((BASE + 6))}
@@ -80,11 +84,14 @@ if [ -n "$JOIN" ]; then
   [ -s "$JOIN/etc/slurmdbd.conf" ] && [ -S "$JOIN/munge/munge.socket.2" ] || die "SAILOR_SLURM_JOIN=$JOIN: no running first cluster there"
   DBD_PORT=$(sed -n 's/^DbdPort=//p' "$JOIN/etc/slurmdbd.conf")
   MUNGE_SOCK=$JOIN/munge/munge.socket.2
+  FIRST_JOB_ID=$(sed -n 's/^FirstJobId=//p' "$JOIN/etc/slurm.conf")
+  FIRST_JOB_ID=${FIRST_JOB_ID:-1}
   OWN_PORTS=""
 else
   MUNGE_SOCK=$L/munge/munge.socket.2
   OWN_PORTS="$DBD_PORT $MYSQL_PORT"
 fi
+case "$FIRST_JOB_ID" in ''|*[!0-9]*|0) die "FirstJobId must be a positive integer, not '$FIRST_JOB_ID'";; esac
 for p in $CTLD_PORT $OWN_PORTS $SLURMD_PORT0 $((SLURMD_PORT0 + 1)) $((SLURMD_PORT0 + 2)) $((SLURMD_PORT0 + 3)); do
   port_used $p && die "TCP port $p is already in use (another cluster?); set SAILOR_SLURM_PORT_BASE"
 done
@@ -164,6 +171,7 @@ SlurmdTimeout=30
 InactiveLimit=0
 KillWait=5
 MinJobAge=300
+FirstJobId=$FIRST_JOB_ID
 Waittime=0
 NodeName=a100-[1-2] NodeHostname=localhost NodeAddr=127.0.0.1 Port=[$SLURMD_PORT0-$((SLURMD_PORT0 + 1))] CPUs=4 RealMemory=4000 Gres=gpu:a100:4 State=UNKNOWN
 NodeName=v100-[1-2] NodeHostname=localhost NodeAddr=127.0.0.1 Port=[$((SLURMD_PORT0 + 2))-$((SLURMD_PORT0 + 3))] CPUs=8 RealMemory=8000 Gres=gpu:v100:8 State=UNKNOWN
