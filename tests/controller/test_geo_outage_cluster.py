@@ -29,6 +29,7 @@ from tests.controller.scenario import wire
 from tests.data.tiny_archive import write_tiny_archive
 from tests.jobs.conftest import cross_plan, two_lab_doc
 from tests.megatron_patch.conftest import ADAM, python
+from tests.slurm.ranks import pause, rank_pids, resume
 
 pytestmark = pytest.mark.slurm
 
@@ -70,6 +71,7 @@ def test_a_geo_run_waits_out_outages_while_it_submits_and_trains(slurm_two_clust
             out["error"] = exc
 
     thread = threading.Thread(target=run, daemon=True)
+
     def wait_for(seen: Any, after: float) -> None:
         deadline = time.monotonic() + 120
         while not any(seen(r) and r["t"] >= after for r in wire(rundir.records())):
@@ -81,11 +83,24 @@ def test_a_geo_run_waits_out_outages_while_it_submits_and_trains(slurm_two_clust
         wait_for(lambda r: r["kind"] == "error", t_down)
         time.sleep(2.0)  # gone for more than one back-off
     t_up = time.time()
-    # and again while the second group trains: the same loop waits it out and adopts the group, which goes on
-    wait_for(lambda r: r["kind"] == "group_running" and r["group"] == 2, t_up)
-    with lab2.slurmctld_stopped() as t_down2:
-        wait_for(lambda r: r["kind"] == "error", t_down2)
-        time.sleep(2.0)
+    # and again while the second group trains: the same loop waits it out and adopts the group, which goes on.
+    # Its ranks are paused (SIGSTOP) meanwhile, so the group cannot finish before slurmctld is back however fast
+    # the machine is that day
+    wait_for(lambda r: r["kind"] == "group_submitted" and r["group"] == 2, t_up)
+    plan2 = next(r["plan_file"] for r in wire(rundir.records()) if r["kind"] == "group_submitted")
+    deadline = time.monotonic() + 120
+    while len(rank_pids(plan2)) < both.num_gpus:  # one rank per GPU
+        assert time.monotonic() < deadline and "error" not in out, (rank_pids(plan2), wire(rundir.records()))
+        time.sleep(0.2)
+    pause(plan2)
+    try:
+        wait_for(lambda r: r["kind"] == "group_running" and r["group"] == 2, t_up)
+        with lab2.slurmctld_stopped() as t_down2:
+            wait_for(lambda r: r["kind"] == "error", t_down2)
+            time.sleep(2.0)
+        wait_for(lambda r: r["kind"] in ("group_adopted", "group_stopped", "finished"), t_down2)
+    finally:
+        resume(plan2)
     thread.join(timeout=300)
     records = wire(rundir.records())
     assert not thread.is_alive() and out.get("exit") == 0, (out, records)
