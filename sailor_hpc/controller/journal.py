@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import time
 from collections.abc import Callable
@@ -26,6 +25,7 @@ from typing import Any, TypeVar
 
 from sailor_hpc.controller.records import Kind, Record, decode, encode
 from sailor_hpc.core.errors import SailorError
+from sailor_hpc.core.typed_json import fits_float
 
 R = TypeVar("R", bound=Record)  # append returns the record it was given, stamped
 
@@ -35,20 +35,13 @@ __all__ = ["Journal", "Kind", "Record", "read_journal", "read_journal_lines"]
 _EDITED = "the journal was edited or corrupted; restore it or start a new run"
 
 
-def _finite(x: float) -> bool:
-    try:
-        return math.isfinite(x)
-    except OverflowError:  # an int too large for a float (a damaged line), not a number of seconds
-        return False
-
-
 def _check_envelope(rec: dict[str, Any], number: int, path: Path) -> None:
     """The fields every reader uses (the writer's next ``seq``, the status' times, the fold's ``kind``) have
     the types the writer gives them, so a damaged line is named here, not met as a TypeError later."""
     seq, t, kind = rec["seq"], rec.get("t"), rec["kind"]
     for field, ok, what in (("seq", isinstance(seq, int) and not isinstance(seq, bool) and seq >= 0,
                              "a non-negative integer"),
-                            ("t", isinstance(t, int | float) and not isinstance(t, bool) and _finite(t),
+                            ("t", fits_float(t, finite=True),
                              "a finite number of seconds"),
                             ("kind", isinstance(kind, str), "text")):
         if not ok:

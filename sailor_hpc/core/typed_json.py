@@ -77,6 +77,16 @@ def _fields(cls: type) -> dict[str, tuple[Any, bool]]:
     return _FIELDS[cls]
 
 
+def fits_float(value: Any, finite: bool = False) -> bool:
+    """Whether a decoded JSON value is a number a float holds (``finite``: and not NaN or infinite). JSON's
+    ``true`` is no number, and an int too large for a float does not fit (``float()`` would raise)."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return abs(value) <= sys.float_info.max
+    return isinstance(value, float) and (not finite or math.isfinite(value))
+
+
 _WRONG = object()  # what _as returns for a value that does not fit its hint (cheaper than raising in a union)
 
 
@@ -97,10 +107,8 @@ def _as(value: Any, hint: Any, finite: bool) -> Any:
         return value if hint is bool and isinstance(value, bool) else _WRONG
     if hint is int or hint is str:
         return value if isinstance(value, hint) else _WRONG
-    if hint is float:  # an int too large for a float does not fit (float() would raise)
-        fits = isinstance(value, int) and abs(value) <= sys.float_info.max or isinstance(value, float) and (
-            not finite or math.isfinite(value))
-        return float(value) if fits else _WRONG
+    if hint is float:
+        return float(value) if fits_float(value, finite) else _WRONG
     args = get_args(hint)
     if origin is dict and isinstance(value, dict):
         pairs = {k: _as(v, args[1], finite) for k, v in value.items()}
