@@ -100,7 +100,7 @@ class Groups:
     plan_for: PlanFor
     fixed_plans: PlanFor | None
     _trigger: tuple[str, float] | None  # the change whose recovery (the next group running whole) is not measured
-    _left: dict[str, float]  # cluster -> when it left or was last judged not worth regrowing (wall clock)
+    _regrow_refused: dict[str, float]  # cluster that left -> when growing back across it was last judged not worth it
     _next_clusters: tuple[str, ...] | None  # where the next group is planned, once the current one decided it
 
     if TYPE_CHECKING:  # declared for the type checker only, so no stub can shadow the Controller's methods
@@ -115,6 +115,8 @@ class Groups:
         def next_attempt_due(self) -> bool: ...  # Controller.next_attempt_due
 
         def _checkpoint(self, cur: Attempt | None) -> None: ...  # Controller._checkpoint
+
+        def _checkpoint_step(self) -> int: ...  # Controller._checkpoint_step
 
     # ------------------------------------------------------------------------------------------ journal
 
@@ -157,7 +159,7 @@ class Groups:
         plan_path = directory / f"plan.{attempt}.json"
         plan.save(plan_path)
         rdzv = directory / f"rendezvous.{attempt}.{uuid.uuid4().hex}"  # fresh: an old one holds an old address
-        start = newest_step(Path(s.save))
+        start = self._checkpoint_step()  # journaled by next_attempt_due just before
         names = {c: f"{job_name_prefix(s.run_id)}{attempt:03d}-{c}" for c in used}
         # journaled before the first sbatch: a group cut short by a kill or an outage is found by these names
         self.note(records.GroupIntent(group=attempt, job_names=names, start_step=start, plan_file=str(plan_path)))
@@ -209,7 +211,7 @@ class Groups:
         states = self._poll(cur.jobs)  # a Slurm outage here is the loop's to wait out, then the group is adopted
         self._checkpoint(cur)  # a newer complete checkpoint: the group made progress (restarts count from 0)
         if all(s.state == "COMPLETED" for s in states.values()):
-            self.note(records.Finished(group=cur.number, step=newest_step(Path(self.spec.save))))
+            self.note(records.Finished(group=cur.number, step=self._checkpoint_step()))
             return
         ended = {c: s.state for c, s in states.items() if s.final and s.state != "COMPLETED"}
         pending = [c for c, s in states.items() if s.state == "PENDING"]
@@ -236,13 +238,10 @@ class Groups:
             return
         back = self._rejoining(cur) if cur.running_t is not None else []
         if back:
-            self._note_group(records.Regrown(group=cur.number, clusters=back, step=newest_step(Path(self.spec.save))),
-                             "rejoin")
+            self._note_group(records.Regrown(group=cur.number, clusters=back, step=self._checkpoint_step()), "rejoin")
             for c, j in cur.jobs.items():
                 request_checkpoint(j, self._cluster_env(c))
             self._wait_group_final(cur)
-            for c in back:
-                del self._left[c]
             self._next_clusters = tuple(dict.fromkeys([*cur.jobs, *back]))
 
     def _poll(self, jobs: Mapping[str, str]) -> dict[str, JobStatus]:
@@ -265,9 +264,6 @@ class Groups:
 
     def _replan_without(self, cur: Attempt, gone: list[str], reason: str) -> None:
         self._stop_group(cur, reason)
-        now = self.clock()
-        for c in gone:
-            self._left[c] = now
         rest = tuple(c for c in cur.jobs if c not in gone)
         if not rest:
             raise JobFailed(f"every cluster of the run left ({reason}: {', '.join(gone)})", field="clusters",
@@ -294,20 +290,22 @@ class Groups:
         return any(g > 0 for nodes in idle.values() for g in nodes.values())
 
     def _rejoining(self, cur: Attempt) -> list[str]:
-        """Clusters that left and may come back now (see the module doc)."""
+        """Clusters that left (``state.left``: the clusters dropped or lost, with when) and may come back now (see
+        the module doc)."""
         now = self.clock()
-        if newest_step(Path(self.spec.save)) <= (cur.start_step or 0):
+        if self._checkpoint_step() <= (cur.start_step or 0):
             return []  # the group has not saved anything yet: moving now would recompute its steps
-        back = [c for c, t in self._left.items()
-                if now - t >= self.spec.replan_interval_s and self._has_idle_gpus(c)]
+        back = [c for c, t in self.state.left.items()
+                if now - max(t, self._regrow_refused.get(c, t)) >= self.spec.replan_interval_s
+                and self._has_idle_gpus(c)]
         if back and not self._worth_regrowing(cur, tuple(back)):
-            self._left.update({c: now for c in back})  # not worth it now: asked again a replan interval later
+            self._regrow_refused.update({c: now for c in back})  # not worth it now: asked again a replan interval later
             return []
         return back
 
     def _score(self, plan: Plan) -> Score:
         """The plan scored as the planner scores it: simulated as the runtime that will run it runs it."""
-        r = simulate(plan, self.site, self.archive, options=SimOptions(runtime=self.spec.plan_request({}).runtime))
+        r = simulate(plan, self.site, self.archive, options=SimOptions(runtime=self.spec.runtime_of(plan)))
         return Score(r.throughput_samples_per_s, r.cost_per_hour)
 
     def _worth_regrowing(self, cur: Attempt, back: tuple[str, ...]) -> bool:
@@ -321,7 +319,7 @@ class Groups:
         except (SailorError, SlurmUnavailable) as exc:  # no plan fits the grown clusters, or one does not answer
             self.note(records.RegrowDecision(group=cur.number, clusters=list(back), resize=False, reason=str(exc)))
             return False
-        remaining = max(0, self.spec.steps - newest_step(Path(self.spec.save))) * self.spec.gbs
+        remaining = max(0, self.spec.steps - self._checkpoint_step()) * self.spec.gbs
         measured = [r.recovery_s for r in self.journal.records if isinstance(r, records.GroupRecovered)]
         verdict = judge(self.spec.objective, current, candidate, remaining,
                         restart_cost(self.spec.restart_cost_s, measured), self.spec.min_gain)

@@ -118,7 +118,7 @@ class Controller(Recorder, GrowBeside, Groups):
         self.plan_for = plan_for or planner_plan_for(self.spec, self.site, self.archive, self.genv)
         self.across = across_clusters(self.site)  # an attempt is a group of jobs, one per cluster
         self._trigger: tuple[str, float] | None = None  # a group's change whose recovery is not yet measured
-        self._left: dict[str, float] = {}
+        self._regrow_refused: dict[str, float] = {}
         self._next_clusters: tuple[str, ...] | None = None
 
     # ------------------------------------------------------------------------------------------ journal
@@ -135,7 +135,6 @@ class Controller(Recorder, GrowBeside, Groups):
         """Hold the run's lock and drive it; returns 0 (finished), 1 (gave up) or 130 (interrupted)."""
         with self.rundir.lock():
             self.begin()
-            self._left = dict(self.state.left)
             try:
                 return self.loop()
             except KeyboardInterrupt:
