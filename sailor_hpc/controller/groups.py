@@ -226,7 +226,7 @@ class Groups:
             if lost:
                 self._note_group(records.ClusterLost(group=cur.number, clusters=lost, states=ended), "lost")
             else:
-                self._note_group(records.GroupFailed(group=cur.number, clusters=lost, states=ended), "failed")
+                self._note_group(records.GroupFailed(group=cur.number, states=ended), "failed")  # no cluster lost
             self._replan_without(cur, lost, "cluster lost" if lost else "job failed")
             return
         if cur.running_t is None and all(s.state == "RUNNING" for s in states.values()):
