@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,11 +38,19 @@ STEPS = 6
 PARAM_TOL = MOMENT_TOL = 5e-6  # as test_cosched_clusters.py
 
 
-def _run_jobs(cluster: Any, prefix: str) -> dict[str, tuple[str, str]]:
-    """The run's jobs in the cluster's accounting: name -> (job id, state)."""
-    acct = cluster.run(["sacct", "-X", "-n", "-P", "-o", "JobID,JobName,State", "-S", "now-1hours"]).stdout
+Jobs = dict[str, tuple[str, str]]
+
+
+def _parse(acct: str, prefix: str) -> Jobs:
     rows = [line.split("|") for line in acct.splitlines()]
     return {r[1]: (r[0], r[2].split()[0]) for r in rows if len(r) == 3 and r[1].startswith(prefix)}
+
+
+def _run_jobs(cluster: Any, prefix: str, settled: Callable[[Jobs], bool]) -> Jobs:
+    """The run's jobs in the cluster's accounting, name -> (job id, state), once ``settled`` holds."""
+    acct = cluster.sacct_once(["-X", "-n", "-P", "-o", "JobID,JobName,State", "-S", "now-1hours"],
+                              lambda out: settled(_parse(out, prefix)))
+    return _parse(acct, prefix)
 
 
 def test_a_geo_run_waits_out_outages_while_it_submits_and_trains(slurm_two_clusters, job_env_two, tmp_path: Path) -> None:
@@ -123,14 +132,8 @@ def test_a_geo_run_waits_out_outages_while_it_submits_and_trains(slurm_two_clust
     stopped = next(r for r in records if r["kind"] == "group_stopped" and r["group"] == 1)
     assert set(stopped["states"]) == {"lab"} and "lab2" in stopped["reason"], stopped
     submitted = next(r for r in records if r["kind"] == "group_submitted")
-    # slurmctld sends accounting to slurmdbd in the background: after its restarts, give sacct time to catch up
-    deadline = time.monotonic() + 60
-    while True:
-        on_lab, on_lab2 = _run_jobs(lab, prefix), _run_jobs(lab2, prefix)
-        settled = len(on_lab) == 2 and [s for _, s in on_lab2.values()] == ["COMPLETED"]
-        if settled or time.monotonic() > deadline:
-            break
-        time.sleep(1.0)
+    on_lab = _run_jobs(lab, prefix, lambda jobs: len(jobs) == 2)
+    on_lab2 = _run_jobs(lab2, prefix, lambda jobs: [s for _, s in jobs.values()] == ["COMPLETED"])
     assert set(on_lab) == {first["job_names"]["lab"], second["job_names"]["lab"]}, on_lab
     assert on_lab[first["job_names"]["lab"]][1] == stopped["states"]["lab"] != "COMPLETED"  # ended by the stop
     assert on_lab[second["job_names"]["lab"]] == (submitted["jobs"]["lab"], "COMPLETED")
@@ -164,4 +167,9 @@ def test_a_geo_run_gives_up_after_its_restarts_without_a_checkpoint(slurm_two_cl
                      ("group_submitted", 2), ("group_failed", 2), ("group_stopped", 2), ("gave_up", None)], steps
     assert records[-1]["reason"] == "all 1 restarts used without a new checkpoint"
     prefix = f"sailor-{spec.run_id}-"
-    assert len(_run_jobs(lab, prefix)) == len(_run_jobs(lab2, prefix)) == 2  # nothing left, nothing twice
+    submitted = [r["jobs"] for r in records if r["kind"] == "group_submitted"]
+    # nothing left, nothing twice: exactly the two groups' jobs, each ended
+    for name, cluster in (("lab", lab), ("lab2", lab2)):
+        jobs = _run_jobs(cluster, prefix, lambda jobs: len(jobs) == 2)
+        assert sorted(i for i, _ in jobs.values()) == sorted(g[name] for g in submitted), (name, jobs)
+        assert all(state in ("FAILED", "CANCELLED") for _, state in jobs.values()), (name, jobs)

@@ -71,7 +71,8 @@ def story(slurm_cluster, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
         status = story_kit.finish(sc, reference)
         records = sc.records()
         jobs = [r["job_id"] for r in records if r["kind"] == "submitted"]
-        steps = {j: slurm_cluster.run(["sacct", "-n", "-P", "-j", j, "-o", "JobID,State"]).stdout for j in jobs}
+        steps = {j: slurm_cluster.sacct_once(["-n", "-P", "-j", j, "-o", "JobID,State"],
+                                             lambda out: "RUNNING" not in out and "PENDING" not in out) for j in jobs}
         return {"sc": sc, "records": records, "times": times, "sacct": steps, "status": status, "root": root}
 
 _records = story_kit.records_of

@@ -44,7 +44,8 @@ def test_controller_waits_out_a_stopped_slurmctld(slurm_cluster, tmp_path: Path)
         status = story_kit.finish(sc, reference)
         records = sc.records()
         prefix = f"sailor-{records[0]['run_id']}-"
-        acct = slurm_cluster.run(["sacct", "-X", "-n", "-P", "-o", "JobID,JobName", "-S", "now-1hours"]).stdout
+        acct = slurm_cluster.sacct_once(["-X", "-n", "-P", "-o", "JobID,JobName", "-S", "now-1hours"],
+                                        lambda out: f"|{prefix}" in out)
 
     assert status.returncode == 0, status.stderr
     kinds = [r["kind"] for r in records]

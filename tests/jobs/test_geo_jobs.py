@@ -58,7 +58,8 @@ def test_plan_across_two_clusters_trains_to_the_single_process_reference(slurm_t
         text = {c: p.read_text()[-3000:] if p.exists() else "(no log)" for c, p in logs.items()}
         assert result.statuses[job].state == "COMPLETED", (cluster, result.statuses[job], text)
     # each job ran in its own cluster: sacct of lab2 knows lab2's job under lab2's name
-    acct = lab2.run(["sacct", "-n", "-X", "-P", "-j", jobs["lab2"][0], "-o", "jobname,partition,state"]).stdout
+    acct = lab2.sacct_once(["-n", "-X", "-P", "-j", jobs["lab2"][0], "-o", "jobname,partition,state"],
+                           lambda out: out.endswith("|COMPLETED\n"))
     assert acct.split("\n")[0] == "geo-lab2|a100_lab2|COMPLETED", acct
     # both jobs are id 1 (ids are per cluster); each one's record still leads to its own log
     assert {c: log_path(j, env) for c, (j, env) in jobs.items()} == logs

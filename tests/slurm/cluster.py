@@ -24,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -145,6 +145,20 @@ class SlurmCluster:
                 return states
             time.sleep(0.2)
         raise TimeoutError(f"job {job_id} not finished after {timeout} s (states {states})")
+
+    def sacct_once(self, args: Sequence[str], settled: Callable[[str], bool], timeout: float = 60.0) -> str:
+        """``sacct ARGS`` output once ``settled(output)`` holds, or as it stands after ``timeout`` seconds.
+
+        slurmctld sends accounting to slurmdbd in the background, so sacct can lag squeue and the controller's
+        journal by seconds (more so after a slurmctld restart, or on a loaded machine)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            proc = self.run(["sacct", *args])
+            if proc.returncode != 0:
+                raise RuntimeError(f"sacct {' '.join(args)} failed: {proc.stderr.strip()}")
+            if settled(proc.stdout) or time.monotonic() > deadline:
+                return proc.stdout
+            time.sleep(0.5)
 
     def stop(self) -> None:
         """Stop the cluster if this process started it (by PID, via stop.sh); idempotent."""

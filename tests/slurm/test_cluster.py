@@ -1,8 +1,6 @@
 """The local test cluster itself: GPUs in jobs, het jobs over both partitions, sacct."""
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from sailor_hpc.slurm.commands import sacct
@@ -10,20 +8,17 @@ from sailor_hpc.slurm.commands import sacct
 pytestmark = pytest.mark.slurm
 
 
-def _sacct_rows(cluster, job: str, want: int, timeout: float = 30.0) -> list[list[str]]:
+def _sacct_rows(cluster, job: str, want: int) -> list[list[str]]:
     """``sacct -X`` rows (JobID, Partition, State, AllocTRES) once ``want`` rows are in a final state."""
-    deadline = time.monotonic() + timeout
-    rows: list[list[str]] = []
-    while time.monotonic() < deadline:    # accounting can lag a moment behind squeue
-        proc = cluster.run(["sacct", "-n", "-P", "-X", "-j", job, "-o", "JobID,Partition,State,AllocTRES"])
-        assert proc.returncode == 0, proc.stderr
-        rows = [line.split("|") for line in proc.stdout.splitlines() if line.strip()]
-        # a short job can first show up half-recorded (JobName "allocation", no Partition) until
-        # slurmctld's job-start message reaches slurmdbd: wait for the partition as well
-        if len(rows) == want and all(r[2] not in ("PENDING", "RUNNING") and r[1] for r in rows):
-            break
-        time.sleep(0.3)
-    return rows
+    def rows(out: str) -> list[list[str]]:
+        return [line.split("|") for line in out.splitlines() if line.strip()]
+
+    # a short job can first show up half-recorded (JobName "allocation", no Partition) until slurmctld's
+    # job-start message reaches slurmdbd: wait for the partition as well
+    out = cluster.sacct_once(["-n", "-P", "-X", "-j", job, "-o", "JobID,Partition,State,AllocTRES"],
+                             lambda out: len(rows(out)) == want and all(
+                                 r[2] not in ("PENDING", "RUNNING") and r[1] for r in rows(out)))
+    return rows(out)
 
 
 def test_nodes_idle_and_partitions(slurm_cluster):
