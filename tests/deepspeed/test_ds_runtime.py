@@ -117,7 +117,9 @@ def test_deepspeed_refuses_a_plan_it_cannot_run(tmp_path: Path) -> None:
 
 
 CHECK = r"""
-import json, sys, torch, deepspeed
+import importlib, json, sys, torch, deepspeed
+# on the CPU, skip DeepSpeed's compile of its inference-only shm all-reduce op (tests/jobs/user_entry_script.py)
+vars(importlib.import_module("deepspeed.comm.torch"))["build_shm_op"] = lambda: None
 from sailor_hpc.core.training import LrSchedule
 steps = int(sys.argv[1])
 ref = LrSchedule(lr=1e-3, min_lr=0.0, style="linear", warmup=2 * 8, decay=steps * 8)
@@ -148,7 +150,7 @@ def test_written_config_runs_in_a_users_deepspeed_script(tmp_path: Path) -> None
         write_ds_config(paths[-1], one, {"lr_warmup_iters": 2, "lr_decay_style": "linear"}, steps=6)
     res = subprocess.run([sys.executable, "-c", CHECK, "6", *map(str, paths)], cwd=local.REPO,
                          env=local.rank_env(0, 1, local.free_port(), {"DS_ACCELERATOR": "cpu"}),
-                         capture_output=True, text=True, timeout=900)  # 8 s of CPU, minutes on a loaded machine
+                         capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     outs = [json.loads(x) for x in res.stdout.splitlines() if x.startswith("{")]
     assert [o["zero"] for o in outs] == [0, 3]

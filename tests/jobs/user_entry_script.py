@@ -4,6 +4,7 @@ writes what DeepSpeed and torch.distributed saw (``--out DIR/rank<N>.json``)."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 from pathlib import Path
@@ -13,6 +14,10 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")  # a CPU-only machine: no probing
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+
+# the test host only: on the CPU, DeepSpeed compiles its shared-memory all-reduce op (inference only, never
+# used here) with the C++ compiler at its start, ~80 s of CPU; megatron_patch's DeepSpeed launch skips it alike
+vars(importlib.import_module("deepspeed.comm.torch"))["build_shm_op"] = lambda: None
 
 
 def main() -> None:
