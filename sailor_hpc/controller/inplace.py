@@ -50,7 +50,7 @@ import time
 from pathlib import Path
 
 from sailor_hpc.controller.events import node_states
-from sailor_hpc.controller.planning import Planned, gpus_by_partition, plan_on
+from sailor_hpc.controller.planning import Planned, plan_on
 from sailor_hpc.controller.state import RunDir
 from sailor_hpc.core.archive import open_archive
 from sailor_hpc.core.atomic import atomic_write_text
@@ -157,8 +157,8 @@ def next_step(run_dir: Path, job_plan_file: Path, step_plan_file: Path, step: in
     atomic_write_text(_env_file(job_plan_file, step), env)
     return InPlace(job_id=job_id, step_index=step, rc=rc, t_step_end=round(t_end, 3), t_ready=round(time.time(), 3),
                    lost=lost, released=released, refused=refused, plan_file=str(plan_path), nodes=nodes,
-                   gpus=gpus_by_partition(planned.plan), throughput=planned.score.throughput,
-                   cost_per_hour=planned.score.cost_per_hour, was_gpus=gpus_by_partition(step_plan))
+                   gpus=planned.plan.gpus_by_partition(), throughput=planned.score.throughput,
+                   cost_per_hour=planned.score.cost_per_hour, was_gpus=step_plan.gpus_by_partition())
 
 
 def _env_file(job_plan_file: Path, step: int) -> Path:

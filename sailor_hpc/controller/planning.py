@@ -69,7 +69,7 @@ class Planned:
     runtime_reason: str | None = None  # runtime auto: why this runtime's plan was taken
 
     def summary(self) -> dict[str, Any]:
-        out = {"gpus": gpus_by_partition(self.plan), "throughput": self.score.throughput,
+        out = {"gpus": self.plan.gpus_by_partition(), "throughput": self.score.throughput,
                "cost_per_hour": self.score.cost_per_hour, "iteration_s": self.iteration_s,
                "pipelines": len(self.plan.pipelines), "runtime": self.runtime}
         if self.runtime_reason is not None:
@@ -91,14 +91,6 @@ class PendingVerdict:
     pending_start_s: float
     gain: float  # the share of the pending job's expected finish the best plan saves
     reason: str
-
-
-def gpus_by_partition(plan: Plan) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for p in plan.pipelines:
-        for s in p.stages:
-            out[s.partition or "?"] = out.get(s.partition or "?", 0) + s.tp
-    return out
 
 
 def node_demands(plan: Plan) -> dict[str, list[int]]:
@@ -164,7 +156,7 @@ def _plan_on(spec: RunSpec, site: Site, archive: ProfileArchive, free: FreeByNod
             r = best.result
             return Planned(best.plan, Score(r.throughput_samples_per_s, r.cost_per_hour), r.iteration_time_s,
                            dict(available), runtime=runtime)
-        available[bad] = max(0, min(available[bad], gpus_by_partition(best.plan).get(bad, 0)) - 1)
+        available[bad] = max(0, min(available[bad], best.plan.gpus_by_partition().get(bad, 0)) - 1)
     raise NoPlanFits(f"no plan fits the free GPUs now ({ {p: sum(n.values()) for p, n in free.items()} })",
                       field="availability", fix="the controller waits for GPUs to become idle")
 
@@ -266,7 +258,7 @@ def judge_pending(spec: RunSpec, site: Site, archive: ProfileArchive, estimator:
     gain = (mine.finish_s - best.queue.finish_s) / mine.finish_s if math.isfinite(mine.finish_s) else 1.0
     move = gain > spec.min_gain
     reason = (f"pending job: start in {mine.start.start_s:.0f} s ({mine.start.source}), finish in "
-              f"{mine.finish_s:.0f} s; best plan {gpus_by_partition(best.plan)}: start in {best.queue.start_s:.0f} s "
+              f"{mine.finish_s:.0f} s; best plan {best.plan.gpus_by_partition()}: start in {best.queue.start_s:.0f} s "
               f"({best.queue.source}), finish in {best.queue.finish_s:.0f} s; gain {100 * gain:.0f} % "
               f"{'>' if move else '<='} min_gain {100 * spec.min_gain:.0f} %")
     return PendingVerdict(move, best, mine.finish_s, mine.start.start_s, gain, reason)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from sailor_hpc.controller import RunDir, RunSpec
-from sailor_hpc.controller.planning import gpus_by_partition, plan_on
+from sailor_hpc.controller.planning import plan_on
 from sailor_hpc.controller.slurm_ops import prepare_attempt
 from sailor_hpc.core.archive import open_archive
 from sailor_hpc.core.errors import SailorError
@@ -54,7 +54,7 @@ def test_each_runtime_gets_its_own_plans(lab) -> None:
     mp = plan_on(spec, site, archive, ONE_A100)
     ds = plan_on(replace(spec, runtime="deepspeed"), site, archive, ONE_A100)
     assert (mp.runtime, ds.runtime) == ("megatron_patch", "deepspeed")
-    assert gpus_by_partition(mp.plan) == {"a100": 1, "v100": 1}  # heterogeneous: not DeepSpeed's
+    assert mp.plan.gpus_by_partition() == {"a100": 1, "v100": 1}  # heterogeneous: not DeepSpeed's
     assert "deepspeed" not in mp.plan.notes and ds.plan.notes["deepspeed"]["zero_stage"] in (0, 1, 2, 3)
     assert all(s.tp == 1 for p in ds.plan.pipelines for s in p.stages)
     assert len({(p.micro_batch_size, p.num_micro_batches) for p in ds.plan.pipelines}) == 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from planner import search
-from sailor_hpc.controller.planning import gpus_by_partition, misfit, node_demands, plan_on
+from sailor_hpc.controller.planning import misfit, node_demands, plan_on
 from sailor_hpc.controller.policy import DEFAULT_RESTART_COST_S, Score, judge, plan_shape, restart_cost
 from sailor_hpc.controller.spec import RunSpec
 from sailor_hpc.core.archive import EMBEDDED_ARCHIVE, read_archive
@@ -65,9 +65,9 @@ def test_plans_of_the_cluster_scenario(tiny):
     het = plan_on(spec, site, archive, {"a100": {"a100-1": 1}, "v100": {"v100-1": 8}})
     v100 = plan_on(spec, site, archive, {"a100": {}, "v100": {"v100-1": 8, "v100-2": 8}})
     a100 = plan_on(spec, site, archive, {"a100": {"a100-1": 4}, "v100": {"v100-1": 6, "v100-2": 8}})
-    assert gpus_by_partition(het.plan) == {"a100": 1, "v100": 1}
-    assert gpus_by_partition(v100.plan) == {"v100": 2}
-    assert gpus_by_partition(a100.plan) == {"a100": 2}
+    assert het.plan.gpus_by_partition() == {"a100": 1, "v100": 1}
+    assert v100.plan.gpus_by_partition() == {"v100": 2}
+    assert a100.plan.gpus_by_partition() == {"a100": 2}
     assert a100.score.throughput > het.score.throughput > v100.score.throughput
     # the grow-back decision the scenario makes, and the one it would not make near the end
     remaining = 50 * GBS
