@@ -29,11 +29,9 @@ from sailor_hpc.controller.spec import RUN_RUNTIMES
 from sailor_hpc.controller.story import (
     ATTEMPT_HEADER,
     CHANGE_HEADER,
-    GROUP_HEADER,
     attempt_rows,
     change_rows,
     describe,
-    group_rows,
 )
 from sailor_hpc.core.archive import open_archive
 from sailor_hpc.core.errors import SailorError
@@ -210,15 +208,11 @@ def status_cmd(run_dir: Path, events: bool, as_json: bool) -> None:
                    "restarts": state.restarts,
                    "attempts": [dict(zip(ATTEMPT_HEADER, row)) for row in attempt_rows(state)],
                    "changes": [dict(zip(CHANGE_HEADER, row)) for row in change_rows(state)],
-                   "groups": [dict(zip(GROUP_HEADER, row)) for row in group_rows(state)],
                    "records": [encode(r) for r in records]})
         return
     click.echo(f"run {spec.run_id}: {spec.model} to step {spec.steps} ({spec.objective}, gbs {spec.gbs}) - {phase}; "
                f"checkpoint {ck.step if ck else '-'}; {state.restarts} restart(s)")
-    if any(a.across for a in state.attempts):  # a run across clusters: its attempts are groups, one job per cluster
-        click.echo(table(GROUP_HEADER, group_rows(state)))
-    else:
-        click.echo(table(ATTEMPT_HEADER, attempt_rows(state)))
+    click.echo(table(ATTEMPT_HEADER, attempt_rows(state)))
     changes = change_rows(state)
     if changes:
         click.echo("\nallocation changes:")

@@ -99,7 +99,6 @@ class Groups:
     sleep: Callable[[float], None]
     plan_for: PlanFor
     fixed_plans: PlanFor | None
-    _trigger: tuple[str, float] | None  # the change whose recovery (the next group running whole) is not measured
     _regrow_refused: dict[str, float]  # cluster that left -> when growing back across it was last judged not worth it
     _next_clusters: tuple[str, ...] | None  # where the next group is planned, once the current one decided it
 
@@ -117,15 +116,6 @@ class Groups:
         def _checkpoint(self, cur: Attempt | None) -> None: ...  # Controller._checkpoint
 
         def _checkpoint_step(self) -> int: ...  # Controller._checkpoint_step
-
-    # ------------------------------------------------------------------------------------------ journal
-
-    def _note_group(self, rec: records.Record, change: str | None = None) -> None:
-        """Journal a group record; ``change`` names an allocation change whose recovery the next group running
-        whole measures (the run's restart cost)."""
-        rec = self.note(rec)
-        if change is not None:
-            self._trigger = (change, rec.t)
 
     def clusters_answer(self) -> bool:
         """Whether the slurmctld of every cluster the run may use (not left) answers."""
@@ -161,8 +151,11 @@ class Groups:
         rdzv = directory / f"rendezvous.{attempt}.{uuid.uuid4().hex}"  # fresh: an old one holds an old address
         start = self._checkpoint_step()  # journaled by next_attempt_due just before
         names = {c: f"{job_name_prefix(s.run_id)}{attempt:03d}-{c}" for c in used}
+        score = self._score(plan)
         # journaled before the first sbatch: a group cut short by a kill or an outage is found by these names
-        self.note(records.GroupIntent(group=attempt, job_names=names, start_step=start, plan_file=str(plan_path)))
+        self.note(records.GroupIntent(group=attempt, job_names=names, start_step=start, plan_file=str(plan_path),
+                                      gpus=plan.gpus_by_partition(), throughput=score.throughput,
+                                      cost_per_hour=score.cost_per_hour))
         jobs = {}
         for cluster in used:
             options = JobOptions(plan_path=plan_path, work=Training(s.data, Path(s.save)), steps=s.steps,
@@ -217,28 +210,27 @@ class Groups:
         pending = [c for c, s in states.items() if s.state == "PENDING"]
         submitted = cur.submitted_t if cur.submitted_t is not None else cur.intent_t
         if not ended and pending and self.clock() - submitted > self.spec.grow_timeout_s:
-            self._note_group(records.ClusterDropped(group=cur.number, clusters=pending, reason="pending"), "dropped")
+            self.note(records.ClusterDropped(group=cur.number, clusters=pending, reason="pending"))
             self._replan_without(cur, pending, "pending")
             return
         if ended:  # states read before our own cancel turns the others CANCELLED
             ended = self._settle(cur, ended)
             lost = [c for c, st in ended.items() if st in CLUSTER_LOSS]
             if lost:
-                self._note_group(records.ClusterLost(group=cur.number, clusters=lost, states=ended), "lost")
+                self.note(records.ClusterLost(group=cur.number, clusters=lost, states=ended))
             else:
-                self._note_group(records.GroupFailed(group=cur.number, states=ended), "failed")  # no cluster lost
+                self.note(records.GroupFailed(group=cur.number, states=ended))  # no cluster lost
             self._replan_without(cur, lost, "cluster lost" if lost else "job failed")
             return
         if cur.running_t is None and all(s.state == "RUNNING" for s in states.values()):
-            self._note_group(records.GroupRunning(group=cur.number))
-            if self._trigger is not None:
-                (change, t), self._trigger = self._trigger, None
-                self._note_group(records.GroupRecovered(group=cur.number, trigger=change,
-                                                        recovery_s=round(self.clock() - t, 3)))
+            self.note(records.GroupRunning(group=cur.number))
+            if cur.trigger is not None and cur.trigger_t is not None:  # the change this group answers cost this long
+                self.note(records.GroupRecovered(group=cur.number, trigger=cur.trigger, trigger_t=cur.trigger_t,
+                                                 recovery_s=round(self.clock() - cur.trigger_t, 3)))
             return
         back = self._rejoining(cur) if cur.running_t is not None else []
         if back:
-            self._note_group(records.Regrown(group=cur.number, clusters=back, step=self._checkpoint_step()), "rejoin")
+            self.note(records.Regrown(group=cur.number, clusters=back, step=self._checkpoint_step()))
             for c, j in cur.jobs.items():
                 request_checkpoint(j, self._cluster_env(c))
             self._wait_group_final(cur)
@@ -320,9 +312,8 @@ class Groups:
             self.note(records.RegrowDecision(group=cur.number, clusters=list(back), resize=False, reason=str(exc)))
             return False
         remaining = max(0, self.spec.steps - self._checkpoint_step()) * self.spec.gbs
-        measured = [r.recovery_s for r in self.journal.records if isinstance(r, records.GroupRecovered)]
         verdict = judge(self.spec.objective, current, candidate, remaining,
-                        restart_cost(self.spec.restart_cost_s, measured), self.spec.min_gain)
+                        restart_cost(self.spec.restart_cost_s, self.state.restart_costs), self.spec.min_gain)
         self.note(records.RegrowDecision(group=cur.number, clusters=list(back), **verdict.to_dict()))
         return verdict.resize
 

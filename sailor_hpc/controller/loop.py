@@ -117,7 +117,6 @@ class Controller(Recorder, GrowBeside, Groups):
         self.fixed_plans = plan_for
         self.plan_for = plan_for or planner_plan_for(self.spec, self.site, self.archive, self.genv)
         self.across = across_clusters(self.site)  # an attempt is a group of jobs, one per cluster
-        self._trigger: tuple[str, float] | None = None  # a group's change whose recovery is not yet measured
         self._regrow_refused: dict[str, float] = {}
         self._next_clusters: tuple[str, ...] | None = None
 
@@ -520,7 +519,7 @@ class Controller(Recorder, GrowBeside, Groups):
             return
         step = (tail.progress.last_step if tail is not None else None) or self._checkpoint_step()
         remaining = max(0, spec.steps - step) * spec.gbs
-        restart_s = restart_cost(spec.restart_cost_s, [r.idle_s for r in st.recoveries if not r.in_place])
+        restart_s = restart_cost(spec.restart_cost_s, st.restart_costs)
         if plan_shape(planned.plan) == plan_shape(self._plan(cur.plan_file)):
             verdict = Verdict(False, 0.0, 0.0, 0.0, "the best plan on the new availability is the current one")
         else:

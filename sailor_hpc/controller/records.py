@@ -439,6 +439,9 @@ class GroupIntent(Record):
     job_names: dict[str, str]
     start_step: int
     plan_file: str
+    gpus: Gpus = field(default_factory=dict)  # the plan's, and its simulated score (absent: written before them)
+    throughput: float = 0.0
+    cost_per_hour: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -467,10 +470,14 @@ class GroupRunning(Record):
 
 @dataclass(frozen=True, kw_only=True)
 class GroupRecovered(Record):
+    """The group answering an allocation change (``trigger``, seen at ``trigger_t``) runs whole: the change cost
+    the run ``recovery_s`` (queue wait included: the group's jobs only train together)."""
+
     kind: ClassVar[Kind] = Kind.GROUP_RECOVERED
     group: int
     trigger: str
     recovery_s: float
+    trigger_t: float | None = None  # absent: written before it was
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -283,6 +283,12 @@ class RunState:
         return n
 
     @property
+    def restart_costs(self) -> list[float]:
+        """What each move to a new job (or group) cost the ranks, as measured: the data of the restart-cost
+        policy (:func:`~sailor_hpc.controller.policy.restart_cost`)."""
+        return [r.idle_s for r in self.recoveries if not r.in_place]
+
+    @property
     def next_reason(self) -> str:
         """Why the next job would be submitted: the change it answers, else start / restart."""
         if self.trigger is not None:
@@ -389,7 +395,9 @@ def apply(state: RunState, rec: records.Record) -> None:
         case records.GaveUp():
             state.gave_up = rec.reason
         case records.GroupIntent():
-            state.attempts.append(_group_attempt(state, rec.group, rec.job_names, rec.start_step, rec.plan_file, t))
+            att = _group_attempt(state, rec.group, rec.job_names, rec.start_step, rec.plan_file, t)
+            att.gpus, att.throughput, att.cost_per_hour = dict(rec.gpus), rec.throughput, rec.cost_per_hour
+            state.attempts.append(att)
         case records.GroupSubmitted():
             if not (state.attempts and state.attempts[-1].number == rec.group):  # a journal without intents
                 state.attempts.append(_group_attempt(state, rec.group, {c: "" for c in rec.clusters}, rec.start_step,
@@ -411,6 +419,12 @@ def apply(state: RunState, rec: records.Record) -> None:
         case records.GroupRunning():
             group = _group(state, rec.group)
             group.running_t = group.running_t or t
+        case records.GroupRecovered():
+            recovery = Recovery(t=t, trigger=rec.trigger, trigger_t=t - rec.recovery_s if rec.trigger_t is None
+                                else rec.trigger_t, in_place=False, downtime_s=rec.recovery_s,
+                                recovery_s=rec.recovery_s, queue_wait_s=None, ranks_idle_s=None)
+            _group(state, rec.group).recovery = recovery
+            state.recoveries.append(recovery)
         case records.GroupStopped():
             group = _group(state, rec.group)
             group.end, group.gone = rec.reason, True

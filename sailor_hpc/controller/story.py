@@ -93,8 +93,9 @@ def describe(rec: records.Record) -> str:
             return f"error ({rec.where}): {rec.message}"
         # a run across clusters (sailor_hpc.controller.groups): attempts that are groups of jobs
         case records.GroupIntent():
+            planned = f"{_gpus(rec.gpus)}, {rec.throughput:.2f} samples/s (sim), " if rec.gpus else ""
             return (f"group {rec.group}: submitting " + ", ".join(rec.job_names.values())
-                    + f" (from step {rec.start_step})")
+                    + f" ({planned}from step {rec.start_step})")
         case records.GroupSubmitted():
             return (f"group {rec.group}: jobs " + ", ".join(f"{c} {j}" for c, j in rec.jobs.items())
                     + f" submitted (from step {rec.start_step})")
@@ -125,36 +126,36 @@ def _clusters(clusters: list[str]) -> str:
 
 
 def attempt_rows(state: RunState) -> list[tuple[Any, ...]]:
-    """One row per attempt of one job: attempt, job id, GPUs, predicted samples/s, why, start step, recovery, end."""
+    """One row per attempt: attempt, its job (across clusters: each cluster's), GPUs, predicted samples/s, why,
+    start step, recovery, the new job's queue wait, end."""
     rows = []
     for att in state.attempts:
-        if att.across:
-            continue
         rec = att.recovery
-        rows.append((att.number, att.job_id or "-", _gpus(att.gpus), f"{att.throughput:.2f}", att.reason,
-                     "-" if att.start_step is None else att.start_step,
+        rows.append((att.number, _jobs(att), _gpus(att.gpus),
+                     "-" if att.across and not att.gpus else f"{att.throughput:.2f}",
+                     att.reason, "-" if att.start_step is None else att.start_step,
                      "-" if rec is None else f"{rec.recovery_s:.1f}",
                      "-" if rec is None or rec.queue_wait_s is None else f"{rec.queue_wait_s:.1f}",
-                     _end(att)))
+                     _end(att, state)))
     return rows
 
 
-def _end(att: Any) -> str:
-    """How the job ended: why it stopped (the controller's words) and Slurm's final state."""
+def _jobs(att: Any) -> str:
+    if att.across:
+        return ", ".join(f"{c} {j}" for c, j in att.jobs.items()) or "-"
+    return att.job_id or "-"
+
+
+def _end(att: Any, state: RunState) -> str:
+    """How the attempt ended: why it stopped (the controller's words) and Slurm's final state."""
+    if att.across:  # a group's jobs end together, for the reason the controller journaled
+        return att.end or ("completed" if state.finished else "running" if att.running_t else "queued")
     if not att.gone:
         return "running" if att.running_t else "queued"
     why = att.stopped.reason if att.stopped is not None else None
     return f"{why} ({att.end_state})" if why and why != "completed" else str(att.end_state)
 
 
-def group_rows(state: RunState) -> list[tuple[Any, ...]]:
-    """One row per attempt across clusters (a group): group, each cluster's job, from step, how it ended."""
-    return [(g.number, ", ".join(f"{c} {j}" for c, j in g.jobs.items()), g.start_step,
-             g.end or ("completed" if state.finished else "running" if g.running_t else "queued"))
-            for g in state.attempts if g.across]
-
-
-GROUP_HEADER = ("group", "jobs", "from step", "end")
 ATTEMPT_HEADER = ("attempt", "job", "GPUs", "samples/s (sim)", "why", "from step", "recovery s", "queue s", "end")
 
 
@@ -169,8 +170,8 @@ def change_rows(state: RunState) -> list[tuple[Any, ...]]:
         if att.recovery is not None:
             r = att.recovery
             before = state.attempts[i - 1].lost_nodes if i > 0 else {}
-            rows.append((att.number, att.job_id or "-", change_label(r.trigger, before), "n", f"{r.idle_s:.1f}",
-                         f"{r.queue_wait_s or 0:.1f}", "0"))
+            rows.append((att.number, _jobs(att), change_label(r.trigger, before), "n", f"{r.idle_s:.1f}",
+                         "-" if r.queue_wait_s is None else f"{r.queue_wait_s:.1f}", "0"))
         for ch in att.in_place:
             rows.append((att.number, att.job_id or "-", change_label(ch.trigger[0] if ch.trigger else records.Kind.NODE_LOST,
                                                                      ch.lost), "y",

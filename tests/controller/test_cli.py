@@ -139,4 +139,4 @@ def test_a_site_of_several_clusters_is_run_by_the_co_scheduler(tmp_path: Path, a
     status = cli("run", "status", str(tmp_path / "ckpt" / "controller"), "--json")
     doc = json.loads(status.stdout)
     assert [r["kind"] for r in doc["records"]] == ["run_started", "controller_started", "gave_up"]
-    assert doc["phase"].startswith("gave up") and "'sinfo' not found" in doc["phase"] and doc["groups"] == []
+    assert doc["phase"].startswith("gave up") and "'sinfo' not found" in doc["phase"] and doc["attempts"] == []

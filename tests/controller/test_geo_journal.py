@@ -25,7 +25,7 @@ from sailor_hpc.controller.records import (
 )
 from sailor_hpc.controller.spec import RunSpec
 from sailor_hpc.controller.state import RESIZE_REASON, InconsistentJournal, RunDir, fold
-from sailor_hpc.controller.story import describe, group_rows
+from sailor_hpc.controller.story import attempt_rows, describe
 from sailor_hpc.core.archive import EMBEDDED_ARCHIVE, read_archive
 from sailor_hpc.core.placement import place_plan
 from sailor_hpc.core.plan import Pipeline, Plan, Stage
@@ -46,7 +46,7 @@ def _geo_story(j: Journal) -> None:
     j.append(GroupSubmitted(group=2, jobs={"lab": "12"}, clusters=["lab"], start_step=0,
              plan_file="/run/plan.2.json"))
     j.append(GroupRunning(group=2))
-    j.append(GroupRecovered(group=2, trigger="dropped", recovery_s=3.5))
+    j.append(GroupRecovered(group=2, trigger="cluster_dropped", trigger_t=102.0, recovery_s=4.0))
     j.append(RegrowDecision(group=2, clusters=["lab2"], resize=True, gain=0.4, keep=10.0, move=7.0,
              reason="gain 40.0% >= 10%"))
     j.append(Regrown(group=2, clusters=["lab2"], step=6))
@@ -72,7 +72,11 @@ def test_fold_tells_the_groups_and_the_clusters_that_left(tmp_path: Path):
     j.append(GroupStopped(group=3, reason="cluster lost"))
     state = fold(read_journal(j.path))
     assert state.left == {"lab2": 111.0} and state.current is None
-    assert group_rows(state)[-1] == (3, "lab 13, lab2 8", 6, "cluster lost")
+    # one table for the attempts of any run: the group's jobs, why it was submitted, how it ended
+    assert attempt_rows(state)[-1] == (3, "lab 13, lab2 8", "-", "-", RESIZE_REASON, 6, "-", "-", "cluster lost")
+    # a group's recovery is the run's, as a job's is: what the restart-cost policy reads
+    assert state.attempts[1].recovery is not None and state.attempts[1].recovery.trigger == "cluster_dropped"
+    assert state.restart_costs == [4.0] and attempt_rows(state)[1][6] == "4.0"
 
 
 def test_every_geo_record_has_a_story_line(tmp_path: Path):
@@ -81,7 +85,7 @@ def test_every_geo_record_has_a_story_line(tmp_path: Path):
     lines = [describe(r) for r in j.records]
     assert lines[1] == "group 1: jobs lab 11, lab2 7 submitted (from step 0)"
     assert "lab2 pending past the bound: dropped" in lines[2]
-    assert lines[6] == "group 2: recovered from dropped in 3.5 s"
+    assert lines[6] == "group 2: recovered from cluster_dropped in 4.0 s"
     assert lines[7] == "group 2: grow back across lab2: gain 40.0% >= 10%"
     assert all(line not in {str(k) for k in Kind} for line in lines)  # none fell through to the bare kind
 
@@ -101,6 +105,15 @@ def test_a_group_is_known_from_its_intent_and_completed_by_its_submission(tmp_pa
     state = fold(read_journal(j.path))
     assert len(state.attempts) == 1 and state.attempts[0].jobs == {"lab": "11", "lab2": "7"}
     assert state.attempts[0].job_names == names and state.attempts[0].submitted_t == 102.0
+
+
+def test_a_groups_plan_and_score_show_in_the_attempt_table(tmp_path: Path):
+    j = Journal(tmp_path / "journal.jsonl")
+    j.append(GroupIntent(group=1, job_names={"lab": "n1", "lab2": "n2"}, start_step=0, plan_file="/run/plan.1.json",
+                         gpus={"a100": 4, "a100_lab2": 4}, throughput=48.0, cost_per_hour=12.0))
+    row = attempt_rows(fold(j.records))[0]
+    assert row[2:5] == ("4 a100+4 a100_lab2", "48.00", "start") and row[-1] == "queued"
+    assert describe(j.records[0]) == "group 1: submitting n1, n2 (4 a100+4 a100_lab2, 48.00 samples/s (sim), from step 0)"
 
 
 def test_a_record_of_an_unknown_group_is_refused(tmp_path: Path):

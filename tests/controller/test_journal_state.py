@@ -279,7 +279,7 @@ OLD_JOURNALS = sorted(DATA.glob("*.jsonl"))
 
 @pytest.mark.parametrize("journal", OLD_JOURNALS, ids=[p.stem for p in OLD_JOURNALS])
 def test_a_journal_of_the_untyped_records_replays_to_the_same_state_and_story(journal: Path):
-    from sailor_hpc.controller.story import attempt_rows, change_rows, describe, group_rows
+    from sailor_hpc.controller.story import attempt_rows, change_rows, describe
     expected = json.loads(journal.with_suffix(".expected.json").read_text())
     records = read_journal(journal)
     st = fold(records, source=journal)
@@ -287,7 +287,6 @@ def test_a_journal_of_the_untyped_records_replays_to_the_same_state_and_story(jo
         "story": [describe(r) for r in records],
         "attempt_rows": [list(map(str, r)) for r in attempt_rows(st)],
         "change_rows": [list(map(str, r)) for r in change_rows(st)],
-        "group_rows": [list(map(str, r)) for r in group_rows(st)],
         "checkpoint_step": st.checkpoint.step if st.checkpoint else None,
         "finished_step": st.finished.step if st.finished else None,
         "gave_up": st.gave_up, "restarts": st.restarts, "run_id": st.run_id,
