@@ -32,12 +32,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sailor_hpc.controller import records
-from sailor_hpc.controller.journal import Journal
 from sailor_hpc.controller.planning import plan_on
 from sailor_hpc.controller.policy import Score, judge, restart_cost
+from sailor_hpc.controller.recorder import Recorder
 from sailor_hpc.controller.slurm_ops import cancel_and_wait, find_job_by_name, request_checkpoint
 from sailor_hpc.controller.spec import RunSpec
-from sailor_hpc.controller.state import Attempt, RunDir, RunState, job_name_prefix
+from sailor_hpc.controller.state import Attempt, job_name_prefix
 from sailor_hpc.core.archive import ProfileArchive
 from sailor_hpc.core.checkpoint import newest_step
 from sailor_hpc.core.errors import JobFailed, NoPlanFits, SailorError, SlurmUnavailable
@@ -84,16 +84,12 @@ def planner_plan_for(spec: RunSpec, site: Site, archive: ProfileArchive, env: Ma
     return lambda clusters: plan_on(spec, site, archive, idle_by_node(site, clusters, env)).plan
 
 
-class Groups:
+class Groups(Recorder):
     """The controller's steps for attempts that are groups (see the module doc)."""
 
-    # what the Controller this is mixed into provides
-    spec: RunSpec
+    # what the Controller this is mixed into provides, beyond the Recorder's
     site: Site
     archive: ProfileArchive
-    rundir: RunDir
-    state: RunState
-    journal: Journal
     genv: dict[str, str]  # the environment every cluster's own is derived from
     clock: Callable[[], float]
     sleep: Callable[[float], None]
@@ -103,13 +99,9 @@ class Groups:
     _next_clusters: tuple[str, ...] | None  # where the next group is planned, once the current one decided it
 
     if TYPE_CHECKING:  # declared for the type checker only, so no stub can shadow the Controller's methods
-        def note(self, record: records.Record) -> records.Record: ...  # Recorder.note
-
         def wait_for_slurm(self, answers: Callable[[], bool]) -> None: ...  # Controller.wait_for_slurm
 
         def _plan(self, path: str | Path) -> Plan: ...  # Controller._plan
-
-        def note_once(self, rec: records.ErrorSeen | records.NoPlan) -> None: ...  # Controller.note_once
 
         def next_attempt_due(self) -> bool: ...  # Controller.next_attempt_due
 

@@ -28,9 +28,8 @@ from sailor_hpc.controller.events import Observation, all_running
 from sailor_hpc.controller.planning import plan_on
 from sailor_hpc.controller.policy import Score, judge
 from sailor_hpc.controller.progress import LogTail
-from sailor_hpc.controller.recorder import R
-from sailor_hpc.controller.spec import RunSpec
-from sailor_hpc.controller.state import RESIZE_REASON, Attempt, RunDir, RunState, Successor, job_name
+from sailor_hpc.controller.recorder import Recorder
+from sailor_hpc.controller.state import RESIZE_REASON, Attempt, Successor, job_name
 from sailor_hpc.core.archive import ProfileArchive
 from sailor_hpc.core.atomic import atomic_write_text
 from sailor_hpc.core.errors import NoPlanFits, SailorError
@@ -40,22 +39,17 @@ from sailor_hpc.slurm.hostlist import expand_hostlists
 from sailor_hpc.slurm.status import job_status
 
 
-class GrowBeside:
+class GrowBeside(Recorder):
     """The grow-without-a-gap steps of the controller (see the module doc)."""
 
-    # what the Controller this is mixed into provides
-    spec: RunSpec
+    # what the Controller this is mixed into provides, beyond the Recorder's
     site: Site
     archive: ProfileArchive
-    rundir: RunDir
     env: Mapping[str, str] | None
-    state: RunState
     clock: Callable[[], float]
     _succ_tails: dict[str, LogTail]
 
     if TYPE_CHECKING:  # declared for the type checker only, so no stub can shadow the Controller's methods
-        def note(self, record: R) -> R: ...  # Recorder.note
-
         def _plan(self, path: str | Path) -> Plan: ...  # Controller._plan
 
         def _stop(self, cur: Attempt, reason: str) -> None: ...  # Controller._stop

@@ -61,7 +61,7 @@ from sailor_hpc.controller.grow import GrowBeside
 from sailor_hpc.controller.planning import Planned, judge_pending, plan_on, plan_on_queue
 from sailor_hpc.controller.policy import Score, Verdict, judge, plan_shape, restart_cost
 from sailor_hpc.controller.progress import LogTail
-from sailor_hpc.controller.recorder import EXIT_FINISHED, EXIT_GAVE_UP, EXIT_INTERRUPTED, Recorder
+from sailor_hpc.controller.recorder import EXIT_FINISHED, EXIT_GAVE_UP, EXIT_INTERRUPTED
 from sailor_hpc.controller.state import RESIZE_REASON, Attempt, RunDir, RunState, job_name
 from sailor_hpc.core.archive import open_archive
 from sailor_hpc.core.checkpoint import latest_complete, read_manifest
@@ -87,7 +87,7 @@ SLURM_BACKOFF_MAX_S = 30.0  # the longest wait between polls while Slurm does no
 DRAIN_REASON = "node draining"
 
 
-class Controller(Recorder, GrowBeside, Groups):
+class Controller(GrowBeside, Groups):
     """Drives one run (a run directory) until it is finished or gives up.
 
     ``plan_for`` replaces the planner of a run across clusters (tests give fixed plans per set of clusters)."""
@@ -119,14 +119,6 @@ class Controller(Recorder, GrowBeside, Groups):
         self.across = across_clusters(self.site)  # an attempt is a group of jobs, one per cluster
         self._regrow_refused: dict[str, float] = {}
         self._next_clusters: tuple[str, ...] | None = None
-
-    # ------------------------------------------------------------------------------------------ journal
-
-    def note_once(self, rec: records.ErrorSeen | records.NoPlan) -> None:
-        """Journal a condition that repeats every poll (no plan fits, Slurm unreachable) only when it changes."""
-        if self._said.get(rec.kind) != rec.message:
-            self.note(rec)
-            self._said[rec.kind] = rec.message
 
     # --------------------------------------------------------------------------------------------- main
 

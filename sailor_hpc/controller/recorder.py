@@ -17,13 +17,15 @@ EXIT_FINISHED, EXIT_GAVE_UP, EXIT_INTERRUPTED = 0, 1, 130
 
 
 class Recorder:
-    """Mixed into a run's driver, which provides these attributes."""
+    """The journal side of the controller, and the base of its policy mixins (so each calls :meth:`note`
+    itself); the :class:`~sailor_hpc.controller.loop.Controller` provides these attributes."""
 
     rundir: RunDir
     spec: RunSpec
     state: RunState
     journal: Journal  # opened by begin(), under the run's lock (opening repairs a torn last line)
     echo: Callable[[str], None]
+    _said: dict[str, str]  # what was last journaled about a repeating condition, per kind
 
     def note(self, record: R) -> R:
         """Journal a record, then let it change the state (the same :func:`apply` a resume uses); returns it
@@ -32,6 +34,12 @@ class Recorder:
         apply(self.state, rec)
         self.echo(describe(rec))
         return rec
+
+    def note_once(self, rec: records.ErrorSeen | records.NoPlan) -> None:
+        """Journal a condition that repeats every poll (no plan fits, Slurm unreachable) only when it changes."""
+        if self._said.get(rec.kind) != rec.message:
+            self.note(rec)
+            self._said[rec.kind] = rec.message
 
     def begin(self) -> None:
         """Open the journal (the caller holds the lock) and fold it into the state."""
