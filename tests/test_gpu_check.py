@@ -50,9 +50,15 @@ def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.Complete
     return run_check(tmp_path_factory.mktemp("gpu-check"))
 
 
+def _failed_phases(doc: dict[str, Any]) -> str:
+    """Each phase that did not finish, with its detail (a child's stderr tail): what the check's exit 1 means."""
+    return "\n".join(f"{m['model']} {p['name']}: {p['status']}: {p.get('detail', '')}"
+                     for m in doc["models"] for p in m["phases"] if p["status"] != "ok")
+
+
 def test_smoke_checks_both_models_smallest_first(smoke: Any) -> None:
     out, doc, _ = smoke
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:] + _failed_phases(doc)
     assert [m["model"] for m in doc["models"]] == ["tiny-llama", "tiny-gpt"] and doc["skipped"] == []
     for m in doc["models"]:
         assert m["dtype"] == "fp32" and m["gbs"] == 4 and m["mbs"] * m["micro_batches"] == 4  # the plan covers it
