@@ -36,13 +36,11 @@ from sailor_hpc.core.archive import (
     make_provenance,
     write_entries,
 )
-from sailor_hpc.core.dist_env import read_env
+from sailor_hpc.core.dist_env import job_port, read_env
 from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.models import get_model
 from sailor_hpc.slurm.control import node_address as slurm_node_address
 from sailor_hpc.slurm.control import run_step
-
-PORT_BASE, PORT_SPAN = 30000, 20000
 
 
 @dataclass(frozen=True)
@@ -93,13 +91,14 @@ def node_address(node: str | None) -> str:
     return slurm_node_address(node) or node
 
 
-def job_port() -> int:
-    """This job's rendezvous port, base + job id % span: concurrent jobs on a node get different ones. A port
-    probed free and released can be bound by another job's step before ours binds it (EADDRINUSE, seen
-    with several network jobs on one machine). A one-task run outside Slurm (the GPU check, a laptop) has no
-    job id: its process id stands for one, so two such runs at once do not meet on one port."""
-    alone = os.environ.get("SLURM_NTASKS", "1") == "1"
-    return PORT_BASE + int(os.environ.get("SLURM_JOB_ID") or (os.getpid() if alone else 0)) % PORT_SPAN
+def rendezvous_port() -> int:
+    """This job's rendezvous port (:func:`~sailor_hpc.core.dist_env.job_port` of its id): concurrent jobs on a
+    node get different ones. A port probed free and released could be bound by another job's step before ours
+    binds it (EADDRINUSE, seen with several network jobs on one machine), so it follows from the job id. A run
+    of one task outside Slurm (the GPU check, a laptop) has 0: the store binds a port the kernel picks."""
+    if "SLURM_JOB_ID" not in os.environ and os.environ.get("SLURM_NTASKS", "1") == "1":
+        return 0
+    return job_port(int(os.environ.get("SLURM_JOB_ID") or 0))
 
 
 def _slurm_where() -> dict[str, Any]:
@@ -137,7 +136,7 @@ def compute_job(task: ComputeTask) -> dict[str, Any] | None:
     torch.set_num_threads(max(1, threads))
     # one node: every TP rank is here. The store is ours (not init_process_group's own) because the ranks
     # also agree through it on every step's outcome (profiler.compute.TPAgreement)
-    port = where.master_port if where.source == "torchrun" else job_port()  # a local sweep's driver chose it
+    port = where.master_port if where.source == "torchrun" else rendezvous_port()  # a local sweep's driver chose it
     store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=datetime.timedelta(minutes=20))
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world, store=store,
                             timeout=datetime.timedelta(minutes=20))
@@ -199,7 +198,7 @@ def network_job(task: NetworkTask) -> dict[str, Any]:
     spec_file, out_file = folder / f"net-{job}.spec.json", folder / f"net-{job}.result.json"
     write_net_spec(task, spec_file)
     env = dict(os.environ)
-    env.update(MASTER_ADDR=node_address(os.environ.get("SLURMD_NODENAME")), MASTER_PORT=str(job_port()))
+    env.update(MASTER_ADDR=node_address(os.environ.get("SLURMD_NODENAME")), MASTER_PORT=str(job_port(int(job))))
     for var in ("SLURM_NTASKS", "SLURM_NPROCS", "SLURM_NTASKS_PER_NODE", "SLURM_NNODES", "SLURM_STEP_NUM_TASKS"):
         env.pop(var, None)  # the driver's own one-task step must not shape the benchmark step
     options = _step_options(task, spec_file, out_file)

@@ -54,13 +54,14 @@ from sailor_hpc.controller.planning import Planned, plan_on
 from sailor_hpc.controller.state import RunDir
 from sailor_hpc.core.archive import open_archive
 from sailor_hpc.core.atomic import atomic_write_text
+from sailor_hpc.core.dist_env import job_port
 from sailor_hpc.core.errors import SailorError, SlurmUnavailable
 from sailor_hpc.core.plan import Plan
 from sailor_hpc.core.plan_io import load_plan
 from sailor_hpc.core.runtime_events import InPlace, InPlaceRefused, encode_event
 from sailor_hpc.core.site import load_site
 from sailor_hpc.jobs.layout import job_layout
-from sailor_hpc.jobs.render import PORT_BASE, PORT_SPAN, components_for
+from sailor_hpc.jobs.render import components_for
 from sailor_hpc.slurm.commands import show_nodes, sinfo_nodes
 from sailor_hpc.slurm.control import Component, job_components, shrink_component
 from sailor_hpc.slurm.hostlist import expand_hostlists
@@ -150,7 +151,7 @@ def next_step(run_dir: Path, job_plan_file: Path, step_plan_file: Path, step: in
     planned.plan.save(plan_path)
     addr = next((n.raw.get("NodeAddr") for n in show_nodes(None, names=[nodes[0]])), None) or nodes[0]
     # a fresh rendezvous port per step, far from the ports of the jobs submitted next (base + job id)
-    port = PORT_BASE + (int(job_id) + step * STEP_PORT_STRIDE) % PORT_SPAN
+    port = job_port(int(job_id) + step * STEP_PORT_STRIDE)
     env = "\n".join([f"PLAN={shlex.quote(str(plan_path))}", f"export MASTER_ADDR={shlex.quote(addr)}",
                      f"export MASTER_PORT={port}", f"STEP_NODES={shlex.quote(','.join(nodes))}",
                      "STEP_COMPONENTS=(" + " ".join(shlex.quote(o) for o in opts) + ")"]) + "\n"

@@ -21,6 +21,15 @@ EXIT_FAILED = 1  # an unexpected error
 EXIT_BAD_INPUT = 2  # bad plan / arguments (SailorError), as the sailor-hpc CLI
 EXIT_SAVED_ON_SIGNAL = 75  # EX_TEMPFAIL: got SIGUSR1/SIGTERM, saved a complete checkpoint, resume later
 DEFAULT_PORT = 29500
+#: a job's rendezvous port is JOB_PORT_BASE + job id % JOB_PORT_SPAN (training, profiling and in-place steps
+#: alike): concurrent jobs on a node get different ones, and all stay below Linux's ephemeral range (32768 up by
+#: default), where any outgoing connection (gloo's own among them) may hold the port a job is about to bind
+JOB_PORT_BASE, JOB_PORT_SPAN = 20000, 12000
+
+
+def job_port(job_id: int) -> int:
+    """The rendezvous port of Slurm job ``job_id`` (see :data:`JOB_PORT_BASE`)."""
+    return JOB_PORT_BASE + job_id % JOB_PORT_SPAN
 
 
 @dataclass(frozen=True)

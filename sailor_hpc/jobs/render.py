@@ -25,7 +25,7 @@ import sbatch_templates
 from sailor_hpc import __version__
 from sailor_hpc.core.atomic import atomic_write_text
 from sailor_hpc.core.deepspeed_plan import check_engine_plan
-from sailor_hpc.core.dist_env import EXIT_SAVED_ON_SIGNAL
+from sailor_hpc.core.dist_env import EXIT_SAVED_ON_SIGNAL, JOB_PORT_BASE, JOB_PORT_SPAN
 from sailor_hpc.core.ds_config import check_ds_config_file
 from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.models import get_model
@@ -56,7 +56,6 @@ MAX_SIGNAL_GRACE_S = 300  # SIGUSR1 this long before the time limit (capped at a
 #: would turn a clean exit 75 of one rank into SIGTERM for the rest), and a crashed rank must not leave
 #: the others blocked in a collective until the runtime's collective timeout
 MIN_RANK_EXIT_WAIT_S = 60
-PORT_BASE, PORT_SPAN = 20000, 20000  # MASTER_PORT = base + job id % span (two jobs on a node rarely clash)
 
 
 @dataclass(frozen=True)
@@ -279,7 +278,7 @@ def render_job_script(plan: Plan, site: Site, options: JobOptions) -> str:
         "job_sbatch": [h.text for h in header if h.job_wide],
         "component_sbatch": [h.text for h in header if not h.job_wide],
         "components": components_for(layout, site), "heterogeneous": layout.heterogeneous,
-        "prelude": list(site.prelude), "port_base": PORT_BASE, "port_span": PORT_SPAN,
+        "prelude": list(site.prelude), "port_base": JOB_PORT_BASE, "port_span": JOB_PORT_SPAN,
         "plan_path": safety.q(str(plan_file)),
         "data": _data_args(data) if data is not None else "",
         "save": safety.q(safety.shell_path(save, "--save")) if save is not None else "",

@@ -540,17 +540,19 @@ def _compute_rank(rank: int, job_id: int, task, env: dict) -> None:
 
 
 def _free_job_id() -> int:
-    """A Slurm job id whose profiling port (jobs.PORT_BASE + id % PORT_SPAN) is free here."""
+    """A Slurm job id whose rendezvous port (dist_env.job_port) is free here."""
+    import random
     import socket
 
-    from profiler.jobs import PORT_BASE, PORT_SPAN
-    for _ in range(100):
+    from sailor_hpc.core.dist_env import JOB_PORT_SPAN, job_port
+    for job_id in random.sample(range(JOB_PORT_SPAN), 100):
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if PORT_BASE <= port < PORT_BASE + PORT_SPAN:
-            return port - PORT_BASE
-    raise RuntimeError("no free port in the profiling range")
+            try:
+                s.bind(("127.0.0.1", job_port(job_id)))
+            except OSError:
+                continue
+        return job_id
+    raise RuntimeError("no free port in the rendezvous range")
 
 
 def test_a_failure_on_one_tp_rank_fails_that_point_on_every_rank_and_the_job_goes_on(tmp_path):

@@ -34,15 +34,15 @@ START_SH = HERE / "start.sh"
 STOP_SH = HERE / "stop.sh"
 # Several labs run side by side (pytest-xdist workers, two sessions): each takes a free *slot* i, which gives
 # it the daemon ports DEFAULT_PORT_BASE + 200 i + PORT_OFFSETS and the job ids from 1 + JOB_ID_SLOT i on
-# (FirstJobId, as on a big site whose ids are large). A job's rendezvous port follows from its id (base + id
-# % 20000: sailor_hpc/jobs/render.py 20000+, profiler/jobs.py 30000+), so two labs that both numbered from 1
-# would meet on one port; slots keep every lab's ids apart modulo 20000 (10 slots of 2000), and the
-# daemons' ports below 20000, out of every job's rendezvous range. Slot 0 is start.sh's defaults (a lab started
-# by hand, numbering from 1 as labs did before slots): the tests' labs take slots 1 to 9.
+# (FirstJobId, as on a big site whose ids are large). A job's rendezvous port follows from its id
+# (sailor_hpc.core.dist_env.job_port: 20000 + id % 12000), so two labs that both numbered from 1 would meet on
+# one port; slots keep every lab's ids apart modulo 12000 (10 slots of 1200), and the daemons' ports below
+# 20000, out of every job's rendezvous range. Slot 0 is start.sh's defaults (a lab started by hand, numbering
+# from 1 as labs did before slots): the tests' labs take slots 1 to 9.
 DEFAULT_PORT_BASE = 16800
 PORT_OFFSETS = (6, 17, 19, 101, 102, 103, 104)   # mariadbd, slurmctld, slurmdbd, 4 x slurmd (see start.sh)
 LAB_SLOTS = 10
-JOB_ID_SLOT = 2000
+JOB_ID_SLOT = 1200
 PORT_LOCK = Path(tempfile.gettempdir()) / "sailor-slurm-ports.lock"
 # variables of an enclosing Slurm job that would confuse the clients of this cluster
 _JOB_VARS = ("SLURM_JOB_ID", "SLURM_JOBID", "SLURM_CLUSTERS", "SLURM_CONF")
