@@ -19,11 +19,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from sailor_hpc.controller import RunDir, RunSpec, new_run_id
 from sailor_hpc.controller.journal import Journal, read_journal
 from sailor_hpc.controller.records import Record, RunStarted, SubmitIntent, encode
 from sailor_hpc.controller.state import job_name
 from tests.data.tiny_archive import write_tiny_archive
+from tests.shared_inputs import shipped_dataset
 
 REPO = Path(__file__).resolve().parents[2]
 LOCAL_LAB = REPO / "site_configs" / "local-lab.toml"
@@ -45,13 +48,9 @@ def started_run(root: Path, steps: int) -> tuple[RunDir, Journal]:
     return rd, j
 
 
-def build_inputs(root: Path) -> tuple[str, Path]:
-    """The dataset (the project's shipped text) and the tiny-gpt profile archive."""
-    data = root / "data" / "shipped"
-    proc = subprocess.run([sys.executable, "-m", "megatron_patch.data", str(data)], cwd=REPO, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return str(data), write_tiny_archive(root / "tiny.h5")
+def build_inputs(factory: pytest.TempPathFactory, root: Path) -> tuple[str, Path]:
+    """The dataset (the project's shipped text, built once per session) and the tiny-gpt profile archive."""
+    return shipped_dataset(factory), write_tiny_archive(root / "tiny.h5")
 
 
 def start_reference(root: Path, data: str, steps: int) -> subprocess.Popen:

@@ -45,6 +45,7 @@ from tests.controller.scenario import step_events, wire
 from tests.data.tiny_archive import write_tiny_archive
 from tests.jobs.conftest import A100, cross_plan, two_lab_doc, two_lab_site
 from tests.megatron_patch.conftest import ADAM, python
+from tests.shared_inputs import shipped_dataset
 
 pytestmark = pytest.mark.slurm
 
@@ -75,8 +76,7 @@ def story(slurm_two_clusters, tmp_path_factory: pytest.TempPathFactory, job_env_
     pytest.importorskip("megatron.core")
     lab, lab2 = slurm_two_clusters
     root = tmp_path_factory.mktemp("cosched")
-    data = str(root / "data" / "shipped")
-    assert python("-m", "megatron_patch.data", data).returncode == 0
+    data = shipped_dataset(tmp_path_factory)
     ref = python("-m", "megatron_patch.reference", "--model", "tiny-gpt", "--data", data, "--global-batch", "8",
                  "--steps", str(STEPS), "--snapshots", str(STEPS), "--out", str(root / "ref"), *ADAM)
     assert ref.returncode == 0, ref.stderr[-3000:]

@@ -42,7 +42,7 @@ MOMENT_TOL = 5e-6
 @pytest.fixture(scope="module")
 def story(slurm_cluster, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("ds-run")
-    data, archive = scenario.build_inputs(root)
+    data, archive = scenario.build_inputs(tmp_path_factory, root)
     reference = scenario.start_reference(root, data, STEPS)
     sc = scenario.Scenario(slurm_cluster, root, data, archive, steps=STEPS, extra_args=["--runtime", "deepspeed"])
     with scenario.cleaned_up(sc, reference):
@@ -114,7 +114,7 @@ def auto_story(slurm_cluster, tmp_path_factory: pytest.TempPathFactory) -> dict[
     A blocker ends: on 2 A100 DeepSpeed's plan is as fast as megatron_patch's, so the bigger job the controller
     starts beside the running one is DeepSpeed's, and it loads the checkpoint megatron_patch saved on SIGUSR1."""
     root = tmp_path_factory.mktemp("auto-run")
-    data, archive = scenario.build_inputs(root)
+    data, archive = scenario.build_inputs(tmp_path_factory, root)
     reference = scenario.start_reference(root, data, AUTO_STEPS)
     sc = scenario.Scenario(slurm_cluster, root, data, archive, steps=AUTO_STEPS,
                   extra_args=["--runtime", "auto", "--min-gain", "1%"])

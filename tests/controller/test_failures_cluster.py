@@ -12,7 +12,7 @@ from tests.controller.scenario import Scenario, build_inputs
 
 @pytest.fixture(scope="module")
 def inputs(slurm_cluster, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
-    return build_inputs(tmp_path_factory.mktemp("fail-inputs"))
+    return build_inputs(tmp_path_factory, tmp_path_factory.mktemp("fail-inputs"))
 
 
 def _run(cluster, root: Path, inputs: tuple[str, Path], *extra: str) -> tuple[int, list[dict]]:

@@ -30,6 +30,7 @@ from tests.controller.scenario import wire
 from tests.data.tiny_archive import write_tiny_archive
 from tests.jobs.conftest import cross_plan, two_lab_doc
 from tests.megatron_patch.conftest import ADAM, python
+from tests.shared_inputs import shipped_dataset
 from tests.slurm.ranks import pause, rank_pids, resume
 
 pytestmark = pytest.mark.slurm
@@ -53,13 +54,13 @@ def _run_jobs(cluster: Any, prefix: str, settled: Callable[[Jobs], bool]) -> Job
     return _parse(acct, prefix)
 
 
-def test_a_geo_run_waits_out_outages_while_it_submits_and_trains(slurm_two_clusters, job_env_two, tmp_path: Path) -> None:
+def test_a_geo_run_waits_out_outages_while_it_submits_and_trains(slurm_two_clusters, job_env_two, tmp_path: Path,
+                                                                 tmp_path_factory: pytest.TempPathFactory) -> None:
     pytest.importorskip("megatron.core")
     from tests.megatron_patch.conftest import max_diff
 
     lab, lab2 = slurm_two_clusters
-    data = str(tmp_path / "data" / "shipped")
-    assert python("-m", "megatron_patch.data", data).returncode == 0
+    data = shipped_dataset(tmp_path_factory)
     ref = python("-m", "megatron_patch.reference", "--model", "tiny-gpt", "--data", data, "--global-batch", "8",
                  "--steps", str(STEPS), "--snapshots", str(STEPS), "--out", str(tmp_path / "ref"), *ADAM)
     assert ref.returncode == 0, ref.stderr[-3000:]

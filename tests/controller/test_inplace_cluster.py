@@ -39,7 +39,7 @@ PARAM_TOL = 1e-6
 def story(slurm_cluster, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     pytest.importorskip("megatron.core")
     root = tmp_path_factory.mktemp("inplace")
-    data, archive = story_kit.build_inputs(root)
+    data, archive = story_kit.build_inputs(tmp_path_factory, root)
     reference = story_kit.start_reference(root, data, STEPS)
     sc = Scenario(slurm_cluster, root, data, archive, steps=STEPS, site=story_kit.one_gpu_a100_site(root),
                   extra_args=["--restart-cost", "0"])

@@ -62,7 +62,7 @@ MOMENT_TOL = 5e-6
 def story(slurm_cluster, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     pytest.importorskip("megatron.core")
     root = tmp_path_factory.mktemp("resize")
-    data, archive = build_inputs(root)
+    data, archive = build_inputs(tmp_path_factory, root)
     reference = start_reference(root, data, STEPS)  # one process, alongside the run
     sc = Scenario(slurm_cluster, root, data, archive, steps=STEPS)
     times: dict[str, float] = {}

@@ -23,11 +23,12 @@ STEPS = 40
 PARAM_TOL = MOMENT_TOL = 5e-6  # as the resize story (tests/controller/test_resize_cluster.py)
 
 
-def test_controller_waits_out_a_stopped_slurmctld(slurm_cluster, tmp_path: Path) -> None:
+def test_controller_waits_out_a_stopped_slurmctld(slurm_cluster, tmp_path: Path,
+                                                  tmp_path_factory: pytest.TempPathFactory) -> None:
     pytest.importorskip("megatron.core")
     from tests.megatron_patch.conftest import max_diff
 
-    data, archive = story_kit.build_inputs(tmp_path)
+    data, archive = story_kit.build_inputs(tmp_path_factory, tmp_path)
     reference = story_kit.start_reference(tmp_path, data, STEPS)
     sc = Scenario(slurm_cluster, tmp_path, data, archive, steps=STEPS)
     with story_kit.cleaned_up(sc, reference):

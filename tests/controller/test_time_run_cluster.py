@@ -27,7 +27,7 @@ LIMIT_MIN = 1  # the blockers' time limit, minutes
 
 @pytest.fixture(scope="module")
 def inputs(slurm_cluster, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
-    return build_inputs(tmp_path_factory.mktemp("time-inputs"))
+    return build_inputs(tmp_path_factory, tmp_path_factory.mktemp("time-inputs"))
 
 
 @pytest.fixture()

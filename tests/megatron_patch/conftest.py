@@ -20,6 +20,7 @@ import pytest
 from megatron_patch import local
 from sailor_hpc.core.plan import Pipeline, Plan, Stage
 from sailor_hpc.core.plan_io import load_plan
+from tests.shared_inputs import built_once, shipped_dataset
 
 MODEL = "tiny-gpt"  # 4 blocks: pipeline layers 0 (embedding), 1..4, 5 (final norm + head + loss)
 GLOBAL_BATCH = 8
@@ -70,7 +71,7 @@ def build_data(prefix: Path, *files: str) -> str:
 @pytest.fixture(scope="session")
 def shipped_data(tmp_path_factory: pytest.TempPathFactory) -> str:
     pytest.importorskip("megatron.core")
-    return build_data(tmp_path_factory.mktemp("data") / "shipped")
+    return shipped_dataset(tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
@@ -79,12 +80,15 @@ def runtime_env(tmp_path_factory: pytest.TempPathFactory, shipped_data: str) -> 
     pytest.importorskip("megatron.core")
     root = tmp_path_factory.mktemp("runtime")
     data = shipped_data
-    ref = root / "ref"
     snapshots = ",".join(map(str, range(1, REF_SNAPSHOTS + 1)))
-    res = python("-m", "megatron_patch.reference", "--model", MODEL, "--data", data, "--global-batch",
-                 str(GLOBAL_BATCH), "--steps", str(REF_STEPS), "--snapshots", snapshots, "--out", str(ref), *ADAM,
-                 timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
+
+    def reference(out: Path) -> None:
+        res = python("-m", "megatron_patch.reference", "--model", MODEL, "--data", data, "--global-batch",
+                     str(GLOBAL_BATCH), "--steps", str(REF_STEPS), "--snapshots", snapshots, "--out", str(out),
+                     *ADAM, timeout=600)
+        assert res.returncode == 0, res.stderr[-3000:]
+
+    ref = built_once(tmp_path_factory, "runtime-reference", reference)  # the same run for every worker
     env = Env(root, data, {}, ref)
     for name, plan in PLANS.items():
         add_plan(env, name, plan)
