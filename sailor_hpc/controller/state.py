@@ -395,9 +395,9 @@ def apply(state: RunState, rec: records.Record) -> None:
         case records.GaveUp():
             state.gave_up = rec.reason
         case records.GroupIntent():
-            att = _group_attempt(state, rec.group, rec.job_names, rec.start_step, rec.plan_file, t)
-            att.gpus, att.throughput, att.cost_per_hour = dict(rec.gpus), rec.throughput, rec.cost_per_hour
-            state.attempts.append(att)
+            state.attempts.append(_group_attempt(state, rec.group, rec.job_names, rec.start_step, rec.plan_file, t,
+                                                 gpus=rec.gpus, throughput=rec.throughput,
+                                                 cost_per_hour=rec.cost_per_hour))
         case records.GroupSubmitted():
             if not (state.attempts and state.attempts[-1].number == rec.group):  # a journal without intents
                 state.attempts.append(_group_attempt(state, rec.group, {c: "" for c in rec.clusters}, rec.start_step,
@@ -440,13 +440,15 @@ def _successor(state: RunState, attempt: int) -> Successor:
 
 
 def _group_attempt(state: RunState, number: int, job_names: dict[str, str], start_step: int, plan_file: str,
-                   t: float) -> Attempt:
-    """The attempt a run across clusters journals as a group (its plan's GPUs and scores are in its plan file)."""
+                   t: float, *, gpus: dict[str, int] | None = None, throughput: float = 0.0,
+                   cost_per_hour: float = 0.0) -> Attempt:
+    """The attempt a run across clusters journals as a group; its plan's GPUs and simulated score come with its
+    intent (none in a journal written before ``group_intent`` carried them, or without intents)."""
     trigger, state.trigger = state.trigger, None
     return Attempt(number=number, job_name="", plan_file=plan_file, script="", reason=state.next_reason if trigger is None
                    else trigger[0], trigger=trigger[0] if trigger else None, trigger_t=trigger[1] if trigger else None,
-                   gpus={}, throughput=0.0, cost_per_hour=0.0, intent_t=t, job_names=dict(job_names),
-                   start_step=start_step)
+                   gpus=dict(gpus or {}), throughput=throughput, cost_per_hour=cost_per_hour, intent_t=t,
+                   job_names=dict(job_names), start_step=start_step)
 
 
 def _group(state: RunState, number: int) -> Attempt:
