@@ -1,8 +1,8 @@
 """Inputs that several test files build alike, built once per test session and shared by its xdist workers.
 
 The shipped dataset (``python -m megatron_patch.data``) and the runtime tests' single-process reference run
-are the same bytes wherever they are built, and each costs a process that imports torch and megatron-core
-(3-6 s of CPU on this 2-core host, where the suite is CPU-bound). The first worker that needs one builds it
+are the same bytes wherever they are built, and each imports torch and megatron-core (3-6 s of CPU on this
+2-core host, where the suite is CPU-bound; the reference in a process of its own). The first worker that needs one builds it
 under a file lock while the others wait, then every test reads it; none writes into them (the runtime only
 reads its data and the reference's snapshots).
 """
@@ -11,14 +11,10 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-
-from tests.data import REPO
 
 
 def _session_dir(factory: pytest.TempPathFactory) -> Path:
@@ -44,12 +40,14 @@ def built_once(factory: pytest.TempPathFactory, name: str, build: Callable[[Path
     return done
 
 
-def _build_shipped(folder: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "megatron_patch.data", str(folder / "shipped")], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def build_data(prefix: Path, *files: str) -> str:
+    """``python -m megatron_patch.data PREFIX [FILES...]`` run in process (no torch.distributed, no
+    megatron globals): the shipped Sailor data by default. Returns the prefix."""
+    from megatron_patch import data
+    assert data.main([str(prefix), *files]) == 0
+    return str(prefix)
 
 
 def shipped_dataset(factory: pytest.TempPathFactory) -> str:
     """The prefix of the dataset ``python -m megatron_patch.data PREFIX`` makes of the shipped Sailor data."""
-    return str(built_once(factory, "shipped-data", _build_shipped) / "shipped")
+    return str(built_once(factory, "shipped-data", lambda folder: build_data(folder / "shipped")) / "shipped")

@@ -60,14 +60,6 @@ def python(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=timeout)
 
 
-def build_data(prefix: Path, *files: str) -> str:
-    """``python -m megatron_patch.data PREFIX [FILES...]`` run in process (no torch.distributed, no
-    megatron globals): the shipped Sailor data by default. Returns the prefix."""
-    from megatron_patch import data
-    assert data.main([str(prefix), *files]) == 0
-    return str(prefix)
-
-
 @pytest.fixture(scope="session")
 def shipped_data(tmp_path_factory: pytest.TempPathFactory) -> str:
     pytest.importorskip("megatron.core")

@@ -29,12 +29,12 @@ from tests.megatron_patch.conftest import (
     MODEL,
     Env,
     add_plan,
-    build_data,
     events,
     launch,
     max_diff,
     python,
 )
+from tests.shared_inputs import build_data
 
 TOL = 1e-6
 CLIP = 0.05
