@@ -10,7 +10,3 @@ from pathlib import Path
 
 TEMPLATE_DIR = Path(__file__).resolve().parent
 TRAIN_TEMPLATE = "train.sbatch.j2"
-
-
-def template_names() -> list[str]:
-    return sorted(p.name for p in TEMPLATE_DIR.glob("*.j2"))

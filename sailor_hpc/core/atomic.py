@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -54,12 +54,6 @@ def atomic_path(target: str | os.PathLike[str]) -> Iterator[Path]:
 def atomic_write_text(target: str | os.PathLike[str], text: str) -> None:
     with atomic_path(target) as tmp:
         tmp.write_text(text)
-
-
-def atomic_write_with(target: str | os.PathLike[str], writer: Callable[[Path], None]) -> None:
-    """Let ``writer`` fill a temporary path, then move it onto ``target``."""
-    with atomic_path(target) as tmp:
-        writer(tmp)
 
 
 @contextlib.contextmanager
