@@ -15,11 +15,14 @@ complete checkpoint, which every plan can load. Modules, one job each:
   :mod:`sailor_hpc.core.runtime_events`);
 - :mod:`.planning`: re-planning on the GPUs free now, checked per node;
 - :mod:`.policy`: resize only when it pays for the restart;
-- :mod:`.slurm_ops`: render and submit an attempt, find the run's own jobs, cancel (every Slurm command line
-  is in :mod:`sailor_hpc.slurm`);
-- :mod:`.loop`: the controller itself, the one loop of every run, whose attempt is a group of one Slurm job
-  per cluster it uses (one job on a one-cluster site); :mod:`.grow` (a bigger job beside), :mod:`.inplace`
-  (re-planned inside the job) and :mod:`.groups` (one job per cluster) are its policies;
+- :mod:`.slurm_ops`: find the run's own jobs, request a checkpoint, cancel and wait (jobs are
+  :class:`~sailor_hpc.slurm.handle.SlurmJob` handles bound to their cluster; every Slurm command line is in
+  :mod:`sailor_hpc.slurm`);
+- :mod:`.attempt_job`: the one builder of an attempt's job options, plan file and script;
+- :mod:`.context`: what every step shares (journal, state, site, archive, clock, clusters);
+- :mod:`.loop`: the controller itself, the one loop of every run over an attempt kind chosen once:
+  :mod:`.one_job` (one het job on one cluster, with :mod:`.grow`, a bigger job beside, and :mod:`.inplace`,
+  re-planned inside the job) or :mod:`.groups` (one job per cluster);
 - :mod:`.story`: the run's history for people.
 """
 from __future__ import annotations

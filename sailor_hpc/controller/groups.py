@@ -3,8 +3,8 @@
 A het job cannot span clusters, so on a site of several clusters the controller's attempt holds one job per
 cluster (:func:`sailor_hpc.jobs.render.render_job_script` with a :class:`ClusterPart`), all joining one
 rendezvous; they only train when every one of them runs. These are the policies of that attempt: the one
-:class:`~sailor_hpc.controller.loop.Controller` loop calls :meth:`Groups.start_group` when the run has no
-attempt and :meth:`Groups.watch_group` on each poll (its run directory, lock, journal and outage wait):
+:class:`~sailor_hpc.controller.loop.Controller` loop calls :meth:`Groups.start` when the run has no
+attempt and :meth:`Groups.watch` on each poll (its run directory, lock, journal and outage wait):
 
 - every cluster's job is submitted (each with its cluster's ``SLURM_CONF``, a fresh rendezvous file) after
   the group's intent is journaled (``group_intent``: its jobs' names, unique to the run), so a group cut short
@@ -29,26 +29,23 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from sailor_hpc.controller import records
+from sailor_hpc.controller.attempt_job import write_attempt_plan, write_attempt_script
+from sailor_hpc.controller.context import RunContext
 from sailor_hpc.controller.planning import plan_on
 from sailor_hpc.controller.policy import Score, judge, restart_cost
-from sailor_hpc.controller.recorder import Recorder
 from sailor_hpc.controller.slurm_ops import cancel_and_wait, find_job_by_name, request_checkpoint
-from sailor_hpc.controller.spec import RunSpec
 from sailor_hpc.controller.state import Attempt, job_name_prefix
-from sailor_hpc.core.archive import ProfileArchive
 from sailor_hpc.core.checkpoint import newest_step
 from sailor_hpc.core.errors import JobFailed, NoPlanFits, SailorError, SlurmUnavailable
 from sailor_hpc.core.plan import Plan
 from sailor_hpc.core.site import Site
-from sailor_hpc.jobs.options import ClusterPart, JobOptions, Limits, Training
-from sailor_hpc.jobs.render import cluster_submit_env, plan_clusters, render_job_script, write_job_script
-from sailor_hpc.slurm.commands import controller_answers, sinfo_nodes
+from sailor_hpc.jobs.options import ClusterPart
+from sailor_hpc.jobs.render import plan_clusters
+from sailor_hpc.slurm.handle import SlurmCluster, SlurmJob
 from sailor_hpc.slurm.hostlist import expand_hostlists
-from sailor_hpc.slurm.status import JobStatus, poll_jobs
-from sailor_hpc.slurm.submit import submit_script
+from sailor_hpc.slurm.status import JobStatus
 from simulator import SimOptions, simulate
 
 PlanFor = Callable[[tuple[str, ...]], Plan]
@@ -63,123 +60,99 @@ def across_clusters(site: Site) -> bool:
     return len(site.clusters) > 1
 
 
-def idle_by_node(site: Site, clusters: Sequence[str], env: Mapping[str, str],
+def idle_by_node(site: Site, clusters: Sequence[SlurmCluster],
                  whole: Mapping[str, set[str]] | None = None) -> dict[str, dict[str, int]]:
-    """Idle GPUs per usable node of ``clusters``' partitions, partition -> node -> GPUs (``sinfo`` through each
-    cluster's SLURM_CONF; node names may repeat across clusters, partition names do not). Nodes in
-    ``whole[cluster]`` count with every GPU (a running group's own, as if it had stopped)."""
+    """Idle GPUs per usable node of ``clusters``' partitions, partition -> node -> GPUs (``sinfo`` on each
+    cluster; node names may repeat across clusters, partition names do not). Nodes in ``whole[cluster]`` count
+    with every GPU (a running group's own, as if it had stopped)."""
     out: dict[str, dict[str, int]] = {}
     for cluster in clusters:
-        parts = [p.name for p in site.partitions if p.cluster == cluster]
-        full = (whole or {}).get(cluster, set())
-        for n in sinfo_nodes(cluster_submit_env(site, cluster, env), parts):
+        parts = [p.name for p in site.partitions if p.cluster == cluster.name]
+        full = (whole or {}).get(cluster.name, set())
+        for n in cluster.nodes(parts):
             if n.usable and n.partition in parts:
                 out.setdefault(n.partition, {})[n.name] = n.gpus if n.name in full else max(0, n.gpus - n.gpus_used)
     return out
 
 
-def planner_plan_for(spec: RunSpec, site: Site, archive: ProfileArchive, env: Mapping[str, str]) -> PlanFor:
-    """The run's best plan on the GPUs idle now in the given clusters (a group is only re-planned after its
-    jobs ended, so its own GPUs are idle by then)."""
-    return lambda clusters: plan_on(spec, site, archive, idle_by_node(site, clusters, env)).plan
+class Groups:
+    """The attempts of a run across clusters (see the module doc): start, watch and reconcile a group of jobs.
+    ``plan_for`` replaces the planner (tests give fixed plans per set of clusters)."""
 
+    def __init__(self, ctx: RunContext, plan_for: PlanFor | None = None) -> None:
+        self.ctx = ctx
+        self.spec, self.site, self.archive = ctx.spec, ctx.site, ctx.archive
+        self.fixed_plans = plan_for
+        # a group is only re-planned after its jobs ended, so its own GPUs are idle by then
+        self.plan_for: PlanFor = plan_for or (lambda clusters: plan_on(
+            self.spec, self.site, self.archive, idle_by_node(self.site, [ctx.cluster(c) for c in clusters])).plan)
+        self._regrow_refused: dict[str, float] = {}  # cluster that left -> when growing back was last judged not worth it
+        self._next_clusters: tuple[str, ...] | None = None  # where the next group is planned, once the current one decided
 
-class Groups(Recorder):
-    """The controller's steps for attempts that are groups (see the module doc)."""
-
-    # what the Controller this is mixed into provides, beyond the Recorder's
-    site: Site
-    archive: ProfileArchive
-    genv: dict[str, str]  # the environment every cluster's own is derived from
-    clock: Callable[[], float]
-    sleep: Callable[[float], None]
-    plan_for: PlanFor
-    fixed_plans: PlanFor | None
-    _regrow_refused: dict[str, float]  # cluster that left -> when growing back across it was last judged not worth it
-    _next_clusters: tuple[str, ...] | None  # where the next group is planned, once the current one decided it
-
-    if TYPE_CHECKING:  # declared for the type checker only, so no stub can shadow the Controller's methods
-        def wait_for_slurm(self, answers: Callable[[], bool]) -> None: ...  # Controller.wait_for_slurm
-
-        def _plan(self, path: str | Path) -> Plan: ...  # Controller._plan
-
-        def next_attempt_due(self) -> bool: ...  # Controller.next_attempt_due
-
-        def _checkpoint(self, cur: Attempt | None) -> None: ...  # Controller._checkpoint
-
-        def _checkpoint_step(self) -> int: ...  # Controller._checkpoint_step
-
-    def clusters_answer(self) -> bool:
+    def slurm_answers(self) -> bool:
         """Whether the slurmctld of every cluster the run may use (not left) answers."""
-        clusters = [c.name for c in self.site.clusters if c.name not in self.state.left]
-        return all(controller_answers(self._cluster_env(c)) for c in clusters)
+        return all(self.ctx.cluster(c.name).answers() for c in self.site.clusters if c.name not in self.ctx.state.left)
 
-    def _cluster_env(self, cluster: str) -> dict[str, str]:
-        return cluster_submit_env(self.site, cluster, self.genv)
+    def _job(self, cluster: str, job_id: str) -> SlurmJob:
+        return self.ctx.cluster(cluster).job(job_id)
 
     # --------------------------------------------------------------------------------------- a new group
 
-    def start_group(self) -> None:
+    def start(self) -> None:
         """Plan on the clusters the last group left the run with (at a start: every cluster that has not
         left) and submit one job per cluster the plan uses."""
-        if not self.next_attempt_due():  # finished, or out of restarts: the same rules as one job's
+        if not self.ctx.next_attempt_due():  # finished, or out of restarts: the same rules as one job's
             return
-        gone = set(self.state.left)
+        gone = set(self.ctx.state.left)
         clusters = self._next_clusters or tuple(c.name for c in self.site.clusters if c.name not in gone) or tuple(gone)
         try:
-            self._submit_group(clusters, len(self.state.attempts) + 1)
+            self._submit_group(clusters, len(self.ctx.state.attempts) + 1)
         except NoPlanFits as exc:  # nothing free that fits the clusters: wait for GPUs
-            self.note_once(records.NoPlan(message=str(exc), available={}))
+            self.ctx.note_once(records.NoPlan(message=str(exc), available={}))
 
     def _submit_group(self, clusters: tuple[str, ...], attempt: int) -> None:
-        s, directory = self.spec, self.rundir.path
+        s, directory = self.spec, self.ctx.rundir.path
         plan = self.plan_for(clusters)
         used = plan_clusters(plan, self.site)
         if not set(used) <= set(clusters):
             raise SailorError(f"the plan for clusters {', '.join(clusters)} uses {', '.join(used)}",
                               field="plan_for", fix="plan only on the clusters given")
-        plan_path = directory / f"plan.{attempt}.json"
-        plan.save(plan_path)
+        plan_path = write_attempt_plan(self.ctx.rundir, plan, attempt)
         rdzv = directory / f"rendezvous.{attempt}.{uuid.uuid4().hex}"  # fresh: an old one holds an old address
-        start = self._checkpoint_step()  # journaled by next_attempt_due just before
+        start = self.ctx.checkpoint_step()  # journaled by next_attempt_due just before
         names = {c: f"{job_name_prefix(s.run_id)}{attempt:03d}-{c}" for c in used}
         score = self._score(plan)
         # journaled before the first sbatch: a group cut short by a kill or an outage is found by these names
-        self.note(records.GroupIntent(group=attempt, job_names=names, start_step=start, plan_file=str(plan_path),
+        self.ctx.note(records.GroupIntent(group=attempt, job_names=names, start_step=start, plan_file=str(plan_path),
                                       gpus=plan.gpus_by_partition(), throughput=score.throughput,
                                       cost_per_hour=score.cost_per_hour))
         jobs = {}
         for cluster in used:
-            options = JobOptions(plan_path=plan_path, work=Training(s.data, Path(s.save)), steps=s.steps,
-                                 limits=Limits(s.time_limit or "00:30:00"),
-                                 train_args=("--save-interval", str(s.save_interval), *s.train_args),
-                                 scope=ClusterPart(cluster, rdzv), requeue=False,
-                                 job_name=names[cluster], workdir=directory, python=s.python)
-            text = render_job_script(plan, self.site, options)
-            jobs[cluster] = submit_script(write_job_script(directory / f"job.{attempt}.{cluster}.sh", text),
-                                          self._cluster_env(cluster)).job_id
-        self.note(records.GroupSubmitted(group=attempt, jobs=jobs, clusters=list(used), start_step=start,
+            script = write_attempt_script(self.ctx.rundir, s, self.site, plan, plan_path, attempt, name=names[cluster],
+                                          scope=ClusterPart(cluster, rdzv))
+            jobs[cluster] = self.ctx.cluster(cluster).submit(script, plan=str(plan_path), site=s.site)[0].id
+        self.ctx.note(records.GroupSubmitted(group=attempt, jobs=jobs, clusters=list(used), start_step=start,
                                          plan_file=str(plan_path)))
         self._next_clusters = None
 
-    def reconcile_group(self) -> None:
+    def reconcile(self) -> None:
         """After a restart or an outage: the current group, adopted if every cluster's job of it (journaled, or
         found by its name when the group was cut short while submitting) pends, runs or completed; else stopped."""
-        cur = self.state.current
+        cur = self.ctx.state.current
         if cur is None:
             return
         jobs = dict(cur.jobs)
         for c, name in cur.job_names.items():
-            if c not in jobs and (found := find_job_by_name(self.spec.run_id, name, self._cluster_env(c), cur.intent_t)):
-                jobs[c] = found
+            if c not in jobs and (found := find_job_by_name(self.spec.run_id, name, self.ctx.cluster(c), cur.intent_t)):
+                jobs[c] = found.id
         polled = self._poll(jobs)
         states = {c: s.state for c, s in polled.items()}
         whole = set(jobs) == set(cur.clusters)
         if whole and all(st == "COMPLETED" for st in states.values()):
-            self.note(records.Finished(group=cur.number, step=newest_step(Path(self.spec.save)), states=states))
+            self.ctx.note(records.Finished(group=cur.number, step=newest_step(Path(self.spec.save)), states=states))
         elif whole and not any(s.final and s.state != "COMPLETED" for s in polled.values()):
             # pending, running or (some) completed: the group goes on; watching it decides the rest
-            self.note(records.GroupAdopted(group=cur.number, jobs=dict(jobs), states=states))
+            self.ctx.note(records.GroupAdopted(group=cur.number, jobs=dict(jobs), states=states))
         else:
             missing = sorted(set(cur.clusters) - set(jobs))
             self._stop_group(cur, f"resumed: not every job runs ({states}"
@@ -187,64 +160,64 @@ class Groups(Recorder):
 
     # ------------------------------------------------------------------------------------ watching a group
 
-    def watch_group(self, cur: Attempt) -> None:
+    def watch(self, cur: Attempt) -> None:
         """One poll of the current group: finished, or a cluster pending too long, lost or failed (stop the
         group; the next one is planned on the clusters left), or all running (maybe regrow across one that left)."""
         if set(cur.jobs) != set(cur.clusters):  # cut short while submitting: its jobs are found by name
-            self.reconcile_group()
+            self.reconcile()
             return
         states = self._poll(cur.jobs)  # a Slurm outage here is the loop's to wait out, then the group is adopted
-        self._checkpoint(cur)  # a newer complete checkpoint: the group made progress (restarts count from 0)
+        self.ctx.checkpoint(cur)  # a newer complete checkpoint: the group made progress (restarts count from 0)
         if all(s.state == "COMPLETED" for s in states.values()):
-            self.note(records.Finished(group=cur.number, step=self._checkpoint_step()))
+            self.ctx.note(records.Finished(group=cur.number, step=self.ctx.checkpoint_step()))
             return
         ended = {c: s.state for c, s in states.items() if s.final and s.state != "COMPLETED"}
         pending = [c for c, s in states.items() if s.state == "PENDING"]
         submitted = cur.submitted_t if cur.submitted_t is not None else cur.intent_t
-        if not ended and pending and self.clock() - submitted > self.spec.grow_timeout_s:
-            self.note(records.ClusterDropped(group=cur.number, clusters=pending, reason="pending"))
+        if not ended and pending and self.ctx.clock() - submitted > self.spec.grow_timeout_s:
+            self.ctx.note(records.ClusterDropped(group=cur.number, clusters=pending, reason="pending"))
             self._replan_without(cur, pending, "pending")
             return
         if ended:  # states read before our own cancel turns the others CANCELLED
             ended = self._settle(cur, ended)
             lost = [c for c, st in ended.items() if st in CLUSTER_LOSS]
             if lost:
-                self.note(records.ClusterLost(group=cur.number, clusters=lost, states=ended))
+                self.ctx.note(records.ClusterLost(group=cur.number, clusters=lost, states=ended))
             else:
-                self.note(records.GroupFailed(group=cur.number, states=ended))  # no cluster lost
+                self.ctx.note(records.GroupFailed(group=cur.number, states=ended))  # no cluster lost
             self._replan_without(cur, lost, "cluster lost" if lost else "job failed")
             return
         if cur.running_t is None and all(s.state == "RUNNING" for s in states.values()):
-            self.note(records.GroupRunning(group=cur.number))
+            self.ctx.note(records.GroupRunning(group=cur.number))
             if cur.trigger is not None and cur.trigger_t is not None:  # the change this group answers cost this long
-                self.note(records.GroupRecovered(group=cur.number, trigger=cur.trigger, trigger_t=cur.trigger_t,
-                                                 recovery_s=round(self.clock() - cur.trigger_t, 3)))
+                self.ctx.note(records.GroupRecovered(group=cur.number, trigger=cur.trigger, trigger_t=cur.trigger_t,
+                                                 recovery_s=round(self.ctx.clock() - cur.trigger_t, 3)))
             return
         back = self._rejoining(cur) if cur.running_t is not None else []
         if back:
-            self.note(records.Regrown(group=cur.number, clusters=back, step=self._checkpoint_step()))
+            self.ctx.note(records.Regrown(group=cur.number, clusters=back, step=self.ctx.checkpoint_step()))
             for c, j in cur.jobs.items():
-                request_checkpoint(j, self._cluster_env(c))
+                request_checkpoint(self._job(c, j))
             self._wait_group_final(cur)
             self._next_clusters = tuple(dict.fromkeys([*cur.jobs, *back]))
 
     def _poll(self, jobs: Mapping[str, str]) -> dict[str, JobStatus]:
-        return {c: poll_jobs([j], self._cluster_env(c))[j] for c, j in jobs.items()}
+        return {c: self._job(c, j).status() for c, j in jobs.items()}
 
     def _settle(self, cur: Attempt, ended: dict[str, str]) -> dict[str, str]:
         """The end states of every job that ends within ``SETTLE_S`` of the first: a cancelled cluster's job
         may show up final after its peers' ranks already failed on the lost connection."""
-        deadline = self.clock() + SETTLE_S
-        while len(ended) < len(cur.jobs) and self.clock() < deadline:
-            self.sleep(self.spec.poll_s)
+        deadline = self.ctx.clock() + SETTLE_S
+        while len(ended) < len(cur.jobs) and self.ctx.clock() < deadline:
+            self.ctx.sleep(self.spec.poll_s)
             ended |= {c: s.state for c, s in self._poll(cur.jobs).items()
                       if s.final and s.state != "COMPLETED" and c not in ended}
         return ended
 
     def _stop_group(self, cur: Attempt, reason: str, jobs: Mapping[str, str] | None = None) -> None:
         """Cancel every cluster's job of the group and wait until all are gone."""
-        states = {c: cancel_and_wait(j, self._cluster_env(c)) for c, j in (jobs or cur.jobs).items()}
-        self.note(records.GroupStopped(group=cur.number, reason=reason, states=states))
+        states = {c: cancel_and_wait(self._job(c, j)) for c, j in (jobs or cur.jobs).items()}
+        self.ctx.note(records.GroupStopped(group=cur.number, reason=reason, states=states))
 
     def _replan_without(self, cur: Attempt, gone: list[str], reason: str) -> None:
         self._stop_group(cur, reason)
@@ -256,19 +229,19 @@ class Groups(Recorder):
 
     def _wait_group_final(self, cur: Attempt, timeout_s: float = 300.0) -> None:
         """After a checkpoint request: wait for every job to end by itself (exit 75), else cancel it."""
-        deadline = self.clock() + timeout_s
-        while self.clock() < deadline:
+        deadline = self.ctx.clock() + timeout_s
+        while self.ctx.clock() < deadline:
             if all(s.final for s in self._poll(cur.jobs).values()):
-                self.note(records.GroupStopped(group=cur.number, reason="rejoin"))
+                self.ctx.note(records.GroupStopped(group=cur.number, reason="rejoin"))
                 return
-            self.sleep(self.spec.poll_s)
+            self.ctx.sleep(self.spec.poll_s)
         self._stop_group(cur, "rejoin: checkpoint request timed out")
 
     # -------------------------------------------------------------------------------------------- regrow
 
     def _has_idle_gpus(self, cluster: str) -> bool:
         try:
-            idle = idle_by_node(self.site, [cluster], self.genv)
+            idle = idle_by_node(self.site, [self.ctx.cluster(cluster)])
         except SlurmUnavailable:
             return False  # its controller does not answer: not back yet
         return any(g > 0 for nodes in idle.values() for g in nodes.values())
@@ -276,10 +249,10 @@ class Groups(Recorder):
     def _rejoining(self, cur: Attempt) -> list[str]:
         """Clusters that left (``state.left``: the clusters dropped or lost, with when) and may come back now (see
         the module doc)."""
-        now = self.clock()
-        if self._checkpoint_step() <= (cur.start_step or 0):
+        now = self.ctx.clock()
+        if self.ctx.checkpoint_step() <= (cur.start_step or 0):
             return []  # the group has not saved anything yet: moving now would recompute its steps
-        back = [c for c, t in self.state.left.items()
+        back = [c for c, t in self.ctx.state.left.items()
                 if now - max(t, self._regrow_refused.get(c, t)) >= self.spec.replan_interval_s
                 and self._has_idle_gpus(c)]
         if back and not self._worth_regrowing(cur, tuple(back)):
@@ -299,14 +272,14 @@ class Groups(Recorder):
         try:
             new = (self.fixed_plans(grown) if self.fixed_plans is not None
                    else plan_on(self.spec, self.site, self.archive, self._free_with_group(grown, cur)).plan)
-            current, candidate = self._score(self._plan(cur.plan_file)), self._score(new)
+            current, candidate = self._score(self.ctx.plan(cur.plan_file)), self._score(new)
         except (SailorError, SlurmUnavailable) as exc:  # no plan fits the grown clusters, or one does not answer
-            self.note(records.RegrowDecision(group=cur.number, clusters=list(back), resize=False, reason=str(exc)))
+            self.ctx.note(records.RegrowDecision(group=cur.number, clusters=list(back), resize=False, reason=str(exc)))
             return False
-        remaining = max(0, self.spec.steps - self._checkpoint_step()) * self.spec.gbs
+        remaining = max(0, self.spec.steps - self.ctx.checkpoint_step()) * self.spec.gbs
         verdict = judge(self.spec.objective, current, candidate, remaining,
-                        restart_cost(self.spec.restart_cost_s, self.state.restart_costs), self.spec.min_gain)
-        self.note(records.RegrowDecision(group=cur.number, clusters=list(back), **verdict.to_dict()))
+                        restart_cost(self.spec.restart_cost_s, self.ctx.state.restart_costs), self.spec.min_gain)
+        self.ctx.note(records.RegrowDecision(group=cur.number, clusters=list(back), **verdict.to_dict()))
         return verdict.resize
 
     def _free_with_group(self, clusters: tuple[str, ...], cur: Attempt) -> dict[str, dict[str, int]]:
@@ -314,4 +287,4 @@ class Groups(Recorder):
         (it may not hold them all; the plan made once it stopped is checked against what is really free)."""
         states = self._poll({c: j for c, j in cur.jobs.items() if c in clusters})
         ours = {c: set(expand_hostlists(p.nodes for p in s.components)) for c, s in states.items()}
-        return idle_by_node(self.site, clusters, self.genv, ours)
+        return idle_by_node(self.site, [self.ctx.cluster(c) for c in clusters], ours)

@@ -15,133 +15,122 @@ alone is worth it too, the run need not stop first:
 
 A bigger job whose ranks are not ready within ``grow_timeout_s``, or that fails before, is cancelled
 (``grow_cancelled``) and training goes on where it is; so it is when the old job ends by itself first.
-Mixed into :class:`~sailor_hpc.controller.loop.Controller`, whose journal, state and Slurm hands it uses.
+Part of the one-job attempt (:class:`~sailor_hpc.controller.one_job.OneJob`), acting through the run's context.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from pathlib import Path
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from sailor_hpc.controller import records, slurm_ops
+from sailor_hpc.controller.attempt_job import prepare_attempt
+from sailor_hpc.controller.context import RunContext
 from sailor_hpc.controller.events import Observation, all_running
 from sailor_hpc.controller.planning import plan_on
 from sailor_hpc.controller.policy import Score, judge
-from sailor_hpc.controller.progress import LogTail
-from sailor_hpc.controller.recorder import Recorder
+from sailor_hpc.controller.progress import LogTail, saved_on_signal
 from sailor_hpc.controller.state import RESIZE_REASON, Attempt, Successor, job_name
-from sailor_hpc.core.archive import ProfileArchive
 from sailor_hpc.core.atomic import atomic_write_text
 from sailor_hpc.core.errors import NoPlanFits, SailorError
-from sailor_hpc.core.plan import Plan
-from sailor_hpc.core.site import Site
+from sailor_hpc.slurm.handle import SlurmCluster
 from sailor_hpc.slurm.hostlist import expand_hostlists
-from sailor_hpc.slurm.status import job_status
 
 
-class GrowBeside(Recorder):
-    """The grow-without-a-gap steps of the controller (see the module doc)."""
+class Grower:
+    """The grow-without-a-gap steps of a run on one cluster (see the module doc). ``stop(attempt, reason)`` asks
+    the attempt's job to checkpoint and end (the one-job attempt's own way)."""
 
-    # what the Controller this is mixed into provides, beyond the Recorder's
-    site: Site
-    archive: ProfileArchive
-    env: Mapping[str, str] | None
-    clock: Callable[[], float]
-    _succ_tails: dict[str, LogTail]
+    def __init__(self, ctx: RunContext, cluster: SlurmCluster, stop: Callable[[Attempt, str], None]) -> None:
+        self.ctx = ctx
+        self.cluster = cluster
+        self.stop = stop
+        self._tails: dict[str, LogTail] = {}
 
-    if TYPE_CHECKING:  # declared for the type checker only, so no stub can shadow the Controller's methods
-        def _plan(self, path: str | Path) -> Plan: ...  # Controller._plan
-
-        def _stop(self, cur: Attempt, reason: str) -> None: ...  # Controller._stop
-
-        def _saved_on_signal(self, tail: LogTail | None) -> bool: ...  # Controller._saved_on_signal
-
-    def _grow(self, cur: Attempt, obs: Observation, trigger_t: float, remaining: int, restart_s: float) -> bool:
+    def grow(self, cur: Attempt, obs: Observation, trigger_t: float, remaining: int, restart_s: float) -> bool:
         """Submit the bigger job on idle GPUs alone, beside the running one, if such a plan is worth it too;
-        the running job trains until the new one runs (:meth:`_watch_successor`). False: it needs the job's
+        the running job trains until the new one runs (:meth:`watch_successor`). False: it needs the job's
         own GPUs (or none fits): the caller stops the job first, as before."""
         try:
-            planned = plan_on(self.spec, self.site, self.archive, obs.idle)
+            planned = plan_on(self.ctx.spec, self.ctx.site, self.ctx.archive, obs.idle)
         except NoPlanFits:
             return False
-        if not judge(self.spec.objective, Score(cur.throughput, cur.cost_per_hour), planned.score, remaining,
-                     restart_s, self.spec.min_gain).resize:
+        if not judge(self.ctx.spec.objective, Score(cur.throughput, cur.cost_per_hour), planned.score, remaining,
+                     restart_s, self.ctx.spec.min_gain).resize:
             return False
-        number = len(self.state.attempts) + 1
-        name = job_name(self.spec.run_id, number)
-        plan_path, script = slurm_ops.prepare_attempt(self.rundir, self.spec, self.site, planned.plan, number, name,
-                                                      gate=self.rundir.gate_file(number))
-        self.note(records.PlanChosen(reason=RESIZE_REASON, available=obs.available, planner_available=planned.available,
+        number = len(self.ctx.state.attempts) + 1
+        name = job_name(self.ctx.spec.run_id, number)
+        plan_path, script = prepare_attempt(self.ctx.rundir, self.ctx.spec, self.ctx.site, planned.plan, number, name,
+                                                      gate=self.ctx.rundir.gate_file(number))
+        self.ctx.note(records.PlanChosen(reason=RESIZE_REASON, available=obs.available, planner_available=planned.available,
                   plan_file=str(plan_path), **planned.summary()))
         try:
-            job = slurm_ops.submit(script, plan_path, self.spec, self.env)
+            job, rec = self.cluster.submit(script, plan=str(plan_path), site=self.ctx.spec.site)
         except SailorError as exc:  # sbatch refused the bigger job: train on where it is, judge again later
-            self.note(records.ErrorSeen(message=str(exc), where="sbatch (bigger job)"))
-            self.note(records.Baseline(available=obs.available))
+            self.ctx.note(records.ErrorSeen(message=str(exc), where="sbatch (bigger job)"))
+            self.ctx.note(records.Baseline(available=obs.available))
             return True
-        self.note(records.GrowSubmitted(attempt=cur.number, next_attempt=number, job_id=job.job_id, job_name=name,
-                  log=job.log, plan_file=str(plan_path), script=str(script), trigger_t=trigger_t,
+        self.ctx.note(records.GrowSubmitted(attempt=cur.number, next_attempt=number, job_id=job.id, job_name=name,
+                  log=rec.log, plan_file=str(plan_path), script=str(script), trigger_t=trigger_t,
                   gpus=planned.summary()["gpus"], throughput=planned.score.throughput,
                   cost_per_hour=planned.score.cost_per_hour))
         return True
 
-    def _watch_successor(self, cur: Attempt) -> None:
+    def watch_successor(self, cur: Attempt) -> None:
         """Once the bigger job runs and all its ranks wait at the gate (started, rendezvous done, model
         built), ask this one to checkpoint and end; cancel the bigger one if it is not that far within
         ``grow_timeout_s`` (the run keeps training where it is)."""
         succ = cur.successor
         assert succ is not None
-        job = job_status(succ.grown.job_id, self.env)
+        job = self.cluster.job(succ.grown.job_id).status()
         if succ.running_t is None and all_running(job):
             hosts = expand_hostlists(c.nodes for c in job.components)
-            self.note(records.GrowRunning(attempt=cur.number, job_id=succ.grown.job_id, nodes=hosts))
+            self.ctx.note(records.GrowRunning(attempt=cur.number, job_id=succ.grown.job_id, nodes=hosts))
         if succ.running_t is not None and cur.stop is None and self._successor_ready(succ):
-            self._stop(cur, "resize")
-        elif cur.stop is None and (job.final or self.clock() - succ.grown.t > self.spec.grow_timeout_s):
+            self.stop(cur, "resize")
+        elif cur.stop is None and (job.final or self.ctx.clock() - succ.grown.t > self.ctx.spec.grow_timeout_s):
             why = f"ended ({job.state}) before its ranks were ready" if job.final else \
-                f"its ranks were not ready {self.spec.grow_timeout_s:.0f} s after it was submitted"
-            self._drop_successor(cur, why)
+                f"its ranks were not ready {self.ctx.spec.grow_timeout_s:.0f} s after it was submitted"
+            self.drop_successor(cur, why)
 
     def _successor_ready(self, succ: Successor) -> bool:
         """Every rank of the bigger job said it waits for the gate (its log's ``waiting`` records)."""
-        tail = self._succ_tails.setdefault(succ.grown.job_id, LogTail(succ.grown.log))
+        tail = self._tails.setdefault(succ.grown.job_id, LogTail(succ.grown.log))
         tail.poll()
-        return tail.waiting >= self._plan(succ.grown.plan_file).num_gpus
+        return tail.waiting >= self.ctx.plan(succ.grown.plan_file).num_gpus
 
-    def _drop_successor(self, cur: Attempt, reason: str) -> None:
+    def drop_successor(self, cur: Attempt, reason: str) -> None:
         succ = cur.successor
         assert succ is not None
-        state = slurm_ops.cancel_and_wait(succ.grown.job_id, self.env)
-        self.note(records.GrowCancelled(attempt=cur.number, job_id=succ.grown.job_id, reason=reason, state=state))
+        state = slurm_ops.cancel_and_wait(self.cluster.job(succ.grown.job_id))
+        self.ctx.note(records.GrowCancelled(attempt=cur.number, job_id=succ.grown.job_id, reason=reason, state=state))
 
-    def _open_gate_early(self, cur: Attempt, tail: LogTail | None) -> bool:
+    def open_gate_early(self, cur: Attempt, tail: LogTail | None) -> bool:
         """Let the bigger job's waiting ranks load as soon as this job's ranks are gone (they saved on the
         resize signal): its batch script still ends, but no rank of it writes checkpoints any more."""
         succ = cur.successor
         if cur.successor_loading:  # opened before this controller was resumed
             return True
-        if not (cur.waits_for_successor and succ and succ.running_t and self._saved_on_signal(tail)):
+        if not (cur.waits_for_successor and succ and succ.running_t and saved_on_signal(tail, self.ctx.checkpoint_step())):
             return False
-        if not slurm_ops.training_steps_gone(cur.job_id, self.env):  # type: ignore[arg-type]
+        if cur.job_id is None or not slurm_ops.training_steps_gone(self.cluster.job(cur.job_id)):
             return False
-        self._open_gate(succ.grown.next_attempt)
-        self.note(records.GateOpened(attempt=cur.number, next_attempt=succ.grown.next_attempt, job_id=succ.grown.job_id))
+        self.open_gate(succ.grown.next_attempt)
+        self.ctx.note(records.GateOpened(attempt=cur.number, next_attempt=succ.grown.next_attempt, job_id=succ.grown.job_id))
         return True
 
-    def _handover(self, prev: Attempt) -> None:
+    def handover(self, prev: Attempt) -> None:
         """The old job is gone: the bigger one becomes the run's job, and its waiting ranks may load."""
         s = prev.successor
         assert s is not None
         g = s.grown
         n = g.next_attempt
-        self.note(records.SubmitIntent(attempt=n, job_name=g.job_name, plan_file=g.plan_file, script=g.script,
+        self.ctx.note(records.SubmitIntent(attempt=n, job_name=g.job_name, plan_file=g.plan_file, script=g.script,
                   reason=RESIZE_REASON, trigger=records.Kind.IDLE_GPUS, trigger_t=g.trigger_t, gpus=g.gpus,
                   throughput=g.throughput, cost_per_hour=g.cost_per_hour, handover_from=prev.number))
-        self.note(records.Submitted(attempt=n, job_id=g.job_id, log=g.log, submitted_t=g.t))
-        self.note(records.JobRunning(attempt=n, job_id=g.job_id, nodes=s.nodes, since=s.running_t))
-        self._open_gate(n)
+        self.ctx.note(records.Submitted(attempt=n, job_id=g.job_id, log=g.log, submitted_t=g.t))
+        self.ctx.note(records.JobRunning(attempt=n, job_id=g.job_id, nodes=s.nodes, since=s.running_t))
+        self.open_gate(n)
 
-    def _open_gate(self, attempt: int) -> None:
-        gate = self.rundir.gate_file(attempt)
+    def open_gate(self, attempt: int) -> None:
+        gate = self.ctx.rundir.gate_file(attempt)
         gate.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(gate, "go\n")

@@ -137,3 +137,11 @@ class LogTail:
             self.progress.add(event)
             out.append(event)
         return out
+
+
+def saved_on_signal(tail: LogTail | None, checkpoint_step: int) -> bool:
+    """The job stopped on the signal and the checkpoint of that step is complete (published: the run's
+    newest complete checkpoint is ``checkpoint_step``)."""
+    if tail is None or tail.progress.signal_step is None:
+        return False
+    return checkpoint_step >= tail.progress.signal_step

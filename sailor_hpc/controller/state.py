@@ -64,8 +64,10 @@ class RunDir:
         """Created once the job this attempt takes over from is gone: its ranks wait for it to load."""
         return self.path / "gates" / f"attempt-{attempt:03d}.go"
 
-    def script_file(self, attempt: int) -> Path:
-        return self.path / "scripts" / f"attempt-{attempt:03d}.sbatch"
+    def script_file(self, attempt: int, cluster: str | None = None) -> Path:
+        """The attempt's job script; across clusters, ``cluster``'s job's."""
+        return self.path / "scripts" / (f"attempt-{attempt:03d}.sbatch" if cluster is None
+                                        else f"attempt-{attempt:03d}-{cluster}.sbatch")
 
     def spec(self) -> RunSpec:
         return RunSpec.read(self.spec_file)

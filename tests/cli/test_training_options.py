@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from megatron_patch.launch import parse_args
 from sailor_hpc.cli import main
 from sailor_hpc.cli.run_cmds import new_run, run_group
-from sailor_hpc.controller.slurm_ops import prepare_attempt
+from sailor_hpc.controller.attempt_job import prepare_attempt
 from sailor_hpc.controller.spec import RunSpec
 from sailor_hpc.controller.state import RunDir
 from sailor_hpc.core.plan_io import load_plan

@@ -60,7 +60,7 @@ class Killed(BaseException):
 def _kill_when_group_runs(geo: Controller, group: int) -> None:
     """Raise Killed inside the controller once ``group`` (one that answers a change) runs whole and its recovery
     is journaled."""
-    note = geo.note
+    note = geo.ctx.note
 
     def dying(rec: Record) -> Record:
         rec = note(rec)
@@ -68,7 +68,7 @@ def _kill_when_group_runs(geo: Controller, group: int) -> None:
             raise Killed
         return rec
 
-    geo.note = dying  # type: ignore[method-assign]
+    geo.ctx.note = dying  # type: ignore[method-assign]
 
 
 @pytest.fixture(scope="module")
@@ -199,7 +199,7 @@ def test_every_group_resumes_from_the_newest_checkpoint_and_matches_the_referenc
     seen: set[int] = set()
     for sub in (r for r in story["records"] if r["kind"] == "group_submitted"):
         logs = [log for c, job in sub["jobs"].items()  # job ids are per cluster: the name tells them apart
-                for log in story["rundir"].path.glob(f"sailor-*-{sub['group']:03d}-{c}-{job}.out")]
+                for log in story["rundir"].logs.glob(f"sailor-*-{sub['group']:03d}-{c}-{job}.out")]
         events = [e for log in logs for e in step_events(log)]
         steps = sorted({e["step"] for e in events if e["event"] == "step"})
         # the runtime's own log: it loaded the newest complete checkpoint there was at submission, and went on

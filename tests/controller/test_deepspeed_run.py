@@ -15,7 +15,7 @@ import pytest
 
 from sailor_hpc.controller import RunDir, RunSpec
 from sailor_hpc.controller.planning import plan_on
-from sailor_hpc.controller.slurm_ops import prepare_attempt
+from sailor_hpc.controller.attempt_job import prepare_attempt
 from sailor_hpc.core.archive import open_archive
 from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.plan_io import load_plan

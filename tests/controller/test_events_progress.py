@@ -78,7 +78,7 @@ def test_a_requeued_job_starts_a_new_account(tmp_path: Path):
 
 
 def test_a_slow_saver_gets_the_time_its_saves_take_before_it_is_cancelled(tmp_path: Path):
-    from sailor_hpc.controller.loop import STOP_MARGIN, STOP_TIMEOUT_S, _stop_timeout
+    from sailor_hpc.controller.one_job import STOP_MARGIN, STOP_TIMEOUT_S, _stop_timeout
 
     log = tmp_path / "job.out"
     recs = [{"event": "step", "step": 1, "iter_s": 2.0, "rank": 0}, {"event": "step", "step": 1, "iter_s": 3.0, "rank": 1},

@@ -151,17 +151,17 @@ def test_growing_back_must_pay_for_its_restart(tmp_path: Path, restart_cost_s: f
                      site)
     both = cross_plan(site, "a100", "a100_lab2")
     geo = Controller(RunDir.create(tmp_path / "run", spec), {}, plan_for=lambda cs: {("lab", "lab2"): both}[cs])
-    geo.journal = geo.rundir.journal()
+    geo.ctx.journal = geo.ctx.rundir.journal()
     lab.save(tmp_path / "plan.1.json")
-    geo.note(GroupSubmitted(group=1, jobs={"lab": "1"}, clusters=["lab"], start_step=0,
+    geo.ctx.note(GroupSubmitted(group=1, jobs={"lab": "1"}, clusters=["lab"], start_step=0,
                             plan_file=str(tmp_path / "plan.1.json")))
-    grows = geo._worth_regrowing(geo.state.attempts[0], ("lab2",))
+    grows = geo.attempts._worth_regrowing(geo.state.attempts[0], ("lab2",))
     # scored as the planner scores plans: as megatron_patch, which runs them (not Sailor's measured runtime)
     sims = {name: simulate(p, site, read_archive(archive, EMBEDDED_ARCHIVE),
                            options=SimOptions(runtime="megatron_patch")).throughput_samples_per_s
             for name, p in (("lab", lab), ("both", both))}
     keep, move = 320 / sims["lab"], (restart_cost_s if restart_cost_s is not None else 60.0) + 320 / sims["both"]
-    rec = geo.journal.records[-1]
+    rec = geo.ctx.journal.records[-1]
     assert isinstance(rec, RegrowDecision) and rec.clusters == ["lab2"]
     assert rec.gain == pytest.approx(keep / move - 1) and grows == rec.resize == (keep / move - 1 >= 0.10)
     assert grows == (restart_cost_s == 0.0)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from sailor_hpc.controller import Controller
+from sailor_hpc.controller.one_job import OneJob
 from sailor_hpc.controller.progress import LogTail
 from sailor_hpc.controller.records import (
     CheckpointSeen,
@@ -30,6 +31,12 @@ from sailor_hpc.controller.state import fold, job_name
 from sailor_hpc.core.checkpoint import publish, start_tmp, step_dir, write_file
 from sailor_hpc.core.runtime_events import Loaded, Started, Stepped, encode_event
 from tests.controller.scenario import GBS, started_run, wire
+
+
+def one_job(ctl: Controller) -> OneJob:
+    """The controller's attempts on this one-cluster site."""
+    assert isinstance(ctl.attempts, OneJob)
+    return ctl.attempts
 
 
 def _save(root: Path, step: int) -> None:
@@ -58,17 +65,17 @@ def test_the_grown_jobs_checkpoint_is_its_own_after_a_resume(tmp_path: Path) -> 
 
     ctl = Controller(rd)
     with rd.lock():
-        ctl.begin()
+        ctl.ctx.begin()
         old = ctl.state.current
         assert old is not None and old.number == 1
-        ctl._checkpoint(old)  # what watching the old job does first
+        ctl.ctx.checkpoint(old)  # what watching the old job does first
         assert ctl.state.checkpoint is not None and ctl.state.checkpoint.step == 40
-        assert ctl._open_gate_early(old, None)  # open already: no second gate_opened
-        ctl.note(JobGone(attempt=1, job_id="7", state="CANCELLED"))
-        ctl.start_next()  # the handover: the bigger job becomes the run's attempt
+        assert one_job(ctl).grower.open_gate_early(old, None)  # open already: no second gate_opened
+        ctl.ctx.note(JobGone(attempt=1, job_id="7", state="CANCELLED"))
+        one_job(ctl).start()  # the handover: the bigger job becomes the run's attempt
         new = ctl.state.current
         assert new is not None and new.number == 2 and new.handover_from == 1
-        ctl._checkpoint(new)
+        ctl.ctx.checkpoint(new)
     records = wire(rd.records())
     assert [(r["attempt"], r["step"]) for r in records if r["kind"] == "checkpoint"] == [(1, 40), (2, 45)]
     assert len([r for r in records if r["kind"] == "gate_opened"]) == 1
@@ -95,13 +102,13 @@ def test_a_controller_killed_between_first_step_and_recovery_journals_the_recove
     first = j.append(FirstStep(attempt=2, job_id="8", step=41, loaded_step=40))  # ... and the controller dies
     ctl = Controller(rd)
     with rd.lock():
-        ctl.begin()
+        ctl.ctx.begin()
         cur = ctl.state.current
         assert cur is not None and cur.recovery is None
         tail = LogTail(log)
         tail.poll()
-        ctl._first_step(cur, tail)
-        ctl._first_step(cur, tail)  # the next poll: nothing more
+        one_job(ctl).first_step(cur, tail)
+        one_job(ctl).first_step(cur, tail)  # the next poll: nothing more
     recoveries = [r for r in rd.records() if isinstance(r, RecoveryMeasured)]
     assert [(r.attempt, r.trigger, r.first_step_t, r.downtime_s) for r in recoveries] == [
         (2, "node_lost", first.t, first.t - 100.0)]

@@ -32,8 +32,8 @@ def test_resume_adopts_the_job_submitted_before_the_kill(slurm_cluster, run_dir:
     try:
         ctl = Controller(run_dir, env=slurm_cluster.env)
         with run_dir.lock():
-            ctl.begin()
-            ctl.reconcile()
+            ctl.ctx.begin()
+            ctl.attempts.reconcile()
         recs = wire(run_dir.records())
         adopted = [r for r in recs if r["kind"] == "adopted"]
         assert [(r["attempt"], r["job_id"]) for r in adopted] == [(1, job)]
@@ -50,8 +50,8 @@ def test_resume_adopts_the_job_submitted_before_the_kill(slurm_cluster, run_dir:
 def test_an_intent_without_a_job_is_closed_not_adopted(slurm_cluster, run_dir: RunDir):
     ctl = Controller(run_dir, env=slurm_cluster.env)
     with run_dir.lock():
-        ctl.begin()
-        ctl.reconcile()
+        ctl.ctx.begin()
+        ctl.attempts.reconcile()
     gone = [r for r in wire(run_dir.records()) if r["kind"] == "job_gone"]
     assert [(r["attempt"], r["state"]) for r in gone] == [(1, "NOT_SUBMITTED")]
     assert ctl.state.current is None  # the next loop round plans and submits attempt 2

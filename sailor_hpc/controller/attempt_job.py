@@ -1,0 +1,57 @@
+"""One way to turn a run's spec into its jobs: the job options, plan file and script of an attempt, whatever
+its scope (one job, or one cluster's part of a group).
+
+Every job of a run trains the same way (its data, checkpoints, steps, runtime, interpreter, the site's extra
+``sbatch`` options, time limits and signal grace); only the scope differs: :class:`InPlace` for the one job of a
+run on one cluster (a loop of ``srun`` steps that re-plans on the surviving nodes), :class:`ClusterPart` for a
+cluster's job of a group (joined by a rendezvous file; never requeued alone).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from sailor_hpc.controller.spec import RunSpec
+from sailor_hpc.controller.state import RunDir
+from sailor_hpc.core.plan import Plan
+from sailor_hpc.core.site import Site
+from sailor_hpc.jobs.options import ClusterPart, InPlace, JobOptions, Limits, Training
+from sailor_hpc.jobs.render import render_job_script, write_job_script
+
+
+def attempt_options(spec: RunSpec, plan: Plan, plan_path: Path, rundir: RunDir, *, name: str,
+                    scope: InPlace | ClusterPart, gate: Path | None = None) -> JobOptions:
+    """The options of one job of the run. With ``gate`` the ranks start at once but load the checkpoint only once
+    that file exists (a job taking over from another)."""
+    return JobOptions(plan_path=plan_path, work=Training(spec.data, spec.save), steps=spec.steps, model=spec.model,
+                      runtime=spec.runtime_of(plan), job_name=name, extra_sbatch=spec.extra_sbatch,
+                      train_args=("--save-interval", str(spec.save_interval), *spec.train_args,
+                                  *(("--wait-for", str(gate)) if gate is not None else ())),
+                      python=spec.python, limits=Limits(spec.time_limit, spec.time_min, spec.signal_grace_s),
+                      workdir=rundir.path, log_dir=rundir.logs, scope=scope,
+                      requeue=not isinstance(scope, ClusterPart))  # the controller resubmits a group whole
+
+
+def write_attempt_plan(rundir: RunDir, plan: Plan, attempt: int) -> Path:
+    """The attempt's plan file (one per attempt: every cluster's job of a group reads the same plan)."""
+    path = rundir.plan_file(attempt)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    plan.save(path)
+    return path
+
+
+def write_attempt_script(rundir: RunDir, spec: RunSpec, site: Site, plan: Plan, plan_path: Path, attempt: int, *,
+                         name: str, scope: InPlace | ClusterPart, gate: Path | None = None) -> Path:
+    """Render and write the job script of the attempt (of one cluster's part for a :class:`ClusterPart`)."""
+    options = attempt_options(spec, plan, plan_path, rundir, name=name, scope=scope, gate=gate)
+    script = rundir.script_file(attempt, scope.cluster if isinstance(scope, ClusterPart) else None)
+    script.parent.mkdir(parents=True, exist_ok=True)
+    write_job_script(script, render_job_script(plan, site, options))
+    return script
+
+
+def prepare_attempt(rundir: RunDir, spec: RunSpec, site: Site, plan: Plan, attempt: int, name: str,
+                    gate: Path | None = None) -> tuple[Path, Path]:
+    """The plan file and job script of a one-job attempt (the run's directory scope: in-place re-planning)."""
+    plan_path = write_attempt_plan(rundir, plan, attempt)
+    return plan_path, write_attempt_script(rundir, spec, site, plan, plan_path, attempt, name=name,
+                                           scope=InPlace(rundir.path), gate=gate)
