@@ -15,9 +15,10 @@ import dataclasses
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, get_type_hints
 
 from sailor_hpc.core.errors import SailorError
+from sailor_hpc.core.runtime_events import InPlace
 from sailor_hpc.core.typed_json import Mismatch, from_json
 
 
@@ -225,24 +226,12 @@ class RecoveryMeasured(Record):
 
 @dataclass(frozen=True, kw_only=True)
 class InPlaceStep(Record):
-    """The job's batch script re-planned its next step on its surviving nodes (the runtime's ``in_place``)."""
+    """The job's batch script re-planned its next step on its surviving nodes: the runtime's ``in_place`` event,
+    its fields written beside ``attempt`` (:data:`INLINE`), as the job's log has them."""
 
     kind: ClassVar[Kind] = Kind.IN_PLACE
     attempt: int
-    job_id: str
-    step_index: int
-    plan_file: str
-    nodes: list[str]
-    gpus: Gpus
-    throughput: float
-    cost_per_hour: float
-    lost: dict[str, str] = field(default_factory=dict)
-    t_step_end: float | None = None
-    rc: int | None = None
-    t_ready: float | None = None
-    released: list[str] = field(default_factory=list)
-    refused: list[str] = field(default_factory=list)
-    was_gpus: Gpus = field(default_factory=dict)
+    change: InPlace
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -541,9 +530,27 @@ assert set(RECORDS) == {k.value for k in Kind}, "every kind needs its record cla
 _EDITED = "the journal was edited or corrupted, or written by another sailor-hpc version: restore it or start a new run"
 
 
+#: records that embed a runtime event (record class -> its field): the event's fields are the line's own keys,
+#: beside the record's, so a record reads as the event it copies and as the journals that flattened it by hand
+INLINE: dict[type[Record], str] = {InPlaceStep: "change"}
+
+
 def encode(rec: Record) -> dict[str, Any]:
     """The record as its journal line's JSON object: ``seq``, ``t``, ``kind`` and every field."""
-    return {**dataclasses.asdict(rec), "kind": rec.kind.value}
+    obj = {**dataclasses.asdict(rec), "kind": rec.kind.value}
+    inline = INLINE.get(type(rec))
+    if inline is not None:
+        obj.update(obj.pop(inline))
+    return obj
+
+
+def _nested(cls: type[Record], obj: dict[str, Any]) -> dict[str, Any]:
+    """A line's object with an embedded event's fields gathered under its field (:data:`INLINE`)."""
+    inline = INLINE.get(cls)
+    if inline is None:
+        return obj
+    names = {f.name for f in dataclasses.fields(get_type_hints(cls)[inline])}
+    return {**{k: v for k, v in obj.items() if k not in names}, inline: {k: v for k, v in obj.items() if k in names}}
 
 
 def decode(obj: dict[str, Any], *, file: str | Path | None = None, line: int | None = None) -> Record:
@@ -556,7 +563,7 @@ def decode(obj: dict[str, Any], *, file: str | Path | None = None, line: int | N
     if cls is None:
         raise SailorError(f"{at}unknown record kind {kind!r}", file=file, field=where, fix=_EDITED)
     try:
-        return from_json(cls, obj, skip=("kind",))
+        return from_json(cls, _nested(cls, obj), skip=("kind",))
     except Mismatch as exc:
         said = {"unknown": f" has {exc.message}", "missing": f" has no field {exc.field!r}", "type": f"'s {exc.message}"}
         raise SailorError(f"{at}the {kind!r} record{said[exc.problem]}", file=file, field=where, fix=_EDITED) from None

@@ -359,13 +359,13 @@ def apply(state: RunState, rec: records.Record) -> None:
         case records.GrowCancelled():
             _successor(state, rec.attempt).cancelled = rec.reason
             state.trigger = None
-        case records.InPlaceStep():
+        case records.InPlaceStep(change=ch):
             att = state.attempt(rec.attempt)
-            att.in_place.append(InPlaceChange(step_index=rec.step_index, t_step_end=rec.t_step_end, lost=dict(rec.lost),
+            att.in_place.append(InPlaceChange(step_index=ch.step_index, t_step_end=ch.t_step_end, lost=dict(ch.lost),
                                               trigger=state.trigger))
-            att.plan_file, att.gpus, att.nodes = rec.plan_file, dict(rec.gpus), list(rec.nodes)
-            att.throughput, att.cost_per_hour = rec.throughput, rec.cost_per_hour
-            att.released.update({**att.lost_nodes, **rec.lost})
+            att.plan_file, att.gpus, att.nodes = ch.plan_file, dict(ch.gpus), list(ch.nodes)
+            att.throughput, att.cost_per_hour = ch.throughput, ch.cost_per_hour
+            att.released.update({**att.lost_nodes, **ch.lost})
             att.lost_nodes, att.stop, state.trigger = {}, None, None
         case records.CheckpointSeen():
             state.checkpoint = rec

@@ -40,10 +40,10 @@ def describe(rec: records.Record) -> str:
             return f"{a}job running on {', '.join(rec.nodes)}"
         case records.FirstStep():
             return f"{a}first step {rec.step} (resumed from step {rec.loaded_step})"
-        case records.InPlaceStep():
-            return (f"{a}re-planned in job {rec.job_id} on its surviving nodes {', '.join(rec.nodes)}: "
-                    f"{_gpus(rec.was_gpus)} -> {_gpus(rec.gpus)}, released {', '.join(rec.released) or '-'}"
-                    + (f" (Slurm refused: {'; '.join(rec.refused)})" if rec.refused else ""))
+        case records.InPlaceStep(change=ch):
+            return (f"{a}re-planned in job {ch.job_id} on its surviving nodes {', '.join(ch.nodes)}: "
+                    f"{_gpus(ch.was_gpus)} -> {_gpus(ch.gpus)}, released {', '.join(ch.released) or '-'}"
+                    + (f" (Slurm refused: {'; '.join(ch.refused)})" if ch.refused else ""))
         case records.GrowSubmitted():
             return (f"{a}bigger job {rec.job_id} ({_gpus(rec.gpus)}) submitted beside the running one, "
                     f"which trains until it runs")

@@ -5,7 +5,8 @@
 - ``bool``, ``int``, ``str``: exactly that JSON type (``true`` is no number, though Python's bool is an int);
 - ``float``: any number (JSON has one number type: ``"poll_s": 2`` means 2.0) that a float can hold;
 - ``X | Y``: the first option that fits, ``None`` being ``null``; ``Any``: the value as it is;
-- ``list[X]``, ``dict[str, X]``, ``tuple[X, ...]`` (from a JSON list: a frozen dataclass holds a tuple): each item.
+- ``list[X]``, ``dict[str, X]``, ``tuple[X, ...]`` (from a JSON list: a frozen dataclass holds a tuple): each item;
+- a dataclass: from a JSON object, by the same rules (its :class:`Mismatch` names its own field).
 
 Two rules differ by reader, as switches of :func:`from_json`: ``ignore_unknown`` (a runtime line carries details
 for people beside the fields a reader needs; an unknown key in a journal record or run.json means an edited file
@@ -109,6 +110,8 @@ def _as(value: Any, hint: Any, finite: bool) -> Any:
         return value if isinstance(value, hint) else _WRONG
     if hint is float:
         return float(value) if fits_float(value, finite) else _WRONG
+    if dataclasses.is_dataclass(hint) and isinstance(hint, type) and isinstance(value, dict):
+        return from_json(hint, value, finite=finite)
     args = get_args(hint)
     if origin is dict and isinstance(value, dict):
         pairs = {k: _as(v, args[1], finite) for k, v in value.items()}

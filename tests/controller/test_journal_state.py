@@ -34,6 +34,7 @@ from sailor_hpc.controller.records import (
 from sailor_hpc.controller.spec import RunSpec
 from sailor_hpc.controller.state import RunDir, fold, job_name
 from sailor_hpc.core.errors import SailorError
+from sailor_hpc.core.runtime_events import InPlace
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -215,8 +216,9 @@ def test_fold_of_an_in_place_step_and_a_grown_job(tmp_path: Path):
     j.append(Submitted(attempt=1, job_id="7", log="l7"))
     j.append(NodeLost(attempt=1, nodes={"a100-2": "draining"}))
     j.append(SignalSent(attempt=1, job_id="7", signal="USR1", reason="node draining"))
-    j.append(InPlaceStep(attempt=1, job_id="7", step_index=1, plan_file="p1.step-1", gpus={"a100": 1},
-             nodes=["a100-1"], throughput=1.0, cost_per_hour=1.0, lost={"a100-2": "draining"}, t_step_end=9.0))
+    j.append(InPlaceStep(attempt=1, change=InPlace(job_id="7", step_index=1, rc=75, t_step_end=9.0, t_ready=9.5,
+             lost={"a100-2": "draining"}, released=["a100-2"], refused=[], plan_file="p1.step-1", nodes=["a100-1"],
+             gpus={"a100": 1}, throughput=1.0, cost_per_hour=1.0)))
     mid = fold(j.records)
     att = mid.attempt(1)
     assert (att.plan_file, att.gpus, att.nodes, att.stop, att.lost_nodes) == ("p1.step-1", {"a100": 1}, ["a100-1"], None, {})
