@@ -17,7 +17,8 @@ A training step is:
 
 :meth:`Trainer.evaluate` runs the same schedule forward only over the valid samples.
 
-Every process group the plan needs is created up front, in one call (:func:`plan_groups`).
+Every process group the plan needs is created up front, in one call (:func:`megatron_patch.groups.plan_groups`),
+and handed to the stage module, the p2p communicator and the gradient buckets.
 """
 from __future__ import annotations
 
@@ -32,8 +33,8 @@ import torch.distributed as dist
 from megatron_patch import patch
 from megatron_patch.data import Samples
 from megatron_patch.grad_buckets import GradBuckets
-from megatron_patch.grad_sync import RankSet, plan_buckets, rank_sets
-from megatron_patch.groups import P2P, create_keyed, group, singleton_collection
+from megatron_patch.grad_sync import plan_buckets, rank_sets
+from megatron_patch.groups import PlanGroups, plan_groups
 from megatron_patch.layout import param_layout
 from megatron_patch.model import build_stage_module, padded_vocab_size
 from megatron_patch.optimizer import StageOptimizer, clip_coefficient
@@ -57,16 +58,6 @@ class StepResult:
     sync_seconds: float  # waiting for the gradient sync after the backward (the part not overlapped)
     skipped: bool = False  # fp16 overflow on some rank: no optimizer step
     loss_scale: float = 1.0
-
-
-def plan_groups(plan: Plan, sets: list[RankSet]) -> list[tuple[str, tuple[int, ...]]]:
-    """Every (kind, ranks) group a plan trains with: TP groups, groups of one, gradient rank sets, and
-    one P2P group per pipeline of several stages. Identical on all ranks (they create them together)."""
-    table = stage_rank_table(plan)
-    keys = [("", ranks) for row in table for ranks in row] + [("", (r,)) for r in range(plan.num_gpus)]
-    keys += [("", s.ranks) for s in sets if len(s.ranks) > 1]
-    keys += [(P2P, tuple(r for ranks in row for r in ranks)) for row in table if len(row) > 1]
-    return keys
 
 
 class Trainer:
@@ -104,24 +95,21 @@ class Trainer:
         self.layout = param_layout(self.spec, self.padded_vocab)
         self.infos = {p.name: p for p in self.layout}
         sets = rank_sets(plan, self.layout, opts.weighting)
-        create_keyed(plan_groups(plan, sets))
-        self.pgc = singleton_collection(group(self.role.stage_ranks),
-                                        StageGroup(self.role.stage, self.role.num_stages))
+        self.groups: PlanGroups = plan_groups(plan, self.role, sets)
+        self.pgc = self.groups.collection(StageGroup(self.role.stage, self.role.num_stages))
         self.module = build_stage_module(self.spec, self.role.first_layer, self.role.last_layer,
                                          pg_collection=self.pgc, dtype=plan.dtype, padded_vocab=self.padded_vocab,
                                          device=self.device, seed=opts.seed, recompute=plan.recompute,
                                          te=opts.layer_spec == "te")
-        pipe_ranks = [r for ranks in table[self.role.pipeline] for r in ranks]
         self.p2p = HeteroP2PCommunicator(table[self.role.pipeline], self.role.stage, self.role.tp_rank,
-                                         self.module.config, self.device,
-                                         group(pipe_ranks, P2P) if self.role.num_stages > 1 else None)
+                                         self.module.config, self.device, self.groups.p2p)
         self.params = self.module.canonical_params()
         self.scaler = LossScaler(opts.loss_scale) if plan.dtype == "fp16" else None
         if self.scaler is not None:
             self.module.config.grad_scale_func = self.scaler.scale_loss  # megatron's schedule applies it
         self.pipe = plan.pipelines[self.role.pipeline]
         self.sync = GradBuckets(plan_buckets(sets, self.layout, opts.grad_bucket_mb), self.params, self.infos,
-                                self.pipe.num_micro_batches, self.device)
+                                self.pipe.num_micro_batches, self.device, self.groups.sync)
         self.optimizer = StageOptimizer(self.params, self.infos, opts.adam)
         self.sample_offset = sum(p.samples for p in plan.pipelines[:self.role.pipeline])
         self.weight = self.pipe.samples / plan.global_batch_size

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +33,6 @@ import torch
 import torch.distributed as dist
 
 from megatron_patch.grad_sync import Bucket, Piece
-from megatron_patch.groups import group
 from megatron_patch.layout import ParamInfo, chunk_views
 from megatron_patch.main_grad import attach_main_grads, main_grad_of
 
@@ -75,9 +74,12 @@ class GradBuckets:
     """Owns the ``main_grad`` of every local parameter and syncs them in buckets during the backward."""
 
     def __init__(self, buckets: list[Bucket], params: OrderedDict[str, torch.nn.Parameter],
-                 infos: dict[str, ParamInfo], num_micro_batches: int, device: torch.device) -> None:
-        """``buckets``: the plan's, in launch order (``grad_sync.plan_buckets``); groups already created."""
+                 infos: dict[str, ParamInfo], num_micro_batches: int, device: torch.device,
+                 groups: Mapping[tuple[int, ...], Any]) -> None:
+        """``buckets``: the plan's, in launch order (``grad_sync.plan_buckets``); ``groups``: the process group
+        of every rank set of several ranks this rank is in (``groups.PlanGroups.sync``)."""
         self.rank = dist.get_rank()
+        self.groups = groups
         self.infos = infos
         self.num_micro_batches = num_micro_batches
         self.order: list[_Local] = []
@@ -149,7 +151,7 @@ class GradBuckets:
             if p.scale != 1.0:
                 local.flat[offset:offset + p.numel].mul_(p.scale)
         if len(local.spec.ranks) > 1:
-            local.work = dist.all_reduce(local.flat, group=group(local.spec.ranks), async_op=True)
+            local.work = dist.all_reduce(local.flat, group=self.groups[local.spec.ranks], async_op=True)
         local.launched_at, local.by_hook = time.perf_counter(), by_hook
         self.next += 1
 

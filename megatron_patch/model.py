@@ -324,19 +324,22 @@ def build_stage_module(spec: ModelSpec, first_layer: int, last_layer: int, *, tp
                        seed: int | None = 1234, te: bool = False, recompute: bool = False) -> StageModule:
     """Build pipeline layers ``first_layer..last_layer`` of ``spec`` on this process.
 
+    ``pg_collection``: the stage's process groups (the trainer's, from ``groups.plan_groups``). Without it,
     ``tp_group`` is this stage's TP group (None: a TP group of this process alone, the profiler's
-    single-process case; torch.distributed must be initialised either way). ``seed`` gives the
+    single-process case; torch.distributed must be initialised either way), and unless that group is of
+    one rank, the call is collective (every rank creates every rank's group of one). ``seed`` gives the
     canonical layout-independent initialisation; ``None`` leaves a fast random init (profiling).
     ``te=True`` (TransformerEngine's layer spec) is refused: it is untested here.
     """
-    from megatron_patch.groups import singleton_collection
+    from megatron_patch.groups import collection, groups_of_one
     if te:
         check_layer_spec("te")
     dt = DTYPES[dtype] if isinstance(dtype, str) else dtype
     dev = torch.device(device) if device is not None else torch.device(
         f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
     if pg_collection is None:
-        pg_collection = singleton_collection(tp_group)
+        alone = tp_group if tp_group is not None and dist.get_world_size(tp_group) == 1 else groups_of_one()
+        pg_collection = collection(tp_group if tp_group is not None else alone, alone)
     tp_group = pg_collection.tp
     tp, tp_rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
     padded = padded_vocab or padded_vocab_size(spec, (tp,))

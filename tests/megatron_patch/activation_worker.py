@@ -83,7 +83,7 @@ def _counted_train_step(self: Trainer, *args: Any, **kwargs: Any) -> Any:
     import torch
 
     if self.role.rank == 0 and not _PROFILE:
-        _PROFILE.append(_profile(int(os.environ["PROFILE_MBS"])))
+        _PROFILE.append(_profile(self.groups.alone, int(os.environ["PROFILE_MBS"])))
     counter = SavedBytes({p.untyped_storage().data_ptr() for p in self.module.parameters()})
     self._saved_bytes = counter  # type: ignore[attr-defined]
     try:
@@ -96,15 +96,14 @@ def _counted_train_step(self: Trainer, *args: Any, **kwargs: Any) -> Any:
     return res
 
 
-def _profile(mbs: int, dtype: str = "fp32") -> dict[str, Any]:
-    """Every layer at TP 1, as a profiling job measures it, on rank 0's group of one (the runtime made it)."""
+def _profile(alone: Any, mbs: int, dtype: str = "fp32") -> dict[str, Any]:
+    """Every layer at TP 1, as a profiling job measures it, on rank 0's group of one (``alone``: the runtime's)."""
     import torch
 
-    from megatron_patch.groups import group
     from profiler.compute import LayerProfiler
     from sailor_hpc.core.models import get_model
 
-    prof = LayerProfiler(get_model("tiny-gpt"), tp_group=group((0,)), device=torch.device("cpu"),
+    prof = LayerProfiler(get_model("tiny-gpt"), tp_group=alone, device=torch.device("cpu"),
                          dtype=dtype, warmup=1, iters=2)
     return {"event": "profile", "dtype": dtype, "times": prof.measure(mbs).tolist(),
             "memory": prof.memory_table().tolist()}

@@ -16,7 +16,7 @@ import torch.distributed as dist
 warnings.filterwarnings("ignore")
 
 from megatron_patch import patch  # noqa: E402
-from megatron_patch.groups import singleton_collection  # noqa: E402
+from megatron_patch.groups import collection  # noqa: E402
 from megatron_patch.launch import exit_now  # noqa: E402
 from megatron_patch.model import transformer_config  # noqa: E402
 from megatron_patch.reference import gpt_model  # noqa: E402
@@ -34,7 +34,7 @@ def core_pair(spec: object, layer: int, mask_type: object, scaling: bool) -> tup
     if scaling:
         cfg = dataclasses.replace(cfg, apply_query_key_layer_scaling=True)
     kw = dict(config=cfg, layer_number=layer, attn_mask_type=mask_type, attention_type="self",
-              pg_collection=singleton_collection())
+              pg_collection=collection(dist.group.WORLD, dist.group.WORLD))  # one process
     return DotProductAttention(**kw), SdpaAttention(**kw)
 
 

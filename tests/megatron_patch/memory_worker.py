@@ -74,7 +74,7 @@ def _state(trainer: Trainer) -> dict[str, Any]:
 
 def _marked_step(self: Trainer, *args: Any, **kwargs: Any) -> Any:
     if self.role.rank == 0 and not _RESULT and os.environ.get("PROFILE_MBS"):
-        _RESULT.append(_profile(int(os.environ["PROFILE_MBS"]), self.plan.dtype))
+        _RESULT.append(_profile(self.groups.alone, int(os.environ["PROFILE_MBS"]), self.plan.dtype))
     counter = SavedBytes({p.untyped_storage().data_ptr() for p in self.module.parameters()})
     _SAVED[:] = [counter]
     with record_function("mem.step"), torch.autograd.graph.saved_tensors_hooks(counter.pack, _unpack):

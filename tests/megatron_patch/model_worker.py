@@ -17,7 +17,7 @@ import torch.distributed as dist
 warnings.filterwarnings("ignore")
 
 from megatron_patch import patch  # noqa: E402
-from megatron_patch.groups import create_groups, group, singleton_collection  # noqa: E402
+from megatron_patch.groups import collection, groups_of_one  # noqa: E402
 from megatron_patch.init_weights import canonical_init  # noqa: E402
 from megatron_patch.launch import exit_now  # noqa: E402
 from megatron_patch.layout import arch_of, param_layout, shard_of  # noqa: E402
@@ -73,8 +73,7 @@ def main() -> None:
                      for a, b in zip(m.canonical_params().values(), rec.canonical_params().values())]
             out[f"{spec.name}/recompute_grad_diff"] = max(diffs)
         else:
-            create_groups([list(range(world))])
-            pgc = singleton_collection(group(range(world)))
+            pgc = collection(dist.group.WORLD, groups_of_one())
             loss, m = stage_loss(spec, pgc)
             out[f"{spec.name}/tp{world}_vs_gptmodel"] = abs(float(loss) - float(ref))
             if arch_of(spec).glu:  # control: SwiGLU fc1 sliced as one block instead of [gate_k; up_k]
