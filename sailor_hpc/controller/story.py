@@ -40,10 +40,10 @@ def describe(rec: records.Record) -> str:
             return f"{a}job running on {', '.join(rec.nodes)}"
         case records.FirstStep():
             return f"{a}first step {rec.step} (resumed from step {rec.loaded_step})"
-        case records.InPlaceStep(change=ch):
-            return (f"{a}re-planned in job {ch.job_id} on its surviving nodes {', '.join(ch.nodes)}: "
-                    f"{_gpus(ch.was_gpus)} -> {_gpus(ch.gpus)}, released {', '.join(ch.released) or '-'}"
-                    + (f" (Slurm refused: {'; '.join(ch.refused)})" if ch.refused else ""))
+        case records.InPlaceStep(change=step):
+            return (f"{a}re-planned in job {step.job_id} on its surviving nodes {', '.join(step.nodes)}: "
+                    f"{_gpus(step.was_gpus)} -> {_gpus(step.gpus)}, released {', '.join(step.released) or '-'}"
+                    + (f" (Slurm refused: {'; '.join(step.refused)})" if step.refused else ""))
         case records.GrowSubmitted():
             return (f"{a}bigger job {rec.job_id} ({_gpus(rec.gpus)}) submitted beside the running one, "
                     f"which trains until it runs")
@@ -173,7 +173,7 @@ def change_rows(state: RunState) -> list[tuple[Any, ...]]:
             rows.append((att.number, _jobs(att), change_label(r.trigger, before), "n", f"{r.idle_s:.1f}",
                          "-" if r.queue_wait_s is None else f"{r.queue_wait_s:.1f}", "0"))
         for ch in att.in_place:
-            rows.append((att.number, att.job_id or "-", change_label(ch.trigger[0] if ch.trigger else records.Kind.NODE_LOST,
+            rows.append((att.number, att.job_id or "-", change_label(ch.trigger.kind if ch.trigger else records.Kind.NODE_LOST,
                                                                      ch.lost), "y",
                          f"{ch.recovery.idle_s:.1f}" if ch.recovery else "-", "0", avoided))
     return rows
