@@ -36,7 +36,9 @@ from sailor_hpc.controller.context import RunContext
 from sailor_hpc.controller.planning import plan_on
 from sailor_hpc.controller.policy import Score, judge, restart_cost
 from sailor_hpc.controller.slurm_ops import cancel_and_wait, find_job_by_name, request_checkpoint
+from sailor_hpc.controller.spec import RunSpec
 from sailor_hpc.controller.state import Attempt, job_name_prefix
+from sailor_hpc.core.archive import ProfileArchive
 from sailor_hpc.core.checkpoint import newest_step
 from sailor_hpc.core.errors import JobFailed, NoPlanFits, SailorError, SlurmUnavailable
 from sailor_hpc.core.plan import Plan
@@ -75,6 +77,13 @@ def idle_by_node(site: Site, clusters: Sequence[SlurmCluster],
     return out
 
 
+def planner_plan_for(spec: RunSpec, site: Site, archive: ProfileArchive,
+                     cluster: Callable[[str], SlurmCluster]) -> PlanFor:
+    """The run's best plan on the GPUs idle now in the given clusters (``cluster(name)``: its Slurm). A group is
+    only re-planned after its jobs ended, so its own GPUs are idle by then."""
+    return lambda clusters: plan_on(spec, site, archive, idle_by_node(site, [cluster(c) for c in clusters])).plan
+
+
 class Groups:
     """The attempts of a run across clusters (see the module doc): start, watch and reconcile a group of jobs.
     ``plan_for`` replaces the planner (tests give fixed plans per set of clusters)."""
@@ -83,9 +92,7 @@ class Groups:
         self.ctx = ctx
         self.spec, self.site, self.archive = ctx.spec, ctx.site, ctx.archive
         self.fixed_plans = plan_for
-        # a group is only re-planned after its jobs ended, so its own GPUs are idle by then
-        self.plan_for: PlanFor = plan_for or (lambda clusters: plan_on(
-            self.spec, self.site, self.archive, idle_by_node(self.site, [ctx.cluster(c) for c in clusters])).plan)
+        self.plan_for = plan_for or planner_plan_for(self.spec, self.site, self.archive, ctx.cluster)
         self._regrow_refused: dict[str, float] = {}  # cluster that left -> when growing back was last judged not worth it
         self._next_clusters: tuple[str, ...] | None = None  # where the next group is planned, once the current one decided
 

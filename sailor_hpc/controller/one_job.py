@@ -47,7 +47,7 @@ from sailor_hpc.controller.grow import Grower
 from sailor_hpc.controller.planning import Planned, judge_pending, plan_on, plan_on_queue
 from sailor_hpc.controller.policy import Score, Verdict, judge, plan_shape, restart_cost
 from sailor_hpc.controller.progress import LogTail, saved_on_signal
-from sailor_hpc.controller.state import Attempt, job_name
+from sailor_hpc.controller.state import Attempt, Trigger, job_name
 from sailor_hpc.core.errors import NoPlanFits, SailorError, SlurmUnavailable
 from sailor_hpc.core.runtime_events import InPlace, InPlaceRefused, RuntimeEvent, event_fields
 from sailor_hpc.slurm.discover import live_availability
@@ -199,7 +199,7 @@ class OneJob:
         self.ctx.note(records.PlanChosen(reason=reason, available=obs.available, planner_available=planned.available,
                   plan_file=str(plan_path), **planned.summary()))
         self.ctx.note(records.SubmitIntent(attempt=number, job_name=name, plan_file=str(plan_path), script=str(script),
-                  reason=reason, trigger=trigger[0] if trigger else None, trigger_t=trigger[1] if trigger else None,
+                  reason=reason, trigger=trigger.kind if trigger else None, trigger_t=trigger.t if trigger else None,
                   gpus=planned.summary()["gpus"], throughput=planned.score.throughput,
                   cost_per_hour=planned.score.cost_per_hour))
         try:
@@ -302,10 +302,10 @@ class OneJob:
         change, p, t = cur.in_place[-1], tail.progress, self.ctx.clock()
         step_end = change.t_step_end if change.t_step_end is not None else t
         idle = p.first_step_t - p.before_t if p.first_step_t and p.before_t else t - step_end
-        trigger = change.trigger or (records.Kind.NODE_LOST, step_end)  # seen by the job first
-        self.ctx.note(records.RecoveryMeasured(attempt=cur.number, in_place=True, trigger=trigger[0], trigger_t=trigger[1],
+        trigger = change.trigger or Trigger(records.Kind.NODE_LOST, step_end)  # seen by the job first
+        self.ctx.note(records.RecoveryMeasured(attempt=cur.number, in_place=True, trigger=trigger.kind, trigger_t=trigger.t,
                   first_step_t=t, step=p.first_step, loaded_step=p.loaded_step or 0, queue_wait_s=0.0,
-                  downtime_s=t - float(trigger[1]), recovery_s=t - float(trigger[1]),
+                  downtime_s=t - trigger.t, recovery_s=t - trigger.t,
                   ranks_idle_s=idle, new_job=False))
 
     def _judge_pending(self, cur: Attempt, now: float) -> None:

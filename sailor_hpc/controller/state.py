@@ -157,6 +157,15 @@ class Recovery:
         return self.downtime_s if self.ranks_idle_s is None else self.ranks_idle_s
 
 
+@dataclass(frozen=True)
+class Trigger:
+    """An allocation change the run has seen and not yet answered: the next attempt (or in-place step) answers
+    it, and its recovery is measured from ``t``. Folded from the journal like the rest of the state."""
+
+    kind: str  # node_lost, idle_gpus (a resize), cluster_lost, a job's stop reason, ...
+    t: float
+
+
 @dataclass
 class InPlaceChange:
     """A step of the attempt's job re-planned on its surviving nodes (``in_place``), and what it cost."""
@@ -164,7 +173,7 @@ class InPlaceChange:
     step_index: int
     t_step_end: float | None  # when the step that lost nodes ended
     lost: dict[str, str]
-    trigger: tuple[str, float] | None  # the change it answers, when the controller saw it first
+    trigger: Trigger | None  # the change it answers, when the controller saw it first
     recovery: Recovery | None = None  # set once the next step trained
 
 
@@ -254,7 +263,7 @@ class RunState:
     checkpoint: records.CheckpointSeen | None = None  # the newest complete checkpoint seen
     baseline: dict[str, int] = field(default_factory=dict)  # GPUs available to the run when last judged
     last_replan_t: float | None = None
-    trigger: tuple[str, float] | None = None  # the change the next submission answers
+    trigger: Trigger | None = None  # the change the next attempt answers
     recoveries: list[Recovery] = field(default_factory=list)
     controller_starts: int = 0
     left: dict[str, float] = field(default_factory=dict)  # across clusters: cluster -> when it left (not back yet)
@@ -294,7 +303,7 @@ class RunState:
     def next_reason(self) -> str:
         """Why the next job would be submitted: the change it answers, else start / restart."""
         if self.trigger is not None:
-            return self.trigger[0]
+            return self.trigger.kind
         return "start" if not self.attempts else "restart"
 
     def attempt(self, number: int) -> Attempt:
@@ -373,17 +382,17 @@ def apply(state: RunState, rec: records.Record) -> None:
                 state.attempts[-1].advanced = True
         case records.NodeLost():
             state.attempt(rec.attempt).lost_nodes.update(rec.nodes)
-            state.trigger = state.trigger or (records.Kind.NODE_LOST, t)
+            state.trigger = state.trigger or Trigger(records.Kind.NODE_LOST, t)
         case records.IdleGpus():
             state.last_replan_t = t
         case records.Decision():
             if rec.action in ("resize", "checkpoint"):
-                state.trigger = (rec.trigger or rec.action, t if rec.trigger_t is None else rec.trigger_t)
+                state.trigger = Trigger(rec.trigger or rec.action, t if rec.trigger_t is None else rec.trigger_t)
         case records.SignalSent():
             state.attempt(rec.attempt).stop = StopRequest(t=t, reason=rec.reason, signal=rec.signal)
         case records.JobStopped():
             state.attempt(rec.attempt).stopped = rec
-            state.trigger = state.trigger or (rec.reason, t)
+            state.trigger = state.trigger or Trigger(rec.reason, t)
         case records.JobGone():
             if rec.attempt is not None:  # without an attempt: a stray job of the run, cancelled
                 att = state.attempt(rec.attempt)
@@ -412,12 +421,12 @@ def apply(state: RunState, rec: records.Record) -> None:
         case records.ClusterDropped() | records.ClusterLost() | records.GroupFailed():
             _group(state, rec.group)
             state.left.update({c: t for c in rec.clusters})
-            state.trigger = (rec.kind.value, t)
+            state.trigger = Trigger(rec.kind.value, t)
         case records.Regrown():  # more GPUs (a cluster back) made a better plan worth its restart: a resize
             _group(state, rec.group)
             for c in rec.clusters:
                 state.left.pop(c, None)
-            state.trigger = (RESIZE_REASON, t)
+            state.trigger = Trigger(RESIZE_REASON, t)
         case records.GroupRunning():
             group = _group(state, rec.group)
             group.running_t = group.running_t or t
@@ -448,7 +457,7 @@ def _group_attempt(state: RunState, number: int, job_names: dict[str, str], star
     intent (none in a journal written before ``group_intent`` carried them, or without intents)."""
     trigger, state.trigger = state.trigger, None
     return Attempt(number=number, job_name="", plan_file=plan_file, script="", reason=state.next_reason if trigger is None
-                   else trigger[0], trigger=trigger[0] if trigger else None, trigger_t=trigger[1] if trigger else None,
+                   else trigger.kind, trigger=trigger.kind if trigger else None, trigger_t=trigger.t if trigger else None,
                    gpus=dict(gpus or {}), throughput=throughput, cost_per_hour=cost_per_hour, intent_t=t,
                    job_names=dict(job_names), start_step=start_step)
 

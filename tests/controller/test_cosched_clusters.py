@@ -40,7 +40,8 @@ from sailor_hpc.core.placement import place_plan
 from sailor_hpc.core.plan import Pipeline, Plan, Stage
 from sailor_hpc.core.site import load_site
 from sailor_hpc.core.toml_writer import dump_toml
-from sailor_hpc.jobs.render import plan_clusters
+from sailor_hpc.jobs.render import cluster_submit_env, plan_clusters
+from sailor_hpc.slurm.handle import SlurmCluster
 from tests.controller.scenario import step_events, wire
 from tests.data.tiny_archive import write_tiny_archive
 from tests.jobs.conftest import A100, cross_plan, two_lab_doc, two_lab_site
@@ -222,13 +223,16 @@ def test_the_planner_plans_only_on_the_clusters_it_is_given(story, slurm_two_clu
     on those clusters' partitions only (runs after the story: every GPU is idle again)."""
     lab, lab2 = slurm_two_clusters
     site = two_lab_site(lab.lab, lab2.lab)
-    idle = idle_by_node(site, ["lab", "lab2"], job_env_two)
+    def cluster(name: str) -> SlurmCluster:
+        return SlurmCluster(name, cluster_submit_env(site, name, job_env_two))
+
+    idle = idle_by_node(site, [cluster("lab"), cluster("lab2")])
     # the fake nodes of start.sh: a100-1 and a100-2 with 4 GPUs each, in both clusters (same names)
     assert idle == {"a100": {"a100-1": 4, "a100-2": 4}, "a100_lab2": {"a100-1": 4, "a100-2": 4}}
     spec = RunSpec(run_id="geo", site="<two local clusters>", model="tiny-gpt", objective="throughput", data="/d",
                    save="/s", steps=1, gbs=8)
     archive = read_archive(write_tiny_archive(tmp_path / "tiny.h5"), EMBEDDED_ARCHIVE)
-    plan_for = planner_plan_for(spec, site, archive, job_env_two)
+    plan_for = planner_plan_for(spec, site, archive, cluster)
     for clusters in (("lab",), ("lab2",), ("lab", "lab2")):
         used = plan_clusters(plan_for(clusters), site)
         print(f"\nplan on {clusters}: clusters {used}")

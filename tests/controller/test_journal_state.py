@@ -32,7 +32,7 @@ from sailor_hpc.controller.records import (
     encode,
 )
 from sailor_hpc.controller.spec import RunSpec
-from sailor_hpc.controller.state import RunDir, fold, job_name
+from sailor_hpc.controller.state import RunDir, Trigger, fold, job_name
 from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.runtime_events import InPlace
 
@@ -106,12 +106,12 @@ def test_fold_tells_where_the_run_stands(tmp_path: Path):
     st = fold(read_journal(j.path))
     cur = st.current
     assert cur is not None and cur.number == 1 and cur.job_id == "13" and cur.nodes == ["a100-1", "v100-1"]
-    assert cur.lost_nodes == {"a100-1": "down"} and st.trigger == ("node_lost", 1008.0)
+    assert cur.lost_nodes == {"a100-1": "down"} and st.trigger == Trigger("node_lost", 1008.0)
     assert st.checkpoint is not None and st.checkpoint.step == 10 and st.baseline == {"a100": 1, "v100": 8}
     j.append(JobStopped(attempt=1, job_id="13", state="PENDING", reason="node_lost"))
     j.append(JobGone(attempt=1, job_id="13", state="CANCELLED"))
     st = fold(read_journal(j.path))
-    assert st.current is None and st.trigger == ("node_lost", 1008.0)  # the first change is what counts
+    assert st.current is None and st.trigger == Trigger("node_lost", 1008.0)  # the first change is what counts
     j.append(SubmitIntent(attempt=2, job_name=job_name("r1", 2), plan_file="p2", script="s2", reason="node_lost",
              trigger="node_lost", trigger_t=1008.0, gpus={"v100": 2}, throughput=13.8, cost_per_hour=1.0))
     st = fold(read_journal(j.path))
