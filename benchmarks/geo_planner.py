@@ -28,9 +28,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from planner import Constraints, PlanRequest, search
+from planner import Candidate, Constraints, PlanRequest
 from planner.geo import chain_search, geo_search, gpus_per_cluster, region_groups
-from planner.search import Candidate
+from planner.search import search
 from sailor_hpc.core.archive import open_archive
 from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.sailor_compat import SAILOR_DATA

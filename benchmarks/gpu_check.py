@@ -52,7 +52,8 @@ STARTED = float(os.environ.get("GPU_CHECK_STARTED") or time.time())
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from planner import PlanRequest, search  # noqa: E402
+from planner import PlanRequest  # noqa: E402
+from planner.search import search  # noqa: E402
 from sailor_hpc.core.archive import read_archive  # noqa: E402
 from sailor_hpc.core.models import ModelSpec, get_model  # noqa: E402
 from sailor_hpc.core.site import Site, load_site_dict  # noqa: E402

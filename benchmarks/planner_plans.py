@@ -20,8 +20,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from planner import Constraints, PlanRequest, SearchResult, search
+from planner import Constraints, PlanRequest, SearchResult
 from planner.deepspeed_space import deepspeed_search
+from planner.search import search
 from planner.time_goal import TimeGoal
 from sailor_hpc.core.archive import open_archive
 from sailor_hpc.core.site import Site, load_site

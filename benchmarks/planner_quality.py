@@ -14,7 +14,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from planner import PlanRequest, search
+from planner import PlanRequest
+from planner.search import search
 from sailor_hpc.core.archive import open_archive
 from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.plan_io import load_plan

@@ -17,7 +17,8 @@ import time
 import tomllib
 from pathlib import Path
 
-from planner import PlanRequest, search
+from planner import PlanRequest
+from planner.search import search
 from sailor_hpc.core.archive import open_archive
 from sailor_hpc.core.site import Site, load_site, load_site_dict
 

@@ -34,15 +34,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import datetime
+from functools import partial
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from planner import PlanRequest, search  # noqa: E402
-from planner.search import Candidate  # noqa: E402
+from planner import Candidate, PlanRequest  # noqa: E402
+from planner.search import search  # noqa: E402
 from planner.time_goal import TimeGoal, plan_shape  # noqa: E402
-from sailor_hpc.cli.time_planning import refine  # noqa: E402
+from planner.time_queue import refine  # noqa: E402
 from sailor_hpc.core.archive import EMBEDDED_ARCHIVE, open_archive, read_archive  # noqa: E402
 from sailor_hpc.core.site import Site, load_site, load_site_dict  # noqa: E402
 from sailor_hpc.core.start_times import Hold, QueueSnapshot, shape_text  # noqa: E402
@@ -142,7 +143,7 @@ def make_state(cluster: SlurmCluster, sc: Scenario) -> float:
 def plans(site: Site, archive, goal: TimeGoal, estimator: StartEstimator) -> tuple[Candidate, Candidate, TimeGoal]:
     """The time plan (ranked on the queue, then on Slurm's --test-only answers) and the throughput plan."""
     timed = search(site, archive, PlanRequest(MODEL, GBS, objective="time", time_goal=goal, dtype="fp32"))
-    timed = refine(site, timed, estimator, 3)
+    timed = refine(timed, partial(estimator.test_only, site), 3)
     fastest = search(site, archive, PlanRequest(MODEL, GBS, dtype="fp32")).candidates[0]
     assert timed.request.time_goal is not None
     return timed.candidates[0], fastest, timed.request.time_goal

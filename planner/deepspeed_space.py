@@ -27,17 +27,18 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from planner.request import PlanRequest
-from planner.search import (
+from planner.candidates import (
     Candidate,
     SearchResult,
-    _infeasible,
-    _partition_gpus,
+    best_over_dtypes,
     candidate_dtypes,
     default_available,
+    infeasible,
+    partition_gpus,
     ranking,
     usable_gpus,
 )
+from planner.request import PlanRequest
 from sailor_hpc.core.archive import ProfileArchive
 from sailor_hpc.core.deepspeed_plan import with_zero_stage, zero_stages_for
 from sailor_hpc.core.errors import SailorError
@@ -122,7 +123,7 @@ def shapes(ev: StageEvaluator, archive: ProfileArchive, request: PlanRequest, ma
     gpus: dict[str, int] = {}
     mbs_of: dict[str, set[int]] = {}
     for part in site.partitions:
-        n, _ = _partition_gpus(part, available.get(part.name, 0), capacity[part.name], request)
+        n, _ = partition_gpus(part, available.get(part.name, 0), capacity[part.name], request)
         if (n > 0 and request.dtype in site.gpu(part.gpu_type).dtypes
                 and archive.has_compute(model.name, part.gpu_type, request.dtype)):
             points = archive.compute_points(model.name, part.gpu_type, request.dtype)
@@ -188,21 +189,12 @@ def deepspeed_search(site: Site, archive: ProfileArchive, request: PlanRequest, 
                      simulate_limit: int = 400, max_stages: int = 16) -> SearchResult:
     """Best engine-expressible plans for ``request``, best first, each with its ZeRO stage in its notes."""
     if request.dtype == "auto":  # each dtype the GPUs train in and the archive has, the best plans of all
-        results, first_error = [], None
-        for dtype in candidate_dtypes(site, archive, request):
-            try:
-                results.append(deepspeed_search(site, archive, replace(request, dtype=dtype),
-                                                simulate_top=simulate_top, simulate_limit=simulate_limit,
-                                                max_stages=max_stages))
-            except SailorError as exc:
-                first_error = first_error or exc
-        if not results:
-            raise first_error or SailorError("no dtype to plan in: no partition has profiles of the model",
-                                             field="--dtype", fix="profile the model, or pass --dtype")
-        merged = sorted((c for r in results for c in r.candidates), key=ranking(request))
-        return SearchResult(request, merged, sum(r.search_time_s for r in results),
-                            sum(r.allocations_scored for r in results), sum(r.plans_simulated for r in results),
-                            {}, [c for r in results for c in r.simulated])
+        dtypes = candidate_dtypes(site, archive, request)
+        if not dtypes:
+            raise SailorError("no dtype to plan in: no partition has profiles of the model",
+                              field="--dtype", fix="profile the model, or pass --dtype")
+        return best_over_dtypes(request, dtypes, lambda one: deepspeed_search(
+            site, archive, one, simulate_top=simulate_top, simulate_limit=simulate_limit, max_stages=max_stages))
     t0 = time.perf_counter()
     ev = StageEvaluator(archive, site, get_model(request.model), dtype=request.dtype,
                         options=SimOptions(runtime=RUNTIME))
@@ -239,7 +231,7 @@ def deepspeed_search(site: Site, archive: ProfileArchive, request: PlanRequest, 
                 continue
             out.append(Candidate(plan, res))
     if not out:
-        raise _infeasible(request, site, rejected, fitting, len(found))
+        raise infeasible(request, site, rejected, fitting, len(found))
     out.sort(key=ranking(request))
     return SearchResult(request, out, time.perf_counter() - t0, len(found), simulated, rejected, fitting)
 

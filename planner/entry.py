@@ -1,5 +1,6 @@
-"""The one planner entry point every caller uses (``sailor-hpc plan``, ``plan --sbatch``, the controller's
-re-plans): it chooses the search that fits the request and the site, so the choice is made in one place.
+"""The planner's one public entry (exported as :func:`planner.plan_search`), which every caller uses
+(``sailor-hpc plan``, ``plan --sbatch``, the controller's re-plans, through :mod:`planner.on_queue`): it
+chooses the search that fits the request and the site, so the choice is made in one place.
 
 - ``runtime="deepspeed"``: only plans DeepSpeed's engine runs, with ZeRO as a dimension
   (:func:`planner.deepspeed_space.deepspeed_search`);
@@ -8,10 +9,11 @@ re-plans): it chooses the search that fits the request and the site, so the choi
 """
 from __future__ import annotations
 
+from planner.candidates import Progress, SearchResult
 from planner.deepspeed_space import deepspeed_search
 from planner.geo import geo_search
 from planner.request import PlanRequest
-from planner.search import Progress, SearchResult, search
+from planner.search import search
 from sailor_hpc.core.archive import ProfileArchive
 from sailor_hpc.core.site import Site
 

@@ -27,19 +27,18 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
-from planner.request import PlanRequest
-from planner.search import (
+from planner.candidates import (
     ESTIMATE_SLACK,
     Candidate,
     Progress,
     SearchResult,
-    SearchSettings,
     candidate_dtypes,
     copy_counts,
     ranking,
-    search,
     usable_gpus,
 )
+from planner.request import PlanRequest
+from planner.search import SearchSettings, search
 from planner.templates import uniform_split
 from sailor_hpc.core.archive import ProfileArchive
 from sailor_hpc.core.errors import SailorError

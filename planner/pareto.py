@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from planner.search import Candidate, SearchResult
+from planner.candidates import Candidate, SearchResult
 from sailor_hpc.core.atomic import atomic_path
 
 

@@ -15,11 +15,24 @@ from __future__ import annotations
 
 import math
 import time
-from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from planner.balance import Share, balance
+from planner.candidates import (
+    ESTIMATE_SLACK,
+    Candidate,
+    Progress,
+    SearchResult,
+    best_over_dtypes,
+    candidate_dtypes,
+    copy_counts,
+    default_available,
+    infeasible,
+    partition_gpus,
+    ranking,
+    usable_gpus,
+)
 from planner.request import PlanRequest
 from planner.templates import Template, TemplateBuilder, build_templates
 from planner.time_goal import TimeGoal, packed_shape
@@ -28,14 +41,11 @@ from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.models import get_model
 from sailor_hpc.core.placement import place_plan
 from sailor_hpc.core.plan import Pipeline, Plan, Stage, validate_plan
-from sailor_hpc.core.precision import PREFERENCE
 from sailor_hpc.core.site import Partition, Site
-from simulator import SimOptions, SimResult, StageEvaluator, simulate
+from simulator import SimOptions, StageEvaluator, simulate
 from simulator.network import Endpoint
 
 Option = tuple[Template, int]  # a template and how many copies
-ESTIMATE_SLACK = 0.05  # an allocation's estimated time against the simulation of its plan (capped sync tails)
-Progress = Callable[[int, int], None]
 TailCache = dict[tuple, float]  # Tails' memo: sorted (template key, copies) pairs -> seconds
 
 
@@ -68,27 +78,6 @@ class Allocation:
 
 
 @dataclass
-class Candidate:
-    plan: Plan
-    result: SimResult
-
-    @property
-    def throughput(self) -> float:
-        return self.result.throughput_samples_per_s
-
-
-@dataclass
-class SearchResult:
-    request: PlanRequest
-    candidates: list[Candidate]  # feasible, best first
-    search_time_s: float
-    allocations_scored: int
-    plans_simulated: int
-    rejected: dict[str, int] = field(default_factory=dict)
-    simulated: list[Candidate] = field(default_factory=list)  # every plan simulated that fits in memory
-
-
-@dataclass
 class SearchSettings:
     """Knobs of the search's heuristics. Small problems are searched exhaustively: every template when a
     partition has at most ``exhaustive_templates`` shapes, every (template, copies) option of a partition
@@ -110,22 +99,6 @@ class SearchSettings:
     solo_tail_copies: int = 4  # the same for the template ranking's quick estimate
 
 
-def default_available(site: Site) -> dict[str, int]:
-    """Every GPU a job may take from each partition (its size, capped by the per-job node limit)."""
-    return {p.name: min(p.nodes, p.max_nodes_per_job) * p.gpus_per_node for p in site.partitions}
-
-
-def usable_gpus(site: Site, request: PlanRequest) -> dict[str, int]:
-    """GPUs per partition the request may use: what it names, else every GPU a job may take."""
-    return request.available or default_available(site)
-
-
-def copy_counts(max_copies: int, micro_batches: int) -> list[int]:
-    """n = ceil(M / m) for m = 1..M: the fewest pipelines that give each micro-batch count m."""
-    values = sorted({math.ceil(micro_batches / m) for m in range(1, micro_batches + 1)})
-    return [n for n in values if n <= max_copies]
-
-
 def search(site: Site, archive: ProfileArchive, request: PlanRequest, *, settings: SearchSettings | None = None,
            progress: Progress | None = None) -> SearchResult:
     """Best plans for ``request`` on ``site``, best first (raises SailorError when none is feasible)."""
@@ -144,24 +117,13 @@ def search(site: Site, archive: ProfileArchive, request: PlanRequest, *, setting
         allocations = start_now_first(allocations)
     best, simulated, rejected, fitting = _simulate_best(site, archive, request, allocations, settings)
     if not best:
-        raise _infeasible(request, site, rejected, fitting, scored)
+        raise infeasible(request, site, rejected, fitting, scored)
     return SearchResult(request, best, time.perf_counter() - t0, scored, simulated, rejected, fitting)
-
-
-def candidate_dtypes(site: Site, archive: ProfileArchive, request: PlanRequest) -> list[str]:
-    """The dtypes, best first (:data:`PREFERENCE`), that some partition the request may use trains in and
-    has compute profiles of: a plan's dtype is then the best its GPUs support, never a guess from another's."""
-    model = get_model(request.model).name
-    available = usable_gpus(site, request)
-    usable = [p for p in site.partitions if available.get(p.name, 0) > 0]
-    return [d for d in PREFERENCE
-            if any(d in site.gpu(p.gpu_type).dtypes and archive.has_compute(model, p.gpu_type, d) for p in usable)]
 
 
 def _search_dtypes(site: Site, archive: ProfileArchive, request: PlanRequest, settings: SearchSettings | None,
                    progress: Progress | None) -> SearchResult:
-    """``--dtype auto``: search each candidate dtype and keep the best plans of all (a mix of GPU types may
-    plan faster in fp16 than its bf16 part alone)."""
+    """``--dtype auto``: every candidate dtype searched, the best plans of all kept (:func:`best_over_dtypes`)."""
     dtypes = candidate_dtypes(site, archive, request)
     if not dtypes:  # said in auto's terms: suggesting --dtype auto to a user who passed it helps nobody
         model = get_model(request.model).name
@@ -175,31 +137,8 @@ def _search_dtypes(site: Site, archive: ProfileArchive, request: PlanRequest, se
                           fix=f"profile {model} on them (sailor-hpc profile --site SITE --model {model} --dtype D), "
                               "check what the archive holds (sailor-hpc profiles list), or pass --profiles with an "
                               "archive that has them")
-    results: list[SearchResult] = []
-    first_error: SailorError | None = None
-    for dtype in dtypes:
-        try:
-            results.append(search(site, archive, replace(request, dtype=dtype), settings=settings, progress=progress))
-        except SailorError as exc:
-            first_error = first_error or exc
-    if not results:
-        assert first_error is not None
-        raise first_error
-    merged = sorted((c for r in results for c in r.candidates), key=ranking(request))
-    return SearchResult(request, merged, sum(r.search_time_s for r in results),
-                        sum(r.allocations_scored for r in results), sum(r.plans_simulated for r in results),
-                        dict(sum((Counter(r.rejected) for r in results), Counter())),
-                        [c for r in results for c in r.simulated])
-
-
-def ranking(request: PlanRequest) -> Callable[[Candidate], tuple[float, float]]:
-    """Best first: throughput (then cost per hour), cost per sample (then throughput), or expected finish."""
-    goal = request.time_goal
-    if request.objective == "time" and goal is not None:
-        return lambda x: (goal.plan_outlook(x.plan, x.result.iteration_time_s).finish_s, -x.throughput)
-    if request.objective == "throughput":
-        return lambda x: (-x.throughput, x.result.cost_per_hour)
-    return lambda x: (x.result.cost_per_iteration / request.global_batch_size, -x.throughput)
+    return best_over_dtypes(request, dtypes, lambda one: search(site, archive, one, settings=settings,
+                                                                 progress=progress))
 
 
 def _options_per_partition(ev: StageEvaluator, archive: ProfileArchive, request: PlanRequest,
@@ -216,7 +155,7 @@ def _options_per_partition(ev: StageEvaluator, archive: ProfileArchive, request:
     per_part: list[list[Option]] = []
     priced_out = False
     for part in site.partitions:
-        gpus, priced = _partition_gpus(part, available.get(part.name, 0), capacity[part.name], request)
+        gpus, priced = partition_gpus(part, available.get(part.name, 0), capacity[part.name], request)
         priced_out |= priced
         if (gpus <= 0 or request.dtype not in site.gpu(part.gpu_type).dtypes
                 or not archive.has_compute(ev.model.name, part.gpu_type, request.dtype)):
@@ -227,18 +166,6 @@ def _options_per_partition(ev: StageEvaluator, archive: ProfileArchive, request:
         if options:
             per_part.append(options)
     return per_part, priced_out
-
-
-def _partition_gpus(part: Partition, available: int, capacity: int, request: PlanRequest) -> tuple[int, bool]:
-    """GPUs of ``part`` a plan may use under the request's constraints, and whether the cost budget alone
-    leaves none (no more GPUs than the budget buys: templates are ranked on the GPUs they may really get)."""
-    c = request.constraints
-    gpus = available if c.max_gpus is None else min(available, c.max_gpus)
-    priced_out = False
-    if c.max_cost_per_hour is not None and part.cost_per_gpu_hour > 0:
-        gpus = min(gpus, int(c.max_cost_per_hour / part.cost_per_gpu_hour + 1e-9))
-        priced_out = gpus <= 0
-    return min(gpus, capacity), priced_out
 
 
 def _partition_templates(ev: StageEvaluator, archive: ProfileArchive, part: Partition, request: PlanRequest,
@@ -299,7 +226,7 @@ def _partition_options(templates: list[Template], gpus: int, gbs: int, settings:
 
 def _no_partition(request: PlanRequest, site: Site, priced_out: bool) -> SailorError:
     if priced_out:
-        return _infeasible(request, site, {}, [], 0)
+        return infeasible(request, site, {}, [], 0)
     model = get_model(request.model).name
     return SailorError(f"no partition of site {site.name!r} can run {model} in {request.dtype}", file=site.source,
                        field="partitions", fix="check the available GPUs, that their GPU types train in "
@@ -511,37 +438,6 @@ def _simulate_best(site: Site, archive: ProfileArchive, request: PlanRequest, al
     return out, simulated, rejected, fitting
 
 
-def _infeasible(request: PlanRequest, site: Site, rejected: dict[str, int], fitting: list[Candidate],
-                scored: int) -> SailorError:
-    """Explain why no plan met the request: the constraint that cut the most, with the closest value."""
-    c = request.constraints
-    if not scored:
-        limits = ", ".join(f"{k}={v}" for k, v in (("max_gpus", c.max_gpus), ("max_cost_per_hour", c.max_cost_per_hour))
-                           if v is not None)
-        return SailorError(f"no allocation fits the GPU limits ({limits or 'the available GPUs'})",
-                           field="--max-gpus/--max-cost-per-hour",
-                           fix="raise the limit, or make more GPUs available")
-    if fitting and rejected.get("min_throughput"):
-        best = max(x.throughput for x in fitting)
-        return SailorError(f"the fastest plan found reaches {best:.1f} samples/s, below --min-throughput "
-                           f"{c.min_throughput}", field="--min-throughput",
-                           fix="lower it, or allow more GPUs / a higher budget")
-    if fitting and rejected.get("max_cost_per_iteration"):
-        cheapest = min(x.result.cost_per_iteration for x in fitting)
-        return SailorError(f"the cheapest plan this search simulated costs {cheapest:.4g} {site.cost_unit} per "
-                           f"iteration, above --max-cost-per-iteration {c.max_cost_per_iteration}",
-                           field="--max-cost-per-iteration",
-                           fix="raise it, or lower the global batch (`--objective cost` finds the cheapest plan)")
-    if fitting and (rejected.get("deadline") or rejected.get("max_gpu_hours")):
-        return time_infeasible(request, fitting)
-    if not fitting and set(rejected) == {"placement"}:
-        return SailorError(f"no plan of {request.model} packs its TP groups into the nodes a job may take",
-                           field="partitions", file=site.source,
-                           fix="raise max_nodes_per_job, or make more nodes available")
-    return SailorError(f"no plan of {request.model} fits in GPU memory on the available GPUs",
-                       field="--available", fix="make GPUs with more memory available, or a smaller model/batch")
-
-
 def allocation_times(goal: TimeGoal, site: Site, options: tuple[Option, ...], iteration_s: float) -> tuple[float, float]:
     """An allocation's expected start and finish, its GPUs packed into nodes as placement will (the exact
     shape of the placed plan decides among the simulated plans)."""
@@ -559,18 +455,3 @@ def start_now_first(allocations: list[Allocation]) -> list[Allocation]:
     if now is None or now is allocations[0]:
         return allocations
     return [allocations[0], now, *(a for a in allocations[1:] if a is not now)]
-
-
-def time_infeasible(request: PlanRequest, fitting: list[Candidate]) -> SailorError:
-    """No plan meets --deadline / --max-gpu-hours: say the closest one."""
-    goal = request.time_goal
-    assert goal is not None
-    looks = [goal.plan_outlook(c.plan, c.result.iteration_time_s) for c in fitting]
-    if goal.deadline_s is not None and all(o.finish_s > goal.deadline_s for o in looks):
-        best = min(o.finish_s for o in looks)
-        return SailorError(f"the soonest expected finish is {best / 3600:.2f} h from now, after --deadline "
-                           f"({goal.deadline_s / 3600:.2f} h)", field="--deadline",
-                           fix="move the deadline, train fewer steps, or allow a larger budget")
-    least = min(o.gpu_hours for o in looks)
-    return SailorError(f"the plan using the fewest GPU-hours needs {least:.3g}, above --max-gpu-hours "
-                       f"{goal.max_gpu_hours}", field="--max-gpu-hours", fix="raise it, or train fewer steps")

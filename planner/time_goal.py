@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from planner.start_model import StartModel
 from sailor_hpc.core.plan import Plan
-from sailor_hpc.core.site import Site, parse_walltime
+from sailor_hpc.core.site import Site
 from sailor_hpc.core.start_times import QueueSnapshot, RequestShape, StartEstimate, request_shape
 
 MAX_GRACE_S = 300.0  # the job checkpoints this long before its limit (at most a tenth of it), as jobs render it
@@ -140,12 +140,3 @@ def packed_shape(site: Site, gpus_by_partition: Mapping[str, int]) -> RequestSha
         demands[name] = [per] * (gpus // per) + ([gpus % per] if gpus % per else [])
     return request_shape(demands)
 
-
-def free_now_goal(site: Site, steps: int, free: Mapping[str, Mapping[str, int]], *, time_limit: str | None = None,
-                  time_min: str | None = None, restart_cost_s: float | None = None) -> TimeGoal:
-    """The time objective on the GPUs free now (``free``: partition -> node -> free GPUs), as a controller
-    plans: every plan starts now, so plans differ in run time and in the restarts their time limits cost."""
-    return TimeGoal.for_site(site, steps, QueueSnapshot.all_idle(free),
-                             time_limit_s=float(parse_walltime(time_limit)) if time_limit else None,
-                             time_min_s=float(parse_walltime(time_min)) if time_min else None,
-                             restart_cost_s=60.0 if restart_cost_s is None else restart_cost_s)

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from planner.candidates import Candidate, SearchResult
 from planner.pareto import save_chart
-from planner.search import Candidate, SearchResult
 from planner.time_goal import Outlook, TimeGoal
 
 

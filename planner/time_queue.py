@@ -1,14 +1,14 @@
-"""The time objective on a queue read from Slurm: the goal from the user's options, the shown plans ranked again
-on Slurm's own answers. Shared by ``plan --objective time`` and the controller of ``run --objective time``, so
-both rank the same plans the same way; the Slurm calls themselves stay with the caller (the planner never
-calls Slurm): the queue comes in as a snapshot, Slurm's answers through ``test_only``.
+"""The time objective on a queue read from Slurm: the goal from the run's terms, the shown plans ranked again
+on Slurm's own answers (composed by :func:`planner.on_queue.plan_on_state`, which every caller uses). The Slurm
+calls themselves stay with the caller (the planner never calls Slurm): the queue comes in as a snapshot,
+Slurm's answers through ``test_only``.
 """
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
-from planner.search import SearchResult, ranking, time_infeasible
+from planner.candidates import SearchResult, ranking, time_infeasible
 from planner.time_goal import TimeGoal, plan_shape
 from planner.time_strategy import choose
 from sailor_hpc.core.errors import SailorError
@@ -18,18 +18,30 @@ from sailor_hpc.core.start_times import QueueSnapshot, RequestShape
 TestOnly = Callable[[QueueSnapshot, Sequence[tuple[RequestShape, int]]], QueueSnapshot]
 
 
-def queue_goal(site: Site, steps: int, snapshot: QueueSnapshot, *, time_limit: str | None = None,
-               time_min: str | None = None, restart_cost_s: float = 60.0, deadline_s: float | None = None,
-               max_gpu_hours: float | None = None) -> TimeGoal:
-    """The goal of ``steps`` on the queue ``snapshot``; ``time_limit``/``time_min`` are Slurm times (--time,
-    --time-min), ``deadline_s`` seconds from the snapshot."""
-    limit = float(parse_walltime(time_limit)) if time_limit else None
-    tmin = float(parse_walltime(time_min)) if time_min else None
+@dataclass(frozen=True)
+class TimeTerms:
+    """What objective time asks beside the plan request: the steps to train, each job's time limits as Slurm
+    times (--time, --time-min), the seconds a restart costs, and the bounds on the result (``deadline_s``:
+    seconds from the queue's read)."""
+
+    steps: int
+    time_limit: str | None = None
+    time_min: str | None = None
+    restart_cost_s: float = 60.0
+    deadline_s: float | None = None
+    max_gpu_hours: float | None = None
+
+
+def queue_goal(site: Site, terms: TimeTerms, snapshot: QueueSnapshot) -> TimeGoal:
+    """The goal of ``terms`` on the queue ``snapshot``."""
+    limit = float(parse_walltime(terms.time_limit)) if terms.time_limit else None
+    tmin = float(parse_walltime(terms.time_min)) if terms.time_min else None
     if tmin is not None and limit is not None and tmin > limit:
-        raise SailorError(f"--time-min {time_min} is longer than --time {time_limit}", field="--time-min",
+        raise SailorError(f"--time-min {terms.time_min} is longer than --time {terms.time_limit}", field="--time-min",
                           fix="give a minimum below --time")
-    return TimeGoal.for_site(site, steps, snapshot, time_limit_s=limit, time_min_s=tmin,
-                             restart_cost_s=restart_cost_s, deadline_s=deadline_s, max_gpu_hours=max_gpu_hours)
+    return TimeGoal.for_site(site, terms.steps, snapshot, time_limit_s=limit, time_min_s=tmin,
+                             restart_cost_s=terms.restart_cost_s, deadline_s=terms.deadline_s,
+                             max_gpu_hours=terms.max_gpu_hours)
 
 
 def refine(result: SearchResult, test_only: TestOnly | None, top_k: int) -> SearchResult:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from planner.search import Candidate, SearchResult
+from planner.candidates import Candidate, SearchResult
 from planner.time_goal import Outlook, TimeGoal
 
 

@@ -11,13 +11,14 @@ from typing import Any
 import click
 
 from planner import Constraints, PlanRequest
-from planner.entry import plan_search
 from planner.geo import gpus_per_cluster
+from planner.on_queue import QueueState, plan_on_state
 from planner.pareto import plot_pareto
+from planner.time_goal import TimeGoal
 from planner.time_pareto import plot_time_pareto
 from sailor_hpc.cli.job_cmds import ds_config_file, entry_script
 from sailor_hpc.cli.output import echo_json, memory_by_gpu_type_cell, table
-from sailor_hpc.cli.time_planning import TimeOptions, echo_time, refine, time_goal, time_json, timed_job
+from sailor_hpc.cli.time_planning import TimeOptions, echo_time, time_json, time_terms, timed_job
 from sailor_hpc.cli.training_options import job_work
 from sailor_hpc.core.archive import open_archive
 from sailor_hpc.core.atomic import atomic_write_text, removed_on_error
@@ -154,7 +155,8 @@ def _sbatch_job(query: PlanSearch, out: PlanOutputs) -> JobOptions | None:
 
 
 def run_planner(query: PlanSearch, out: PlanOutputs) -> None:
-    """Search (:func:`planner.entry.plan_search`), write what ``out`` asks for, report."""
+    """Plan on the site's GPUs or the queue (:func:`planner.on_queue.plan_on_state`), write what ``out`` asks
+    for, report."""
     site = load_site(query.site_file)
     check_options(query.model, query.seq_len)
     if out.ds_config is not None and query.runtime != "deepspeed":
@@ -166,22 +168,24 @@ def run_planner(query: PlanSearch, out: PlanOutputs) -> None:
                        fix="pass --profiles FILE, set SAILOR_PROFILES, or reinstall to get the embedded default"):
         archive = open_archive(query.archive_path, site)
     objective, steps, top_k = query.objective, query.steps, query.top_k
-    goal, estimator = (time_goal(site, query.model, query.gbs, query.seq_len, steps, query.time)
-                       if objective == "time" else (None, None))
-    request = PlanRequest(model=query.model, global_batch_size=query.gbs, objective=objective,
-                          constraints=query.constraints, available=parse_available(query.available, site),
-                          seq_len=query.seq_len, dtype=query.dtype, space=query.space, runtime=query.runtime,
-                          top_k=top_k, time_goal=goal)
+    terms, snapshot, test_only = (time_terms(site, query.model, query.gbs, query.seq_len, steps, query.time)
+                                  if objective == "time" else (None, None, None))
+    state = QueueState(parse_available(query.available, site), snapshot, test_only)
+
+    def request_for(available: dict[str, int], goal: TimeGoal | None) -> PlanRequest:
+        return PlanRequest(model=query.model, global_batch_size=query.gbs, objective=objective,
+                           constraints=query.constraints, available=available, seq_len=query.seq_len,
+                           dtype=query.dtype, space=query.space, runtime=query.runtime, top_k=top_k, time_goal=goal)
+
     as_json, runtime, space = out.as_json, query.runtime, query.space
     sbatch_out, ds_config_out, pareto = out.sbatch, out.ds_config, out.pareto
     bar = _ProgressBar() if not as_json and sys.stderr.isatty() else None
-    try:
-        result = plan_search(site, archive, request, progress=bar)
+    try:  # objective time: the plans shown ranked again on Slurm's own answers
+        result = plan_on_state(site, archive, state, request_for, terms, top_k=top_k, progress=bar)
     finally:
         if bar is not None:
             bar.close()
-    if goal is not None:
-        result = refine(site, result, estimator, top_k)  # Slurm's own answers for the plans shown
+    request, goal = result.request, result.request.time_goal
     best = result.candidates[0]
     if ds_config_out is not None:  # refused (schedule, optimizer) before any file is written
         write_ds_config(ds_config_out, best.plan, out.train_values, steps or DEFAULT_STEPS)

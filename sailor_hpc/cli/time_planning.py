@@ -16,10 +16,9 @@ from typing import Any
 
 import click
 
-from planner.search import Candidate, SearchResult
+from planner import Candidate, SearchResult
 from planner.time_goal import Outlook, TimeGoal, plan_shape
-from planner.time_queue import queue_goal
-from planner.time_queue import refine as refine_on_queue
+from planner.time_queue import TestOnly, TimeTerms
 from planner.time_strategy import Strategy, choose
 from sailor_hpc.cli.output import table
 from sailor_hpc.core.errors import SailorError
@@ -103,27 +102,35 @@ def run_steps(steps: int | None, opts: TimeOptions, model: str, gbs: int, seq_le
     return max(1, math.ceil(opts.tokens / per_step))
 
 
-def build_goal(site: Site, steps: int, opts: TimeOptions, partitions: list[str],
-               estimator: StartEstimator | None) -> TimeGoal:
-    """The goal on the queue now (``estimator``: Slurm; None: as if every GPU were idle)."""
-    if estimator is None:
-        snapshot = QueueSnapshot.all_idle({p.name: {f"{p.name}-{i}": p.gpus_per_node for i in range(p.nodes)}
-                                           for p in site.partitions}, time.time())
-    else:
-        snapshot = estimator.snapshot(partitions)
+def queue_now(site: Site, opts: TimeOptions) -> tuple[QueueSnapshot, TestOnly | None]:
+    """The queue of every partition now and Slurm's ``sbatch --test-only`` for the shown plans (--queue live);
+    with --queue idle, every GPU of the site idle and no Slurm call."""
+    if opts.queue != "live":
+        return QueueSnapshot.all_idle({p.name: {f"{p.name}-{i}": p.gpus_per_node for i in range(p.nodes)}
+                                       for p in site.partitions}, time.time()), None
+    estimator = StartEstimator()
+    return estimator.snapshot([p.name for p in site.partitions]), partial(estimator.test_only, site)
+
+
+def time_terms(site: Site, model: str, gbs: int, seq_len: int | None, steps: int | None,
+               opts: TimeOptions) -> tuple[TimeTerms, QueueSnapshot, TestOnly | None]:
+    """What ``plan --objective time`` plans on: the run's terms from the options, and the queue they are read
+    against (:func:`queue_now`); :func:`planner.on_queue.plan_on_state` builds the goal from them."""
+    if len(site.clusters) > 1:  # one queue per cluster, and a job per cluster: not modelled
+        raise SailorError(f"objective time reads one Slurm cluster's queue; site {site.name!r} spans "
+                          f"{len(site.clusters)}", file=site.source, field="--objective",
+                          fix="plan each cluster's site file on its own, or use --objective throughput")
+    n = run_steps(steps, opts, model, gbs, seq_len)
+    snapshot, test_only = queue_now(site, opts)
     for name, text in (("--time", opts.time_limit), ("--time-min", opts.time_min)):
         if text:
             parse_time_limit(text, name)  # a malformed time is bad input, said with its option
     deadline = parse_deadline(opts.deadline, snapshot.taken_at) if opts.deadline else None
     if deadline is not None and deadline <= 0:
         raise SailorError(f"--deadline {opts.deadline} has passed", field="--deadline", fix="give a later one")
-    return queue_goal(site, steps, snapshot, time_limit=opts.time_limit, time_min=opts.time_min,
-                      restart_cost_s=opts.restart_cost, deadline_s=deadline, max_gpu_hours=opts.max_gpu_hours)
-
-
-def refine(site: Site, result: SearchResult, estimator: StartEstimator | None, top_k: int) -> SearchResult:
-    """The plans ranked again on Slurm's ``sbatch --test-only`` answers (:func:`planner.time_queue.refine`)."""
-    return refine_on_queue(result, None if estimator is None else partial(estimator.test_only, site), top_k)
+    terms = TimeTerms(n, time_limit=opts.time_limit, time_min=opts.time_min, restart_cost_s=opts.restart_cost,
+                      deadline_s=deadline, max_gpu_hours=opts.max_gpu_hours)
+    return terms, snapshot, test_only
 
 
 def timed_job(job: JobOptions, result: SearchResult, best: Candidate) -> JobOptions:
@@ -201,18 +208,6 @@ def echo_time(result: SearchResult, shown: list[Candidate]) -> None:
             if err else "no measured history error (no sacct history, or too few jobs)")
     click.echo(f"start estimates: {snap.slurm_seconds:.2f} s of Slurm calls; {note}"
                + "".join(f"; {n}" for n in snap.notes))
-
-
-def time_goal(site: Site, model: str, gbs: int, seq_len: int | None, steps: int | None,
-              opts: TimeOptions) -> tuple[TimeGoal, StartEstimator | None]:
-    """The goal of ``plan --objective time`` and the estimator that read the queue (None: --queue idle)."""
-    if len(site.clusters) > 1:  # one queue per cluster, and a job per cluster: not modelled
-        raise SailorError(f"objective time reads one Slurm cluster's queue; site {site.name!r} spans "
-                          f"{len(site.clusters)}", file=site.source, field="--objective",
-                          fix="plan each cluster's site file on its own, or use --objective throughput")
-    n = run_steps(steps, opts, model, gbs, seq_len)
-    estimator = StartEstimator() if opts.queue == "live" else None
-    return build_goal(site, n, opts, [p.name for p in site.partitions], estimator), estimator
 
 
 def time_json(result: SearchResult, shown: list[Candidate]) -> dict[str, Any]:

@@ -25,11 +25,10 @@ from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, TypeVar
 
-from planner import PlanRequest
-from planner.entry import plan_search
-from planner.search import SearchResult
-from planner.time_goal import TimeGoal, free_now_goal, plan_shape
-from planner.time_queue import queue_goal, refine
+from planner import SearchResult
+from planner.on_queue import QueueState, RequestFor, plan_on_state
+from planner.time_goal import TimeGoal, plan_shape
+from planner.time_queue import TimeTerms
 from sailor_hpc.controller.policy import Score
 from sailor_hpc.controller.spec import RunSpec
 from sailor_hpc.core.archive import ProfileArchive
@@ -37,6 +36,7 @@ from sailor_hpc.core.checkpoint import newest_step
 from sailor_hpc.core.errors import NoPlanFits, SailorError
 from sailor_hpc.core.plan import Plan
 from sailor_hpc.core.site import Site
+from sailor_hpc.core.start_times import QueueSnapshot
 from sailor_hpc.jobs.layout import job_layout
 from sailor_hpc.jobs.render import parse_time_limit
 from sailor_hpc.slurm.start_estimate import StartEstimator
@@ -142,15 +142,13 @@ def _plan_on(spec: RunSpec, site: Site, archive: ProfileArchive, free: FreeByNod
     """:func:`plan_on` for one runtime."""
     allowed = partitions_for_time(spec.time_limit, site)
     available = {p.name: int(sum(free.get(p.name, {}).values())) if p.name in allowed else 0 for p in site.partitions}
-    # the run's remaining steps decide its finish: a resized or resumed run has fewer left than it began with
-    goal = (free_now_goal(site, max(1, spec.steps - newest_step(spec.save)), free, time_limit=spec.time_limit,
-                          time_min=spec.time_min,
-                          restart_cost_s=spec.restart_cost_s) if spec.objective == "time" else None)
+    idle = QueueSnapshot.all_idle(free)  # objective time: every plan starts now, they differ in run and restarts
+    time = _time_terms(spec)
     for _ in range(1 + sum(available.values())):
         if sum(available.values()) <= 0:
             break
-        request = spec.plan_request(available, goal, runtime)  # a bad request is bad input (SailorError), not a wait
-        best = _search(site, archive, request).candidates[0]
+        state = QueueState(dict(available), idle)
+        best = _plan_on_state(site, archive, state, partial(spec.plan_request, runtime=runtime), time, 1).candidates[0]
         bad = misfit(best.plan, free)
         if bad is None:
             r = best.result
@@ -201,14 +199,26 @@ def _per_runtime(spec: RunSpec, plan_with: Callable[[str], _T],
     return found[runtime], runtime, why
 
 
-def _search(site: Site, archive: ProfileArchive, request: PlanRequest) -> SearchResult:
-    try:
-        return plan_search(site, archive, request)
-    except NoPlanFits:
-        raise
-    except SailorError as exc:  # the planner finds nothing on these GPUs (memory, profiles of free types)
-        raise NoPlanFits(exc.message, file=exc.file, field=exc.field,
-                         fix="the controller waits for GPUs to become idle") from exc
+def _time_terms(spec: RunSpec) -> TimeTerms | None:
+    """Objective time's terms of the run (None for the other objectives): its remaining steps decide its finish,
+    since a resized or resumed run has fewer left than it began with."""
+    if spec.objective != "time":
+        return None
+    return TimeTerms(max(1, spec.steps - newest_step(spec.save)), time_limit=spec.time_limit, time_min=spec.time_min,
+                     restart_cost_s=60.0 if spec.restart_cost_s is None else spec.restart_cost_s)
+
+
+def _plan_on_state(site: Site, archive: ProfileArchive, state: QueueState, request_for: RequestFor,
+                   time: TimeTerms | None, top_k: int) -> SearchResult:
+    """:func:`planner.on_queue.plan_on_state`, "no plan on these GPUs" (memory, profiles of the free types) a wait
+    (NoPlanFits); a bad request stays bad input (SailorError)."""
+    return plan_on_state(site, archive, state, request_for, time, top_k=top_k, no_plan=_wait)
+
+
+def _wait(exc: SailorError) -> SailorError:
+    if isinstance(exc, NoPlanFits):
+        return exc
+    return NoPlanFits(exc.message, file=exc.file, field=exc.field, fix="the controller waits for GPUs to become idle")
 
 
 def plan_on_queue(spec: RunSpec, site: Site, archive: ProfileArchive, estimator: StartEstimator,
@@ -222,14 +232,13 @@ def plan_on_queue(spec: RunSpec, site: Site, archive: ProfileArchive, estimator:
     snapshot = estimator.snapshot(sorted(allowed))
     if pending:
         snapshot = replace(snapshot, holds=tuple(h for h in snapshot.holds if h.job not in pending))
-    goal = queue_goal(site, max(1, spec.steps - newest_step(spec.save)), snapshot, time_limit=spec.time_limit,
-                      time_min=spec.time_min, restart_cost_s=60.0 if spec.restart_cost_s is None else spec.restart_cost_s)
     available = {p.name: int(sum(snapshot.node_gpus.get(p.name, {}).values())) if p.name in allowed else 0
                  for p in site.partitions}
+    state = QueueState(available, snapshot, partial(estimator.test_only, site))
 
     def on_queue(runtime: str) -> tuple[Planned, TimeGoal]:
-        result = refine(_search(site, archive, spec.plan_request(available, goal, runtime)),
-                        partial(estimator.test_only, site), TEST_ONLY_TOP)
+        result = _plan_on_state(site, archive, state, partial(spec.plan_request, runtime=runtime), _time_terms(spec),
+                                TEST_ONLY_TOP)
         best, ranked = result.candidates[0], result.request.time_goal
         assert ranked is not None
         o = ranked.plan_outlook(best.plan, best.result.iteration_time_s)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from planner import search
+from planner.search import search
 from sailor_hpc.controller.planning import misfit, node_demands, plan_on
 from sailor_hpc.controller.policy import DEFAULT_RESTART_COST_S, Score, judge, plan_shape, restart_cost
 from sailor_hpc.controller.spec import RunSpec

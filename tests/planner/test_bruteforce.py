@@ -12,7 +12,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from planner import Constraints, PlanRequest, search
+from planner import Constraints, PlanRequest
+from planner.search import search
 from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.placement import place_plan
 from sailor_hpc.core.plan import Pipeline, Plan, Stage

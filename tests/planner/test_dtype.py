@@ -5,8 +5,9 @@ from dataclasses import replace
 
 import pytest
 
-from planner import PlanRequest, search
-from planner.search import candidate_dtypes
+from planner import PlanRequest
+from planner.candidates import candidate_dtypes
+from planner.search import search
 from sailor_hpc.core.archive import ComputeEntry
 from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.site import load_site_dict

@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from planner import PlanRequest, search
+from planner import PlanRequest
 from planner.deepspeed_space import deepspeed_search
 from planner.entry import plan_search, search_kind
 from planner.geo import geo_search
+from planner.search import search
 from sailor_hpc.core.deepspeed_plan import engine_refusals
 from sailor_hpc.core.site import load_site_dict
 from tests.planner.conftest import small_site

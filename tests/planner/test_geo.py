@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from planner import PlanRequest, search
+from planner import PlanRequest
 from planner.geo import (
     Chain,
     ChainSettings,
@@ -19,6 +19,7 @@ from planner.geo import (
     gpus_per_cluster,
     linked_groups,
 )
+from planner.search import search
 from planner.templates import uniform_split
 from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.models import get_model

@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from planner import PlanRequest, search
+from planner import PlanRequest
+from planner.search import search
 from sailor_hpc.core.archive import open_archive
 from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.plan import validate_plan

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from planner import Constraints, PlanRequest, search
+from planner import Constraints, PlanRequest
+from planner.search import search
 from sailor_hpc.core.archive import open_archive
 from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.plan import validate_plan

@@ -7,7 +7,8 @@ import random
 
 import pytest
 
-from planner import PlanRequest, search
+from planner import PlanRequest
+from planner.search import search
 from planner.start_model import StartModel, fits
 from planner.time_goal import TimeGoal, grace_s, plan_shape
 from planner.time_pareto import time_front

@@ -119,7 +119,8 @@ def test_time_plan_finishes_first_on_a_busy_cluster(slurm_cluster, busy_a100, tm
 def test_a_backfill_hole_is_planned_and_taken(slurm_cluster, tmp_path) -> None:
     """a100-1 held for 3 minutes, a pending job wants both A100 nodes after it: a100-2 is idle until then
     (Slurm marks it PLANNED). The time objective puts a short run in that hole, and Slurm starts it now."""
-    from planner import PlanRequest, search
+    from planner import PlanRequest
+    from planner.search import search
     from sailor_hpc.core.archive import EMBEDDED_ARCHIVE, read_archive
 
     cluster = slurm_cluster
