@@ -76,7 +76,7 @@ def new_run(opts: dict[str, Any]) -> Path:
     data = absolute_blend(opts["data"])
     train_args = (*pop_training_args(opts), *(opts.get("train_arg") or ()))
     save = Path(opts["save"]).absolute()
-    spec = RunSpec(run_id=new_run_id(), site=str(site_path), model=get_model(opts["model"]).name,
+    spec = RunSpec.of(run_id=new_run_id(), site=str(site_path), model=get_model(opts["model"]).name,
                    objective=opts["objective"], data=data, save=str(save), steps=opts["steps"], gbs=opts["gbs"],
                    profiles=profiles, seq_len=opts.get("seq_len"), dtype=opts.get("dtype") or "auto",
                    max_cost_per_hour=opts.get("max_cost_per_hour"),
@@ -210,7 +210,8 @@ def status_cmd(run_dir: Path, events: bool, as_json: bool) -> None:
                    "changes": [dict(zip(CHANGE_HEADER, row)) for row in change_rows(state)],
                    "records": [encode(r) for r in records]})
         return
-    click.echo(f"run {spec.run_id}: {spec.model} to step {spec.steps} ({spec.objective}, gbs {spec.gbs}) - {phase}; "
+    plan_req, job = spec.planning, spec.job
+    click.echo(f"run {spec.run_id}: {plan_req.model} to step {job.steps} ({plan_req.objective}, gbs {plan_req.gbs}) - {phase}; "
                f"checkpoint {ck.step if ck else '-'}; {state.restarts} restart(s)")
     click.echo(table(ATTEMPT_HEADER, attempt_rows(state)))
     changes = change_rows(state)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sailor_hpc.controller.spec import RunSpec
+from sailor_hpc.controller.spec import JobSpec, RunSpec
 from sailor_hpc.controller.state import RunDir
 from sailor_hpc.core.plan import Plan
 from sailor_hpc.core.site import Site
@@ -18,15 +18,16 @@ from sailor_hpc.jobs.options import ClusterPart, InPlace, JobOptions, Limits, Tr
 from sailor_hpc.jobs.render import render_job_script, write_job_script
 
 
-def attempt_options(spec: RunSpec, plan: Plan, plan_path: Path, rundir: RunDir, *, name: str,
+def attempt_options(job: JobSpec, plan_path: Path, rundir: RunDir, *, model: str, runtime: str, name: str,
                     scope: InPlace | ClusterPart, gate: Path | None = None) -> JobOptions:
-    """The options of one job of the run. With ``gate`` the ranks start at once but load the checkpoint only once
-    that file exists (a job taking over from another)."""
-    return JobOptions(plan_path=plan_path, work=Training(spec.data, spec.save), steps=spec.steps, model=spec.model,
-                      runtime=spec.runtime_of(plan), job_name=name, extra_sbatch=spec.extra_sbatch,
-                      train_args=("--save-interval", str(spec.save_interval), *spec.train_args,
+    """The options of one job of the run, from the spec's job part whole and the plan's model and runtime. With
+    ``gate`` the ranks start at once but load the checkpoint only once that file exists (a job taking over from
+    another)."""
+    return JobOptions(plan_path=plan_path, work=Training(job.data, job.save), steps=job.steps, model=model,
+                      runtime=runtime, job_name=name, extra_sbatch=job.extra_sbatch,
+                      train_args=("--save-interval", str(job.save_interval), *job.train_args,
                                   *(("--wait-for", str(gate)) if gate is not None else ())),
-                      python=spec.python, limits=Limits(spec.time_limit, spec.time_min, spec.signal_grace_s),
+                      python=job.python, limits=Limits(job.time_limit, job.time_min, job.signal_grace_s),
                       workdir=rundir.path, log_dir=rundir.logs, scope=scope,
                       requeue=not isinstance(scope, ClusterPart))  # the controller resubmits a group whole
 
@@ -42,7 +43,8 @@ def write_attempt_plan(rundir: RunDir, plan: Plan, attempt: int) -> Path:
 def write_attempt_script(rundir: RunDir, spec: RunSpec, site: Site, plan: Plan, plan_path: Path, attempt: int, *,
                          name: str, scope: InPlace | ClusterPart, gate: Path | None = None) -> Path:
     """Render and write the job script of the attempt (of one cluster's part for a :class:`ClusterPart`)."""
-    options = attempt_options(spec, plan, plan_path, rundir, name=name, scope=scope, gate=gate)
+    options = attempt_options(spec.job, plan_path, rundir, model=spec.planning.model,
+                              runtime=spec.planning.runtime_of(plan), name=name, scope=scope, gate=gate)
     script = rundir.script_file(attempt, scope.cluster if isinstance(scope, ClusterPart) else None)
     script.parent.mkdir(parents=True, exist_ok=True)
     write_job_script(script, render_job_script(plan, site, options))

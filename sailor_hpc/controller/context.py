@@ -43,8 +43,8 @@ class RunContext:
         self.sleep = sleep
         self.state = RunState()
         self.journal: Journal | None = None  # opened by begin(), under the run's lock
-        self.site: Site = load_site(self.spec.site)
-        self.archive = open_archive(self.spec.profiles, self.site)
+        self.site: Site = load_site(self.spec.planning.site)
+        self.archive = open_archive(self.spec.planning.profiles, self.site)
         self.said: dict[str, str] = {}  # what was last journaled about a repeating condition, per kind
         self._plans: dict[str, Plan] = {}
 
@@ -89,7 +89,7 @@ class RunContext:
         waits = 0
         while True:
             waits += 1
-            self.sleep(min(SLURM_BACKOFF_MAX_S, self.spec.poll_s * 2 ** min(waits, 10)))
+            self.sleep(min(SLURM_BACKOFF_MAX_S, self.spec.control.poll_s * 2 ** min(waits, 10)))
             if answers():
                 return
 
@@ -107,7 +107,7 @@ class RunContext:
         resumed between the gate and the handover would otherwise credit them to the old job)."""
         if cur is not None and cur.successor_loading:
             return
-        path = latest_complete(self.spec.save, deep=False)
+        path = latest_complete(self.spec.job.save, deep=False)
         if path is None:
             return
         manifest = read_manifest(path)
@@ -124,10 +124,10 @@ class RunContext:
         checkpoint (a resize for more GPUs is not a restart), and waits out a back-off."""
         st, spec = self.state, self.spec
         self.checkpoint(None)
-        if self.checkpoint_step() >= spec.steps:
+        if self.checkpoint_step() >= spec.job.steps:
             self.note(records.Finished(step=self.checkpoint_step(), checkpoint=st.checkpoint.path if st.checkpoint else None))
             return False
-        if st.next_reason != RESIZE_REASON and st.restarts_without_progress >= spec.max_restarts and st.attempts:
-            self.note(records.GaveUp(reason=f"all {spec.max_restarts} restarts used without a new checkpoint"))
+        if st.next_reason != RESIZE_REASON and st.restarts_without_progress >= spec.control.max_restarts and st.attempts:
+            self.note(records.GaveUp(reason=f"all {spec.control.max_restarts} restarts used without a new checkpoint"))
             return False
         return st.backoff_until is None or self.clock() >= st.backoff_until

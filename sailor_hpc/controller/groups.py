@@ -137,7 +137,7 @@ class Groups:
         for cluster in used:
             script = write_attempt_script(self.ctx.rundir, s, self.site, plan, plan_path, attempt, name=names[cluster],
                                           scope=ClusterPart(cluster, rdzv))
-            jobs[cluster] = self.ctx.cluster(cluster).submit(script, plan=str(plan_path), site=s.site)[0].id
+            jobs[cluster] = self.ctx.cluster(cluster).submit(script, plan=str(plan_path), site=s.planning.site)[0].id
         self.ctx.note(records.GroupSubmitted(group=attempt, jobs=jobs, clusters=list(used), start_step=start,
                                          plan_file=str(plan_path)))
         self._next_clusters = None
@@ -156,7 +156,7 @@ class Groups:
         states = {c: s.state for c, s in polled.items()}
         whole = set(jobs) == set(cur.clusters)
         if whole and all(st == "COMPLETED" for st in states.values()):
-            self.ctx.note(records.Finished(group=cur.number, step=newest_step(Path(self.spec.save)), states=states))
+            self.ctx.note(records.Finished(group=cur.number, step=newest_step(Path(self.spec.job.save)), states=states))
         elif whole and not any(s.final and s.state != "COMPLETED" for s in polled.values()):
             # pending, running or (some) completed: the group goes on; watching it decides the rest
             self.ctx.note(records.GroupAdopted(group=cur.number, jobs=dict(jobs), states=states))
@@ -181,7 +181,7 @@ class Groups:
         ended = {c: s.state for c, s in states.items() if s.final and s.state != "COMPLETED"}
         pending = [c for c, s in states.items() if s.state == "PENDING"]
         submitted = cur.submitted_t if cur.submitted_t is not None else cur.intent_t
-        if not ended and pending and self.ctx.clock() - submitted > self.spec.grow_timeout_s:
+        if not ended and pending and self.ctx.clock() - submitted > self.spec.control.grow_timeout_s:
             self.ctx.note(records.ClusterDropped(group=cur.number, clusters=pending, reason="pending"))
             self._replan_without(cur, pending, "pending")
             return
@@ -216,7 +216,7 @@ class Groups:
         may show up final after its peers' ranks already failed on the lost connection."""
         deadline = self.ctx.clock() + SETTLE_S
         while len(ended) < len(cur.jobs) and self.ctx.clock() < deadline:
-            self.ctx.sleep(self.spec.poll_s)
+            self.ctx.sleep(self.spec.control.poll_s)
             ended |= {c: s.state for c, s in self._poll(cur.jobs).items()
                       if s.final and s.state != "COMPLETED" and c not in ended}
         return ended
@@ -241,7 +241,7 @@ class Groups:
             if all(s.final for s in self._poll(cur.jobs).values()):
                 self.ctx.note(records.GroupStopped(group=cur.number, reason="rejoin"))
                 return
-            self.ctx.sleep(self.spec.poll_s)
+            self.ctx.sleep(self.spec.control.poll_s)
         self._stop_group(cur, "rejoin: checkpoint request timed out")
 
     # -------------------------------------------------------------------------------------------- regrow
@@ -260,7 +260,7 @@ class Groups:
         if self.ctx.checkpoint_step() <= (cur.start_step or 0):
             return []  # the group has not saved anything yet: moving now would recompute its steps
         back = [c for c, t in self.ctx.state.left.items()
-                if now - max(t, self._regrow_refused.get(c, t)) >= self.spec.replan_interval_s
+                if now - max(t, self._regrow_refused.get(c, t)) >= self.spec.control.replan_interval_s
                 and self._has_idle_gpus(c)]
         if back and not self._worth_regrowing(cur, tuple(back)):
             self._regrow_refused.update({c: now for c in back})  # not worth it now: asked again a replan interval later
@@ -269,7 +269,7 @@ class Groups:
 
     def _score(self, plan: Plan) -> Score:
         """The plan scored as the planner scores it: simulated as the runtime that will run it runs it."""
-        r = simulate(plan, self.site, self.archive, options=SimOptions(runtime=self.spec.runtime_of(plan)))
+        r = simulate(plan, self.site, self.archive, options=SimOptions(runtime=self.spec.planning.runtime_of(plan)))
         return Score(r.throughput_samples_per_s, r.cost_per_hour)
 
     def _worth_regrowing(self, cur: Attempt, back: tuple[str, ...]) -> bool:
@@ -283,9 +283,9 @@ class Groups:
         except (SailorError, SlurmUnavailable) as exc:  # no plan fits the grown clusters, or one does not answer
             self.ctx.note(records.RegrowDecision(group=cur.number, clusters=list(back), resize=False, reason=str(exc)))
             return False
-        remaining = max(0, self.spec.steps - self.ctx.checkpoint_step()) * self.spec.gbs
-        verdict = judge(self.spec.objective, current, candidate, remaining,
-                        restart_cost(self.spec.restart_cost_s, self.ctx.state.restart_costs), self.spec.min_gain)
+        remaining = max(0, self.spec.job.steps - self.ctx.checkpoint_step()) * self.spec.planning.gbs
+        verdict = judge(self.spec.planning.objective, current, candidate, remaining,
+                        restart_cost(self.spec.control.restart_cost_s, self.ctx.state.restart_costs), self.spec.control.min_gain)
         self.ctx.note(records.RegrowDecision(group=cur.number, clusters=list(back), **verdict.to_dict()))
         return verdict.resize
 

@@ -53,8 +53,8 @@ class Grower:
             planned = plan_on(self.ctx.spec, self.ctx.site, self.ctx.archive, obs.idle)
         except NoPlanFits:
             return False
-        if not judge(self.ctx.spec.objective, Score(cur.throughput, cur.cost_per_hour), planned.score, remaining,
-                     restart_s, self.ctx.spec.min_gain).resize:
+        if not judge(self.ctx.spec.planning.objective, Score(cur.throughput, cur.cost_per_hour), planned.score, remaining,
+                     restart_s, self.ctx.spec.control.min_gain).resize:
             return False
         number = len(self.ctx.state.attempts) + 1
         name = job_name(self.ctx.spec.run_id, number)
@@ -63,7 +63,7 @@ class Grower:
         self.ctx.note(records.PlanChosen(reason=RESIZE_REASON, available=obs.available, planner_available=planned.available,
                   plan_file=str(plan_path), **planned.summary()))
         try:
-            job, rec = self.cluster.submit(script, plan=str(plan_path), site=self.ctx.spec.site)
+            job, rec = self.cluster.submit(script, plan=str(plan_path), site=self.ctx.spec.planning.site)
         except SailorError as exc:  # sbatch refused the bigger job: train on where it is, judge again later
             self.ctx.note(records.ErrorSeen(message=str(exc), where="sbatch (bigger job)"))
             self.ctx.note(records.Baseline(available=obs.available))
@@ -86,9 +86,9 @@ class Grower:
             self.ctx.note(records.GrowRunning(attempt=cur.number, job_id=succ.grown.job_id, nodes=hosts))
         if succ.running_t is not None and cur.stop is None and self._successor_ready(succ):
             self.stop(cur, "resize")
-        elif cur.stop is None and (job.final or self.ctx.clock() - succ.grown.t > self.ctx.spec.grow_timeout_s):
+        elif cur.stop is None and (job.final or self.ctx.clock() - succ.grown.t > self.ctx.spec.control.grow_timeout_s):
             why = f"ended ({job.state}) before its ranks were ready" if job.final else \
-                f"its ranks were not ready {self.ctx.spec.grow_timeout_s:.0f} s after it was submitted"
+                f"its ranks were not ready {self.ctx.spec.control.grow_timeout_s:.0f} s after it was submitted"
             self.drop_successor(cur, why)
 
     def _successor_ready(self, succ: Successor) -> bool:

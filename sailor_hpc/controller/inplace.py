@@ -132,7 +132,7 @@ def next_step(run_dir: Path, job_plan_file: Path, step_plan_file: Path, step: in
     t_end = time.time()
     rd = RunDir(run_dir)
     spec = rd.spec()
-    site = load_site(spec.site)
+    site = load_site(spec.planning.site)
     job_plan = load_plan(job_plan_file, validate=False)
     step_plan = load_plan(step_plan_file, validate=False)
     comps = job_components(job_id)
@@ -143,7 +143,7 @@ def next_step(run_dir: Path, job_plan_file: Path, step_plan_file: Path, step: in
     if not lost:
         return None  # finished, saved on a signal, asked to resize, or failed: the job ends as it always did
     free = survivors(comps, job_plan, lost)
-    planned: Planned = plan_on(spec, site, open_archive(spec.profiles, site), free)
+    planned: Planned = plan_on(spec, site, open_archive(spec.planning.profiles, site), free)
     cpus = [c.cpus_per_task for c in components_for(job_layout(job_plan), site)]
     opts, nodes = step_components(planned.plan, comps, free, len(comps) > 1, cpus)
     released, refused = release(comps, set(nodes), lost)

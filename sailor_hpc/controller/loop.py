@@ -106,7 +106,7 @@ class Controller:
             if cur is not None and ctx.state.current is None and ctx.state.backoff_until is None:
                 continue  # the attempt is gone: plan and submit the next one now, not a poll later
             if not (ctx.state.finished or ctx.state.gave_up):
-                ctx.sleep(ctx.spec.poll_s)
+                ctx.sleep(ctx.spec.control.poll_s)
 
     def _wait_out(self, exc: SlurmUnavailable) -> None:
         """A Slurm outage: journal it once, wait with back-off until every cluster the run uses answers, journal

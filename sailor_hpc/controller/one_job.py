@@ -145,7 +145,7 @@ class OneJob:
 
     def _watcher(self, cur: Attempt) -> JobWatcher:
         if cur.number not in self._watchers:
-            w = self.cluster.watcher(poll_s=self.spec.poll_s, lost_after_s=JOB_LOST_AFTER_S)
+            w = self.cluster.watcher(poll_s=self.spec.control.poll_s, lost_after_s=JOB_LOST_AFTER_S)
             w.add([cur.job_id])  # type: ignore[list-item]
             self._watchers[cur.number] = w
         return self._watchers[cur.number]
@@ -176,7 +176,7 @@ class OneJob:
             return
         obs = self.observe(None)
         try:
-            planned = (plan_on_queue(spec, self.site, self.archive, self.estimator)[0] if spec.objective == "time"
+            planned = (plan_on_queue(spec, self.site, self.archive, self.estimator)[0] if spec.planning.objective == "time"
                        else plan_on(spec, self.site, self.archive, obs.free))
         except NoPlanFits as exc:  # nothing free that fits (or the constraints exclude all): wait
             self.ctx.note_once(records.NoPlan(message=str(exc), available=obs.available))
@@ -203,7 +203,7 @@ class OneJob:
                   gpus=planned.summary()["gpus"], throughput=planned.score.throughput,
                   cost_per_hour=planned.score.cost_per_hour))
         try:
-            _, rec = self.cluster.submit(script, plan=str(plan_path), site=spec.site)
+            _, rec = self.cluster.submit(script, plan=str(plan_path), site=spec.planning.site)
         except SailorError as exc:  # sbatch refused the job: the attempt fails (back-off, then give up)
             self.ctx.note(records.ErrorSeen(message=str(exc), where="sbatch"))
             self.ctx.note(records.JobGone(attempt=number, job_id=None, state="NOT_SUBMITTED"))
@@ -255,7 +255,7 @@ class OneJob:
                 self._consider_resize(cur, obs, tail)
             return
         if cur.running_t is None and not job.final and job.state != "LOST" and not cur.lost_nodes:
-            if self.spec.objective == "time" and job.state == "PENDING":
+            if self.spec.planning.objective == "time" and job.state == "PENDING":
                 self._judge_pending(cur, obs.t)
             return  # queued: waiting is the queue's business (excluded from recovery time)
         self._end(cur, job, tail)
@@ -312,12 +312,12 @@ class OneJob:
         """Objective time, the job pends: every ``replan_interval`` re-plan on the current queue; when another
         plan finishes first by more than ``min_gain``, cancel the pending job (the next poll submits the best
         plan). A wait that still pays is journaled once per job."""
-        if now - self._queue_judged_t < self.spec.replan_interval_s or cur.job_id is None:
+        if now - self._queue_judged_t < self.spec.control.replan_interval_s or cur.job_id is None:
             return
         self._queue_judged_t = now
         try:
             v = judge_pending(self.spec, self.site, self.archive, self.estimator, cur.job_id,
-                              self.ctx.plan(cur.plan_file), self.spec.gbs / cur.throughput)
+                              self.ctx.plan(cur.plan_file), self.spec.planning.gbs / cur.throughput)
         except NoPlanFits as exc:
             self.ctx.note_once(records.NoPlan(message=str(exc), available={}))
             return
@@ -349,7 +349,7 @@ class OneJob:
             if any(obs.available.get(p, 0) < n for p, n in st.baseline.items()):
                 self.ctx.note(records.Baseline(available=obs.available))  # fewer free now: a later return counts
             return
-        if st.last_replan_t is not None and obs.t - st.last_replan_t < spec.replan_interval_s:
+        if st.last_replan_t is not None and obs.t - st.last_replan_t < spec.control.replan_interval_s:
             return
         rec = self.ctx.note(records.IdleGpus(attempt=cur.number, change={p: list(v) for p, v in more.items()},
                         available=obs.available))
@@ -359,13 +359,13 @@ class OneJob:
             self.ctx.note(records.Baseline(available=obs.available, note=str(exc)))
             return
         step = (tail.progress.last_step if tail is not None else None) or self.ctx.checkpoint_step()
-        remaining = max(0, spec.steps - step) * spec.gbs
-        restart_s = restart_cost(spec.restart_cost_s, st.restart_costs)
+        remaining = max(0, spec.job.steps - step) * spec.planning.gbs
+        restart_s = restart_cost(spec.control.restart_cost_s, st.restart_costs)
         if plan_shape(planned.plan) == plan_shape(self.ctx.plan(cur.plan_file)):
             verdict = Verdict(False, 0.0, 0.0, 0.0, "the best plan on the new availability is the current one")
         else:
-            verdict = judge(spec.objective, Score(cur.throughput, cur.cost_per_hour), planned.score, remaining,
-                            restart_s, spec.min_gain)
+            verdict = judge(spec.planning.objective, Score(cur.throughput, cur.cost_per_hour), planned.score, remaining,
+                            restart_s, spec.control.min_gain)
         self.ctx.note(records.Decision(attempt=cur.number, action="resize" if verdict.resize else "keep",
                   trigger=records.Kind.IDLE_GPUS, trigger_t=rec.t, candidate=planned.summary(),
                   current={"gpus": cur.gpus, "throughput": cur.throughput, "cost_per_hour": cur.cost_per_hour},
@@ -401,7 +401,7 @@ class OneJob:
         if not early:  # else newer checkpoints are the bigger job's: journaled once it is the run's job
             self.ctx.checkpoint(cur)
         self.ctx.note(records.JobGone(attempt=cur.number, job_id=cur.job_id, state=final))
-        if self.ctx.checkpoint_step() >= self.spec.steps:
+        if self.ctx.checkpoint_step() >= self.spec.job.steps:
             if cur.waits_for_successor:
                 self.grower.drop_successor(cur, "the run is finished")
             ck = self.ctx.state.checkpoint
@@ -420,7 +420,7 @@ class OneJob:
         """A job that never trained a step: wait longer after each such failure in a row before the next."""
         self.ctx.note(records.Failure(attempt=cur.number, reason=reason))
         k = self.ctx.state.failures_in_a_row
-        wait = min(self.spec.backoff_max_s, self.spec.backoff_s * 2 ** (k - 1)) if k > 0 else 0.0
+        wait = min(self.spec.control.backoff_max_s, self.spec.control.backoff_s * 2 ** (k - 1)) if k > 0 else 0.0
         if wait > 0:
             self.ctx.note(records.Backoff(seconds=wait, until=self.ctx.clock() + wait))
 

@@ -140,7 +140,7 @@ def plan_on(spec: RunSpec, site: Site, archive: ProfileArchive, free: FreeByNode
 
 def _plan_on(spec: RunSpec, site: Site, archive: ProfileArchive, free: FreeByNode, runtime: str) -> Planned:
     """:func:`plan_on` for one runtime."""
-    allowed = partitions_for_time(spec.time_limit, site)
+    allowed = partitions_for_time(spec.job.time_limit, site)
     available = {p.name: int(sum(free.get(p.name, {}).values())) if p.name in allowed else 0 for p in site.partitions}
     idle = QueueSnapshot.all_idle(free)  # objective time: every plan starts now, they differ in run and restarts
     time = _time_terms(spec)
@@ -148,7 +148,7 @@ def _plan_on(spec: RunSpec, site: Site, archive: ProfileArchive, free: FreeByNod
         if sum(available.values()) <= 0:
             break
         state = QueueState(dict(available), idle)
-        best = _plan_on_state(site, archive, state, partial(spec.plan_request, runtime=runtime), time, 1).candidates[0]
+        best = _plan_on_state(site, archive, state, partial(spec.planning.request, runtime=runtime), time, 1).candidates[0]
         bad = misfit(best.plan, free)
         if bad is None:
             r = best.result
@@ -175,8 +175,8 @@ def _per_runtime(spec: RunSpec, plan_with: Callable[[str], _T],
     """``plan_with(runtime)`` for the run's runtime; under ``auto`` for both, taking DeepSpeed's plan when its
     objective measure is within ``min_gain`` of megatron_patch's (or when only one runtime has a plan on these
     GPUs). Returns the result, its runtime and why (None: the run has one runtime)."""
-    if spec.runtime != "auto":
-        return plan_with(spec.runtime), spec.runtime, None
+    if spec.planning.runtime != "auto":
+        return plan_with(spec.planning.runtime), spec.planning.runtime, None
     found: dict[str, _T] = {}
     failed: dict[str, NoPlanFits] = {}
     for runtime in AUTO_RUNTIMES:
@@ -190,22 +190,23 @@ def _per_runtime(spec: RunSpec, plan_with: Callable[[str], _T],
         (runtime, result), = found.items()
         other = next(iter(failed))
         return result, runtime, f"only {runtime} has a plan here ({other}: {failed[other].message})"
-    ds, mp = (_measure(spec.objective, planned_of(found[r])) for r in AUTO_RUNTIMES)
+    ds, mp = (_measure(spec.planning.objective, planned_of(found[r])) for r in AUTO_RUNTIMES)
     behind = ds / mp - 1.0 if math.isfinite(ds) and mp > 0 else math.inf
-    runtime = "deepspeed" if behind <= spec.min_gain else "megatron_patch"
-    what = "expected finish" if planned_of(found["deepspeed"]).queue is not None else spec.objective
+    runtime = "deepspeed" if behind <= spec.control.min_gain else "megatron_patch"
+    what = "expected finish" if planned_of(found["deepspeed"]).queue is not None else spec.planning.objective
     why = (f"DeepSpeed's best plan is {100 * behind:+.1f} % behind megatron_patch's in {what} "
-           f"({'<=' if runtime == 'deepspeed' else '>'} min_gain {100 * spec.min_gain:.0f} %)")
+           f"({'<=' if runtime == 'deepspeed' else '>'} min_gain {100 * spec.control.min_gain:.0f} %)")
     return found[runtime], runtime, why
 
 
 def _time_terms(spec: RunSpec) -> TimeTerms | None:
     """Objective time's terms of the run (None for the other objectives): its remaining steps decide its finish,
     since a resized or resumed run has fewer left than it began with."""
-    if spec.objective != "time":
+    if spec.planning.objective != "time":
         return None
-    return TimeTerms(max(1, spec.steps - newest_step(spec.save)), time_limit=spec.time_limit, time_min=spec.time_min,
-                     restart_cost_s=60.0 if spec.restart_cost_s is None else spec.restart_cost_s)
+    job = spec.job
+    return TimeTerms(max(1, job.steps - newest_step(job.save)), time_limit=job.time_limit, time_min=job.time_min,
+                     restart_cost_s=60.0 if spec.control.restart_cost_s is None else spec.control.restart_cost_s)
 
 
 def _plan_on_state(site: Site, archive: ProfileArchive, state: QueueState, request_for: RequestFor,
@@ -227,7 +228,7 @@ def plan_on_queue(spec: RunSpec, site: Site, archive: ProfileArchive, estimator:
     same goal and ranking as ``plan --objective time``), and the goal it was ranked on. ``pending``: the job
     ids of the run's own pending job, left out of the queue (it is the one being judged, not a blocker).
     Runtime auto: the runtime chosen as :func:`_per_runtime` says, on the same queue read."""
-    allowed = partitions_for_time(spec.time_limit, site)
+    allowed = partitions_for_time(spec.job.time_limit, site)
     estimator.new_plan()  # each re-plan gets the whole budget of Slurm calls
     snapshot = estimator.snapshot(sorted(allowed))
     if pending:
@@ -237,7 +238,7 @@ def plan_on_queue(spec: RunSpec, site: Site, archive: ProfileArchive, estimator:
     state = QueueState(available, snapshot, partial(estimator.test_only, site))
 
     def on_queue(runtime: str) -> tuple[Planned, TimeGoal]:
-        result = _plan_on_state(site, archive, state, partial(spec.plan_request, runtime=runtime), _time_terms(spec),
+        result = _plan_on_state(site, archive, state, partial(spec.planning.request, runtime=runtime), _time_terms(spec),
                                 TEST_ONLY_TOP)
         best, ranked = result.candidates[0], result.request.time_goal
         assert ranked is not None
@@ -265,9 +266,9 @@ def judge_pending(spec: RunSpec, site: Site, archive: ProfileArchive, estimator:
         return PendingVerdict(False, best, mine.finish_s, mine.start.start_s, 0.0,
                               "the pending job's plan is still the one that finishes first")
     gain = (mine.finish_s - best.queue.finish_s) / mine.finish_s if math.isfinite(mine.finish_s) else 1.0
-    move = gain > spec.min_gain
+    move = gain > spec.control.min_gain
     reason = (f"pending job: start in {mine.start.start_s:.0f} s ({mine.start.source}), finish in "
               f"{mine.finish_s:.0f} s; best plan {best.plan.gpus_by_partition()}: start in {best.queue.start_s:.0f} s "
               f"({best.queue.source}), finish in {best.queue.finish_s:.0f} s; gain {100 * gain:.0f} % "
-              f"{'>' if move else '<='} min_gain {100 * spec.min_gain:.0f} %")
+              f"{'>' if move else '<='} min_gain {100 * spec.control.min_gain:.0f} %")
     return PendingVerdict(move, best, mine.finish_s, mine.start.start_s, gain, reason)

@@ -87,7 +87,7 @@ def test_run_spec_keeps_the_options_for_every_job_it_submits(tmp_path: Path) -> 
     ctx = run_group.make_context("run", args)
     run_dir = new_run({k: v for k, v in ctx.params.items() if k != "resume_dir"})
     spec = RunSpec.read(run_dir / "run.json")
-    assert spec.data == f"0.7 {a} 0.3 {b}" and "--lr-decay-style" in spec.train_args
+    assert spec.job.data == f"0.7 {a} 0.3 {b}" and "--lr-decay-style" in spec.job.train_args
     rd = RunDir.existing(run_dir)
     site = load_site(LOCAL_LAB)
     plan = load_plan(write_plan(tmp_path, "het-mixed"), site=site)

@@ -37,7 +37,7 @@ ADAM = ["--adam-eps", "1e-5"]  # see tests/megatron_patch/test_exactness.py: exa
 def started_run(root: Path, steps: int) -> tuple[RunDir, Journal]:
     """A run directory on the local lab whose journal holds the intent to submit attempt 1 (one V100), as a
     controller killed right after ``sbatch`` leaves it; the journal stays open for more records."""
-    spec = RunSpec(run_id=new_run_id(), site=str(LOCAL_LAB), model=MODEL, objective="throughput",
+    spec = RunSpec.of(run_id=new_run_id(), site=str(LOCAL_LAB), model=MODEL, objective="throughput",
                    data=str(root / "d"), save=str(root / "ckpt"), steps=steps, gbs=GBS,
                    profiles=str(write_tiny_archive(root / "tiny.h5")))
     rd = RunDir.create(root / "run", spec)

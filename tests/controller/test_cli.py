@@ -55,7 +55,7 @@ def test_resume_refuses_run_options_and_non_run_dirs(tmp_path: Path):
 
 
 def _fake_run(tmp_path: Path, archive: Path) -> RunDir:
-    spec = RunSpec(run_id="feed01", site=str(LOCAL_LAB), model="tiny-gpt", objective="throughput",
+    spec = RunSpec.of(run_id="feed01", site=str(LOCAL_LAB), model="tiny-gpt", objective="throughput",
                    data=str(tmp_path / "d"), save=str(tmp_path / "ckpt"), steps=60, gbs=64, profiles=str(archive))
     rd = RunDir.create(tmp_path / "run", spec)
     t = iter(range(100, 200))
@@ -113,12 +113,12 @@ def test_replans_only_on_partitions_that_admit_the_time_limit(archive: Path):
     assert partitions_for_time("1-00:00:00", short_a100) == {"v100"}
     assert partitions_for_time("12:00:00", short_a100) == {"a100", "v100"}
     assert partitions_for_time(None, short_a100) == {"a100", "v100"}
-    spec = RunSpec(run_id="r1", site=str(LOCAL_LAB), model="tiny-gpt", objective="throughput", data="/d", save="/s",
+    spec = RunSpec.of(run_id="r1", site=str(LOCAL_LAB), model="tiny-gpt", objective="throughput", data="/d", save="/s",
                    steps=10, gbs=64, profiles=str(archive), time_limit="1-00:00:00")
     free = {"a100": {"a100-1": 4, "a100-2": 4}, "v100": {"v100-1": 8, "v100-2": 8}}
     arch = open_archive(str(archive), short_a100)
     assert set(plan_on(spec, short_a100, arch, free).summary()["gpus"]) == {"v100"}
-    assert "a100" in plan_on(replace(spec, time_limit="12:00:00"), short_a100, arch, free).summary()["gpus"]
+    assert "a100" in plan_on(spec.changed(time_limit="12:00:00"), short_a100, arch, free).summary()["gpus"]
 
 
 def test_a_site_of_several_clusters_is_run_by_the_co_scheduler(tmp_path: Path, archive: Path):

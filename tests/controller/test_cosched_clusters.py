@@ -88,7 +88,7 @@ def story(slurm_two_clusters, tmp_path_factory: pytest.TempPathFactory, job_env_
     plans = {("lab", "lab2"): cross_plan(site, "a100", "a100_lab2"), ("lab",): place_plan(one_pipe, site)}
     # the simulated A100s finish what is left of the run in seconds, so any real restart would rightly cost more
     # than growing gains: a free restart lets the policy judge on the throughputs alone
-    spec = RunSpec(run_id=new_run_id(), site=str(site_file), model="tiny-gpt", objective="throughput", data=data,
+    spec = RunSpec.of(run_id=new_run_id(), site=str(site_file), model="tiny-gpt", objective="throughput", data=data,
                    save=str(root / "ckpt"), steps=STEPS, gbs=8, profiles=str(write_tiny_archive(root / "tiny.h5")),
                    grow_timeout_s=4.0, replan_interval_s=2.0, poll_s=0.3, save_interval=1, restart_cost_s=0.0,
                    train_args=tuple(ADAM))
@@ -229,7 +229,7 @@ def test_the_planner_plans_only_on_the_clusters_it_is_given(story, slurm_two_clu
     idle = idle_by_node(site, [cluster("lab"), cluster("lab2")])
     # the fake nodes of start.sh: a100-1 and a100-2 with 4 GPUs each, in both clusters (same names)
     assert idle == {"a100": {"a100-1": 4, "a100-2": 4}, "a100_lab2": {"a100-1": 4, "a100-2": 4}}
-    spec = RunSpec(run_id="geo", site="<two local clusters>", model="tiny-gpt", objective="throughput", data="/d",
+    spec = RunSpec.of(run_id="geo", site="<two local clusters>", model="tiny-gpt", objective="throughput", data="/d",
                    save="/s", steps=1, gbs=8)
     archive = read_archive(write_tiny_archive(tmp_path / "tiny.h5"), EMBEDDED_ARCHIVE)
     plan_for = planner_plan_for(spec, site, archive, cluster)

@@ -128,11 +128,11 @@ def test_replanning_on_several_clusters_uses_the_chains_of_geo_search(tmp_path: 
     ranks partition-local plans and chains across the clusters together."""
     site = two_lab_site(tmp_path / "lab", tmp_path / "lab2")
     archive = read_archive(write_tiny_archive(tmp_path / "tiny.h5"), EMBEDDED_ARCHIVE)
-    spec = RunSpec(run_id="g", site="<two>", model="tiny-gpt", objective="throughput", data="/d", save="/s", steps=1,
+    spec = RunSpec.of(run_id="g", site="<two>", model="tiny-gpt", objective="throughput", data="/d", save="/s", steps=1,
                    gbs=8)
     free = {"a100": {"a100-1": 4, "a100-2": 4}, "a100_lab2": {"a100-1": 4, "a100-2": 4}}
     planned = plan_on(spec, site, archive, free)
-    best = geo_search(site, archive, spec.plan_request({"a100": 8, "a100_lab2": 8})).candidates[0]
+    best = geo_search(site, archive, spec.planning.request({"a100": 8, "a100_lab2": 8})).candidates[0]
     assert planned.plan.pipelines == best.plan.pipelines
     assert planned.score.throughput == pytest.approx(best.result.throughput_samples_per_s)
 
@@ -145,7 +145,7 @@ def test_growing_back_must_pay_for_its_restart(tmp_path: Path, restart_cost_s: f
     site_file.write_text(dump_toml(two_lab_doc(tmp_path / "lab", tmp_path / "lab2", gbps=100.0)))
     site = load_site(site_file)
     archive = write_tiny_archive(tmp_path / "tiny.h5")
-    spec = RunSpec(run_id="g", site=str(site_file), model="tiny-gpt", objective="throughput", data="/d",
+    spec = RunSpec.of(run_id="g", site=str(site_file), model="tiny-gpt", objective="throughput", data="/d",
                    save=str(tmp_path / "ckpt"), steps=40, gbs=8, profiles=str(archive), restart_cost_s=restart_cost_s)
     lab = place_plan(Plan("tiny-gpt", 8, (Pipeline(2, 4, (Stage(0, 2, 1, A100, "a100"), Stage(3, 5, 1, A100, "a100"))),)),
                      site)

@@ -67,7 +67,7 @@ def test_a_geo_run_waits_out_outages_while_it_submits_and_trains(slurm_two_clust
     site_file = tmp_path / "two-labs.toml"
     site_file.write_text(dump_toml(two_lab_doc(lab.lab, lab2.lab, gbps=100.0)))
     both = cross_plan(load_site(site_file), "a100", "a100_lab2")
-    spec = RunSpec(run_id=new_run_id(), site=str(site_file), model="tiny-gpt", objective="throughput", data=data,
+    spec = RunSpec.of(run_id=new_run_id(), site=str(site_file), model="tiny-gpt", objective="throughput", data=data,
                    save=str(tmp_path / "ckpt"), steps=STEPS, gbs=8, profiles=str(write_tiny_archive(tmp_path / "tiny.h5")),
                    grow_timeout_s=120.0, poll_s=0.3, save_interval=1, train_args=tuple(ADAM))
     rundir = RunDir.create(tmp_path / "run", spec)
@@ -155,7 +155,7 @@ def test_a_geo_run_gives_up_after_its_restarts_without_a_checkpoint(slurm_two_cl
     site_file = tmp_path / "two-labs.toml"
     site_file.write_text(dump_toml(two_lab_doc(lab.lab, lab2.lab, gbps=100.0)))
     both = cross_plan(load_site(site_file), "a100", "a100_lab2")
-    spec = RunSpec(run_id=new_run_id(), site=str(site_file), model="tiny-gpt", objective="throughput",
+    spec = RunSpec.of(run_id=new_run_id(), site=str(site_file), model="tiny-gpt", objective="throughput",
                    data=str(tmp_path / "data"), save=str(tmp_path / "ckpt"), steps=STEPS, gbs=8,
                    profiles=str(write_tiny_archive(tmp_path / "tiny.h5")), poll_s=0.3, max_restarts=1,
                    python=str(tmp_path / "no-python"), extra_sbatch=("--mem=600M",), time_limit="00:20:00",

@@ -57,11 +57,11 @@ def test_the_grown_jobs_checkpoint_is_its_own_after_a_resume(tmp_path: Path) -> 
              throughput=2.0, cost_per_hour=1.0))
     j.append(GrowRunning(attempt=1, job_id="8", nodes=["v100-1", "v100-2"]))
     j.append(SignalSent(attempt=1, job_id="7", signal="USR1", reason="resize"))
-    _save(Path(spec.save), 40)
-    j.append(CheckpointSeen(attempt=1, step=40, consumed_samples=40 * GBS, path=str(step_dir(spec.save, 40))))
+    _save(Path(spec.job.save), 40)
+    j.append(CheckpointSeen(attempt=1, step=40, consumed_samples=40 * GBS, path=str(step_dir(spec.job.save, 40))))
     j.append(GateOpened(attempt=1, next_attempt=2, job_id="8"))
     assert fold(j.records).attempt(1).successor_loading
-    _save(Path(spec.save), 45)  # the bigger job's first save, while no controller ran
+    _save(Path(spec.job.save), 45)  # the bigger job's first save, while no controller ran
 
     ctl = Controller(rd)
     with rd.lock():

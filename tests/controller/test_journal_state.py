@@ -42,7 +42,7 @@ REPO = Path(__file__).resolve().parents[2]
 def spec(**kw) -> RunSpec:
     base = dict(run_id="r1", site="/site.toml", model="tiny-gpt", objective="throughput", data="/data", save="/ckpt",
                 steps=60, gbs=64)
-    return RunSpec(**{**base, **kw})
+    return RunSpec.of(**{**base, **kw})
 
 
 def test_appends_survive_a_torn_last_line(tmp_path: Path):
@@ -241,7 +241,7 @@ def test_fold_of_an_in_place_step_and_a_grown_job(tmp_path: Path):
 
 
 def test_time_min_must_be_a_time_within_the_limit():
-    assert spec(time_min="00:05:00", time_limit="00:10:00").time_min == "00:05:00"
+    assert spec(time_min="00:05:00", time_limit="00:10:00").job.time_min == "00:05:00"
     for bad in (dict(time_min="00:20:00", time_limit="00:10:00"), dict(time_min="soon")):
         with pytest.raises(SailorError) as err:
             spec(**bad)

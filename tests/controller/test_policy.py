@@ -54,7 +54,7 @@ def test_misfit_checks_nodes_not_totals():
 def tiny(tmp_path_factory: pytest.TempPathFactory):
     path = write_tiny_archive(tmp_path_factory.mktemp("tiny") / "tiny.h5")
     site = load_site(LOCAL_LAB)
-    spec = RunSpec(run_id="abc123", site=str(LOCAL_LAB), model=MODEL, objective="throughput", data="/d", save="/s",
+    spec = RunSpec.of(run_id="abc123", site=str(LOCAL_LAB), model=MODEL, objective="throughput", data="/d", save="/s",
                    steps=60, gbs=GBS, profiles=str(path), max_gpus=2, max_stages=2)
     return spec, site, read_archive(path, EMBEDDED_ARCHIVE)
 
@@ -81,11 +81,11 @@ def test_plans_of_the_cluster_scenario(tiny):
 def test_replanning_respects_free_gpus_per_node(tiny):
     spec, site, archive = tiny
     free = {"a100": {"a100-1": 1, "a100-2": 1}, "v100": {}}
-    unconstrained = search(site, archive, spec.plan_request({"a100": 2, "v100": 0})).candidates[0].plan
+    unconstrained = search(site, archive, spec.planning.request({"a100": 2, "v100": 0})).candidates[0].plan
     assert misfit(unconstrained, free) == "a100"  # its 2 ranks share one node: cannot start on 1 + 1
     got = plan_on(spec, site, archive, free)
     assert misfit(got.plan, free) is None
-    expected = search(site, archive, spec.plan_request({"a100": 1, "v100": 0})).candidates[0]
+    expected = search(site, archive, spec.planning.request({"a100": 1, "v100": 0})).candidates[0]
     assert plan_shape(got.plan) == plan_shape(expected.plan)
     assert got.score.throughput == pytest.approx(expected.result.throughput_samples_per_s)
 

@@ -116,10 +116,10 @@ def test_the_readers_classes_round_trip_through_json() -> None:
     assert decode_event(json.loads(encode_event(change))) == change
     nan_loss = decode_event({"event": "step", "step": 3, "loss": float("nan"), "t": 9, "rank": 0})
     assert isinstance(nan_loss, Stepped) and math.isnan(nan_loss.loss or 0.0) and nan_loss.t == 9.0
-    spec = RunSpec(run_id="feed01", site="/s", model="tiny-gpt", objective="throughput", data="/d", save="/c",
+    spec = RunSpec.of(run_id="feed01", site="/s", model="tiny-gpt", objective="throughput", data="/d", save="/c",
                    steps=60, gbs=64, train_args=("--lr=1e-4",), max_gpus=3)
     assert RunSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
-    assert RunSpec.from_dict({**spec.to_dict(), "poll_s": 2}).poll_s == 2.0
+    assert RunSpec.from_dict({**spec.to_dict(), "poll_s": 2}).control.poll_s == 2.0
 
 
 def test_a_journal_line_that_does_not_fit_names_file_line_and_field(tmp_path: Path) -> None:
@@ -164,7 +164,7 @@ def test_a_runtime_line_that_does_not_fit_names_source_event_and_field() -> None
     ({"gbs": None, "steps": 1.5}, "steps", "must be int, got 1.5"),  # the first in field order
 ])
 def test_a_run_json_that_does_not_fit_names_file_and_field(edit: dict[str, Any], name: str, says: str) -> None:
-    spec = RunSpec(run_id="feed01", site="/s", model="tiny-gpt", objective="throughput", data="/d", save="/c",
+    spec = RunSpec.of(run_id="feed01", site="/s", model="tiny-gpt", objective="throughput", data="/d", save="/c",
                    steps=60, gbs=64).to_dict()
     with pytest.raises(SailorError) as err:
         RunSpec.from_dict({**spec, **edit}, source="run.json")

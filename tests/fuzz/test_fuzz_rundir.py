@@ -22,7 +22,7 @@ from tests.fuzz.harness import Doc, count, examples, loads_or_refuses, mutated_b
 def _template() -> dict[str, bytes]:
     """``run.json`` and ``journal.jsonl`` of a run that planned, submitted a job and saw it lose a node."""
     with tempfile.TemporaryDirectory() as tmp:
-        spec = RunSpec(run_id="feed01", site=str(LOCAL_LAB), model="tiny-gpt", objective="throughput",
+        spec = RunSpec.of(run_id="feed01", site=str(LOCAL_LAB), model="tiny-gpt", objective="throughput",
                        data=f"{tmp}/d", save=f"{tmp}/ckpt", steps=60, gbs=64, time_limit="1:00:00",
                        train_args=("--lr=1e-4",))
         rd = RunDir.create(Path(tmp) / "run", spec)

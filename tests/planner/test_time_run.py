@@ -23,7 +23,7 @@ def free_now_goal(site, steps: int, free, time_limit: str | None) -> TimeGoal:
 
 
 def spec(objective: str, steps: int, time_limit: str | None, save: str = "/s") -> RunSpec:
-    return RunSpec(run_id="t", site="small.toml", model="tiny-gpt", objective=objective, data="/d", save=save,
+    return RunSpec.of(run_id="t", site="small.toml", model="tiny-gpt", objective=objective, data="/d", save=save,
                    steps=steps, gbs=64, dtype="fp32", time_limit=time_limit, restart_cost_s=60.0)
 
 
