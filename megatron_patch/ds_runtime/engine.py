@@ -34,7 +34,7 @@ from megatron_patch.data import Samples
 from megatron_patch.ds_runtime.pipe import PlanPipelineModule, StageBuild, StageLayer, stage_of
 from megatron_patch.ds_runtime.state import DsOptimizerState, SampleSchedule
 from megatron_patch.engine import StepResult
-from megatron_patch.groups import singleton_collection
+from megatron_patch.groups import collection, groups_of_one
 from megatron_patch.layout import param_layout
 from megatron_patch.model import padded_vocab_size
 from megatron_patch.options import TrainOptions
@@ -93,13 +93,14 @@ class DsTrainer:
         self.zero = zero_stage_of(plan)
         self.patches = patch.apply(cpu=self.device.type == "cpu")
         patch.seed_model_parallel_rng(opts.seed, 0)
-        self.pgc = singleton_collection()  # groups of one, created by every rank before any other group
+        alone = groups_of_one()  # created by every rank, before DeepSpeed's groups
+        self.pgc = collection(alone, alone)  # a stage at TP 1
         self.padded_vocab = padded_vocab_size(self.spec, plan.tp_degrees())
         self.layout = param_layout(self.spec, self.padded_vocab)
         self.infos = {p.name: p for p in self.layout}
         self.pipe = plan.pipelines[self.role.pipeline]
         build = StageBuild(dtype=plan.dtype, padded_vocab=self.padded_vocab, device=self.device, seed=opts.seed,
-                           recompute=plan.recompute)
+                           recompute=plan.recompute, pg_collection=self.pgc)
         pipelined = len(self.pipe.stages) > 1
         module: torch.nn.Module = (PlanPipelineModule(plan, self.spec, build) if pipelined else
                                    StageLayer(self.spec, 0, self.spec.num_pipeline_layers - 1, build))

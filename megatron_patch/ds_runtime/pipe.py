@@ -47,6 +47,7 @@ class StageBuild:
     device: torch.device
     seed: int
     recompute: bool
+    pg_collection: Any  # the stage's process groups (groups of one: TP 1)
 
 
 class StageLayer(torch.nn.Module):
@@ -58,7 +59,8 @@ class StageLayer(torch.nn.Module):
         self.is_last = last == spec.num_pipeline_layers - 1
         self.stage: StageModule = build_stage_module(spec, first, last, dtype=build.dtype,
                                                      padded_vocab=build.padded_vocab, device=build.device,
-                                                     seed=build.seed, recompute=build.recompute)
+                                                     seed=build.seed, recompute=build.recompute,
+                                                     pg_collection=build.pg_collection)
 
     def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> Any:
         if self.first == 0:
