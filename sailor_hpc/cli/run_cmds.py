@@ -1,15 +1,18 @@
 """``sailor-hpc run``: train under a controller that re-plans and resumes when the allocation changes.
 
     sailor-hpc run --site SITE --model M --objective throughput|cost|time [constraints] --data PATH --save DIR [--steps N]
-    sailor-hpc run --resume RUN_DIR          (after the controller itself stopped or was killed)
+    sailor-hpc run --resume RUN_DIR          (continue a run that stopped, gave up or lost its controller)
+    sailor-hpc run stop RUN_DIR              (every rank checkpoints, then every job ends)
+    sailor-hpc run cancel RUN_DIR            (every job ends at once)
     sailor-hpc run status RUN_DIR            (the run's history: jobs, events, decisions)
 
 The run directory (``--run-dir``, default ``SAVE/controller``) holds the spec, the journal, the plans,
-the job scripts and the jobs' logs. Exit codes: 0 finished, 1 gave up, 2 bad input, 130 interrupted
-(the job keeps running; ``--resume`` picks it up).
+the job scripts and the jobs' logs. Exit codes: 0 finished or stopped by its user, 1 gave up, 2 bad input,
+130 interrupted (the job keeps running; ``--resume`` picks it up).
 """
 from __future__ import annotations
 
+import getpass
 import signal
 import sys
 import time
@@ -95,7 +98,7 @@ def new_run(opts: dict[str, Any]) -> Path:
     return RunDir.create(run_dir, spec).path
 
 
-def drive(run_dir: Path) -> int:
+def drive(run_dir: Path, *, resume: bool = False) -> int:
     """Run the controller in the foreground, echoing the journal; SIGTERM stops it like Ctrl-C."""
 
     t0 = time.time()
@@ -108,7 +111,7 @@ def drive(run_dir: Path) -> int:
 
     previous = signal.signal(signal.SIGTERM, on_term)
     try:
-        return Controller(RunDir.existing(run_dir), echo=echo).run()
+        return Controller(RunDir.existing(run_dir), echo=echo).run(resume=resume)
     finally:
         signal.signal(signal.SIGTERM, previous)
 
@@ -177,6 +180,11 @@ def run_group(ctx: click.Context, resume_dir: Path | None, **opts: Any) -> None:
         if given:
             raise click.UsageError(f"--resume takes no run options ({', '.join(given)}): they are in RUN_DIR/run.json")
         run_dir = resume_dir
+        said, done = resume_note(RunDir.existing(run_dir))
+        click.echo(said)
+        if done:
+            ctx.exit(0)
+        ctx.exit(drive(run_dir, resume=True))
     else:
         if opts.get("site_file") is None and opts.get("model") is None:
             click.echo(ctx.get_help())
@@ -184,6 +192,91 @@ def run_group(ctx: click.Context, resume_dir: Path | None, **opts: Any) -> None:
         run_dir = new_run(opts)
         click.echo(f"run directory {run_dir} (resume with: sailor-hpc run --resume {run_dir})")
     ctx.exit(drive(run_dir))
+
+
+def resume_note(rd: RunDir) -> tuple[str, bool]:
+    """What ``run --resume`` finds and will do, for people; True when there is nothing to do (finished)."""
+    st = rd.state()
+    ck = st.checkpoint.step if st.checkpoint else 0
+    if st.finished is not None:
+        return f"run {rd.path}: finished at step {st.finished.step}; nothing to resume", True
+    if rd.controller_alive():
+        raise SailorError("another controller is running this run", file=rd.path / "controller.lock",
+                          fix="stop it first (sailor-hpc run stop), or watch it with sailor-hpc run status --watch")
+    if st.stopped is not None:
+        why = f"was stopped by {st.stopped.by} ({st.stopped.how}) at checkpoint step {st.stopped.step}"
+    elif st.gave_up is not None:
+        why = f"gave up: {st.gave_up}"
+    elif st.stop_requested is not None:
+        return (f"run {rd.path}: {st.stop_requested.by} asked it to {st.stop_requested.how}; finishing that "
+                f"(the run's jobs end, then it stops)"), False
+    else:
+        cur = st.current
+        jobs = f"adopting its current job(s) {', '.join(cur.jobs.values()) or '(being submitted)'}" if cur else \
+            "planning on the GPUs free now and submitting"
+        return f"run {rd.path}: its controller had stopped (interrupted or killed); {jobs}", False
+    return (f"run {rd.path} {why}; resuming: planning on the GPUs free now and submitting from checkpoint step "
+            f"{ck} (restarts count afresh)"), False
+
+
+def end_run(run_dir: Path, how: str, timeout_s: float) -> int:
+    """Ask the run to end (``stop``: every rank checkpoints first; ``cancel``: at once) and wait until every job of
+    it is gone. A running controller does it (it holds the run's lock); without one, this process does."""
+    rd = RunDir.existing(run_dir)
+    st = rd.state()
+    if st.finished is not None:
+        click.echo(f"run {rd.path}: finished at step {st.finished.step}; nothing to {how}")
+        return 0
+    if st.stopped is not None and rd.stop_request() is None:
+        click.echo(f"run {rd.path}: already stopped by {st.stopped.by} ({st.stopped.how}) at checkpoint step "
+                   f"{st.stopped.step}; continue it with sailor-hpc run --resume {rd.path}")
+        return 0
+    rd.request_stop(how, getpass.getuser())
+    t0 = time.time()
+
+    def echo(line: str) -> None:
+        click.echo(f"[{time.time() - t0:7.1f}s] {line}")
+
+    if not rd.controller_alive():
+        echo(f"no controller runs this run: ending its jobs here ({how})")
+        return Controller(rd, echo=echo).run()
+    echo(f"asked the run's controller to {how}" + (" (every rank saves a checkpoint first)" if how == "stop" else ""))
+    seen = len(rd.records())
+    while time.time() - t0 < timeout_s:
+        recs = rd.records()
+        for rec in recs[seen:]:
+            echo(describe(rec))
+        seen = len(recs)
+        st = rd.state()
+        if st.stopped is not None:
+            return 0
+        if not rd.controller_alive():  # it died (or exited) before it ended the run: finish the stop here
+            echo("the controller is gone before the run stopped: ending its jobs here")
+            return Controller(rd, echo=echo).run()
+        time.sleep(0.5)
+    raise SailorError(f"the run has not stopped {timeout_s:.0f} s after it was asked to", file=rd.stop_request_file,
+                      fix="the request stays: the controller ends the run when it can; check sailor-hpc run status, "
+                          "or end the jobs at once with sailor-hpc run cancel")
+
+
+@run_group.command("stop")
+@click.argument("run_dir", metavar="RUN_DIR", type=_DIR)
+@click.option("--timeout", type=float, default=900.0, show_default=True,
+              help="Seconds to wait for every job of the run to be gone.")
+@click.pass_context
+def stop_cmd(ctx: click.Context, run_dir: Path, timeout: float) -> None:
+    """Stop the run: every rank saves a complete checkpoint, then every job of it ends (continue with --resume)."""
+    ctx.exit(end_run(run_dir, "stop", timeout))
+
+
+@run_group.command("cancel")
+@click.argument("run_dir", metavar="RUN_DIR", type=_DIR)
+@click.option("--timeout", type=float, default=300.0, show_default=True,
+              help="Seconds to wait for every job of the run to be gone.")
+@click.pass_context
+def cancel_cmd(ctx: click.Context, run_dir: Path, timeout: float) -> None:
+    """Cancel the run at once, without a checkpoint (it continues from its newest one with --resume)."""
+    ctx.exit(end_run(run_dir, "cancel", timeout))
 
 
 @run_group.command("status")

@@ -8,6 +8,7 @@ the same way, and no kind reaches into another's methods.
 from __future__ import annotations
 
 import os
+import pwd
 import socket
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -24,8 +25,9 @@ from sailor_hpc.core.site import Site, load_site
 from sailor_hpc.jobs.render import cluster_submit_env
 from sailor_hpc.slurm.handle import SlurmCluster
 
-#: how a run's driver exits (``sailor-hpc run`` returns it): done, gave up, interrupted by a signal
-EXIT_FINISHED, EXIT_GAVE_UP, EXIT_INTERRUPTED = 0, 1, 130
+#: how a run's driver exits (``sailor-hpc run`` returns it): done, gave up, interrupted by a signal, stopped by its
+#: user (a decision, not a failure)
+EXIT_FINISHED, EXIT_GAVE_UP, EXIT_INTERRUPTED, EXIT_STOPPED = 0, 1, 130, 0
 SLURM_BACKOFF_MAX_S = 30.0  # the longest wait between polls while Slurm does not answer
 
 
@@ -114,6 +116,16 @@ class RunContext:
         if self.state.checkpoint is None or manifest["step"] > self.state.checkpoint.step:
             self.note(records.CheckpointSeen(attempt=cur.number if cur else None, step=manifest["step"],
                       consumed_samples=manifest.get("consumed_samples"), path=str(path)))
+
+    def users_own(self, uid: int | None) -> str | None:
+        """The run's user's name if ``uid`` (who cancelled a job) is this user: a cancel that is the user's decision,
+        not a fault (an administrator's, or a preemption by Slurm's own user, is a fault to recover from)."""
+        if uid is None or uid != os.getuid():
+            return None
+        try:
+            return pwd.getpwuid(uid).pw_name
+        except KeyError:
+            return f"uid {uid}"
 
     def checkpoint_step(self) -> int:
         return self.state.checkpoint.step if self.state.checkpoint else 0

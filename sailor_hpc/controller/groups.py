@@ -35,7 +35,7 @@ from sailor_hpc.controller.attempt_job import write_attempt_plan, write_attempt_
 from sailor_hpc.controller.context import RunContext
 from sailor_hpc.controller.planning import plan_on
 from sailor_hpc.controller.policy import Score, judge, restart_cost
-from sailor_hpc.controller.slurm_ops import cancel_and_wait, find_job_by_name, request_checkpoint
+from sailor_hpc.controller.slurm_ops import cancel_and_wait, canceller, find_job_by_name, request_checkpoint
 from sailor_hpc.controller.spec import RunSpec
 from sailor_hpc.controller.state import Attempt, job_name_prefix
 from sailor_hpc.core.archive import ProfileArchive
@@ -54,6 +54,7 @@ PlanFor = Callable[[tuple[str, ...]], Plan]
 #: a job that ends in one of these lost its cluster (Slurm ended it: cancelled, node failure, preemption, ...);
 #: a FAILED job is the training's own failure, or the echo of a peer cluster's loss: retried, not dropped
 CLUSTER_LOSS = frozenset({"CANCELLED", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE", "TIMEOUT"})
+STOP_TIMEOUT_S = 300.0  # a group asked to checkpoint by its user that has not ended by then is cancelled
 SETTLE_S = 10.0  # after one job ends badly, how long the others get to end too (see _settle)
 
 
@@ -186,6 +187,11 @@ class Groups:
             self._replan_without(cur, pending, "pending")
             return
         if ended:  # states read before our own cancel turns the others CANCELLED
+            if (by := self._cancelled_by_user(cur, ended, states)) is not None:
+                self._stop_group(cur, f"cancelled by {by}, the run's user")
+                self.ctx.note(records.RunStopped(how="cancelled", by=by, step=self.ctx.checkpoint_step(),
+                                                 jobs={cur.jobs[c]: st for c, st in ended.items()}))
+                return
             ended = self._settle(cur, ended)
             lost = [c for c, st in ended.items() if st in CLUSTER_LOSS]
             if lost:
@@ -210,6 +216,35 @@ class Groups:
 
     def _poll(self, jobs: Mapping[str, str]) -> dict[str, JobStatus]:
         return {c: self._job(c, j).status() for c, j in jobs.items()}
+
+    def _cancelled_by_user(self, cur: Attempt, ended: Mapping[str, str], states: Mapping[str, JobStatus]) -> str | None:
+        """The run's user's name when they cancelled a cluster's job of the group outside sailor-hpc (their
+        decision: the run stops), else None (a fault: the cluster is lost, the run goes on without it)."""
+        for c, st in ended.items():
+            if st == "CANCELLED":
+                uid = canceller(self._job(c, cur.jobs[c]), states[c], self.ctx.clock, self.ctx.sleep)
+                if (by := self.ctx.users_own(uid)) is not None:
+                    return by
+        return None
+
+    def end_all(self, how: str) -> dict[str, str]:
+        """End the group's jobs as the run's user asked (``stop``: a running group saves a complete checkpoint
+        first); returns each job's final state (``cluster:job id``)."""
+        cur = self.ctx.state.current
+        if cur is not None and set(cur.jobs) != set(cur.clusters):
+            self.reconcile()  # cut short while submitting: find its jobs by name, or stop it
+            cur = self.ctx.state.current
+        if cur is None:
+            return {}
+        if how == "stop" and all(s.state == "RUNNING" for s in self._poll(cur.jobs).values()):
+            for c, j in cur.jobs.items():
+                request_checkpoint(self._job(c, j))
+            deadline = self.ctx.clock() + STOP_TIMEOUT_S
+            while self.ctx.clock() < deadline and not all(s.final for s in self._poll(cur.jobs).values()):
+                self.ctx.sleep(self.spec.control.poll_s)
+        states = {c: cancel_and_wait(self._job(c, j)) for c, j in cur.jobs.items()}
+        self.ctx.note(records.GroupStopped(group=cur.number, reason=f"the run's user asked it to {how}", states=states))
+        return {f"{c}:{cur.jobs[c]}": st for c, st in states.items()}
 
     def _settle(self, cur: Attempt, ended: dict[str, str]) -> dict[str, str]:
         """The end states of every job that ends within ``SETTLE_S`` of the first: a cancelled cluster's job

@@ -97,11 +97,13 @@ class Grower:
         tail.poll()
         return tail.waiting >= self.ctx.plan(succ.grown.plan_file).num_gpus
 
-    def drop_successor(self, cur: Attempt, reason: str) -> None:
+    def drop_successor(self, cur: Attempt, reason: str) -> str:
+        """Cancel the bigger job (the run trains on where it is); returns its final state."""
         succ = cur.successor
         assert succ is not None
         state = slurm_ops.cancel_and_wait(self.cluster.job(succ.grown.job_id))
         self.ctx.note(records.GrowCancelled(attempt=cur.number, job_id=succ.grown.job_id, reason=reason, state=state))
+        return state
 
     def open_gate_early(self, cur: Attempt, tail: LogTail | None) -> bool:
         """Let the bigger job's waiting ranks load as soon as this job's ranks are gone (they saved on the

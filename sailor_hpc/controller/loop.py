@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 from typing import Protocol
 
 from sailor_hpc.controller import records
-from sailor_hpc.controller.context import EXIT_FINISHED, EXIT_GAVE_UP, EXIT_INTERRUPTED, RunContext
+from sailor_hpc.controller.context import EXIT_FINISHED, EXIT_GAVE_UP, EXIT_INTERRUPTED, EXIT_STOPPED, RunContext
 from sailor_hpc.controller.groups import Groups, PlanFor, across_clusters
 from sailor_hpc.controller.one_job import OneJob
 from sailor_hpc.controller.state import Attempt, RunDir, RunState
@@ -44,6 +44,10 @@ class AttemptKind(Protocol):
     def slurm_answers(self) -> bool:
         """Whether every Slurm the run uses answers now (the end of an outage)."""
 
+    def end_all(self, how: str) -> dict[str, str]:
+        """End every job of the run (``stop``: each rank saves a complete checkpoint first; ``cancel``: at once);
+        returns each job's final state."""
+
 
 class Controller:
     """Drives one run (a run directory) until it is finished or gives up.
@@ -61,10 +65,13 @@ class Controller:
     def state(self) -> RunState:
         return self.ctx.state
 
-    def run(self) -> int:
-        """Hold the run's lock and drive it; returns 0 (finished), 1 (gave up) or 130 (interrupted)."""
+    def run(self, *, resume: bool = False) -> int:
+        """Hold the run's lock and drive it; returns 0 (finished, or stopped by its user), 1 (gave up) or 130
+        (interrupted). ``resume``: a run that stopped or gave up goes on (journaled, with why it had ended)."""
         with self.ctx.rundir.lock():
             self.ctx.begin()
+            if resume:
+                self._resume()
             try:
                 return self.loop()
             except KeyboardInterrupt:
@@ -80,6 +87,10 @@ class Controller:
         ctx = self.ctx
         reconciled = False
         while True:
+            if reconciled and self._stop_asked():  # the run's jobs are known (adopted) before they are ended
+                return self._end_run()
+            if ctx.state.stopped:
+                return EXIT_STOPPED
             if ctx.state.finished:
                 return EXIT_FINISHED
             if ctx.state.gave_up:
@@ -107,6 +118,44 @@ class Controller:
                 continue  # the attempt is gone: plan and submit the next one now, not a poll later
             if not (ctx.state.finished or ctx.state.gave_up):
                 ctx.sleep(ctx.spec.control.poll_s)
+
+    def _stop_asked(self) -> bool:
+        """Whether the user asked the run to end (journaled once, when the controller first sees the request)."""
+        ctx = self.ctx
+        ask = ctx.rundir.stop_request()
+        if ask is not None and ctx.state.stop_requested is None and ctx.state.stopped is None:
+            ctx.note(records.StopRequested(how=ask.how, by=ask.by))
+        elif ask is not None and ctx.state.stopped is not None:
+            ctx.rundir.clear_stop_request()  # asked again after it had stopped: nothing left to end
+        return ctx.state.stop_requested is not None
+
+    def _end_run(self) -> int:
+        """End every job of the run as the user asked, then journal that the run stopped (a controller killed
+        meanwhile finishes the stop when resumed: the request is journaled)."""
+        ctx = self.ctx
+        ask = ctx.state.stop_requested
+        assert ask is not None
+        while True:
+            try:
+                jobs = self.attempts.end_all(ask.how)
+                break
+            except SlurmUnavailable as exc:
+                self._wait_out(exc)
+        ctx.checkpoint(None)
+        ctx.note(records.RunStopped(how=ask.how, by=ask.by, step=ctx.checkpoint_step(), jobs=jobs))
+        ctx.rundir.clear_stop_request()
+        return EXIT_STOPPED
+
+    def _resume(self) -> None:
+        """``run --resume`` of a run that stopped or gave up: journal why it had ended; it then goes on as if its
+        controller had only been restarted (its restarts count afresh)."""
+        st = self.ctx.state
+        was = (f"was stopped by {st.stopped.by} ({st.stopped.how})" if st.stopped is not None
+               else f"gave up ({st.gave_up})" if st.gave_up is not None else None)
+        if was is not None and st.finished is None:
+            self.ctx.rundir.clear_stop_request()
+            self.ctx.checkpoint(None)
+            self.ctx.note(records.RunResumed(was=was, step=self.ctx.checkpoint_step()))
 
     def _wait_out(self, exc: SlurmUnavailable) -> None:
         """A Slurm outage: journal it once, wait with back-off until every cluster the run uses answers, journal

@@ -62,6 +62,7 @@ STOP_MARGIN = 3.0  # ... unless its measured step + save times, with this margin
 JOB_LOST_AFTER_S = 120.0  # a job neither squeue nor sacct knows for this long is gone
 
 DRAIN_REASON = "node draining"
+USER_STOP = "the run's user stops it"
 
 
 class OneJob:
@@ -334,7 +335,7 @@ class OneJob:
 
     def _stop(self, cur: Attempt, reason: str) -> None:
         try:
-            if reason == "resize":  # the run moves to another job: this one must end, not requeue itself
+            if reason in ("resize", USER_STOP):  # the run moves to another job, or ends: no requeue
                 self.job(cur).keep_from_requeue()
             slurm_ops.request_checkpoint(self.job(cur))
         except SailorError as exc:  # gone meanwhile: the next poll sees it stopped
@@ -383,9 +384,10 @@ class OneJob:
         prog = tail.progress if tail is not None else None
         if job.state == "FAILED" and not any(c.exit_code for c in job.components):
             job = self._with_exit_codes(cur, job)
+        by_user = self._cancelled_by_user(cur, job)
         if cur.stopped is None:
             self.ctx.note(records.JobStopped(attempt=cur.number, job_id=cur.job_id, state=job.state,
-                      reason=why or _classify(cur, job, prog),
+                      reason=why or (f"cancelled by {by_user}, the run's user" if by_user else _classify(cur, job, prog)),
                       step=prog.last_step if prog else None, last_step_t=prog.last_step_t if prog else None,
                       exit_codes=[c.exit_code for c in job.components if c.exit_code]))
         early = self.grower.open_gate_early(cur, tail)
@@ -407,6 +409,12 @@ class OneJob:
             ck = self.ctx.state.checkpoint
             self.ctx.note(records.Finished(step=self.ctx.checkpoint_step(), checkpoint=ck.path if ck else None))
             return
+        if by_user is not None:  # the user's decision: the run stops, nothing is resubmitted
+            if cur.waits_for_successor:
+                self.grower.drop_successor(cur, "the run's user cancelled its job")
+            self.ctx.note(records.RunStopped(how="cancelled", by=by_user, step=self.ctx.checkpoint_step(),
+                                             jobs={cur.job_id or "": final or job.state}))
+            return
         bad_input = any(c.exit_code.startswith("2:") for c in job.components if c.exit_code)
         if bad_input and prog is not None and prog.errors:
             if cur.waits_for_successor:
@@ -415,6 +423,47 @@ class OneJob:
             return
         if cur.first_step_t is None and cur.stop is None and not cur.lost_nodes:
             self._failed(cur, cur.stopped.reason if cur.stopped is not None else str(final))
+
+    def _cancelled_by_user(self, cur: Attempt, job: JobStatus) -> str | None:
+        """The run's own user's name when they cancelled the job outside sailor-hpc (``scancel``): their decision,
+        not a fault; anyone else's cancel is a fault the run recovers from."""
+        if job.state != "CANCELLED" or cur.stop is not None or cur.lost_nodes or cur.job_id is None:
+            return None
+        return self.ctx.users_own(slurm_ops.canceller(self.job(cur), job, self.ctx.clock, self.ctx.sleep))
+
+    def end_all(self, how: str) -> dict[str, str]:
+        """End the run's jobs as its user asked (``stop``: the running job saves a complete checkpoint first);
+        returns each job's final state. Strays of the run are cancelled too."""
+        out: dict[str, str] = {}
+        cur = self.ctx.state.current
+        if cur is not None and cur.waits_for_successor and cur.successor is not None:
+            out[cur.successor.grown.job_id] = self.grower.drop_successor(cur, f"the run's user asked it to {how}")
+        if cur is not None and cur.job_id is not None:
+            job = self.job(cur)
+            if how == "stop":
+                self._checkpoint_and_wait(cur, job)
+            out[job.id] = slurm_ops.cancel_and_wait(job, grace_s=0.0 if how == "cancel" else 10.0)
+            self.ctx.checkpoint(cur)
+            self.ctx.note(records.JobGone(attempt=cur.number, job_id=job.id, state=out[job.id]))
+        elif cur is not None:  # an intent Slurm has no job for (reconcile looked): nothing to end
+            self.ctx.note(records.JobGone(attempt=cur.number, job_id=None, state="NOT_SUBMITTED"))
+        self._cancel_strays()
+        return out
+
+    def _checkpoint_and_wait(self, cur: Attempt, job: SlurmJob) -> None:
+        """Ask a running job to save a complete checkpoint and end; wait until it did (or its stop timeout)."""
+        if not all_running(job.status()):
+            return  # pending or ending: nothing of it to save
+        self._stop(cur, USER_STOP)
+        tail = self._tail(cur)
+        deadline = self.ctx.clock() + _stop_timeout(tail)
+        while self.ctx.clock() < deadline:
+            if tail is not None:
+                tail.poll()
+            self.ctx.checkpoint(cur)
+            if job.status().final or saved_on_signal(tail, self.ctx.checkpoint_step()):
+                return
+            self.ctx.sleep(self.spec.control.poll_s)
 
     def _failed(self, cur: Attempt, reason: str) -> None:
         """A job that never trained a step: wait longer after each such failure in a row before the next."""

@@ -65,6 +65,9 @@ class Kind(StrEnum):
     PLAN = "plan"
     RECOVERY = "recovery"
     RUN_STARTED = "run_started"
+    STOP_REQUESTED = "stop_requested"
+    RUN_STOPPED = "run_stopped"
+    RUN_RESUMED = "run_resumed"
     SIGNAL_SENT = "signal_sent"
     SUBMIT_INTENT = "submit_intent"
     SUBMITTED = "submitted"
@@ -404,6 +407,38 @@ class Finished(Record):
 class GaveUp(Record):
     kind: ClassVar[Kind] = Kind.GAVE_UP
     reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class StopRequested(Record):
+    """The user asked the run to end (``sailor-hpc run stop``/``cancel``): ``how`` is ``stop`` (every rank saves
+    a complete checkpoint first) or ``cancel`` (at once); ``by`` names the user."""
+
+    kind: ClassVar[Kind] = Kind.STOP_REQUESTED
+    how: str
+    by: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunStopped(Record):
+    """The run ended by its user's decision, not a fault: no job of it is left; ``run --resume`` continues it.
+    ``how``: stop, cancel, or ``cancelled`` (the user cancelled a job outside sailor-hpc)."""
+
+    kind: ClassVar[Kind] = Kind.RUN_STOPPED
+    how: str
+    by: str
+    step: int  # the newest complete checkpoint the run left
+    jobs: dict[str, str] = field(default_factory=dict)  # job id -> its final state
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunResumed(Record):
+    """``run --resume`` continued a run that had stopped (``was``: why, as the journal says) or given up; the
+    restarts it may make count from here."""
+
+    kind: ClassVar[Kind] = Kind.RUN_RESUMED
+    was: str
+    step: int
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import getpass
 import time
+from collections.abc import Callable
 
 from sailor_hpc.controller.state import job_name_prefix
 from sailor_hpc.core.errors import SailorError, SlurmUnavailable
 from sailor_hpc.slurm.commands import QueueJob, squeue
 from sailor_hpc.slurm.handle import SlurmCluster, SlurmJob
-from sailor_hpc.slurm.status import FINAL_STATES, RUNNING_STATES, JobRef
+from sailor_hpc.slurm.status import FINAL_STATES, RUNNING_STATES, JobRef, JobStatus
 
 
 def owned_queue_rows(run_id: str, cluster: SlurmCluster) -> list[QueueJob]:
@@ -44,6 +45,20 @@ def find_job_by_name(run_id: str, name: str, cluster: SlurmCluster, since: float
         if info["name"] == name:
             return cluster.job(base)
     return next(iter(cluster.named(name, since)), None)
+
+
+def canceller(job: SlurmJob, status: JobStatus, clock: Callable[[], float], sleep: Callable[[float], None],
+              wait_s: float = 10.0) -> int | None:
+    """The uid that cancelled the job (``status`` is CANCELLED), waiting up to ``wait_s`` for accounting to say it
+    (slurmctld sends it to slurmdbd in the background); None when accounting cannot tell."""
+    deadline = clock() + wait_s
+    while status.cancelled_by is None and clock() < deadline:
+        sleep(0.5)
+        try:
+            status = job.status()
+        except SlurmUnavailable:
+            return None
+    return status.cancelled_by
 
 
 def training_steps_gone(job: SlurmJob, timeout_s: float = 30.0, poll_s: float = 0.2) -> bool:

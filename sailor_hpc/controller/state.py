@@ -17,6 +17,7 @@ with every cluster's name, ``sailor-<run id>-<attempt>-<cluster>``), so a contro
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,11 +25,22 @@ from pathlib import Path
 from sailor_hpc.controller import records
 from sailor_hpc.controller.journal import Journal, read_journal, read_journal_lines
 from sailor_hpc.controller.spec import RunSpec
+from sailor_hpc.core.atomic import atomic_write_text
 from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.locking import LockTimeout, file_lock
 
 #: the reason of a job submitted because more GPUs made a better plan worth its restart
 RESIZE_REASON = records.Kind.IDLE_GPUS
+#: how a user ends a run: stop (every rank saves a complete checkpoint first) or cancel (at once)
+STOP_HOWS = ("stop", "cancel")
+
+
+@dataclass(frozen=True)
+class StopAsk:
+    """A user's request to end the run, as ``sailor-hpc run stop``/``cancel`` wrote it."""
+
+    how: str
+    by: str
 
 
 def job_name(run_id: str, attempt: int) -> str:
@@ -101,6 +113,33 @@ class RunDir:
             raise SailorError("not a run directory (no run.json)", file=rd.path, field="--resume",
                               fix="pass the --run-dir of an earlier `sailor-hpc run`")
         return rd
+
+    @property
+    def stop_request_file(self) -> Path:
+        """Written by ``sailor-hpc run stop``/``cancel``: the controller that holds the lock ends the run."""
+        return self.path / "stop.request"
+
+    def request_stop(self, how: str, by: str) -> None:
+        if how not in STOP_HOWS:
+            raise SailorError(f"unknown way to end a run {how!r}", field="how", fix=f"use one of {', '.join(STOP_HOWS)}")
+        atomic_write_text(self.stop_request_file, json.dumps({"how": how, "by": by}) + "\n")
+
+    def stop_request(self) -> StopAsk | None:
+        """The user's request to end the run, if one is waiting (a damaged one is refused, naming the file)."""
+        try:
+            data = json.loads(self.stop_request_file.read_text())
+        except FileNotFoundError:
+            return None
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise SailorError(f"not valid JSON: {exc}", file=self.stop_request_file,
+                              fix="remove it and run `sailor-hpc run stop` again") from None
+        if not (isinstance(data, dict) and data.get("how") in STOP_HOWS and isinstance(data.get("by"), str)):
+            raise SailorError("not a stop request", file=self.stop_request_file,
+                              fix="remove it and run `sailor-hpc run stop` again")
+        return StopAsk(data["how"], data["by"])
+
+    def clear_stop_request(self) -> None:
+        self.stop_request_file.unlink(missing_ok=True)
 
     def controller_alive(self) -> bool:
         """Whether a controller holds the run's lock right now."""
@@ -258,6 +297,9 @@ class RunState:
     attempts: list[Attempt] = field(default_factory=list)
     finished: records.Finished | None = None
     gave_up: str | None = None
+    stopped: records.RunStopped | None = None  # ended by its user's decision (run stop / cancel, or a scancel)
+    stop_requested: records.StopRequested | None = None  # the user asked; the run's jobs are being ended
+    resumed_at: int = 0  # attempts before the last run --resume of a stopped or given-up run: their restarts are spent
     failures_in_a_row: int = 0  # jobs that ended without training a step, since the last step
     backoff_until: float | None = None
     checkpoint: records.CheckpointSeen | None = None  # the newest complete checkpoint seen
@@ -287,7 +329,7 @@ class RunState:
         that fails (or cannot be submitted) again and again without progress gives up."""
         n = 0
         for i, a in enumerate(self.attempts):
-            if i > 0 and a.reason != RESIZE_REASON:
+            if i > self.resumed_at and a.reason != RESIZE_REASON:
                 n += 1
             if a.advanced:
                 n = 0
@@ -405,6 +447,14 @@ def apply(state: RunState, rec: records.Record) -> None:
             state.finished = rec
         case records.GaveUp():
             state.gave_up = rec.reason
+        case records.StopRequested():
+            state.stop_requested = rec
+        case records.RunStopped():
+            state.stopped, state.stop_requested = rec, None
+        case records.RunResumed():  # the next attempt answers the resume (its recovery is measured from it)
+            state.stopped = state.stop_requested = state.gave_up = None
+            state.trigger = Trigger(records.Kind.RUN_RESUMED.value, t)
+            state.resumed_at, state.failures_in_a_row, state.backoff_until = len(state.attempts), 0, None
         case records.GroupIntent():
             state.attempts.append(_group_attempt(state, rec.group, rec.job_names, rec.start_step, rec.plan_file, t,
                                                  gpus=rec.gpus, throughput=rec.throughput,

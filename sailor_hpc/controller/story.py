@@ -89,6 +89,14 @@ def describe(rec: records.Record) -> str:
             return f"finished: step {rec.step} checkpointed at {rec.checkpoint}"
         case records.GaveUp():
             return f"gave up: {rec.reason}"
+        case records.StopRequested():
+            return f"{rec.by} asked the run to {rec.how}" + (" (every rank checkpoints first)" if rec.how == "stop" else "")
+        case records.RunStopped():
+            jobs = ", ".join(f"{j} {s}" for j, s in rec.jobs.items()) or "none left"
+            return (f"stopped by {rec.by} ({rec.how}) at checkpoint step {rec.step}; jobs: {jobs} "
+                    f"(continue with sailor-hpc run --resume)")
+        case records.RunResumed():
+            return f"resumed a run that {rec.was}, from checkpoint step {rec.step}"
         case records.ErrorSeen():
             return f"error ({rec.where}): {rec.message}"
         # a run across clusters (sailor_hpc.controller.groups): attempts that are groups of jobs

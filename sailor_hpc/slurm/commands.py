@@ -395,6 +395,13 @@ class AcctJob:
         return self.state.split()[0] if self.state else ""
 
     @property
+    def cancelled_by(self) -> int | None:
+        """The uid that cancelled the job (``CANCELLED by 1000``), None for any other state."""
+        words = self.state.split()
+        return int(words[2]) if len(words) == 3 and words[0] == "CANCELLED" and words[1] == "by" \
+            and words[2].isdigit() else None
+
+    @property
     def is_step(self) -> bool:
         return "." in self.job_id
 

@@ -90,6 +90,7 @@ class ComponentStatus:
     exit_code: str = ""
     elapsed: str = ""
     source: str = "squeue"
+    cancelled_by: int | None = None  # the uid that cancelled it, once accounting has the job
 
 
 @dataclass
@@ -113,6 +114,11 @@ class JobStatus:
     @property
     def nodes(self) -> list[str]:
         return [c.nodes for c in self.components if c.nodes and c.nodes not in ("None assigned", "(null)")]
+
+    @property
+    def cancelled_by(self) -> int | None:
+        """Who cancelled the job (a uid), as accounting says; None if not cancelled or not yet accounted."""
+        return next((c.cancelled_by for c in self.components if c.cancelled_by is not None), None)
 
     def to_dict(self) -> dict[str, Any]:
         return {"job_id": self.job_id, "state": self.state, "final": self.final,
@@ -145,7 +151,7 @@ def _from_queue(row: QueueJob) -> ComponentStatus:
 
 def _from_acct(row: AcctJob) -> ComponentStatus:
     return ComponentStatus(job_id=row.job_id, partition=row.partition, state=row.base_state, nodes=row.nodelist,
-                           exit_code=row.exit_code, elapsed=row.elapsed, source="sacct")
+                           exit_code=row.exit_code, elapsed=row.elapsed, source="sacct", cancelled_by=row.cancelled_by)
 
 
 def _sacct_rows(env: Mapping[str, str] | None, ids: Sequence[str]) -> list[AcctJob]:

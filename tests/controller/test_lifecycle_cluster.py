@@ -1,0 +1,172 @@
+"""The life of a run as its user lives it, on the real local cluster, in one story:
+
+1. the run starts with Slurm off ``PATH`` and gives up; ``run --resume`` (``PATH`` fixed) continues it and says why
+   it had ended;
+2. ``sailor-hpc run stop`` while it trains: every rank saves a complete checkpoint of the step it was on, every
+   job ends, the controller exits 0 and journals the user's decision;
+3. ``run --resume`` goes on from that checkpoint; the user cancels its job with a plain ``scancel``: the run
+   stops (Slurm's accounting names the canceller, the run's own user), nothing is resubmitted;
+4. ``run --resume`` again; a Slurm operator (another user) cancels the job: a fault, the run resubmits and
+   trains to the end.
+
+The final parameters equal the single-process reference run's: no step was skipped or trained on wrong state.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sailor_hpc.core.checkpoint import latest_complete, read_manifest
+from tests.controller.scenario import (
+    Scenario,
+    build_inputs,
+    cleaned_up,
+    finish,
+    kind,
+    records_of,
+    start_reference,
+    step_events,
+)
+
+pytestmark = pytest.mark.slurm
+
+STEPS = 60
+OPERATOR = "nobody"  # made a Slurm operator: may cancel other users' jobs
+PARAM_TOL = MOMENT_TOL = 5e-6
+
+
+def _cli(sc: Scenario, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(["sailor-hpc", *args], cwd=sc.cluster.shared, env=env or sc.env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def _current_job(sc: Scenario) -> str:
+    return [r for r in sc.records() if r["kind"] == "submitted"][-1]["job_id"]
+
+
+def _trained_past(sc: Scenario, step: int, timeout: float = 180.0) -> None:
+    """Wait until the run's newest complete checkpoint is past ``step`` (the job trains)."""
+    sc.wait_for(f"a checkpoint past step {step}", lambda r: r["kind"] == "checkpoint" and r["step"] > step, timeout)
+
+
+def _sacct_states(sc: Scenario) -> dict[str, str]:
+    """Every job of the run in accounting: id -> state as sacct words it (``CANCELLED by 0``)."""
+    prefix = f"sailor-{sc.records()[0]['run_id']}-"
+    out = sc.cluster.sacct_once(["-X", "-n", "-P", "-o", "JobID,JobName,State", "-S", "now-1hours"],
+                                lambda text: prefix in text)
+    return {row[0]: row[2] for row in (line.split("|") for line in out.splitlines())
+            if len(row) == 3 and row[1].startswith(prefix)}
+
+
+@pytest.fixture(scope="module")
+def story(slurm_cluster, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    pytest.importorskip("megatron.core")
+    setpriv = shutil.which("setpriv")
+    if os.geteuid() != 0 or setpriv is None:
+        pytest.skip("the operator's cancel runs scancel as another user: needs root and setpriv (util-linux)")
+    root = tmp_path_factory.mktemp("lifecycle")
+    data, archive = build_inputs(tmp_path_factory, root)
+    reference = start_reference(root, data, STEPS)
+    sc = Scenario(slurm_cluster, root, data, archive, steps=STEPS, save_interval=5)
+    out: dict[str, Any] = {"sc": sc, "reference": reference}
+    sacctmgr = ["sacctmgr", "-i"]
+    sc.cluster.run([*sacctmgr, "add", "user", OPERATOR, "account=root"])
+    assert sc.cluster.run([*sacctmgr, "modify", "user", OPERATOR, "set", "adminlevel=operator"]).returncode == 0
+    with cleaned_up(sc, reference):
+        # 1. Slurm is not on PATH: the run gives up at once, saying why; --resume with PATH fixed continues it
+        bare = {**sc.env, "PATH": str(Path(shutil.which("sailor-hpc") or "").parent)}
+        sc.proc = subprocess.Popen(sc.command(), cwd=sc.cluster.shared, env=bare, stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True)
+        out["gave_up"] = (sc.wait_exit(timeout=120), sc.proc.stdout.read() if sc.proc.stdout else "")
+        sc.start_controller(resume=True)
+        _trained_past(sc, 5)
+        # 2. the user stops it: every rank checkpoints, every job ends, the controller exits 0
+        stopped_job = _current_job(sc)
+        out["stop"] = _cli(sc, "run", "stop", str(sc.run_dir))
+        out["stop_exit"] = sc.wait_exit(timeout=120)
+        out["after_stop"] = latest_complete(sc.save)
+        out["stopped_job"] = stopped_job
+        # 3. resumed; the user cancels the job with scancel: the run stops, nothing is resubmitted
+        sc.start_controller(resume=True)
+        sc.wait_for("the resumed run's job", kind("submit_intent", reason="run_resumed"), timeout=120)
+        _trained_past(sc, read_manifest(out["after_stop"])["step"])
+        out["own_cancelled"] = _current_job(sc)
+        sc.slurm("scancel", out["own_cancelled"])
+        out["own_cancel_exit"] = sc.wait_exit(timeout=120)
+        out["status_after_cancel"] = _cli(sc, "run", "status", str(sc.run_dir), "--no-events")
+        # 4. resumed; an operator cancels the job: a fault, the run resubmits and trains to the end
+        sc.start_controller(resume=True)
+        resumed = len(records_of({"records": sc.records()}, "run_resumed"))
+        assert resumed == 3, sc.controller_output()
+        _trained_past(sc, read_manifest(latest_complete(sc.save))["step"])
+        out["operator_cancelled"] = _current_job(sc)
+        proc = sc.cluster.run([setpriv, "--reuid", OPERATOR, "--regid", "nogroup", "--clear-groups", "scancel",
+                               out["operator_cancelled"]])
+        assert proc.returncode == 0, proc.stderr
+        out["status"] = finish(sc, reference)
+        out["records"] = sc.records()
+        out["sacct"] = _sacct_states(sc)
+        out["output"] = sc.controller_output()
+    return out
+
+
+def test_a_run_that_gave_up_resumes_once_the_cause_is_fixed(story):
+    rc, said = story["gave_up"]
+    assert rc == 1 and "gave up" in said, said
+    first = next(r for r in story["records"] if r["kind"] == "gave_up")
+    assert "squeue" in first["reason"] or "Slurm" in first["reason"], first
+    resumed = records_of(story, "run_resumed")[0]
+    assert resumed["was"].startswith("gave up") and resumed["step"] == 0
+    assert "resuming" in story["output"] and "gave up" in story["output"]
+
+
+def test_stop_checkpoints_every_rank_and_ends_every_job(story):
+    stop = story["stop"]
+    assert stop.returncode == 0 and story["stop_exit"] == 0, stop.stdout + stop.stderr
+    recs = story["records"]
+    asked = next(i for i, r in enumerate(recs) if r["kind"] == "stop_requested")
+    ended = next(i for i, r in enumerate(recs) if r["kind"] == "run_stopped")
+    between = [r for r in recs[asked:ended] if r["kind"] in ("signal_sent", "job_gone", "submit_intent")]
+    assert [(r["kind"], r.get("job_id")) for r in between] == [("signal_sent", story["stopped_job"]),
+                                                               ("job_gone", story["stopped_job"])], between
+    stopped = records_of(story, "run_stopped")[0]
+    assert stopped["how"] == "stop" and stopped["by"] == "root" and list(stopped["jobs"]) == [story["stopped_job"]]
+    # the checkpoint the ranks saved on the signal is the step they were on: nothing trained was lost
+    log = next(r["log"] for r in story["records"] if r["kind"] == "submitted" and r["job_id"] == story["stopped_job"])
+    last = max(e["step"] for e in step_events(Path(log)) if e.get("event") == "step")
+    assert read_manifest(story["after_stop"])["step"] == stopped["step"] == last
+    assert story["sacct"][story["stopped_job"]] in ("COMPLETED", "CANCELLED by 0"), story["sacct"]
+
+
+def test_a_cancel_by_the_runs_user_stops_the_run_and_by_an_operator_is_recovered(story):
+    own, other = story["own_cancelled"], story["operator_cancelled"]
+    assert story["own_cancel_exit"] == 0
+    stops = records_of(story, "run_stopped")
+    assert [(s["how"], s["by"], list(s["jobs"])) for s in stops] == [("stop", "root", [story["stopped_job"]]),
+                                                                     ("cancelled", "root", [own])]
+    recs = story["records"]
+    at = next(i for i, r in enumerate(recs) if r["kind"] == "run_stopped" and r["how"] == "cancelled")
+    assert recs[at + 1]["kind"] in ("controller_started",), recs[at + 1]  # nothing resubmitted before the resume
+    assert "stopped by root (cancelled)" in story["status_after_cancel"].stdout, story["status_after_cancel"].stdout
+    sacct = story["sacct"]
+    assert sacct[own] == "CANCELLED by 0" and sacct[other] == f"CANCELLED by {65534}", sacct
+    gone = next(r for r in recs if r["kind"] == "job_stopped" and r["job_id"] == other)
+    assert "cancelled by" not in gone["reason"]  # someone else's cancel is a fault ...
+    after = [r for r in recs if r["kind"] == "submit_intent"][-1]
+    assert after["t"] > gone["t"]  # ... and the run resubmitted
+    assert recs[-1]["kind"] == "finished" and recs[-1]["step"] == STEPS
+
+
+def test_the_run_trains_every_step_and_matches_the_reference(story):
+    from tests.megatron_patch.conftest import max_diff
+    assert story["status"].returncode == 0, story["status"].stderr
+    final = latest_complete(story["sc"].save)
+    assert final is not None and read_manifest(final)["step"] == STEPS
+    diff = max_diff(final, story["sc"].root / "ref" / f"ref_step_{STEPS}.pt")
+    print(f"\nafter {STEPS} steps, stopped, cancelled twice and resumed: max |delta| vs reference {diff}")
+    assert diff["param"] <= PARAM_TOL and diff["exp_avg"] <= MOMENT_TOL and diff["exp_avg_sq"] <= MOMENT_TOL
