@@ -156,15 +156,16 @@ def test_doctor_finds_and_fixes_what_is_safe(tmp_path: Path) -> None:
     from click.testing import CliRunner
 
     from sailor_hpc.cli.app import main
-    from sailor_hpc.core import archive as arch
+    from sailor_hpc.core.archive.files import HOST
+    from sailor_hpc.core.archive.shards import publish
 
     folder = tmp_path / "shared"
     folder.mkdir()
     os.chmod(folder, 0o2775)
     path = folder / "p.h5"
     write_entries(path, [OverheadEntry("X", {1: 1e9}, make_provenance("test"))])
-    arch._publish(path, "shard", {}, check=False)  # a shard no compaction has folded yet
-    dead = folder / f".p.h5.shard.01700000000000000000.999999.abcdef012345.{arch._HOST}.tmp"
+    publish(path, "shard", {}, check=False)  # a shard no compaction has folded yet
+    dead = folder / f".p.h5.shard.01700000000000000000.999999.abcdef012345.{HOST}.tmp"
     dead.write_bytes(b"partial")  # PID 999999 is not running
     os.chmod(path, 0o600)
     run = CliRunner().invoke

@@ -430,9 +430,9 @@ def test_cli_plan_help_names_only_its_own_options() -> None:
 
 def test_cli_plan_without_any_archive_names_its_profiles_option(monkeypatch) -> None:
     """open_archive names `profile`'s --archive; plan's option is --profiles."""
-    import sailor_hpc.core.archive
+    from sailor_hpc.core.archive import sources
 
-    monkeypatch.setattr(sailor_hpc.core.archive, "resolve_archive_paths", lambda *a, **k: [])
+    monkeypatch.setattr(sources, "resolve_archive_paths", lambda *a, **k: [])
     out = _plan_cli("--gbs", "32")
     assert out.exit_code == 2 and "error: --profiles: no profile archive" in out.output, out.output
     assert not _unknown_options(out.output.splitlines()[-1])
