@@ -30,8 +30,7 @@ from sailor_hpc.core.training import FLAGS
 from sailor_hpc.jobs.options import DryRun, JobOptions, Limits, Training, UserEntry, WholePlan, check_user_entry
 from sailor_hpc.jobs.render import (
     check_job_dir,
-    placed_plan,
-    placed_plan_path,
+    placed_plan_file,
     render_job_script,
     write_job_script,
 )
@@ -155,24 +154,19 @@ def _render(plan_file: Path, site_file: Path, model: str | None, data: str | Non
         job = job_work(data, save, load, steps, dry_run=dry_run, skip=skip_path_check, dry_run_option="--dry-run")
     work = check_job_dir(workdir, "--workdir") if workdir is not None else job_dir
     logs = check_job_dir(log_dir, "--log-dir") if log_dir is not None else work
-    plan, plan_path = placed_plan(plan_file, site, model)
-    copy = plan_path is None
-    plan_path = plan_path or placed_plan_path(plan, job_dir, plan_file.stem)
     config: tuple[Path, str] | None = None
-    if entry is not None:
-        config = ds_config_file(plan, train_values or {}, steps, job_dir, plan_file.stem)
-        job = UserEntry(script, config[0], entry_args)
-    options = JobOptions(plan_path=plan_path, work=job, steps=steps, model=model, runtime=runtime,
-                         train_args=train_arg, python=python, job_name=job_name,
-                         limits=Limits(time_limit, time_min, signal_grace), extra_sbatch=extra_sbatch,
-                         workdir=work, log_dir=logs)
     with ExitStack() as undo:  # no script: no placed copy of the plan, no config left behind for it either
-        undo.enter_context(removed_on_error(plan_path))
-        if copy:
-            plan.save(plan_path)
-        if config is not None:
+        plan, plan_path = placed_plan_file(plan_file, site, model, directory=job_dir, undo=undo)
+        copy = plan_path != plan_file.absolute()
+        if entry is not None:
+            config = ds_config_file(plan, train_values or {}, steps, job_dir, plan_file.stem)
+            job = UserEntry(script, config[0], entry_args)
             undo.enter_context(removed_on_error(config[0]))
             atomic_write_text(*config)
+        options = JobOptions(plan_path=plan_path, work=job, steps=steps, model=model, runtime=runtime,
+                             train_args=train_arg, python=python, job_name=job_name,
+                             limits=Limits(time_limit, time_min, signal_grace), extra_sbatch=extra_sbatch,
+                             workdir=work, log_dir=logs)
         text = render_job_script(plan, site, options)
         for d in (work, logs):  # Slurm creates neither
             d.mkdir(parents=True, exist_ok=True)

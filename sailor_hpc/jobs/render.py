@@ -15,6 +15,7 @@ import json
 import os
 import sys
 from collections.abc import Mapping
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ import jinja2
 
 import sbatch_templates
 from sailor_hpc import __version__
-from sailor_hpc.core.atomic import atomic_write_text
+from sailor_hpc.core.atomic import atomic_write_text, removed_on_error
 from sailor_hpc.core.deepspeed_plan import check_engine_plan
 from sailor_hpc.core.dist_env import EXIT_SAVED_ON_SIGNAL, JOB_PORT_BASE, JOB_PORT_SPAN
 from sailor_hpc.core.ds_config import check_ds_config_file
@@ -356,14 +357,18 @@ def placed_plan_path(plan: Plan, directory: str | os.PathLike[str], stem: str) -
 
 
 def placed_plan_file(plan_path: str | os.PathLike[str], site: Site, model: str | None = None, *,
-                     directory: str | os.PathLike[str] | None = None) -> tuple[Plan, Path]:
+                     directory: str | os.PathLike[str] | None = None, undo: ExitStack | None = None
+                     ) -> tuple[Plan, Path]:
     """:func:`placed_plan`, writing the placed copy (atomically) into ``directory`` when one is needed:
     the job's directory, never the input's by choice (that may be read-only shared data); None keeps
-    the plan's own directory for callers that own it."""
+    the plan's own directory for callers that own it. ``undo``: a copy written now is removed again if that
+    block fails (one already there, which a queued job may read, is left), so a failed render leaves none."""
     plan, path = placed_plan(plan_path, site, model)
     if path is None:
         where = Path(plan_path).parent if directory is None else directory
         path = placed_plan_path(plan, where, Path(plan_path).stem)
+        if undo is not None:
+            undo.enter_context(removed_on_error(path))
         plan.save(path)
     return plan, path
 
