@@ -1,12 +1,13 @@
 """The runtime's account of a job, as typed events: what a rank (or a job's batch script) prints as one JSON
 line per event, and what the controller reads back from the job's log.
 
-The runtime (``megatron_patch.launch``) and the in-place step (``sailor_hpc.controller.inplace``) print
-``{"event": NAME, ...}`` lines; :func:`decode_event` turns one into the frozen dataclass of its name, so a
-reader dispatches on the type and a field renamed on one side is a :class:`~sailor_hpc.core.errors.SailorError`
-naming the event and the field, not a ``None`` read silently. Fields a reader does not need stay in the JSON
-(the runtime prints role, memory and timing details for people) and are not decoded. Lines of unknown events
-decode to None: the log also carries events meant only for people (``ready``, ``eval``, ``go``).
+Both runtimes (``megatron_patch.training_loop``) and the in-place step (``sailor_hpc.controller.inplace``) print
+every event as ``{"event": NAME, ...fields}`` through :func:`encode_event`; :func:`decode_event` turns a line
+back into the frozen dataclass of its name, so a reader dispatches on the type and a field renamed on one side
+is a :class:`~sailor_hpc.core.errors.SailorError` naming the event and the field, not a ``None`` read silently.
+A field a line lacks takes its default (a runtime that does not measure it, or an older one). Events meant
+only for people (``ready``, ``eval``, ``go``, ``checkpoint_skipped``) are typed for the writer but decode to
+None, as lines of unknown events do.
 """
 from __future__ import annotations
 
@@ -21,70 +22,154 @@ from sailor_hpc.core.typed_json import Mismatch, from_json
 
 @dataclass(frozen=True)
 class RuntimeEvent:
-    """One line of a job's log that the controller reads."""
+    """One line of a job's log."""
 
     name: ClassVar[str]
 
 
-@dataclass(frozen=True)
-class Started(RuntimeEvent):
-    """A rank started (and joined its process group)."""
+@dataclass(frozen=True, kw_only=True)
+class RankEvent(RuntimeEvent):
+    """An event of one training rank, with its place in the plan."""
+
+    rank: int = 0
+    pipeline: int | None = None
+    stage: int | None = None
+    tp_rank: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Started(RankEvent):
+    """A rank started (and joined its process group): its role, host and device; the DeepSpeed runtime also
+    names itself, its version and ZeRO stage."""
 
     name: ClassVar[str] = "start"
-    rank: int = 0
+    tp: int | None = None
+    layers: list[int] = field(default_factory=list)
+    gpu_type: str | None = None
+    partition: str | None = None
+    host: str | None = None
+    node: int | None = None
+    local_gpu: int | None = None
+    world_size: int | None = None
+    local_rank: int | None = None
+    device: str | None = None
+    plan_gpus: int | None = None
+    runtime: str | None = None
+    deepspeed: str | None = None
+    zero_stage: int | None = None
 
 
-@dataclass(frozen=True)
-class Loaded(RuntimeEvent):
+@dataclass(frozen=True, kw_only=True)
+class Ready(RankEvent):
+    """A rank built its model and optimizer (for people; megatron_patch also says what it patched and how it
+    syncs gradients)."""
+
+    name: ClassVar[str] = "ready"
+    params: int
+    megatron_core: str | None = None
+    patches: list[str] | None = None
+    sync_groups: int | None = None
+    sync_buckets: int | None = None
+    tf32: bool | None = None
+    valid_samples: bool | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Waiting(RankEvent):
+    """A rank of a job taking over from another waits for its gate file (``path``) before loading."""
+
+    name: ClassVar[str] = "waiting"
+    path: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Go(RankEvent):
+    """The gate file exists: the rank loads now (for people)."""
+
+    name: ClassVar[str] = "go"
+    waited_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointSkipped(RankEvent):
+    """Rank 0 passed over a checkpoint that does not verify (``using``: the one it loads, None: none does)."""
+
+    name: ClassVar[str] = "checkpoint_skipped"
+    path: str
+    reason: str
+    using: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Loaded(RankEvent):
     """A rank loaded the newest complete checkpoint: the step and data position it resumes from."""
 
     name: ClassVar[str] = "loaded"
     step: int
     consumed_samples: int | None = None
+    path: str | None = None
+    seconds: float | None = None
 
 
-@dataclass(frozen=True)
-class Stepped(RuntimeEvent):
-    """A rank finished an optimizer step (``t``: wall time, the runtime's clock)."""
+@dataclass(frozen=True, kw_only=True)
+class Stepped(RankEvent):
+    """A rank finished an optimizer step (``t``: wall time, the runtime's clock). ``grad_norm`` is None on a step
+    skipped for an fp16 overflow; the memory fields are ``megatron_patch.training_loop.memory_record``'s (the
+    CUDA ones None on the CPU)."""
 
     name: ClassVar[str] = "step"
     step: int
     loss: float | None = None
+    lr: float | None = None
+    grad_norm: float | None = None
+    skipped: bool | None = None
+    loss_scale: float | None = None
     iter_s: float | None = None
+    sync_s: float | None = None
+    mem_bytes: int | None = None
+    mem_allocated_bytes: int | None = None
+    mem_reserved_bytes: int | None = None
+    mem_device_bytes: int | None = None
+    mem_device_peak_bytes: int | None = None
     consumed_samples: int | None = None
     t: float | None = None
 
 
-@dataclass(frozen=True)
-class Saved(RuntimeEvent):
+@dataclass(frozen=True, kw_only=True)
+class Evaluated(RankEvent):
+    """A rank's validation loss over ``iters`` batches (for people)."""
+
+    name: ClassVar[str] = "eval"
+    step: int
+    loss: float
+    iters: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Saved(RankEvent):
     """A rank's part of a complete checkpoint is written (``seconds``: how long the save took)."""
 
     name: ClassVar[str] = "saved"
     step: int
     seconds: float | None = None
+    path: str | None = None
 
 
-@dataclass(frozen=True)
-class Signalled(RuntimeEvent):
-    """A rank stopped on SIGUSR1/SIGTERM after this step, and saves it."""
+@dataclass(frozen=True, kw_only=True)
+class Signalled(RankEvent):
+    """A rank stopped on SIGUSR1/SIGTERM (``signals``: the numbers received) after this step, and saves it."""
 
     name: ClassVar[str] = "signal"
     step: int
+    signals: list[int] = field(default_factory=list)
 
 
-@dataclass(frozen=True)
-class Done(RuntimeEvent):
+@dataclass(frozen=True, kw_only=True)
+class Done(RankEvent):
     """A rank trained to the requested step."""
 
     name: ClassVar[str] = "done"
     step: int
-
-
-@dataclass(frozen=True)
-class Waiting(RuntimeEvent):
-    """A rank of a job taking over from another waits for its gate file before loading."""
-
-    name: ClassVar[str] = "waiting"
 
 
 @dataclass(frozen=True)
@@ -120,6 +205,7 @@ class InPlaceRefused(RuntimeEvent):
     t: float | None = None
 
 
+#: the events a reader decodes (the others are for people: decoded to None)
 EVENTS: dict[str, type[RuntimeEvent]] = {c.name: c for c in (Started, Loaded, Stepped, Saved, Signalled, Done,
                                                                   Waiting, InPlace, InPlaceRefused)}
 
