@@ -24,7 +24,7 @@ import click
 from sailor_hpc.cli.app import main
 from sailor_hpc.cli.output import echo_json, json_option, table
 from sailor_hpc.cli.training_options import DATA_HELP, absolute_blend, pop_training_args, training_options
-from sailor_hpc.controller import Controller, RunDir, RunSpec, new_run_id
+from sailor_hpc.controller import Controller, RunDir, RunSpec, RunState, new_run_id
 from sailor_hpc.controller.groups import across_clusters
 from sailor_hpc.controller.planning import partitions_for_time
 from sailor_hpc.controller.records import encode
@@ -194,6 +194,20 @@ def run_group(ctx: click.Context, resume_dir: Path | None, **opts: Any) -> None:
     ctx.exit(drive(run_dir))
 
 
+def run_phase(state: RunState, controller_alive: bool) -> str:
+    """Where the run stands, in a line: what ended it (and whose decision that was), or who drives it now."""
+    if state.finished:
+        return "finished"
+    if state.stopped is not None:
+        return (f"stopped by {state.stopped.by} ({state.stopped.how}) at checkpoint step {state.stopped.step}; "
+                f"continue with --resume")
+    if state.gave_up:
+        return f"gave up: {state.gave_up}; continue with --resume once the cause is fixed"
+    if state.stop_requested is not None:
+        return f"{state.stop_requested.by} asked it to {state.stop_requested.how}; its jobs are ending"
+    return "running" if controller_alive else "its controller is not running (interrupted or killed): --resume"
+
+
 def resume_note(rd: RunDir) -> tuple[str, bool]:
     """What ``run --resume`` finds and will do, for people; True when there is nothing to do (finished)."""
     st = rd.state()
@@ -292,8 +306,7 @@ def status_cmd(run_dir: Path, events: bool, as_json: bool) -> None:
     state = rd.state()  # an inconsistent journal is refused naming its line (exit 2)
     alive = rd.controller_alive()
     ck = state.checkpoint
-    phase = ("finished" if state.finished else f"gave up: {state.gave_up}" if state.gave_up
-             else "running" if alive else "stopped (resume with --resume)")
+    phase = run_phase(state, alive)
     if as_json:
         echo_json({"run_dir": str(rd.path), "spec": spec.to_dict(), "phase": phase, "controller_alive": alive,
                    "checkpoint": None if ck is None else {"step": ck.step, "consumed_samples": ck.consumed_samples,

@@ -444,6 +444,12 @@ class OneJob:
                 self._checkpoint_and_wait(cur, job)
             out[job.id] = slurm_ops.cancel_and_wait(job, grace_s=0.0 if how == "cancel" else 10.0)
             self.ctx.checkpoint(cur)
+            if cur.stopped is None:
+                prog = tail.progress if (tail := self._tail(cur)) is not None else None
+                self.ctx.note(records.JobStopped(attempt=cur.number, job_id=job.id, state=out[job.id],
+                                                 reason=f"the run's user asked it to {how}",
+                                                 step=prog.last_step if prog else None,
+                                                 last_step_t=prog.last_step_t if prog else None))
             self.ctx.note(records.JobGone(attempt=cur.number, job_id=job.id, state=out[job.id]))
         elif cur is not None:  # an intent Slurm has no job for (reconcile looked): nothing to end
             self.ctx.note(records.JobGone(attempt=cur.number, job_id=None, state="NOT_SUBMITTED"))

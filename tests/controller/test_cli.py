@@ -74,7 +74,7 @@ def test_status_shows_the_history(tmp_path: Path, archive: Path):
     rd = _fake_run(tmp_path, archive)
     proc = cli("run", "status", str(rd.path))
     assert proc.returncode == 0, proc.stderr
-    assert "run feed01" in proc.stdout and "stopped (resume with --resume)" in proc.stdout
+    assert "run feed01" in proc.stdout and "its controller is not running (interrupted or killed): --resume" in proc.stdout
     assert "node(s) of the job lost: a100-1 down" in proc.stdout and "1 a100+1 v100" in proc.stdout
     data = json.loads(cli("run", "status", str(rd.path), "--json").stdout)
     assert data["attempts"][0]["job"] == "13" and [r["kind"] for r in data["records"]][-1] == "node_lost"

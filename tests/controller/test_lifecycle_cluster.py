@@ -79,7 +79,9 @@ def story(slurm_cluster, tmp_path_factory: pytest.TempPathFactory) -> Any:
     assert sc.cluster.run([*sacctmgr, "modify", "user", OPERATOR, "set", "adminlevel=operator"]).returncode == 0
     with cleaned_up(sc, reference):
         # 1. Slurm is not on PATH: the run gives up at once, saying why; --resume with PATH fixed continues it
-        bare = {**sc.env, "PATH": str(Path(shutil.which("sailor-hpc") or "").parent)}
+        cli = shutil.which("sailor-hpc", path=sc.env["PATH"])
+        assert cli is not None, sc.env["PATH"]
+        bare = {**sc.env, "PATH": str(Path(cli).parent)}
         sc.proc = subprocess.Popen(sc.command(), cwd=sc.cluster.shared, env=bare, stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT, text=True)
         out["gave_up"] = (sc.wait_exit(timeout=120), sc.proc.stdout.read() if sc.proc.stdout else "")
@@ -89,20 +91,20 @@ def story(slurm_cluster, tmp_path_factory: pytest.TempPathFactory) -> Any:
         stopped_job = _current_job(sc)
         out["stop"] = _cli(sc, "run", "stop", str(sc.run_dir))
         out["stop_exit"] = sc.wait_exit(timeout=120)
-        out["after_stop"] = latest_complete(sc.save)
+        out["after_stop"] = read_manifest(latest_complete(sc.save))["step"]  # older ones are pruned later
         out["stopped_job"] = stopped_job
         # 3. resumed; the user cancels the job with scancel: the run stops, nothing is resubmitted
         sc.start_controller(resume=True)
         sc.wait_for("the resumed run's job", kind("submit_intent", reason="run_resumed"), timeout=120)
-        _trained_past(sc, read_manifest(out["after_stop"])["step"])
+        _trained_past(sc, out["after_stop"])
         out["own_cancelled"] = _current_job(sc)
         sc.slurm("scancel", out["own_cancelled"])
         out["own_cancel_exit"] = sc.wait_exit(timeout=120)
         out["status_after_cancel"] = _cli(sc, "run", "status", str(sc.run_dir), "--no-events")
         # 4. resumed; an operator cancels the job: a fault, the run resubmits and trains to the end
+        cancelled_t = sc.records()[-1]["t"]
         sc.start_controller(resume=True)
-        resumed = len(records_of({"records": sc.records()}, "run_resumed"))
-        assert resumed == 3, sc.controller_output()
+        sc.wait_for("the job after the second resume", lambda r: r["kind"] == "submitted" and r["t"] > cancelled_t)
         _trained_past(sc, read_manifest(latest_complete(sc.save))["step"])
         out["operator_cancelled"] = _current_job(sc)
         proc = sc.cluster.run([setpriv, "--reuid", OPERATOR, "--regid", "nogroup", "--clear-groups", "scancel",
@@ -139,8 +141,9 @@ def test_stop_checkpoints_every_rank_and_ends_every_job(story):
     # the checkpoint the ranks saved on the signal is the step they were on: nothing trained was lost
     log = next(r["log"] for r in story["records"] if r["kind"] == "submitted" and r["job_id"] == story["stopped_job"])
     last = max(e["step"] for e in step_events(Path(log)) if e.get("event") == "step")
-    assert read_manifest(story["after_stop"])["step"] == stopped["step"] == last
-    assert story["sacct"][story["stopped_job"]] in ("COMPLETED", "CANCELLED by 0"), story["sacct"]
+    assert story["after_stop"] == stopped["step"] == last
+    # the ranks exit 75 (saved on the signal) and the job, kept from requeueing itself, ends with that code
+    assert story["sacct"][story["stopped_job"]] in ("COMPLETED", "FAILED"), story["sacct"]
 
 
 def test_a_cancel_by_the_runs_user_stops_the_run_and_by_an_operator_is_recovered(story):
