@@ -3,16 +3,21 @@
 Every :class:`~sailor_hpc.core.errors.Problem` (and an ``OSError`` on a path the user gave) becomes
 one message naming file, field and fix, and the exit code its type carries: 2 bad input
 (:class:`~sailor_hpc.core.errors.SailorError`), 3 Slurm unavailable or timed out (try again later).
+A reader that closes the pipe early (``sailor-hpc run status DIR | head``) ends the command quietly with
+141, the status of a process killed by SIGPIPE, as any Unix tool's.
 """
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Any
 
 import click
 
 from sailor_hpc.core.errors import EXIT_SLURM_UNAVAILABLE, Problem, SailorError
+
+EXIT_PIPE_CLOSED = 128 + 13  # 128 + SIGPIPE: what a shell reports for a tool whose reader went away
 
 
 class _Group(click.Group):
@@ -21,9 +26,20 @@ class _Group(click.Group):
             return super().invoke(ctx)
         except Problem as exc:  # each error type carries its exit code (2 bad input, 3 Slurm unavailable, ...)
             _refuse(ctx, exc)
+        except BrokenPipeError:  # the reader is gone: nothing to say, and nowhere to say it
+            _quiet_stdout()
+            ctx.exit(EXIT_PIPE_CLOSED)
         except OSError as exc:  # a path given on the command line cannot be read or written
             _refuse(ctx, SailorError(exc.strerror or str(exc), file=exc.filename,
                                      fix="check the path (a folder where a file is expected?) and its permissions"))
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's last flush of what is still buffered for the
+    closed pipe does not fail again ("Exception ignored ... BrokenPipeError") on the way out."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 def _refuse(ctx: click.Context, exc: Problem) -> None:
