@@ -23,9 +23,11 @@ import click
 
 from sailor_hpc.cli.app import main
 from sailor_hpc.cli.output import echo_json, json_option, table
+from sailor_hpc.cli.preflight import RUNTIME_MODULES, JobNeeds, check_before_queue
 from sailor_hpc.cli.training_options import DATA_HELP, absolute_blend, pop_training_args, training_options
 from sailor_hpc.controller import Controller, RunDir, RunSpec, RunState, new_run_id
 from sailor_hpc.controller.groups import across_clusters
+from sailor_hpc.controller.live import describe_live, live_view
 from sailor_hpc.controller.planning import partitions_for_time
 from sailor_hpc.controller.records import encode
 from sailor_hpc.controller.spec import RUN_RUNTIMES
@@ -93,6 +95,9 @@ def new_run(opts: dict[str, Any]) -> Path:
                    time_min=opts.get("time_min"),
                    signal_grace_s=opts.get("signal_grace"), python=opts["python"],
                    train_args=train_args, extra_sbatch=tuple(opts.get("extra_sbatch") or ()))
+    check_before_queue(JobNeeds(site=site, partitions=tuple(p.name for p in site.partitions), python=opts["python"],
+                                modules=RUNTIME_MODULES[opts["runtime"]], model=spec.planning.model,
+                                checkpoints={"--save": str(save)}))
     save.mkdir(parents=True, exist_ok=True)
     run_dir = Path(opts["run_dir"]).absolute() if opts.get("run_dir") else save / "controller"
     return RunDir.create(run_dir, spec).path
@@ -296,29 +301,53 @@ def cancel_cmd(ctx: click.Context, run_dir: Path, timeout: float) -> None:
 @run_group.command("status")
 @click.argument("run_dir", metavar="RUN_DIR", type=_DIR)
 @click.option("--events/--no-events", default=True, show_default=True, help="Also list every journal record.")
+@click.option("--watch", "watch_s", type=click.FloatRange(min=0.5), default=None,
+              help="Redraw every this many seconds until Ctrl-C (or until the run ended).")
 @json_option
-def status_cmd(run_dir: Path, events: bool, as_json: bool) -> None:
-    """The run's history: its jobs (plans, why, recovery times) and every event and decision."""
-
+def status_cmd(run_dir: Path, events: bool, watch_s: float | None, as_json: bool) -> None:
+    """The run's history (its jobs: plans, why, recovery times; every event and decision) and what Slurm and the
+    checkpoint directory say now."""
     rd = RunDir.existing(run_dir)
+    if watch_s is None or as_json:
+        _status(rd, events, as_json)
+        return
+    try:
+        while True:
+            click.clear()
+            _status(rd, events=False, as_json=False)
+            state = rd.state()
+            if state.finished or state.stopped or state.gave_up:
+                return
+            time.sleep(watch_s)
+    except KeyboardInterrupt:
+        return
+
+
+def _status(rd: RunDir, events: bool, as_json: bool) -> None:
     spec = rd.spec()
     records = rd.records()
     state = rd.state()  # an inconsistent journal is refused naming its line (exit 2)
     alive = rd.controller_alive()
     ck = state.checkpoint
     phase = run_phase(state, alive)
+    live = live_view(rd, state, alive)
     if as_json:
         echo_json({"run_dir": str(rd.path), "spec": spec.to_dict(), "phase": phase, "controller_alive": alive,
                    "checkpoint": None if ck is None else {"step": ck.step, "consumed_samples": ck.consumed_samples,
                                                           "path": ck.path},
-                   "restarts": state.restarts,
+                   "live": live.to_dict(), "restarts": state.restarts,
                    "attempts": [dict(zip(ATTEMPT_HEADER, row)) for row in attempt_rows(state)],
                    "changes": [dict(zip(CHANGE_HEADER, row)) for row in change_rows(state)],
+                   "passed_over": [encode(r) for r in state.passed_over],
                    "records": [encode(r) for r in records]})
         return
     plan_req, job = spec.planning, spec.job
-    click.echo(f"run {spec.run_id}: {plan_req.model} to step {job.steps} ({plan_req.objective}, gbs {plan_req.gbs}) - {phase}; "
-               f"checkpoint {ck.step if ck else '-'}; {state.restarts} restart(s)")
+    click.echo(f"run {spec.run_id}: {plan_req.model} to step {job.steps} ({plan_req.objective}, gbs {plan_req.gbs}) "
+               f"- {phase}; checkpoint {ck.step if ck else '-'}; {state.restarts} restart(s)")
+    for line in describe_live(live):
+        click.echo(line)
+    for passed in state.passed_over:  # checkpoints a job could not use: said here, not only in its log
+        click.echo(describe(passed))
     click.echo(table(ATTEMPT_HEADER, attempt_rows(state)))
     changes = change_rows(state)
     if changes:

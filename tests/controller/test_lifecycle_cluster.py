@@ -4,8 +4,9 @@
    it had ended;
 2. ``sailor-hpc run stop`` while it trains: every rank saves a complete checkpoint of the step it was on, every
    job ends, the controller exits 0 and journals the user's decision;
-3. ``run --resume`` goes on from that checkpoint; the user cancels its job with a plain ``scancel``: the run
-   stops (Slurm's accounting names the canceller, the run's own user), nothing is resubmitted;
+3. ``run --resume`` goes on from that checkpoint; its controller is killed and the user cancels the job with a
+   plain ``scancel``: ``run status`` says what Slurm says (the job ended, unseen by the journal), and the run,
+   resumed once more, stops (Slurm's accounting names the canceller, the run's own user), resubmitting nothing;
 4. ``run --resume`` again; a Slurm operator (another user) cancels the job: a fault, the run resubmits and
    trains to the end.
 
@@ -93,12 +94,17 @@ def story(slurm_cluster, tmp_path_factory: pytest.TempPathFactory) -> Any:
         out["stop_exit"] = sc.wait_exit(timeout=120)
         out["after_stop"] = read_manifest(latest_complete(sc.save))["step"]  # older ones are pruned later
         out["stopped_job"] = stopped_job
-        # 3. resumed; the user cancels the job with scancel: the run stops, nothing is resubmitted
+        # 3. resumed; its controller is killed, and the user cancels the job with scancel meanwhile: status says
+        # what Slurm says, and the controller resumed once more stops the run (the user's decision), resubmits nothing
         sc.start_controller(resume=True)
         sc.wait_for("the resumed run's job", kind("submit_intent", reason="run_resumed"), timeout=120)
         _trained_past(sc, out["after_stop"])
         out["own_cancelled"] = _current_job(sc)
+        sc.kill_controller()
         sc.slurm("scancel", out["own_cancelled"])
+        sc.cluster.wait_job(out["own_cancelled"], timeout=120)
+        out["status_unwatched"] = _cli(sc, "run", "status", str(sc.run_dir), "--no-events")
+        sc.start_controller(resume=True)
         out["own_cancel_exit"] = sc.wait_exit(timeout=120)
         out["status_after_cancel"] = _cli(sc, "run", "status", str(sc.run_dir), "--no-events")
         # 4. resumed; an operator cancels the job: a fault, the run resubmits and trains to the end
@@ -154,8 +160,12 @@ def test_a_cancel_by_the_runs_user_stops_the_run_and_by_an_operator_is_recovered
                                                                      ("cancelled", "root", [own])]
     recs = story["records"]
     at = next(i for i, r in enumerate(recs) if r["kind"] == "run_stopped" and r["how"] == "cancelled")
-    assert recs[at + 1]["kind"] in ("controller_started",), recs[at + 1]  # nothing resubmitted before the resume
-    assert "stopped by root (cancelled)" in story["status_after_cancel"].stdout, story["status_after_cancel"].stdout
+    assert recs[at + 1]["kind"] == "controller_started", recs[at + 1]  # nothing resubmitted before the next resume
+    unwatched = story["status_unwatched"].stdout
+    assert f"job {own} ended (CANCELLED) and the journal does not say so yet" in unwatched, unwatched
+    assert "its controller is not running" in unwatched and "newest complete checkpoint on disk: step" in unwatched
+    after = story["status_after_cancel"].stdout
+    assert "stopped by root (cancelled)" in after and "now: no job of the run in Slurm" in after, after
     sacct = story["sacct"]
     assert sacct[own] == "CANCELLED by 0" and sacct[other] == f"CANCELLED by {65534}", sacct
     gone = next(r for r in recs if r["kind"] == "job_stopped" and r["job_id"] == other)
