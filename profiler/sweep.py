@@ -13,6 +13,12 @@ Outcomes, every one reported and recorded, none dropped:
 - a job that ends without a result (cancelled, node failure, time limit, lost, exception): each of its
   grid points is written to the archive as a failed entry with the Slurm state as the reason;
 - ``timeout_s`` reached: the open jobs are cancelled and their points recorded as failed;
+- a job whose measurement could not start for a reason of the compute side's environment (no ``srun``, an
+  interpreter without torch or submitit: the same on every job) stops the sweep at once with
+  :class:`EnvironmentFailure`: the open jobs are cancelled and no failed point is written for it, since
+  no point was measured;
+- Ctrl-C: :class:`SweepInterrupted` names the jobs that keep running (the caller says how to cancel them
+  or finish the sweep with ``resume``);
 - a measured point that breaks monotonicity in the micro-batch size against a point another job measured
   (:mod:`profiler.monotonic`; a job checks its own points itself) is measured once more, the pair's
   points in one job per partition and TP degree, and if it still breaks it, flagged in the archive.
@@ -110,6 +116,20 @@ class SweepConfig:
     @property
     def message_sizes(self) -> tuple[int, ...]:
         return self.sizes or (CPU_SIZES if self.cpu else GPU_SIZES)
+
+
+class EnvironmentFailure(SailorError):
+    """A profiling job could not start measuring because of the compute side's environment; every other job
+    would fail the same way, so the sweep stopped (exit 2) and recorded no failed point for it."""
+
+
+class SweepInterrupted(KeyboardInterrupt):
+    """Ctrl-C while the sweep waited; ``jobs``: its Slurm jobs still queued or running, which keep writing
+    into the archive."""
+
+    def __init__(self, jobs: Sequence[str]) -> None:
+        super().__init__()
+        self.jobs = tuple(jobs)
 
 
 @dataclass
@@ -488,6 +508,30 @@ def job_result(folder: Path, job_id: str, status: JobStatus, wait_s: float = 10.
     return None, f"job {job_id} {status.state}{where}" + (f" ({detail})" if detail and detail != "0:0" else "")
 
 
+_SUBMITIT_START = "Starting with"  # submitit's log line once the job's function runs
+_IMPORT_ERRORS = ("raised: ModuleNotFoundError", "raised: ImportError")
+
+
+def environment_cause(folder: Path, job_id: str, status: JobStatus, reason: str) -> str | None:
+    """Why a job that ended without a measurement could not start one, when the cause is the compute side's
+    environment rather than the measurement: its function could not import its modules, or the job failed
+    before its function ran (its log has output, but not submitit's start line: ``srun`` missing, an
+    interpreter without submitit, the site's prelude failing). None for anything else (out of memory is a
+    point's result; a cancelled, lost or timed-out job is not the environment's)."""
+    if any(marker in reason for marker in _IMPORT_ERRORS):
+        return reason.split("raised: ", 1)[1]
+    if status.state != "FAILED" or " raised: " in reason:
+        return None
+    log = submitit.SlurmJob(folder=folder, job_id=job_id, tasks=[0]).paths.stdout
+    try:
+        lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return None
+    if not lines or any(_SUBMITIT_START in line for line in lines):
+        return None
+    return f"{lines[-1][:300]} (in {log})"
+
+
 def apply_result(units: Sequence[Unit], value: Any, reason: str) -> None:
     """Update the units of one job from its outcome."""
     if value is None:
@@ -556,6 +600,9 @@ def _watch(cfg: SweepConfig, units: Sequence[Unit], progress: Progress, deadline
                     u.status = "running" if st.state == "RUNNING" else "queued"
                 continue
             value, reason = job_result(cfg.folder, jid, st)
+            cause = environment_cause(cfg.folder, jid, st, reason) if value is None else None
+            if cause is not None:
+                _stop_for_environment(cfg, units, by_job, watcher.open, jid, cause)
             apply_result(members, value, reason)
             for u in members:
                 if u.status == "failed":
@@ -574,6 +621,32 @@ def _watch(cfg: SweepConfig, units: Sequence[Unit], progress: Progress, deadline
                     progress.message(f"failed: {u.key}: {u.reason}")
             break
         time.sleep(cfg.poll_s)
+
+
+def _stop_for_environment(cfg: SweepConfig, units: Sequence[Unit], by_job: dict[str, list[Unit]],
+                          still_open: Sequence[str], jid: str, cause: str) -> None:
+    """Cancel the sweep's open jobs and raise :class:`EnvironmentFailure`; their units are left pending (not
+    failed, nothing recorded): a resumed sweep measures them once the environment is fixed."""
+    for other in still_open:
+        if other != jid:
+            cancel_job(other)
+    for u in units:
+        if u.status in ("queued", "running") or u.job_id == jid:
+            u.status, u.job_id, u.reason = "pending", None, f"not measured: {cause}"
+    save_state(cfg, units)
+    n = len(by_job)
+    raise EnvironmentFailure(f"profiling job {jid} could not start measuring: {cause}. This is the compute "
+                             f"side's environment, the same for every job: the sweep stopped and cancelled its "
+                             f"other {n - 1} job(s); no failed point was written", field="--python",
+                             fix="make srun, and torch, megatron-core and submitit in --python, available on the "
+                                 "compute nodes (the site's [environment].prelude sets their environment up), then "
+                                 "run the same command with --resume")
+
+
+def open_jobs(units: Sequence[Unit]) -> list[str]:
+    """The sweep's Slurm jobs still queued or running (a local sweep's processes end with it)."""
+    return sorted({u.job_id for u in units if u.job_id and u.status in ("queued", "running")
+                   and not u.job_id.startswith("local:")})
 
 
 def non_monotonic(cfg: SweepConfig, units: Sequence[Unit], archive: ProfileArchive) -> dict[str, tuple[Unit, str]]:
@@ -648,6 +721,8 @@ def run_sweep(cfg: SweepConfig, progress: Progress | None = None) -> SweepReport
         _measure(cfg, units, progress, deadline)
         if cfg.compute:
             recheck_monotonic(cfg, units, progress, deadline)
+    except KeyboardInterrupt:
+        raise SweepInterrupted(open_jobs(units)) from None
     finally:
         save_state(cfg, units)
         progress.update(_counts(units))

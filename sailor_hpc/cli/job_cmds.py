@@ -11,7 +11,17 @@ from typing import Any
 import click
 
 from sailor_hpc.cli.app import main
+from sailor_hpc.cli.log_view import log_lines
 from sailor_hpc.cli.output import echo_json, json_option, table
+from sailor_hpc.cli.preflight import (
+    RUNTIME_MODULES,
+    USER_ENTRY_MODULES,
+    JobNeeds,
+    check_before_queue,
+    check_checkpoints,
+    skip_runtime_check_option,
+    warn_interpreter,
+)
 from sailor_hpc.cli.run_cmds import status_cmd as run_status
 from sailor_hpc.cli.training_options import (
     DATA_HELP,
@@ -81,7 +91,7 @@ def _job_options(f: Any) -> Any:
     ]
     for opt in reversed(opts):
         f = opt(f)
-    return training_options(skip_path_check_option("--data, --save and --load")(f))
+    return training_options(skip_runtime_check_option(skip_path_check_option("--data, --save and --load")(f)))
 
 
 def _with_training_args(kw: dict[str, Any]) -> dict[str, Any]:
@@ -132,11 +142,13 @@ def _render(plan_file: Path, site_file: Path, model: str | None, data: str | Non
             load: str | None, steps: int, time_limit: str | None, time_min: str | None, job_name: str | None,
             extra_sbatch: tuple[str, ...],
             train_arg: tuple[str, ...], python: str, signal_grace: int | None, workdir: str | None,
-            log_dir: str | None, dry_run: bool, skip_path_check: bool, *, job_dir: Path,
-            runtime: str = "megatron_patch", entry: Path | None = None, entry_args: tuple[str, ...] = (),
-            train_values: dict[str, Any] | None = None) -> tuple[str, Path]:
+            log_dir: str | None, dry_run: bool, skip_path_check: bool, skip_runtime_check: bool, *, job_dir: Path,
+            submitting: bool, runtime: str = "megatron_patch", entry: Path | None = None,
+            entry_args: tuple[str, ...] = (), train_values: dict[str, Any] | None = None) -> tuple[str, Path]:
     """Render the job; a placed copy of the plan (if one is needed) and a user entry's ds_config.json go into
-    ``job_dir`` (see :func:`_job_dir`), never next to the input plan, which may be read-only shared data."""
+    ``job_dir`` (see :func:`_job_dir`), never next to the input plan, which may be read-only shared data.
+    ``submitting``: the job is queued next, so what it needs is checked first (:mod:`.preflight`); a job only
+    rendered gets a warning about its interpreter, and checkpoints of another model are refused either way."""
 
     site = load_site(site_file)
     job: Training | DryRun | UserEntry
@@ -157,6 +169,18 @@ def _render(plan_file: Path, site_file: Path, model: str | None, data: str | Non
     config: tuple[Path, str] | None = None
     with ExitStack() as undo:  # no script: no placed copy of the plan, no config left behind for it either
         plan, plan_path = placed_plan_file(plan_file, site, model, directory=job_dir, undo=undo)
+        modules = USER_ENTRY_MODULES if entry is not None else RUNTIME_MODULES[runtime]
+        checkpoints: dict[str, str | None] = {}
+        if entry is None and isinstance(job, Training):  # a user's script keeps its own checkpoints
+            checkpoints = {"--save": str(job.save), "--load": None if job.load is None else str(job.load)}
+        if submitting:
+            check_before_queue(JobNeeds(site=site, partitions=tuple(p.name for p in site.partitions), python=python,
+                                        modules=modules, model=plan.model, checkpoints=checkpoints,
+                                        skip_runtime_check=skip_runtime_check))
+        else:
+            check_checkpoints(plan.model, checkpoints)
+            if not skip_runtime_check:
+                warn_interpreter(python, modules)
         copy = plan_path != plan_file.absolute()
         if entry is not None:
             config = ds_config_file(plan, train_values or {}, steps, job_dir, plan_file.stem)
@@ -184,7 +208,8 @@ def _render(plan_file: Path, site_file: Path, model: str | None, data: str | Non
 def sbatch_cmd(output: Path | None, **kw: Any) -> None:
     """Render the (het) sbatch script that trains PLAN on SITE; nothing is submitted."""
 
-    text, _ = _render(**_with_training_args(kw), job_dir=_job_dir(output, "-o/--output", kw["workdir"]))
+    text, _ = _render(**_with_training_args(kw), job_dir=_job_dir(output, "-o/--output", kw["workdir"]),
+                      submitting=False)
     if output is None:
         click.echo(text, nl=False)
     else:
@@ -203,7 +228,8 @@ def submit_cmd(script_out: Path | None, test_only: bool, as_json: bool, **kw: An
     """Render and submit the job that trains PLAN on SITE; prints the job id."""
 
     script = script_out or kw["plan_file"].with_suffix(".sbatch")
-    text, plan_path = _render(**_with_training_args(kw), job_dir=_job_dir(script, "--script", kw["workdir"]))
+    text, plan_path = _render(**_with_training_args(kw), job_dir=_job_dir(script, "--script", kw["workdir"]),
+                              submitting=True)
     write_job_script(script, text)
     if test_only:
         answer = check_script(script)
@@ -246,22 +272,32 @@ def status_cmd(ctx: click.Context, job_id: str | None, as_json: bool) -> None:
 
 
 @main.command("cancel")
-@click.argument("job_id", metavar="JOBID")
-def cancel_cmd(job_id: str) -> None:
-    """Cancel a job (every het component / array element)."""
+@click.argument("job_ids", metavar="JOBID...", nargs=-1, required=True)
+def cancel_cmd(job_ids: tuple[str, ...]) -> None:
+    """Cancel jobs (every het component / array element of each)."""
 
-    click.echo(f"cancelled {cancel_job(job_id)}")
+    for job_id in job_ids:
+        click.echo(f"cancelled {cancel_job(job_id)}")
 
 
 @main.command("logs")
 @click.argument("job_id", metavar="JOBID")
+@click.option("--rank", type=click.IntRange(min=0), default=None,
+              help="This rank's lines (default: rank 0's, which logs steps, losses, saves and loads).")
+@click.option("--json", "as_json", is_flag=True, help="The runtime's JSON events instead (every rank's, or --rank's).")
+@click.option("--all", "everything", is_flag=True, help="The whole log, every rank's lines and events.")
 @click.option("--tail", type=click.IntRange(min=1), default=None, help="Only the last N lines.")
 @click.option("--path", "path_only", is_flag=True, help="Only print where the log is.")
-def logs_cmd(job_id: str, tail: int | None, path_only: bool) -> None:
-    """Print the output of a job submitted with sailor-hpc (all ranks, het groups included)."""
+def logs_cmd(job_id: str, rank: int | None, as_json: bool, everything: bool, tail: int | None,
+             path_only: bool) -> None:
+    """Print a job's log (a job submitted with sailor-hpc): rank 0's lines for a person and the job's own
+    messages; --json for the events, --rank N for another rank, --all for everything."""
 
     if path_only:
         click.echo(str(log_path(job_id)))
         return
-    _, text = read_log(job_id, tail=tail)
-    click.echo(text, nl=False)
+    _, text = read_log(job_id)
+    lines = text.splitlines() if everything else log_lines(text, rank=rank, events=as_json)
+    shown = lines[-tail:] if tail is not None else lines
+    if shown:
+        click.echo("\n".join(shown))

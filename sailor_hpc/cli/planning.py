@@ -18,6 +18,7 @@ from planner.time_goal import TimeGoal
 from planner.time_pareto import plot_time_pareto
 from sailor_hpc.cli.job_cmds import ds_config_file, entry_script
 from sailor_hpc.cli.output import echo_json, memory_by_gpu_type_cell, table
+from sailor_hpc.cli.preflight import RUNTIME_MODULES, USER_ENTRY_MODULES, check_checkpoints, warn_interpreter
 from sailor_hpc.cli.time_planning import TimeOptions, echo_time, time_json, time_terms, timed_job
 from sailor_hpc.cli.training_options import job_work
 from sailor_hpc.core.archive import open_archive
@@ -27,9 +28,9 @@ from sailor_hpc.core.ds_config import write_ds_config
 from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.models import get_model
 from sailor_hpc.core.site import Site, load_site
-from sailor_hpc.jobs.options import JobOptions, UserEntry
+from sailor_hpc.jobs.options import JobOptions, Training, UserEntry
 from sailor_hpc.jobs.render import render_job_script, write_job_script
-from sailor_hpc.slurm.discover import live_availability
+from sailor_hpc.slurm.discover import live_availability, missing_partitions
 
 DEFAULT_GBS = 1024
 DEFAULT_STEPS = 100  # of a --sbatch job
@@ -41,6 +42,10 @@ def parse_available(spec: str, site: Site) -> dict[str, int]:
         return {}
     if spec == "live":
         live = live_availability()
+        missing = missing_partitions([p.name for p in site.partitions])
+        if missing:  # planned without them, but not silently: a typo in the site would look like a busy queue
+            click.echo(f"warning: --available live: Slurm has no partition {', '.join(map(repr, missing))} of the "
+                       f"site {site.name} (planned without it; correct the site file {site.source})", err=True)
         return {p.name: live.get(p.name, {}).get("nodes_idle", 0) * p.gpus_per_node for p in site.partitions}
     out: dict[str, int] = {}
     for item in spec.split(","):
@@ -148,10 +153,14 @@ def _sbatch_job(query: PlanSearch, out: PlanOutputs) -> JobOptions | None:
     if out.entry is not None:  # the config's path names its content, known once the best plan is: see run_planner
         script = entry_script(out.entry, out.skip_path_check, data=out.data, save=out.save)
         work = UserEntry(script, plan_path.absolute().with_suffix(".ds_config.json"), out.entry_args)
+        warn_interpreter(sys.executable, USER_ENTRY_MODULES)
         return JobOptions(plan_path=plan_path.absolute(), work=work, steps=steps, runtime=runtime)
-    return JobOptions(plan_path=plan_path.absolute(),
-                      work=job_work(out.data, out.save, None, steps, dry_run=False, skip=out.skip_path_check),
-                      steps=steps, train_args=out.train_args, runtime=runtime)
+    job = job_work(out.data, out.save, None, steps, dry_run=False, skip=out.skip_path_check)
+    if isinstance(job, Training):
+        check_checkpoints(query.model, {"--save": str(job.save)})
+    warn_interpreter(sys.executable, RUNTIME_MODULES[runtime])  # the job runs this interpreter (a script only)
+    return JobOptions(plan_path=plan_path.absolute(), work=job, steps=steps, train_args=out.train_args,
+                      runtime=runtime)
 
 
 def run_planner(query: PlanSearch, out: PlanOutputs) -> None:

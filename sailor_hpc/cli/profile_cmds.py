@@ -8,9 +8,11 @@ from pathlib import Path
 import click
 
 from profiler.sites import measured_site
-from profiler.sweep import SweepConfig, run_sweep
+from profiler.sweep import SweepConfig, SweepInterrupted, run_sweep
 from sailor_hpc.cli.app import main
+from sailor_hpc.cli.interrupts import jobs_left_running, this_command_with
 from sailor_hpc.cli.output import echo_json, json_option, table
+from sailor_hpc.cli.preflight import RUNTIME_MODULES, JobNeeds, check_before_queue, skip_runtime_check_option
 from sailor_hpc.core.archive import read_archive
 from sailor_hpc.core.atomic import atomic_write_text
 from sailor_hpc.core.errors import SailorError
@@ -72,18 +74,21 @@ def _names(text: str | None) -> tuple[str, ...]:
 @click.option("--resume", is_flag=True, help="Complete a partial sweep: skip what the archive has, re-attach to jobs.")
 @click.option("--write-site", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write the site with the measured network fits (and cpu- GPU types with --cpu).")
+@skip_runtime_check_option
 @json_option
 def profile_cmd(site_file: Path, model: str, partitions: str | None, mbs: str, tp: str, archive: Path | None,
                 cpu: bool, local: bool, network: str, no_compute: bool, net_senders: str, net_sizes: str | None, dtype: str,
                 blocks: int | None, iters: int, min_time_s: float, warmup: int, points_per_job: int, time_min: int,
                 begin: str | None,
                 folder: Path | None, python: str, timeout_s: float | None, lost_after: float, poll_s: float,
-                resume: bool, write_site: Path | None, as_json: bool) -> None:
+                resume: bool, write_site: Path | None, skip_runtime_check: bool, as_json: bool) -> None:
     """Profile MODEL on the site's partitions with Slurm jobs (or, with --local, processes on this machine)
     and merge the results into the archive.
 
     Exit code 0 when every point and link was measured, 1 when some failed (each is reported and
-    recorded; run again with --resume to complete the sweep), 2 for bad input.
+    recorded; run again with --resume to complete the sweep), 2 for bad input or a compute side that cannot
+    measure (no srun, no torch: the sweep stops at the first such job), 130 after Ctrl-C (the jobs keep
+    running unless a second Ctrl-C cancels them).
     """
 
     site = load_site(site_file)
@@ -105,7 +110,14 @@ def profile_cmd(site_file: Path, model: str, partitions: str | None, mbs: str, t
                       folder=folder or Path("sailor-profile") / f"{site.name}-{name}", python=python,
                       points_per_job=points_per_job, timeout_s=timeout_s, lost_after_s=lost_after, poll_s=poll_s,
                       resume=resume, local=local)
-    report = run_sweep(cfg)
+    if not local:  # jobs need the runtime extra (submitit starts them), a network-only sweep torch alone
+        modules = ("submitit", *(("torch",) if no_compute else RUNTIME_MODULES["megatron_patch"]))
+        check_before_queue(JobNeeds(site=site, partitions=cfg.part_names, python=python, modules=modules,
+                                    archive=archive, skip_runtime_check=skip_runtime_check))
+    try:
+        report = run_sweep(cfg)
+    except SweepInterrupted as stop:
+        jobs_left_running(stop.jobs, finish=this_command_with("--resume"))
     if write_site is not None:
         measured = measured_site(site, read_archive(report.archive), cpu=cpu)
         atomic_write_text(write_site, dump_toml(measured.to_dict(), header_comments=[

@@ -4,7 +4,8 @@
 (same schema as ``site_configs/*.toml``, loadable with ``sailor_hpc.core.site.load_site_dict``):
 one partition per Slurm partition that has GPU nodes. ``dump_site_toml()`` writes it as TOML.
 ``live_availability()`` counts idle GPUs and nodes per partition from ``sinfo -N`` (for the
-planner's ``--available live``).
+planner's ``--available live``). ``check_reachable()`` and ``missing_partitions()`` compare a site with
+the live cluster before a job is queued.
 """
 from __future__ import annotations
 
@@ -14,12 +15,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from sailor_hpc.core.errors import SlurmUnavailable
 from sailor_hpc.core.site import format_slurm_time, slurm_time_seconds
 from sailor_hpc.core.toml_writer import dump_toml
 from sailor_hpc.slurm.commands import (
+    PING_TIMEOUT_S,
     GresEntry,
     NodeInfo,
     PartitionInfo,
+    run_slurm,
     show_config,
     show_nodes,
     show_partitions,
@@ -267,3 +271,21 @@ def live_availability(env: Mapping[str, str] | None = None,
         specs = p.pop("_specs")
         p["gres"] = specs.most_common(1)[0][0] if specs else None
     return out
+
+
+# ------------------------------------------------------------------------------------- site vs. cluster
+
+def check_reachable(env: Mapping[str, str] | None = None) -> None:
+    """``scontrol ping``: raises :class:`~sailor_hpc.slurm.commands.SlurmCommandMissing` (exit 2) without the
+    Slurm client tools, :class:`SlurmUnavailable` (exit 3: try again later) when slurmctld does not answer."""
+    proc = run_slurm(["scontrol", "ping"], env, timeout=PING_TIMEOUT_S, check=False)
+    if proc.returncode != 0:
+        said = (proc.stdout.strip() or proc.stderr.strip() or "(no output)").splitlines()[-1]
+        raise SlurmUnavailable(f"slurmctld does not answer: {said}", field="scontrol ping",
+                               fix="check that slurmctld is up and SLURM_CONF names this cluster, then try again")
+
+
+def missing_partitions(names: Sequence[str], env: Mapping[str, str] | None = None) -> list[str]:
+    """Those of ``names`` that Slurm has no partition of (``scontrol show partition``), in their order."""
+    have = {p.name for p in show_partitions(env)}
+    return [n for n in names if n not in have]
