@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 from megatron_patch.memory import peak_rss
 from megatron_patch.metrics import RunLog, open_tensorboard
 from megatron_patch.options import check_train_args
-from sailor_hpc.core.checkpoint import Skipped
+from megatron_patch.rank_output import rank_output
+from sailor_hpc.core.checkpoint import Skipped, step_of
 from sailor_hpc.core.dist_env import EXIT_BAD_INPUT, EXIT_DONE, EXIT_SAVED_ON_SIGNAL, DistEnv, read_env
 from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.paths import writable_dir
@@ -39,6 +40,7 @@ from sailor_hpc.core.plan import Plan
 from sailor_hpc.core.plan_io import load_plan
 from sailor_hpc.core.roles import Role, role_of
 from sailor_hpc.core.runtime_events import (
+    LABEL_ENV,
     CheckpointSkipped,
     Done,
     Evaluated,
@@ -219,7 +221,8 @@ def train(args: argparse.Namespace, plan: Plan, env: DistEnv, role: Role, runtim
         t0 = time.perf_counter()
 
         def skipped(gone: Skipped, using: str | None) -> None:  # rank 0: a fallback is said everywhere
-            emit(CheckpointSkipped(**where, path=str(gone.path), reason=gone.reason, using=using))
+            emit(CheckpointSkipped(**where, path=str(gone.path), reason=gone.reason, step=step_of(gone.path),
+                                   using=using))
             log.note("checkpoint_skipped", f"warning: {gone.line(using, 'loading')}", **gone.to_dict(), using=using)
 
         path = checkpoint_io.load(trainer, args.load or args.save, missing_ok=args.load is None, on_skip=skipped)
@@ -235,7 +238,10 @@ def train(args: argparse.Namespace, plan: Plan, env: DistEnv, role: Role, runtim
             t0 = time.perf_counter()
             runtime.before_save(trainer)
             path = checkpoint_io.save(trainer, args.save, keep=args.keep)
-            emit(Saved(**where, path=path, step=trainer.step, seconds=time.perf_counter() - t0))
+            seconds = time.perf_counter() - t0
+            emit(Saved(**where, path=path, step=trainer.step, seconds=seconds))
+            log.note("saved", f"saved step {trainer.step} ({path}, {seconds:.2f} s)", step=trainer.step, path=path,
+                     seconds=seconds)
 
     def leave(code: int) -> int:
         log.close()
@@ -252,6 +258,8 @@ def train(args: argparse.Namespace, plan: Plan, env: DistEnv, role: Role, runtim
         log.train(res.step, res.loss, res.lr, grad_norm, res.seconds, trainer.consumed_samples)
         if res.stop and trainer.step < args.steps:
             emit(Signalled(**where, signals=list(_STOP), step=trainer.step))
+            log.note("signal", f"stopping after step {trainer.step} on signal {', '.join(map(str, _STOP))}: "
+                     "saving a checkpoint", step=trainer.step, signals=list(_STOP))
             save()
             return leave(EXIT_SAVED_ON_SIGNAL)
         if runtime.evaluate is not None and eval_due(trainer.step, args.eval_interval, args.steps):
@@ -264,6 +272,7 @@ def train(args: argparse.Namespace, plan: Plan, env: DistEnv, role: Role, runtim
     if trainer.step != start_step:
         save()
     emit(Done(**where, step=trainer.step))
+    log.note("done", f"done: step {trainer.step} of {args.steps}", step=trainer.step)
     return leave(EXIT_DONE)
 
 
@@ -288,6 +297,7 @@ def run(args: argparse.Namespace, runtime: Runtime[Any]) -> int:
     try:
         check_args(args, runtime)
         env = read_env()
+        rank_output(env.rank, label=bool(os.environ.get(LABEL_ENV)))
         plan = load_plan(args.plan, model=args.model)
         runtime.check(args, plan)
         role = role_of(plan, env.rank, env.world_size)

@@ -21,6 +21,7 @@ from sailor_hpc.core.archive import open_archive
 from sailor_hpc.core.checkpoint import latest_complete, read_manifest
 from sailor_hpc.core.plan import Plan
 from sailor_hpc.core.plan_io import load_plan
+from sailor_hpc.core.runtime_events import CheckpointSkipped
 from sailor_hpc.core.site import Site, load_site
 from sailor_hpc.jobs.render import cluster_submit_env
 from sailor_hpc.slurm.handle import SlurmCluster
@@ -116,6 +117,16 @@ class RunContext:
         if self.state.checkpoint is None or manifest["step"] > self.state.checkpoint.step:
             self.note(records.CheckpointSeen(attempt=cur.number if cur else None, step=manifest["step"],
                       consumed_samples=manifest.get("consumed_samples"), path=str(path)))
+
+    def passed_over(self, cur: Attempt, skipped: list[CheckpointSkipped]) -> None:
+        """Journal each checkpoint the job passed over as it resumed (its log says so; the journal keeps it for
+        ``run status``), once per job: a resumed controller reads the log again from the start."""
+        seen = {(p.attempt, p.path) for p in self.state.passed_over}
+        for e in skipped:
+            if (cur.number, e.path) not in seen:
+                self.note(records.CheckpointPassedOver(attempt=cur.number, job_id=cur.job_id, path=e.path,
+                                                       reason=e.reason, step=e.step, using=e.using))
+                seen.add((cur.number, e.path))
 
     def users_own(self, uid: int | None) -> str | None:
         """The run's user's name if ``uid`` (who cancelled a job) is this user: a cancel that is the user's decision,

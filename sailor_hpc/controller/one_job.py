@@ -223,6 +223,7 @@ class OneJob:
         tail = self._tail(cur)
         if tail is not None:
             self._in_place(cur, tail.poll())
+            self.ctx.passed_over(cur, tail.skipped)
             for message in tail.malformed[len(self._malformed.get(cur.number, [])):]:
                 self.ctx.note(records.ErrorSeen(message=message, where="job log"))
             self._malformed[cur.number] = list(tail.malformed)

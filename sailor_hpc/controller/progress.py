@@ -1,8 +1,8 @@
 """What the training says: the runtime's JSON lines in the job's log, read as they are written.
 
-``megatron_patch.launch`` prints one JSON object per line and rank (``start``, ``loaded``, ``step``,
-``saved``, ``signal``, ``done``: :mod:`sailor_hpc.core.runtime_events`, read here by type); ``srun`` merges
-the ranks' lines into the job's log, among Slurm's own messages and Python warnings, which are skipped.
+``megatron_patch.launch`` prints one JSON object per line and rank (``start``, ``checkpoint_skipped``,
+``loaded``, ``step``, ``saved``, ``signal``, ``done``: :mod:`sailor_hpc.core.runtime_events`, read here by
+type); ``srun`` merges the ranks' lines into the job's log, among Slurm's own messages and Python warnings, which are skipped.
 :class:`LogTail` reads only what was appended since the last call and keeps a partial last line for the
 next one, so polling a long log stays cheap.
 """
@@ -15,6 +15,7 @@ from pathlib import Path
 
 from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.runtime_events import (
+    CheckpointSkipped,
     Done,
     InPlace,
     Loaded,
@@ -25,6 +26,7 @@ from sailor_hpc.core.runtime_events import (
     Stepped,
     Waiting,
     decode_event,
+    unlabelled,
 )
 
 
@@ -99,6 +101,7 @@ class LogTail:
         self.progress = Progress()
         self.waiting = 0  # ranks that said they wait for a gate file before loading (a job taking over)
         self.malformed: list[str] = []  # lines naming an event whose fields do not fit it
+        self.skipped: list[CheckpointSkipped] = []  # checkpoints the job passed over as it resumed
 
     def poll(self) -> list[RuntimeEvent]:
         """New events since the last call; they are also added to :attr:`progress`. A line that names an event
@@ -115,7 +118,7 @@ class LogTail:
         self._partial = lines.pop()
         out = []
         for raw in lines:
-            line = raw.decode("utf-8", errors="replace").strip()
+            _, line = unlabelled(raw.decode("utf-8", errors="replace").strip())  # a rank's label: whose, not what
             if line.startswith("error:") or ": error:" in line:  # SailorError / argparse refusals
                 self.progress.errors.append(line)
             if not line.startswith("{"):
@@ -134,6 +137,8 @@ class LogTail:
             if event is None:
                 continue
             self.waiting += isinstance(event, Waiting)
+            if isinstance(event, CheckpointSkipped):
+                self.skipped.append(event)
             self.progress.add(event)
             out.append(event)
         return out

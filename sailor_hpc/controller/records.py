@@ -30,6 +30,7 @@ class Kind(StrEnum):
     BASELINE = "baseline"
     CANCEL = "cancel"
     CHECKPOINT = "checkpoint"
+    CHECKPOINT_PASSED_OVER = "checkpoint_passed_over"
     CONTROLLER_STARTED = "controller_started"
     CONTROLLER_STOPPED = "controller_stopped"
     DECISION = "decision"
@@ -299,6 +300,20 @@ class CheckpointSeen(Record):
     path: str | None = None
     consumed_samples: int | None = None
     attempt: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointPassedOver(Record):
+    """A job resuming passed over a checkpoint that does not verify (the runtime's ``checkpoint_skipped``):
+    ``step`` of ``path``, ``reason``, and ``using``, the checkpoint it loaded instead (None: none verified)."""
+
+    kind: ClassVar[Kind] = Kind.CHECKPOINT_PASSED_OVER
+    attempt: int
+    path: str
+    reason: str
+    step: int | None = None
+    using: str | None = None
+    job_id: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -303,6 +303,7 @@ class RunState:
     failures_in_a_row: int = 0  # jobs that ended without training a step, since the last step
     backoff_until: float | None = None
     checkpoint: records.CheckpointSeen | None = None  # the newest complete checkpoint seen
+    passed_over: list[records.CheckpointPassedOver] = field(default_factory=list)  # checkpoints a job could not use
     baseline: dict[str, int] = field(default_factory=dict)  # GPUs available to the run when last judged
     last_replan_t: float | None = None
     trigger: Trigger | None = None  # the change the next attempt answers
@@ -422,6 +423,8 @@ def apply(state: RunState, rec: records.Record) -> None:
             state.checkpoint = rec
             if state.attempts:  # one job at a time: a new checkpoint is the latest job's (also if seen after it ended)
                 state.attempts[-1].advanced = True
+        case records.CheckpointPassedOver():
+            state.passed_over.append(rec)
         case records.NodeLost():
             state.attempt(rec.attempt).lost_nodes.update(rec.nodes)
             state.trigger = state.trigger or Trigger(records.Kind.NODE_LOST, t)

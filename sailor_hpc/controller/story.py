@@ -4,6 +4,7 @@ Used by the controller as it goes (each record it writes is echoed) and by ``sai
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from sailor_hpc.controller import records
@@ -53,7 +54,8 @@ def describe(rec: records.Record) -> str:
         case records.GateOpened():
             return f"{a}its ranks are gone: bigger job {rec.job_id} loads the checkpoint and trains"
         case records.GrowCancelled():
-            return f"{a}bigger job {rec.job_id} cancelled ({rec.reason}); training goes on where it is"
+            return (f"{a}bigger job {rec.job_id} cancelled ({rec.reason}); training goes on where it is"
+                    + ("; no bigger job on this queue again until it changes" if rec.queue is not None else ""))
         case records.InPlaceRefusedStep():
             return f"{a}no in-place step in job {rec.job_id} ({rec.reason}): the job ends, a new one follows"
         case records.RecoveryMeasured(in_place=True):
@@ -64,6 +66,10 @@ def describe(rec: records.Record) -> str:
                     f"(+ {rec.queue_wait_s or 0:.1f} s queue wait)")
         case records.CheckpointSeen():
             return f"checkpoint of step {rec.step} complete ({rec.consumed_samples} samples consumed)"
+        case records.CheckpointPassedOver():
+            instead = f"loaded {Path(rec.using).name}" if rec.using else "no older checkpoint verifies"
+            step = rec.step if rec.step is not None else Path(rec.path).name
+            return f"{a}checkpoint step {step} passed over: {rec.reason} ({instead})"
         case records.NodeLost():
             return f"{a}node(s) of the job lost: " + ", ".join(f"{n} {s}" for n, s in rec.nodes.items())
         case records.IdleGpus():

@@ -43,6 +43,12 @@ def step_dir(root: str | Path, step: int) -> Path:
     return Path(root) / f"step_{step:08d}"
 
 
+def step_of(path: str | Path) -> int | None:
+    """The step a checkpoint directory's name says (``step_00000012`` -> 12; None for another name)."""
+    m = _STEP_RE.match(Path(path).name)
+    return int(m.group(1)) if m else None
+
+
 def tmp_dir(root: str | Path, step: int) -> Path:
     return Path(root) / f".tmp-step_{step:08d}"
 
@@ -147,7 +153,7 @@ def candidates(root: str | Path) -> list[Path]:
     root = Path(root)
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_RE.match(p.name)) and p.is_dir()]
+    found = [(step, p) for p in root.iterdir() if (step := step_of(p)) is not None and p.is_dir()]
     return [p for _, p in sorted(found, reverse=True)]
 
 

@@ -6,13 +6,14 @@ every event as ``{"event": NAME, ...fields}`` through :func:`encode_event`; :fun
 back into the frozen dataclass of its name, so a reader dispatches on the type and a field renamed on one side
 is a :class:`~sailor_hpc.core.errors.SailorError` naming the event and the field, not a ``None`` read silently.
 A field a line lacks takes its default (a runtime that does not measure it, or an older one). Events meant
-only for people (``ready``, ``eval``, ``go``, ``checkpoint_skipped``) are typed for the writer but decode to
-None, as lines of unknown events do.
+only for people (``ready``, ``eval``, ``go``) are typed for the writer but decode to None, as lines of unknown
+events do.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -92,11 +93,14 @@ class Go(RankEvent):
 
 @dataclass(frozen=True, kw_only=True)
 class CheckpointSkipped(RankEvent):
-    """Rank 0 passed over a checkpoint that does not verify (``using``: the one it loads, None: none does)."""
+    """Rank 0 passed over a checkpoint that does not verify (``step``: the step its directory names;
+    ``using``: the one it loads, None: none does). The controller journals it: a run's status names every
+    checkpoint it could not use."""
 
     name: ClassVar[str] = "checkpoint_skipped"
     path: str
     reason: str
+    step: int | None = None
     using: str | None = None
 
 
@@ -205,9 +209,22 @@ class InPlaceRefused(RuntimeEvent):
     t: float | None = None
 
 
+#: set (by ``sailor_hpc.jobs.rank_env``) where srun merges every rank's output into one job log: each rank then
+#: starts its stderr lines with :data:`RANK_LABEL` (its JSON events carry their rank already)
+LABEL_ENV = "SAILOR_LABEL_RANKS"
+RANK_LABEL = "[rank {}] "
+_LABELLED = re.compile(r"^\[rank (\d+)\] ")
+
+
+def unlabelled(line: str) -> tuple[int | None, str]:
+    """The rank a job log's line is labelled with (None: no rank's label) and its text without the label."""
+    m = _LABELLED.match(line)
+    return (int(m.group(1)), line[m.end():]) if m else (None, line)
+
+
 #: the events a reader decodes (the others are for people: decoded to None)
-EVENTS: dict[str, type[RuntimeEvent]] = {c.name: c for c in (Started, Loaded, Stepped, Saved, Signalled, Done,
-                                                                  Waiting, InPlace, InPlaceRefused)}
+EVENTS: dict[str, type[RuntimeEvent]] = {c.name: c for c in (Started, CheckpointSkipped, Loaded, Stepped, Saved,
+                                                                  Signalled, Done, Waiting, InPlace, InPlaceRefused)}
 
 
 def encode_event(event: RuntimeEvent) -> str:

@@ -6,8 +6,9 @@
 the plan numbers ranks pipeline by pipeline. This wrapper reads ``SLURM_PROCID`` / ``SLURM_NTASKS`` /
 ``SLURM_LOCALID``, looks the task up in the plan's job layout, checks that Slurm placed it where the
 layout expects (task count, local index), exports ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` /
-``LOCAL_WORLD_SIZE`` (the torchrun variables, which ``sailor_hpc.core.dist_env`` prefers over Slurm's) and
-``OMP_NUM_THREADS`` (this component's CPUs per task, unless set), then replaces itself with the command.
+``LOCAL_WORLD_SIZE`` (the torchrun variables, which ``sailor_hpc.core.dist_env`` prefers over Slurm's),
+``OMP_NUM_THREADS`` (this component's CPUs per task, unless set) and ``SAILOR_LABEL_RANKS`` (the runtime labels
+each rank's lines in the job's one log), then replaces itself with the command.
 It imports no torch, so it costs a few tens of milliseconds per rank.
 """
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Mapping
 
 from sailor_hpc.core.errors import EXIT_BAD_INPUT, SailorError
 from sailor_hpc.core.plan_io import load_plan
+from sailor_hpc.core.runtime_events import LABEL_ENV
 from sailor_hpc.jobs.layout import JobLayout, job_layout
 
 
@@ -44,7 +46,8 @@ def rank_environment(layout: JobLayout, env: Mapping[str, str]) -> dict[str, str
         raise SailorError(f"task {procid} has SLURM_LOCALID={env['SLURM_LOCALID']}, the layout expects {place.local}",
                           field="SLURM_LOCALID", fix="use block task distribution (the rendered script does)")
     out = {"RANK": str(place.rank), "WORLD_SIZE": str(layout.world_size), "LOCAL_RANK": str(place.local),
-           "LOCAL_WORLD_SIZE": str(comp.tasks_per_node), "SAILOR_HET_GROUP": str(place.component)}
+           "LOCAL_WORLD_SIZE": str(comp.tasks_per_node), "SAILOR_HET_GROUP": str(place.component),
+           LABEL_ENV: "1"}  # srun merges the ranks' output into one log: each rank labels its lines
     if "OMP_NUM_THREADS" not in env:
         cpus = env.get(f"SLURM_CPUS_PER_TASK_HET_GROUP_{place.component}") or env.get("SLURM_CPUS_PER_TASK")
         if cpus and cpus.isdigit():

@@ -127,13 +127,11 @@ def log_path(job_id: str | int, env: Mapping[str, str] | None = None) -> Path:
                       fix="only jobs submitted with sailor-hpc (or still known to slurmctld) have a known log")
 
 
-def read_log(job_id: str | int, env: Mapping[str, str] | None = None, *, tail: int | None = None) -> tuple[Path, str]:
+def read_log(job_id: str | int, env: Mapping[str, str] | None = None) -> tuple[Path, str]:
     path = log_path(job_id, env)
     try:
         text = path.read_text(errors="replace")
     except FileNotFoundError:
         raise SailorError("the job has not written its log yet (pending?) or it was removed", file=path,
                           fix="check `sailor-hpc status JOBID`") from None
-    if tail is not None:
-        text = "".join(text.splitlines(keepends=True)[-tail:])
     return path, text

@@ -79,7 +79,7 @@ def test_het_job_starts_every_rank_in_its_planned_role(slurm_cluster, job_env, j
     assert [(c["job_id"], c["partition"], c["state"]) for c in st["components"]] == [
         (f"{job}+0", "v100", "COMPLETED"), (f"{job}+1", "a100", "COMPLETED"), (f"{job}+2", "a100", "COMPLETED")]
 
-    log = _cli(slurm_cluster, job_env, "logs", job).stdout
+    log = _cli(slurm_cluster, job_env, "logs", job, "--json").stdout
     records = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
     plan = load_plan(plan_path)
     roles = rank_roles(plan)
