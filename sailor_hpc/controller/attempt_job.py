@@ -8,6 +8,7 @@ cluster's job of a group (joined by a rendezvous file; never requeued alone).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from sailor_hpc.controller.spec import JobSpec, RunSpec
@@ -19,12 +20,14 @@ from sailor_hpc.jobs.render import render_job_script, write_job_script
 
 
 def attempt_options(job: JobSpec, plan_path: Path, rundir: RunDir, *, model: str, runtime: str, name: str,
-                    scope: InPlace | ClusterPart, gate: Path | None = None) -> JobOptions:
+                    scope: InPlace | ClusterPart, gate: Path | None = None, exclude: Sequence[str] = ()) -> JobOptions:
     """The options of one job of the run, from the spec's job part whole and the plan's model and runtime. With
     ``gate`` the ranks start at once but load the checkpoint only once that file exists (a job taking over from
-    another)."""
+    another). ``exclude``: nodes the job must not get (down, drained, reserved, or one a job could not release):
+    the plan was made without them, and Slurm may otherwise hold the job for one of them."""
+    extra = (*job.extra_sbatch, *((f"--exclude={','.join(exclude)}",) if exclude else ()))
     return JobOptions(plan_path=plan_path, work=Training(job.data, job.save), steps=job.steps, model=model,
-                      runtime=runtime, job_name=name, extra_sbatch=job.extra_sbatch,
+                      runtime=runtime, job_name=name, extra_sbatch=extra,
                       train_args=("--save-interval", str(job.save_interval), *job.train_args,
                                   *(("--wait-for", str(gate)) if gate is not None else ())),
                       python=job.python, limits=Limits(job.time_limit, job.time_min, job.signal_grace_s),
@@ -41,10 +44,12 @@ def write_attempt_plan(rundir: RunDir, plan: Plan, attempt: int) -> Path:
 
 
 def write_attempt_script(rundir: RunDir, spec: RunSpec, site: Site, plan: Plan, plan_path: Path, attempt: int, *,
-                         name: str, scope: InPlace | ClusterPart, gate: Path | None = None) -> Path:
+                         name: str, scope: InPlace | ClusterPart, gate: Path | None = None,
+                         exclude: Sequence[str] = ()) -> Path:
     """Render and write the job script of the attempt (of one cluster's part for a :class:`ClusterPart`)."""
     options = attempt_options(spec.job, plan_path, rundir, model=spec.planning.model,
-                              runtime=spec.planning.runtime_of(plan), name=name, scope=scope, gate=gate)
+                              runtime=spec.planning.runtime_of(plan), name=name, scope=scope, gate=gate,
+                              exclude=exclude)
     script = rundir.script_file(attempt, scope.cluster if isinstance(scope, ClusterPart) else None)
     script.parent.mkdir(parents=True, exist_ok=True)
     write_job_script(script, render_job_script(plan, site, options))
@@ -52,8 +57,8 @@ def write_attempt_script(rundir: RunDir, spec: RunSpec, site: Site, plan: Plan, 
 
 
 def prepare_attempt(rundir: RunDir, spec: RunSpec, site: Site, plan: Plan, attempt: int, name: str,
-                    gate: Path | None = None) -> tuple[Path, Path]:
+                    gate: Path | None = None, exclude: Sequence[str] = ()) -> tuple[Path, Path]:
     """The plan file and job script of a one-job attempt (the run's directory scope: in-place re-planning)."""
     plan_path = write_attempt_plan(rundir, plan, attempt)
     return plan_path, write_attempt_script(rundir, spec, site, plan, plan_path, attempt, name=name,
-                                           scope=InPlace(rundir.path), gate=gate)
+                                           scope=InPlace(rundir.path), gate=gate, exclude=exclude)

@@ -91,6 +91,38 @@ def free_for_run(idle: Mapping[str, Mapping[str, int]], own: Mapping[str, Mappin
     return out
 
 
+def cpu_bound(idle: Mapping[str, Mapping[str, int]], rows: list[SinfoNode],
+              cpus_per_gpu: Mapping[str, int]) -> dict[str, dict[str, int]]:
+    """Idle GPUs per node that a job can also get CPUs for: each rank asks ``cpus_per_gpu[partition]`` CPUs,
+    so a node whose CPUs are held (by the run's own job, or another) has fewer usable GPUs than idle ones,
+    and a plan on all of them would wait for CPUs that never free up."""
+    cpus = {(r.partition, r.name): r.cpus_idle for r in rows}
+    return {p: {n: min(int(g), cpus.get((p, n), 0) // max(1, cpus_per_gpu.get(p, 1))) for n, g in nodes.items()}
+            for p, nodes in idle.items()}
+
+
+def never_now(unusable: Mapping[str, str]) -> list[str]:
+    """Nodes no job can get now nor soon (down, drained, failing, reserved ...): a new job excludes them.
+    A node merely *planned* for a pending job (``-``, "planned") is not: a job that ends first may use it."""
+    return sorted(n for n, s in unusable.items() if not (s.endswith("-") or "planned" in s.lower()))
+
+
+#: squeue reasons of a pending job that Slurm does not clear soon: what it waits for is down, drained or set
+#: aside, not busy (Resources, Priority: those clear as jobs end)
+_NODE_REASONS = ("ReqNodeNotAvail", "NodeDown", "Nodes required for job are DOWN")
+_STUCK_REASONS = (*_NODE_REASONS, "PartitionDown", "PartitionInactive", "Reservation", "ResvDeleted")
+
+
+def stuck_reason(job: JobStatus) -> str | None:
+    """The squeue reason a component of the pending job waits for that will not clear soon (None: none does)."""
+    return next((c.reason for c in job.components if c.reason.startswith(_STUCK_REASONS)), None)
+
+
+def about_nodes(reason: str) -> bool:
+    """Whether a pending job's reason is about nodes (down, drained): a new job without them can start."""
+    return reason.startswith(_NODE_REASONS)
+
+
 def lost_nodes(job_nodes: list[str], lost: Mapping[str, str], known: Mapping[str, str]) -> dict[str, str]:
     """Nodes of the job that are lost and were not reported yet (node -> state)."""
     return {n: lost[n] for n in job_nodes if n in lost and n not in known}

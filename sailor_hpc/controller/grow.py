@@ -24,7 +24,7 @@ from collections.abc import Callable
 from sailor_hpc.controller import records, slurm_ops
 from sailor_hpc.controller.attempt_job import prepare_attempt
 from sailor_hpc.controller.context import RunContext
-from sailor_hpc.controller.events import Observation, all_running
+from sailor_hpc.controller.events import Observation, all_running, never_now
 from sailor_hpc.controller.planning import plan_on
 from sailor_hpc.controller.policy import Score, judge
 from sailor_hpc.controller.progress import LogTail, saved_on_signal
@@ -59,7 +59,7 @@ class Grower:
         number = len(self.ctx.state.attempts) + 1
         name = job_name(self.ctx.spec.run_id, number)
         plan_path, script = prepare_attempt(self.ctx.rundir, self.ctx.spec, self.ctx.site, planned.plan, number, name,
-                                                      gate=self.ctx.rundir.gate_file(number))
+                                            gate=self.ctx.rundir.gate_file(number), exclude=never_now(obs.unusable))
         self.ctx.note(records.PlanChosen(reason=RESIZE_REASON, available=obs.available, planner_available=planned.available,
                   plan_file=str(plan_path), **planned.summary()))
         try:
@@ -74,10 +74,11 @@ class Grower:
                   cost_per_hour=planned.score.cost_per_hour))
         return True
 
-    def watch_successor(self, cur: Attempt) -> None:
+    def watch_successor(self, cur: Attempt, idle: dict[str, dict[str, int]]) -> None:
         """Once the bigger job runs and all its ranks wait at the gate (started, rendezvous done, model
         built), ask this one to checkpoint and end; cancel the bigger one if it is not that far within
-        ``grow_timeout_s`` (the run keeps training where it is)."""
+        ``grow_timeout_s`` (the run keeps training where it is). One that timed out still pending journals the
+        queue it could not start on (``idle``, GPUs per node): no bigger job is tried on that queue again."""
         succ = cur.successor
         assert succ is not None
         job = self.cluster.job(succ.grown.job_id).status()
@@ -89,7 +90,7 @@ class Grower:
         elif cur.stop is None and (job.final or self.ctx.clock() - succ.grown.t > self.ctx.spec.control.grow_timeout_s):
             why = f"ended ({job.state}) before its ranks were ready" if job.final else \
                 f"its ranks were not ready {self.ctx.spec.control.grow_timeout_s:.0f} s after it was submitted"
-            self.drop_successor(cur, why)
+            self.drop_successor(cur, why, queue=idle if succ.running_t is None and not job.final else None)
 
     def _successor_ready(self, succ: Successor) -> bool:
         """Every rank of the bigger job said it waits for the gate (its log's ``waiting`` records)."""
@@ -97,12 +98,14 @@ class Grower:
         tail.poll()
         return tail.waiting >= self.ctx.plan(succ.grown.plan_file).num_gpus
 
-    def drop_successor(self, cur: Attempt, reason: str) -> str:
-        """Cancel the bigger job (the run trains on where it is); returns its final state."""
+    def drop_successor(self, cur: Attempt, reason: str, queue: dict[str, dict[str, int]] | None = None) -> str:
+        """Cancel the bigger job (the run trains on where it is); returns its final state. ``queue``: the idle
+        GPUs per node it could not start on."""
         succ = cur.successor
         assert succ is not None
         state = slurm_ops.cancel_and_wait(self.cluster.job(succ.grown.job_id))
-        self.ctx.note(records.GrowCancelled(attempt=cur.number, job_id=succ.grown.job_id, reason=reason, state=state))
+        self.ctx.note(records.GrowCancelled(attempt=cur.number, job_id=succ.grown.job_id, reason=reason, state=state,
+                                            queue=queue))
         return state
 
     def open_gate_early(self, cur: Attempt, tail: LogTail | None) -> bool:

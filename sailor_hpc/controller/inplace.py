@@ -10,7 +10,9 @@ script runs ``python -m sailor_hpc.controller.inplace``, here, on the compute no
 2. the planner on the survivors (the GPUs the job holds on each surviving node), with the run's
    objective and constraints; each component of the new plan must run in the job's het component of
    the same partition, in the same order (Slurm cannot give a running job a new component);
-3. drained nodes are released (``scontrol update JobId=<component> NodeList=<survivors>``);
+3. drained nodes are released (``scontrol update JobId=<component> NodeList=<survivors>``); where Slurm
+   refuses (the node runs the batch script: ``Invalid node name specified``) the job ends instead, and the
+   controller's next job excludes the node;
 4. the next step's plan file and ``<job plan>.step-K.env`` (PLAN, MASTER_ADDR/PORT, per-component
    ``srun`` options with ``--nodelist``) are written atomically, and one JSON line
    ``{"event": "in_place", ...}`` goes to the job's log, which the controller journals. The step
@@ -147,6 +149,10 @@ def next_step(run_dir: Path, job_plan_file: Path, step_plan_file: Path, step: in
     cpus = [c.cpus_per_task for c in components_for(job_layout(job_plan), site)]
     opts, nodes = step_components(planned.plan, comps, free, len(comps) > 1, cpus)
     released, refused = release(comps, set(nodes), lost)
+    if refused:  # the job would hold a drained node for as long as it drains: a new job without it instead
+        raise SailorError(f"Slurm refused to release {', '.join(sorted(set(lost) - set(released)))}: "
+                          f"{'; '.join(refused)}", field="in-place release",
+                          fix="the job ends; the controller submits a new job without the node")
     plan_path = job_plan_file.with_name(f"{job_plan_file.stem}.step-{step}.json")
     planned.plan.save(plan_path)
     addr = next((n.raw.get("NodeAddr") for n in show_nodes(None, names=[nodes[0]])), None) or nodes[0]

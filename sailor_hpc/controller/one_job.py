@@ -35,13 +35,17 @@ from sailor_hpc.controller.attempt_job import prepare_attempt
 from sailor_hpc.controller.context import RunContext
 from sailor_hpc.controller.events import (
     Observation,
+    about_nodes,
     all_running,
+    cpu_bound,
     draining_only,
     free_for_run,
     idle_increase,
     lost_nodes,
+    never_now,
     node_states,
     own_gpus,
+    stuck_reason,
 )
 from sailor_hpc.controller.grow import Grower
 from sailor_hpc.controller.planning import Planned, judge_pending, plan_on, plan_on_queue
@@ -50,6 +54,7 @@ from sailor_hpc.controller.progress import LogTail, saved_on_signal
 from sailor_hpc.controller.state import Attempt, Trigger, job_name
 from sailor_hpc.core.errors import NoPlanFits, SailorError, SlurmUnavailable
 from sailor_hpc.core.runtime_events import InPlace, InPlaceRefused, RuntimeEvent, event_fields
+from sailor_hpc.jobs.render import cpus_per_task
 from sailor_hpc.slurm.discover import live_availability
 from sailor_hpc.slurm.handle import SlurmJob
 from sailor_hpc.slurm.hostlist import expand_hostlist
@@ -126,9 +131,11 @@ class OneJob:
 
     def observe(self, cur: Attempt | None) -> Observation:
         obs = Observation(t=self.ctx.clock())
-        obs.node_states, obs.unusable, obs.lost = node_states(self.cluster.nodes())
+        rows = self.cluster.nodes()
+        obs.node_states, obs.unusable, obs.lost = node_states(rows)
         names = {p.name for p in self.site.partitions}
-        idle = {p: dict(v["idle_gpus_by_node"]) for p, v in live_availability(self.cluster.env).items() if p in names}
+        idle = cpu_bound({p: dict(v["idle_gpus_by_node"]) for p, v in live_availability(self.cluster.env).items()
+                          if p in names}, rows, {p.name: cpus_per_task(p) for p in self.site.partitions})
         own: dict[str, dict[str, int]] = {}
         if cur is not None and cur.job_id is not None:
             watcher = self._watcher(cur)
@@ -193,7 +200,8 @@ class OneJob:
         number = len(st.attempts) + 1
         name = job_name(spec.run_id, number)
         try:
-            plan_path, script = prepare_attempt(self.ctx.rundir, spec, self.site, planned.plan, number, name)
+            plan_path, script = prepare_attempt(self.ctx.rundir, spec, self.site, planned.plan, number, name,
+                                                exclude=never_now(obs.unusable))
         except SailorError as exc:  # rendering is deterministic: the spec (time limit, options) must change
             self.ctx.note(records.GaveUp(reason=f"the job script cannot be rendered: {exc}"))
             return
@@ -234,7 +242,7 @@ class OneJob:
         self.first_step(cur, tail)
         self._in_place_recovered(cur, tail)
         if cur.waits_for_successor:
-            self.grower.watch_successor(cur)
+            self.grower.watch_successor(cur, obs.idle)
         self.ctx.checkpoint(cur)
         if job is None or not job.known and job.state != "LOST":
             return  # not visible yet (just submitted)
@@ -257,6 +265,8 @@ class OneJob:
                 self._consider_resize(cur, obs, tail)
             return
         if cur.running_t is None and not job.final and job.state != "LOST" and not cur.lost_nodes:
+            if job.state == "PENDING" and self._replan_stuck(cur, job, obs):
+                return
             if self.spec.planning.objective == "time" and job.state == "PENDING":
                 self._judge_pending(cur, obs.t)
             return  # queued: waiting is the queue's business (excluded from recovery time)
@@ -334,6 +344,31 @@ class OneJob:
         self.ctx.note(records.Cancel(job_id=cur.job_id, reason="a plan on the current queue finishes first"))
         self.ctx.note(records.JobGone(attempt=cur.number, job_id=cur.job_id, state=slurm_ops.cancel_and_wait(self.job(cur))))
 
+    def _replan_stuck(self, cur: Attempt, job: JobStatus, obs: Observation) -> bool:
+        """The job pends for a reason Slurm does not clear soon (a node down or drained, a partition down, a
+        reservation): cancel it and re-plan on what is free (True: cancelled; the next poll submits anew). A
+        reason about nodes always moves (the next job excludes them); another moves only when a plan on what
+        is free differs from the pending one, which would otherwise wait for the same thing again."""
+        reason = stuck_reason(job)
+        if reason is None or cur.job_id is None:
+            return False
+        if not about_nodes(reason):
+            try:
+                planned = plan_on(self.spec, self.site, self.archive, obs.free)
+            except NoPlanFits:
+                return False
+            if plan_shape(planned.plan) == plan_shape(self.ctx.plan(cur.plan_file)):
+                if self.ctx.said.get(records.Kind.DECISION) != f"stuck {cur.number} {reason}":  # once per reason
+                    self.ctx.note(records.Decision(attempt=cur.number, action="keep", trigger="pending", trigger_t=obs.t,
+                                                   reason=f"pends ({reason}); the best plan on what is free is the same"))
+                    self.ctx.said[records.Kind.DECISION] = f"stuck {cur.number} {reason}"
+                return False
+        why = f"pends ({reason}), which Slurm does not clear soon: re-plan on what is free"
+        self.ctx.note(records.Decision(attempt=cur.number, action="replan", trigger="pending", trigger_t=obs.t, reason=why))
+        self.ctx.note(records.Cancel(job_id=cur.job_id, reason=why))
+        self.ctx.note(records.JobGone(attempt=cur.number, job_id=cur.job_id, state=slurm_ops.cancel_and_wait(self.job(cur))))
+        return True
+
     def _stop(self, cur: Attempt, reason: str) -> None:
         try:
             if reason in ("resize", USER_STOP):  # the run moves to another job, or ends: no requeue
@@ -352,6 +387,10 @@ class OneJob:
                 self.ctx.note(records.Baseline(available=obs.available))  # fewer free now: a later return counts
             return
         if st.last_replan_t is not None and obs.t - st.last_replan_t < spec.control.replan_interval_s:
+            return
+        if st.grow_blocked is not None and st.grow_blocked == obs.idle:
+            self.ctx.note(records.Baseline(available=obs.available, note="a bigger job timed out pending on this "
+                                           "queue: none is tried again until the queue changes"))
             return
         rec = self.ctx.note(records.IdleGpus(attempt=cur.number, change={p: list(v) for p, v in more.items()},
                         available=obs.available))

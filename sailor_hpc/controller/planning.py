@@ -1,10 +1,11 @@
 """Re-plan on what is free now: the planner on idle GPU counts, checked against the free GPUs per node.
 
 The planner sees GPUs per partition; Slurm gives whole per-node shares. A plan that puts 2 ranks
-on one node of a partition whose idle GPUs are 1 + 1 on two nodes would wait in the queue forever,
-so every plan is checked node by node (first-fit decreasing of the job's per-node demands into the
-free GPUs of usable nodes); where it does not fit, the partition's count is lowered below what
-that plan used and the planner asked again.
+on one node of a partition whose idle GPUs are 1 + 1 on two nodes would wait in the queue forever, and
+so would one that puts 1 rank on each of two nodes where only one node has idle GPUs (the other down,
+drained or busy). So every plan is checked node by node (:func:`misfit`: each het component's nodes on
+distinct usable nodes with enough free GPUs); where it does not fit, the partition's count is lowered
+below what that plan used and the planner asked again.
 
 "Free" means idle, plus the GPUs of the run's own running job: moving the job releases them.
 
@@ -102,16 +103,20 @@ def node_demands(plan: Plan) -> dict[str, list[int]]:
 
 
 def misfit(plan: Plan, free: FreeByNode) -> str | None:
-    """The first partition whose per-node demands do not fit its nodes' free GPUs (None: it all fits)."""
-    for part, needs in node_demands(plan).items():
-        slots = sorted(free.get(part, {}).values(), reverse=True)
-        for need in sorted(needs, reverse=True):
-            for i, have in enumerate(slots):
-                if have >= need:
-                    slots[i] -= need
-                    break
-            else:
-                return part
+    """The first partition whose per-node demands do not fit its nodes' free GPUs (None: it all fits).
+
+    The nodes of one het component are distinct nodes (``--nodes=N`` never gives a node twice): a
+    component of 2 nodes of 1 rank needs two nodes with a free GPU, not one node with two, else Slurm
+    waits for a node that is down or busy. Components may share a node (Slurm allocates each alone).
+    Largest demands first, each component on the nodes with the most GPUs left."""
+    left = {part: dict(nodes) for part, nodes in free.items()}
+    for comp in sorted(job_layout(plan).components, key=lambda c: -c.tasks_per_node):
+        slots = left.setdefault(comp.partition, {})
+        fit = sorted((n for n, have in slots.items() if have >= comp.tasks_per_node), key=lambda n: -slots[n])
+        if len(fit) < comp.nodes:
+            return comp.partition
+        for node in fit[:comp.nodes]:
+            slots[node] -= comp.tasks_per_node
     return None
 
 

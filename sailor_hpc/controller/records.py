@@ -284,11 +284,15 @@ class GateOpened(Record):
 
 @dataclass(frozen=True, kw_only=True)
 class GrowCancelled(Record):
+    """The bigger job will not take over; ``queue``: the idle GPUs per node when it timed out pending (partition ->
+    node -> GPUs), on which a bigger job is not tried again."""
+
     kind: ClassVar[Kind] = Kind.GROW_CANCELLED
     attempt: int
     job_id: str
     reason: str
     state: str | None = None
+    queue: dict[str, dict[str, int]] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -310,6 +310,7 @@ class RunState:
     recoveries: list[Recovery] = field(default_factory=list)
     controller_starts: int = 0
     left: dict[str, float] = field(default_factory=dict)  # across clusters: cluster -> when it left (not back yet)
+    grow_blocked: dict[str, dict[str, int]] | None = None  # idle GPUs per node when a bigger job timed out pending
 
     @property
     def current(self) -> Attempt | None:
@@ -411,6 +412,8 @@ def apply(state: RunState, rec: records.Record) -> None:
         case records.GrowCancelled():
             _successor(state, rec.attempt).cancelled = rec.reason
             state.trigger = None
+            if rec.queue is not None:
+                state.grow_blocked = rec.queue
         case records.InPlaceStep(change=ch):
             att = state.attempt(rec.attempt)
             att.in_place.append(InPlaceChange(step_index=ch.step_index, t_step_end=ch.t_step_end, lost=dict(ch.lost),

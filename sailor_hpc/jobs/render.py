@@ -36,7 +36,7 @@ from sailor_hpc.core.plan import Plan, validate_plan
 from sailor_hpc.core.plan_io import load_plan
 from sailor_hpc.core.roles import rank_roles
 from sailor_hpc.core.sailor_compat.plans import is_sailor_plan
-from sailor_hpc.core.site import Site, parse_walltime
+from sailor_hpc.core.site import Partition, Site, parse_walltime
 from sailor_hpc.core.training import DataBlend
 from sailor_hpc.jobs.layout import JobLayout, job_layout
 from sailor_hpc.jobs.options import (
@@ -77,15 +77,19 @@ def _environment() -> jinja2.Environment:
                               lstrip_blocks=True, keep_trailing_newline=True)
 
 
+def cpus_per_task(part: Partition) -> int:
+    """The CPUs each rank (one GPU) of a job on ``part`` asks for: the node's CPUs shared by its GPUs."""
+    return max(1, part.cpus_per_node // part.gpus_per_node)
+
+
 def components_for(layout: JobLayout, site: Site) -> list[ComponentView]:
     out = []
     for comp in layout.components:
         part = site.partition(comp.partition)
         safety.slurm_word(part.name, f"partitions[{part.name}].name")
-        cpus = max(1, part.cpus_per_node // part.gpus_per_node)
         out.append(ComponentView(index=comp.index, partition=part.name, nodes=comp.nodes,
                                  tasks_per_node=comp.tasks_per_node, gres=f"{part.gres}:{comp.tasks_per_node}",
-                                 cpus_per_task=cpus))
+                                 cpus_per_task=cpus_per_task(part)))
     return out
 
 
