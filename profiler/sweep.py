@@ -34,8 +34,10 @@ measures one machine, so links between nodes or partitions are 'skipped' with th
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -69,6 +71,7 @@ from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.models import get_model
 from sailor_hpc.core.precision import DTYPES
 from sailor_hpc.core.site import Site
+from sailor_hpc.slurm.commands import SlurmRefused
 from sailor_hpc.slurm.status import JobStatus, poll_jobs
 from sailor_hpc.slurm.submit import cancel_job
 from sailor_hpc.slurm.watch import JobWatcher
@@ -510,6 +513,7 @@ def job_result(folder: Path, job_id: str, status: JobStatus, wait_s: float = 10.
 
 _SUBMITIT_START = "Starting with"  # submitit's log line once the job's function runs
 _IMPORT_ERRORS = ("raised: ModuleNotFoundError", "raised: ImportError")
+_STEP_EXIT = re.compile(r"^srun: error: .*task \d+: Exited with exit code")
 
 
 def environment_cause(folder: Path, job_id: str, status: JobStatus, reason: str) -> str | None:
@@ -529,7 +533,8 @@ def environment_cause(folder: Path, job_id: str, status: JobStatus, reason: str)
         return None
     if not lines or any(_SUBMITIT_START in line for line in lines):
         return None
-    return f"{lines[-1][:300]} (in {log})"
+    said = [line for line in lines if not _STEP_EXIT.search(line)] or lines  # srun's exit line names no cause
+    return f"{said[-1][:300]} (in {log})"
 
 
 def apply_result(units: Sequence[Unit], value: Any, reason: str) -> None:
@@ -629,7 +634,8 @@ def _stop_for_environment(cfg: SweepConfig, units: Sequence[Unit], by_job: dict[
     failed, nothing recorded): a resumed sweep measures them once the environment is fixed."""
     for other in still_open:
         if other != jid:
-            cancel_job(other)
+            with contextlib.suppress(SlurmRefused):  # it ended meanwhile
+                cancel_job(other)
     for u in units:
         if u.status in ("queued", "running") or u.job_id == jid:
             u.status, u.job_id, u.reason = "pending", None, f"not measured: {cause}"

@@ -7,6 +7,7 @@ and the one that finishes what was started; for ``GRACE_S`` seconds a second Ctr
 """
 from __future__ import annotations
 
+import contextlib
 import shlex
 import sys
 import time
@@ -15,6 +16,7 @@ from typing import NoReturn
 
 import click
 
+from sailor_hpc.slurm.commands import SlurmRefused
 from sailor_hpc.slurm.submit import cancel_job
 
 GRACE_S = 10.0
@@ -43,6 +45,7 @@ def jobs_left_running(jobs: Sequence[str], *, finish: str, grace_s: float = GRAC
         time.sleep(grace_s)
     except KeyboardInterrupt:
         for job in jobs:
-            cancel_job(job)
+            with contextlib.suppress(SlurmRefused):  # it ended meanwhile
+                cancel_job(job)
         click.echo(f"cancelled {ids}", err=True)
     raise SystemExit(EXIT_INTERRUPTED)

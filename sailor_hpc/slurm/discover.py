@@ -9,6 +9,8 @@ the live cluster before a job is queued.
 """
 from __future__ import annotations
 
+import os
+import shutil
 import warnings
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -23,11 +25,13 @@ from sailor_hpc.slurm.commands import (
     GresEntry,
     NodeInfo,
     PartitionInfo,
+    SlurmCommandMissing,
     run_slurm,
     show_config,
     show_nodes,
     show_partitions,
     sinfo_nodes,
+    slurm_env,
 )
 
 SITE_SCHEMA_VERSION = 1
@@ -275,9 +279,15 @@ def live_availability(env: Mapping[str, str] | None = None,
 
 # ------------------------------------------------------------------------------------- site vs. cluster
 
-def check_reachable(env: Mapping[str, str] | None = None) -> None:
+def check_reachable(env: Mapping[str, str] | None = None, tools: Sequence[str] = ()) -> None:
     """``scontrol ping``: raises :class:`~sailor_hpc.slurm.commands.SlurmCommandMissing` (exit 2) without the
-    Slurm client tools, :class:`SlurmUnavailable` (exit 3: try again later) when slurmctld does not answer."""
+    Slurm client tools (``scontrol`` and ``tools``, e.g. the ``srun`` submitit looks for before it submits),
+    :class:`SlurmUnavailable` (exit 3: try again later) when slurmctld does not answer."""
+    path = slurm_env(env).get("PATH", os.defpath)
+    for tool in tools:
+        if shutil.which(tool, path=path) is None:
+            raise SlurmCommandMissing(f"Slurm command {tool!r} not found in PATH", field=tool,
+                                      fix="run sailor-hpc where Slurm's client tools are on PATH (a login node)")
     proc = run_slurm(["scontrol", "ping"], env, timeout=PING_TIMEOUT_S, check=False)
     if proc.returncode != 0:
         said = (proc.stdout.strip() or proc.stderr.strip() or "(no output)").splitlines()[-1]
