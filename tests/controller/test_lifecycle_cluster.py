@@ -1,7 +1,7 @@
 """The life of a run as its user lives it, on the real local cluster, in one story:
 
-1. the run starts with Slurm off ``PATH`` and gives up; ``run --resume`` (``PATH`` fixed) continues it and says why
-   it had ended;
+1. the run's controller, resumed with Slurm off ``PATH``, gives up; ``run --resume`` (``PATH`` fixed) continues it,
+   adopting the job that ran on meanwhile, and says why it had ended;
 2. ``sailor-hpc run stop`` while it trains: every rank saves a complete checkpoint of the step it was on, every
    job ends, the controller exits 0 and journals the user's decision;
 3. ``run --resume`` goes on from that checkpoint; its controller is killed and the user cancels the job with a
@@ -79,11 +79,15 @@ def story(slurm_cluster, tmp_path_factory: pytest.TempPathFactory) -> Any:
     sc.cluster.run([*sacctmgr, "add", "user", OPERATOR, "account=root"])
     assert sc.cluster.run([*sacctmgr, "modify", "user", OPERATOR, "set", "adminlevel=operator"]).returncode == 0
     with cleaned_up(sc, reference):
-        # 1. Slurm is not on PATH: the run gives up at once, saying why; --resume with PATH fixed continues it
+        # 1. resumed with Slurm off PATH (its job runs on), the run gives up at once, saying why; --resume with
+        # PATH fixed continues it
+        sc.start_controller()
+        sc.wait_for("the first job", kind("submitted"))
+        sc.kill_controller()
         cli = shutil.which("sailor-hpc", path=sc.env["PATH"])
         assert cli is not None, sc.env["PATH"]
         bare = {**sc.env, "PATH": str(Path(cli).parent)}
-        sc.proc = subprocess.Popen(sc.command(), cwd=sc.cluster.shared, env=bare, stdout=subprocess.PIPE,
+        sc.proc = subprocess.Popen(sc.command(resume=True), cwd=sc.cluster.shared, env=bare, stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT, text=True)
         out["gave_up"] = (sc.wait_exit(timeout=120), sc.proc.stdout.read() if sc.proc.stdout else "")
         sc.start_controller(resume=True)
@@ -92,12 +96,13 @@ def story(slurm_cluster, tmp_path_factory: pytest.TempPathFactory) -> Any:
         stopped_job = _current_job(sc)
         out["stop"] = _cli(sc, "run", "stop", str(sc.run_dir))
         out["stop_exit"] = sc.wait_exit(timeout=120)
+        stop_t = sc.records()[-1]["t"]
         out["after_stop"] = read_manifest(latest_complete(sc.save))["step"]  # older ones are pruned later
         out["stopped_job"] = stopped_job
         # 3. resumed; its controller is killed, and the user cancels the job with scancel meanwhile: status says
         # what Slurm says, and the controller resumed once more stops the run (the user's decision), resubmits nothing
         sc.start_controller(resume=True)
-        sc.wait_for("the resumed run's job", kind("submit_intent", reason="run_resumed"), timeout=120)
+        sc.wait_for("the resumed run's job", lambda r: r["kind"] == "submitted" and r["t"] > stop_t, timeout=120)
         _trained_past(sc, out["after_stop"])
         out["own_cancelled"] = _current_job(sc)
         sc.kill_controller()
@@ -129,7 +134,9 @@ def test_a_run_that_gave_up_resumes_once_the_cause_is_fixed(story):
     first = next(r for r in story["records"] if r["kind"] == "gave_up")
     assert "squeue" in first["reason"] or "Slurm" in first["reason"], first
     resumed = records_of(story, "run_resumed")[0]
-    assert resumed["was"].startswith("gave up") and resumed["step"] == 0
+    assert resumed["was"].startswith("gave up")
+    first_job = next(r["job_id"] for r in story["records"] if r["kind"] == "submitted")
+    assert any(r["kind"] == "job_running" and r["job_id"] == first_job for r in story["records"])  # adopted, ran on
     assert "resuming" in story["output"] and "gave up" in story["output"]
 
 
