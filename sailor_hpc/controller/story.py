@@ -68,8 +68,8 @@ def describe(rec: records.Record) -> str:
             return f"checkpoint of step {rec.step} complete ({rec.consumed_samples} samples consumed)"
         case records.CheckpointPassedOver():
             instead = f"loaded {Path(rec.using).name}" if rec.using else "no older checkpoint verifies"
-            step = rec.step if rec.step is not None else Path(rec.path).name
-            return f"{a}checkpoint step {step} passed over: {rec.reason} ({instead})"
+            which = rec.step if rec.step is not None else Path(rec.path).name
+            return f"{a}checkpoint step {which} passed over: {rec.reason} ({instead})"
         case records.NodeLost():
             return f"{a}node(s) of the job lost: " + ", ".join(f"{n} {s}" for n, s in rec.nodes.items())
         case records.IdleGpus():
