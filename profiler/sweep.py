@@ -229,6 +229,14 @@ def check_config(cfg: SweepConfig) -> None:
     _settings(cfg).additional()  # site account/QOS/extra options and --begin, before anything is submitted
 
 
+def checked(cfg: SweepConfig) -> SweepConfig:
+    """``cfg`` with real paths (:func:`real_path`), checked (:func:`check_config`): a caller checks its input
+    this way before it looks at the environment."""
+    cfg = replace(cfg, archive=real_path(cfg.archive), folder=real_path(cfg.folder))
+    check_config(cfg)
+    return cfg
+
+
 def _has_cuda(python: str) -> bool:
     """Whether ``python``'s torch sees a CUDA device (asked in a process of its own: the driver stays torch-free)."""
     probe = "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 3)"
@@ -712,8 +720,7 @@ def recheck_monotonic(cfg: SweepConfig, units: Sequence[Unit], progress: Progres
 
 def run_sweep(cfg: SweepConfig, progress: Progress | None = None) -> SweepReport:
     """Run (or, with ``cfg.resume``, complete) a sweep; returns every unit's outcome."""
-    cfg = replace(cfg, archive=real_path(cfg.archive), folder=real_path(cfg.folder))
-    check_config(cfg)
+    cfg = checked(cfg)
     cfg.folder.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     units = grid(cfg)

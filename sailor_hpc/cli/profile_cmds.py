@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from profiler.sites import measured_site
-from profiler.sweep import SweepConfig, SweepInterrupted, run_sweep
+from profiler.sweep import SweepConfig, SweepInterrupted, checked, run_sweep
 from sailor_hpc.cli.app import main
 from sailor_hpc.cli.interrupts import jobs_left_running, this_command_with
 from sailor_hpc.cli.output import echo_json, json_option, table
@@ -111,6 +111,7 @@ def profile_cmd(site_file: Path, model: str, partitions: str | None, mbs: str, t
                       points_per_job=points_per_job, timeout_s=timeout_s, lost_after_s=lost_after, poll_s=poll_s,
                       resume=resume, local=local)
     if not local:  # jobs need the runtime extra (submitit starts them), a network-only sweep torch alone
+        checked(cfg)  # the input first, then the environment
         modules = ("submitit", *(("torch",) if no_compute else RUNTIME_MODULES["megatron_patch"]))
         check_before_queue(JobNeeds(site=site, partitions=cfg.part_names, python=python, modules=modules,
                                     archive=archive, skip_runtime_check=skip_runtime_check,

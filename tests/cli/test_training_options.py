@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 from click.testing import CliRunner
 
 from megatron_patch.launch import parse_args
@@ -78,7 +79,11 @@ def test_plan_sbatch_carries_them_and_the_predicted_step_time(tmp_path: Path) ->
     assert predicted > 0  # the runtime's log lines compare each step with it
 
 
-def test_run_spec_keeps_the_options_for_every_job_it_submits(tmp_path: Path) -> None:
+@pytest.mark.slurm
+def test_run_spec_keeps_the_options_for_every_job_it_submits(tmp_path: Path, slurm_cluster,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in slurm_cluster.env.items():  # a new run is checked against Slurm before it is written
+        monkeypatch.setenv(name, value)
     a, b = _datasets(tmp_path)
     archive = write_tiny_archive(tmp_path / "tiny.h5")
     args = ["--site", str(LOCAL_LAB), "--profiles", str(archive), "--model", "tiny-gpt", "--gbs", "64",
