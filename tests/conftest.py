@@ -28,6 +28,7 @@ def pytest_configure(config: pytest.Config) -> None:
 # the longest files (minutes each, measured with `make test`'s --durations), longest first: under pytest-xdist
 # (make test) they start first, so that no worker begins one of them while the others run out of work
 LONG_FILES = (
+    "tests/controller/test_chaos_soak_cluster.py", "tests/controller/test_lifecycle_cluster.py",
     "tests/deepspeed/test_ds_runtime.py", "tests/controller/test_resize_cluster.py", "tests/planner/test_planner.py",
     "tests/controller/test_deepspeed_run_cluster.py", "tests/megatron_patch/test_precision.py",
     "tests/megatron_patch/test_exactness.py", "tests/cli/test_cli.py", "tests/megatron_patch/test_training_run.py",
