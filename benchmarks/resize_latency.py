@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="resize-latency-") as tmp:
         root = args.workdir.absolute() if args.workdir else Path(tmp)
         root.mkdir(parents=True, exist_ok=True)
-        data, archive = build_inputs(root)
+        data, archive = build_inputs(None, root)
         try:
             if args.only != "restart":
                 changes = in_place_cycles(cluster, root, data, archive, args.cycles, args.poll)

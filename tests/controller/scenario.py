@@ -26,7 +26,7 @@ from sailor_hpc.controller.journal import Journal, read_journal
 from sailor_hpc.controller.records import Record, RunStarted, SubmitIntent, encode
 from sailor_hpc.controller.state import job_name
 from tests.data.tiny_archive import write_tiny_archive
-from tests.shared_inputs import shipped_dataset
+from tests.shared_inputs import build_data, shipped_dataset
 
 REPO = Path(__file__).resolve().parents[2]
 LOCAL_LAB = REPO / "site_configs" / "local-lab.toml"
@@ -48,9 +48,11 @@ def started_run(root: Path, steps: int) -> tuple[RunDir, Journal]:
     return rd, j
 
 
-def build_inputs(factory: pytest.TempPathFactory, root: Path) -> tuple[str, Path]:
-    """The dataset (the project's shipped text, built once per session) and the tiny-gpt profile archive."""
-    return shipped_dataset(factory), write_tiny_archive(root / "tiny.h5")
+def build_inputs(factory: pytest.TempPathFactory | None, root: Path) -> tuple[str, Path]:
+    """The dataset (the project's shipped text, built once per test session; a benchmark without one builds it
+    under ``root``) and the tiny-gpt profile archive."""
+    data = shipped_dataset(factory) if factory is not None else build_data(root / "data" / "shipped")
+    return data, write_tiny_archive(root / "tiny.h5")
 
 
 def start_reference(root: Path, data: str, steps: int) -> subprocess.Popen:
