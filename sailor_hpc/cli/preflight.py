@@ -71,7 +71,7 @@ class JobNeeds:
     checkpoints: Mapping[str, str | None] = field(default_factory=dict)  # option -> directory
     archive: Path | None = None
     skip_runtime_check: bool = False
-    tools: tuple[str, ...] = ("sbatch",)  # Slurm client tools the command runs besides scontrol
+    submitit: bool = False  # the jobs are submitted through submitit (profile), which needs srun here
 
 
 def check_before_queue(needs: JobNeeds) -> None:
@@ -83,7 +83,7 @@ def check_before_queue(needs: JobNeeds) -> None:
         check_checkpoints(needs.model, needs.checkpoints)
     if not needs.skip_runtime_check:
         check_interpreter(needs.python, needs.modules)
-    check_slurm(needs.site, needs.partitions, needs.tools)
+    check_slurm(needs.site, needs.partitions, submitit=needs.submitit)
 
 
 def check_archive(archive: Path) -> None:
@@ -165,15 +165,15 @@ def warn_interpreter(python: str, modules: tuple[str, ...]) -> None:
                    f"fail at its start ({_install_fix(python, missing)})", err=True)
 
 
-def check_slurm(site: Site, partitions: tuple[str, ...], tools: tuple[str, ...] = ()) -> None:
-    """Each cluster the partitions are on answers ``scontrol ping`` and has those partitions; ``tools`` are on
-    PATH."""
+def check_slurm(site: Site, partitions: tuple[str, ...], *, submitit: bool = False) -> None:
+    """Each cluster the partitions are on answers ``scontrol ping`` and has those partitions; the client tools
+    are on PATH (:func:`~sailor_hpc.slurm.discover.check_reachable`)."""
     by_cluster: dict[str, list[str]] = {}
     for name in partitions:
         by_cluster.setdefault(site.partition(name).cluster, []).append(name)
     for cluster, names in by_cluster.items():
         env = cluster_submit_env(site, cluster, os.environ) if cluster else None
-        check_reachable(env, tools)
+        check_reachable(env, submitit=submitit)
         if cluster and site.cluster(cluster).slurm_cluster and not site.cluster(cluster).slurm_conf:
             continue  # reached with sbatch -M: this scontrol shows another cluster's partitions
         missing = missing_partitions(names, env)

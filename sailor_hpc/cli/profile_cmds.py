@@ -115,7 +115,7 @@ def profile_cmd(site_file: Path, model: str, partitions: str | None, mbs: str, t
         modules = ("submitit", *(("torch",) if no_compute else RUNTIME_MODULES["megatron_patch"]))
         check_before_queue(JobNeeds(site=site, partitions=cfg.part_names, python=python, modules=modules,
                                     archive=archive, skip_runtime_check=skip_runtime_check,
-                                    tools=("sbatch", "srun")))  # submitit looks for srun before it submits
+                                    submitit=True))
     try:
         report = run_sweep(cfg)
     except SweepInterrupted as stop:

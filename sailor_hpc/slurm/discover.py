@@ -279,12 +279,12 @@ def live_availability(env: Mapping[str, str] | None = None,
 
 # ------------------------------------------------------------------------------------- site vs. cluster
 
-def check_reachable(env: Mapping[str, str] | None = None, tools: Sequence[str] = ()) -> None:
+def check_reachable(env: Mapping[str, str] | None = None, *, submitit: bool = False) -> None:
     """``scontrol ping``: raises :class:`~sailor_hpc.slurm.commands.SlurmCommandMissing` (exit 2) without the
-    Slurm client tools (``scontrol`` and ``tools``, e.g. the ``srun`` submitit looks for before it submits),
+    Slurm client tools (``sbatch``; ``srun`` too for ``submitit``, which looks for it before it submits),
     :class:`SlurmUnavailable` (exit 3: try again later) when slurmctld does not answer."""
     path = slurm_env(env).get("PATH", os.defpath)
-    for tool in tools:
+    for tool in ("sbatch", "srun") if submitit else ("sbatch",):
         if shutil.which(tool, path=path) is None:
             raise SlurmCommandMissing(f"Slurm command {tool!r} not found in PATH", field=tool,
                                       fix="run sailor-hpc where Slurm's client tools are on PATH (a login node)")

@@ -19,9 +19,6 @@ from tests.jobs.conftest import LOCAL_LAB, write_plan
 
 pytestmark = pytest.mark.slurm
 
-SLURM_TOOLS = ("sbatch", "scontrol", "squeue", "sacct", "scancel", "sinfo")
-
-
 def _jobs(cluster) -> set[str]:
     """Every job id squeue or sacct knows, of any user and state."""
     queued = cluster.run(["squeue", "-h", "-t", "all", "-o", "%i"], check=True).stdout.split()
@@ -87,7 +84,7 @@ def test_submit_refuses_before_sbatch(slurm_cluster, env, work: Path, tmp_path: 
     # Slurm's client tools not on PATH: named, with the fix
     bare = {"PATH": str(Path(shutil.which("sailor-hpc", path=env["PATH"]) or sys.executable).parent)}
     out = _refused(slurm_cluster, bare, work, *submit)
-    assert "'scontrol' not found" in out and "fix:" in out
+    assert "Slurm command 'sbatch' not found in PATH" in out and "fix:" in out
     # a partition the site names that Slurm does not have
     site = _extra_partition_site(tmp_path)
     out = _refused(slurm_cluster, env, work, *[str(site) if a == str(LOCAL_LAB) else a for a in submit])
