@@ -23,7 +23,7 @@ import click
 
 from sailor_hpc.cli.app import main
 from sailor_hpc.cli.output import echo_json, json_option, table
-from sailor_hpc.cli.preflight import RUNTIME_MODULES, JobNeeds, check_before_queue
+from sailor_hpc.cli.preflight import RUNTIME_MODULES, JobNeeds, check_before_queue, skip_runtime_check_option
 from sailor_hpc.cli.training_options import DATA_HELP, absolute_blend, pop_training_args, training_options
 from sailor_hpc.controller import Controller, RunDir, RunSpec, RunState, new_run_id
 from sailor_hpc.controller.groups import across_clusters
@@ -51,7 +51,8 @@ _DIR = click.Path(file_okay=False, path_type=Path)
 _RUN_OPTIONS = ("site_file", "model", "data", "save", "run_dir", "profiles", "gbs", "seq_len", "dtype", "steps", "objective",
                 "max_cost_per_hour", "max_cost_per_iteration", "min_throughput", "max_gpus", "max_stages", "runtime", "min_gain",
                 "restart_cost", "max_restarts", "backoff", "poll", "replan_interval", "grow_timeout", "save_interval",
-                "time_limit", "time_min", "signal_grace", "python", "train_arg", "extra_sbatch", *(f.dest for f in FLAGS))
+                "time_limit", "time_min", "signal_grace", "python", "skip_runtime_check", "train_arg", "extra_sbatch",
+                *(f.dest for f in FLAGS))
 
 
 def parse_gain(text: str) -> float:
@@ -97,7 +98,7 @@ def new_run(opts: dict[str, Any]) -> Path:
                    train_args=train_args, extra_sbatch=tuple(opts.get("extra_sbatch") or ()))
     check_before_queue(JobNeeds(site=site, partitions=tuple(p.name for p in site.partitions), python=opts["python"],
                                 modules=RUNTIME_MODULES[opts["runtime"]], model=spec.planning.model,
-                                checkpoints={"--save": str(save)}))
+                                checkpoints={"--save": str(save)}, skip_runtime_check=opts["skip_runtime_check"]))
     save.mkdir(parents=True, exist_ok=True)
     run_dir = Path(opts["run_dir"]).absolute() if opts.get("run_dir") else save / "controller"
     return RunDir.create(run_dir, spec).path
@@ -169,6 +170,7 @@ def drive(run_dir: Path, *, resume: bool = False) -> int:
                    "checkpoints before whatever limit it got.")
 @click.option("--signal-grace", type=int, default=None, help="Seconds before the limit at which ranks checkpoint.")
 @click.option("--python", default=sys.executable, show_default=True, help="Interpreter on the compute nodes.")
+@skip_runtime_check_option
 @training_options
 @click.option("--train-arg", multiple=True, help="Extra argument of megatron_patch.launch (repeatable).")
 @click.option("--extra-sbatch", multiple=True, help="Extra #SBATCH option, e.g. --mail-type=END (repeatable).")

@@ -121,10 +121,10 @@ def test_replans_only_on_partitions_that_admit_the_time_limit(archive: Path):
     assert "a100" in plan_on(spec.changed(time_limit="12:00:00"), short_a100, arch, free).summary()["gpus"]
 
 
-def test_a_site_of_several_clusters_is_run_by_the_co_scheduler(tmp_path: Path, archive: Path):
-    """``sailor-hpc run`` on two clusters runs groups of one job per cluster (journaled): here no Slurm command can be
-    found (an empty PATH: a missing slurm.conf would make sinfo retry for a minute), so it gives up at once,
-    saying so, with exit 1 and a run status to read."""
+def test_a_site_of_several_clusters_without_slurm_is_refused_before_anything_is_written(tmp_path: Path,
+                                                                                       archive: Path):
+    """``sailor-hpc run`` on two clusters, where no Slurm command can be found (an empty PATH): the pre-queue check
+    refuses it at once, naming the missing command, with exit 2, and writes no run directory."""
     from sailor_hpc.core.toml_writer import dump_toml
     from tests.jobs.conftest import two_lab_doc
 
@@ -135,8 +135,6 @@ def test_a_site_of_several_clusters_is_run_by_the_co_scheduler(tmp_path: Path, a
     args = base_args(tmp_path, archive)
     args[args.index(str(LOCAL_LAB))] = str(site)
     proc = cli(*args, "--max-restarts", "0", env={**os.environ, "PATH": ""})
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    status = cli("run", "status", str(tmp_path / "ckpt" / "controller"), "--json")
-    doc = json.loads(status.stdout)
-    assert [r["kind"] for r in doc["records"]] == ["run_started", "controller_started", "gave_up"]
-    assert doc["phase"].startswith("gave up") and "'sinfo' not found" in doc["phase"] and doc["attempts"] == []
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "not found" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert not (tmp_path / "ckpt" / "controller").exists()

@@ -2,6 +2,7 @@
 --max-restarts; with every GPU taken the controller waits (saying so once) and submits when GPUs free up."""
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 
@@ -36,8 +37,12 @@ def test_bad_input_gives_up_without_retrying(slurm_cluster, inputs, tmp_path: Pa
 
 
 def test_crash_loop_backs_off_and_gives_up_after_max_restarts(slurm_cluster, inputs, tmp_path: Path):
-    # an interpreter that cannot start the ranks (exit 1): every job fails before its first step
-    rc, recs = _run(slurm_cluster, tmp_path, inputs, "--python", "/bin/false", "--max-restarts", "1")
+    # an interpreter that is whole on the login node (the pre-queue check finds torch and megatron-core) but cannot
+    # start the ranks inside a job (exit 1), as a compute node's broken install: every job fails before its first step
+    python = tmp_path / "python-broken-on-compute"
+    python.write_text(f'#!/bin/sh\n[ -n "$SLURM_JOB_ID" ] && exit 1\nexec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    rc, recs = _run(slurm_cluster, tmp_path, inputs, "--python", str(python), "--max-restarts", "1")
     assert rc == 1
     assert [r["attempt"] for r in recs if r["kind"] == "failure"] == [1, 2]
     assert [r["seconds"] for r in recs if r["kind"] == "backoff"] == [2.0, 4.0]  # --backoff 2, doubled
