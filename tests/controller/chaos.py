@@ -14,18 +14,22 @@ before the next job loads it: that job must pass it over and roll back) and ``gr
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import random
 import shutil
+import signal
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from sailor_hpc.core.checkpoint import latest_complete, read_manifest
 from tests.controller.scenario import Scenario
+from tests.slurm.ranks import pause, rank_pids
 
 OPERATOR = "nobody"  # made a Slurm operator: may cancel other users' jobs
 FAULTS = ("drain", "down", "operator_cancel", "controller_kill", "slurmctld", "corrupt", "grow")
@@ -84,6 +88,20 @@ class Soak:
         return self.sc.wait_for(f"a checkpoint past step {step}",
                                 lambda r: r["kind"] == "checkpoint" and r["step"] > step, timeout)
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """The running job's ranks stopped (SIGSTOP) while a fault that leaves them alone (the controller's, Slurm's
+        own) is injected and answered: the run's length then does not depend on how fast the machine trains
+        meanwhile, and rounding differences, which grow with every step, stay small."""
+        plans = [r["plan_file"] for r in self.records() if r["kind"] in ("submit_intent", "in_place")]
+        pids = pause(plans[-1]) if plans and rank_pids(plans[-1]) else []
+        try:
+            yield
+        finally:
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+
     def current_job(self) -> tuple[str, list[str]]:
         """The run's job and its nodes, once it runs (the newest ``job_running`` record)."""
         running = self.sc.wait_for("a running job", lambda r: r["kind"] in ("job_running", "in_place"))
@@ -121,15 +139,19 @@ class Soak:
                 layer.write_bytes(layer.read_bytes()[:64])
                 detail += f", then {newest.name}/{layer.name} truncated"
         elif name == "controller_kill":
-            sc.kill_controller()
-            time.sleep(rng.uniform(1.0, 4.0))
-            sc.start_controller(resume=True)
-            detail = "SIGKILL, then run --resume"
+            with self.paused():
+                sc.kill_controller()
+                time.sleep(rng.uniform(1.0, 4.0))
+                sc.start_controller(resume=True)
+                self.answered(name, t0)
+            detail = "SIGKILL, then run --resume (ranks paused)"
         elif name == "slurmctld":
             down_s = rng.uniform(12.0, 18.0)  # clients give up on a silent slurmctld after ~10 s
-            with sc.cluster.slurmctld_stopped():
-                time.sleep(down_s)
-            detail = f"slurmctld stopped {down_s:.1f} s"
+            with self.paused():
+                with sc.cluster.slurmctld_stopped():
+                    time.sleep(down_s)
+                self.answered(name, t0)
+            detail = f"slurmctld stopped {down_s:.1f} s (ranks paused)"
         elif name == "grow":
             for job in self.held:
                 sc.slurm("scancel", job)
