@@ -176,7 +176,7 @@ def drive(run_dir: Path, *, resume: bool = False) -> int:
 @click.option("--extra-sbatch", multiple=True, help="Extra #SBATCH option, e.g. --mail-type=END (repeatable).")
 @click.option("--run-dir", type=_DIR, default=None, help="Where the run's journal lives (default: SAVE/controller).")
 @click.option("--resume", "resume_dir", type=_DIR, default=None,
-              help="Continue the run in this run directory (after the controller stopped or was killed).")
+              help="Continue the run in this run directory: one that stopped, gave up or lost its controller.")
 @click.pass_context
 def run_group(ctx: click.Context, resume_dir: Path | None, **opts: Any) -> None:
     """Plan from live availability, submit, watch; re-plan and resume from checkpoints when the allocation changes."""
@@ -280,24 +280,24 @@ def end_run(run_dir: Path, how: str, timeout_s: float) -> int:
                           "or end the jobs at once with sailor-hpc run cancel")
 
 
-@run_group.command("stop")
-@click.argument("run_dir", metavar="RUN_DIR", type=_DIR)
-@click.option("--timeout", type=float, default=900.0, show_default=True,
-              help="Seconds to wait for every job of the run to be gone.")
-@click.pass_context
-def stop_cmd(ctx: click.Context, run_dir: Path, timeout: float) -> None:
-    """Stop the run: every rank saves a complete checkpoint, then every job of it ends (continue with --resume)."""
-    ctx.exit(end_run(run_dir, "stop", timeout))
+def _end_command(how: str, timeout_s: float, doc: str) -> None:
+    """``sailor-hpc run stop|cancel RUN_DIR``: the two ways a user ends a run, one command each."""
+
+    @click.argument("run_dir", metavar="RUN_DIR", type=_DIR)
+    @click.option("--timeout", type=float, default=timeout_s, show_default=True,
+                  help="Seconds to wait for every job of the run to be gone.")
+    @click.pass_context
+    def command(ctx: click.Context, run_dir: Path, timeout: float) -> None:
+        ctx.exit(end_run(run_dir, how, timeout))
+
+    command.__doc__ = doc
+    run_group.command(how)(command)
 
 
-@run_group.command("cancel")
-@click.argument("run_dir", metavar="RUN_DIR", type=_DIR)
-@click.option("--timeout", type=float, default=300.0, show_default=True,
-              help="Seconds to wait for every job of the run to be gone.")
-@click.pass_context
-def cancel_cmd(ctx: click.Context, run_dir: Path, timeout: float) -> None:
-    """Cancel the run at once, without a checkpoint (it continues from its newest one with --resume)."""
-    ctx.exit(end_run(run_dir, "cancel", timeout))
+_end_command("stop", 900.0, "Stop the run: every rank saves a complete checkpoint, then every job of it ends "
+                            "(continue with --resume).")
+_end_command("cancel", 300.0, "Cancel the run at once, without a checkpoint (it continues from its newest one with "
+                              "--resume).")
 
 
 @run_group.command("status")
