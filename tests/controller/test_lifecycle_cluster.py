@@ -23,16 +23,8 @@ from typing import Any
 import pytest
 
 from sailor_hpc.core.checkpoint import latest_complete, read_manifest
-from tests.controller.scenario import (
-    Scenario,
-    build_inputs,
-    cleaned_up,
-    finish,
-    kind,
-    records_of,
-    start_reference,
-    step_events,
-)
+from tests.controller import scenario as story_kit
+from tests.controller.scenario import Scenario, kind, records_of, step_events
 
 pytestmark = pytest.mark.slurm
 
@@ -71,14 +63,14 @@ def story(slurm_cluster, tmp_path_factory: pytest.TempPathFactory) -> Any:
     if os.geteuid() != 0 or setpriv is None:
         pytest.skip("the operator's cancel runs scancel as another user: needs root and setpriv (util-linux)")
     root = tmp_path_factory.mktemp("lifecycle")
-    data, archive = build_inputs(tmp_path_factory, root)
-    reference = start_reference(root, data, STEPS)
+    data, archive = story_kit.build_inputs(tmp_path_factory, root)
+    reference = story_kit.start_reference(root, data, STEPS)
     sc = Scenario(slurm_cluster, root, data, archive, steps=STEPS, save_interval=5)
     out: dict[str, Any] = {"sc": sc, "reference": reference}
     sacctmgr = ["sacctmgr", "-i"]
     sc.cluster.run([*sacctmgr, "add", "user", OPERATOR, "account=root"])
     assert sc.cluster.run([*sacctmgr, "modify", "user", OPERATOR, "set", "adminlevel=operator"]).returncode == 0
-    with cleaned_up(sc, reference):
+    with story_kit.cleaned_up(sc, reference):
         # 1. resumed with Slurm off PATH (its job runs on), the run gives up at once, saying why; --resume with
         # PATH fixed continues it
         sc.start_controller()
@@ -121,7 +113,7 @@ def story(slurm_cluster, tmp_path_factory: pytest.TempPathFactory) -> Any:
         proc = sc.cluster.run([setpriv, "--reuid", OPERATOR, "--regid", "nogroup", "--clear-groups", "scancel",
                                out["operator_cancelled"]])
         assert proc.returncode == 0, proc.stderr
-        out["status"] = finish(sc, reference)
+        out["status"] = story_kit.finish(sc, reference)
         out["records"] = sc.records()
         out["sacct"] = _sacct_states(sc)
         out["output"] = sc.controller_output()
