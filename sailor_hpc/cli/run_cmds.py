@@ -243,7 +243,7 @@ def resume_note(rd: RunDir) -> tuple[str, bool]:
 def end_run(run_dir: Path, how: str, timeout_s: float) -> int:
     """Ask the run to end (``stop``: every rank checkpoints first; ``cancel``: at once) and wait until every job of
     it is gone. A running controller does it (it holds the run's lock); without one, this process does."""
-    rd = RunDir.existing(run_dir)
+    rd = RunDir.existing(run_dir, "RUN_DIR")
     st = rd.state()
     if st.finished is not None:
         click.echo(f"run {rd.path}: finished at step {st.finished.step}; nothing to {how}")
@@ -309,7 +309,7 @@ _end_command("cancel", 300.0, "Cancel the run at once, without a checkpoint (it 
 def status_cmd(run_dir: Path, events: bool, watch_s: float | None, as_json: bool) -> None:
     """The run's history (its jobs: plans, why, recovery times; every event and decision) and what Slurm and the
     checkpoint directory say now."""
-    rd = RunDir.existing(run_dir)
+    rd = RunDir.existing(run_dir, "RUN_DIR")
     if watch_s is None or as_json:
         _status(rd, events, as_json)
         return

@@ -32,6 +32,14 @@ EXIT_FINISHED, EXIT_GAVE_UP, EXIT_INTERRUPTED, EXIT_STOPPED = 0, 1, 130, 0
 SLURM_BACKOFF_MAX_S = 30.0  # the longest wait between polls while Slurm does not answer
 
 
+def user_name(uid: int) -> str:
+    """A uid as a user name (the uid itself where this machine has no such user)."""
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"uid {uid}"
+
+
 class RunContext:
     """A run's journal, state, inputs and clock (see the module doc)."""
 
@@ -131,12 +139,7 @@ class RunContext:
     def users_own(self, uid: int | None) -> str | None:
         """The run's user's name if ``uid`` (who cancelled a job) is this user: a cancel that is the user's decision,
         not a fault (an administrator's, or a preemption by Slurm's own user, is a fault to recover from)."""
-        if uid is None or uid != os.getuid():
-            return None
-        try:
-            return pwd.getpwuid(uid).pw_name
-        except KeyError:
-            return f"uid {uid}"
+        return user_name(uid) if uid is not None and uid == os.getuid() else None
 
     def checkpoint_step(self) -> int:
         return self.state.checkpoint.step if self.state.checkpoint else 0

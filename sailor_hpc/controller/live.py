@@ -45,35 +45,18 @@ class LiveView:
 
 
 def live_view(rd: RunDir, state: RunState, controller_alive: bool) -> LiveView:
-    """Ask Slurm about the run's current jobs and look at its checkpoint directory (see the module doc)."""
+    """Ask Slurm about the run's current jobs (not for a run that finished or stopped: none of its jobs is left)
+    and look at its checkpoint directory (see the module doc)."""
     spec = rd.spec()
-    notes: list[str] = []
     jobs: list[LiveJob] = []
     strays: list[str] = []
+    notes: list[str] = []
     error: str | None = None
-    try:
-        site = load_site(spec.planning.site)
-        names = [c.name for c in site.clusters] if len(site.clusters) > 1 else [""]
-        env = dict(os.environ)
-        clusters = {c: SlurmCluster(c, cluster_submit_env(site, c or None, env)) for c in names}
-        cur = state.current
-        ours = dict(cur.jobs) if cur is not None else {}
-        for cluster, job_id in ours.items():
-            st = clusters[cluster].job(job_id).status()
-            nodes = st.nodes
-            jobs.append(LiveJob(cluster, job_id, st.state, nodes, next((c.reason for c in st.components if c.reason), "")))
-            if st.final:
-                watcher = "the controller sees it at its next poll" if controller_alive else \
-                    "no controller watches the run: sailor-hpc run --resume"
-                notes.append(f"job {job_id} ended ({st.state}) and the journal does not say so yet ({watcher})")
-        for handle in clusters.values():
-            strays += [base for base, info in owned_jobs(spec.run_id, handle).items()
-                       if info["state"] not in FINAL_STATES and base not in ours.values()]
-        if strays:
-            notes.append(f"jobs named after the run that are not its current attempt's: {', '.join(strays)} "
-                         f"(a resumed controller cancels them)")
-    except (SailorError, SlurmUnavailable) as exc:
-        error = str(exc)
+    if state.finished is None and state.stopped is None:
+        try:
+            jobs, strays, notes = _ask_slurm(rd, state, controller_alive)
+        except (SailorError, SlurmUnavailable) as exc:
+            error = str(exc)
     newest = latest_complete(spec.job.save, deep=False)
     step = read_manifest(newest)["step"] if newest is not None else None
     journaled = state.checkpoint.step if state.checkpoint else None
@@ -81,6 +64,33 @@ def live_view(rd: RunDir, state: RunState, controller_alive: bool) -> LiveView:
         notes.append(f"the newest complete checkpoint on disk is step {step}; the journal last saw "
                      f"{journaled if journaled is not None else 'none'}")
     return LiveView(jobs, strays, error, step, str(newest) if newest is not None else None, notes)
+
+
+def _ask_slurm(rd: RunDir, state: RunState, controller_alive: bool) -> tuple[list[LiveJob], list[str], list[str]]:
+    """The current attempt's jobs as Slurm sees them, the run's other jobs Slurm still runs, and where Slurm
+    disagrees with the journal."""
+    spec = rd.spec()
+    site = load_site(spec.planning.site)
+    names = [c.name for c in site.clusters] if len(site.clusters) > 1 else [""]
+    env = dict(os.environ)
+    clusters = {c: SlurmCluster(c, cluster_submit_env(site, c or None, env)) for c in names}
+    cur = state.current
+    ours = dict(cur.jobs) if cur is not None else {}
+    jobs, strays, notes = [], [], []
+    for cluster, job_id in ours.items():
+        st = clusters[cluster].job(job_id).status()
+        jobs.append(LiveJob(cluster, job_id, st.state, st.nodes, next((c.reason for c in st.components if c.reason), "")))
+        if st.final:
+            watcher = "the controller sees it at its next poll" if controller_alive else \
+                "no controller watches the run: sailor-hpc run --resume"
+            notes.append(f"job {job_id} ended ({st.state}) and the journal does not say so yet ({watcher})")
+    for handle in clusters.values():
+        strays += [base for base, info in owned_jobs(spec.run_id, handle).items()
+                   if info["state"] not in FINAL_STATES and base not in ours.values()]
+    if strays:
+        notes.append(f"jobs named after the run that are not its current attempt's: {', '.join(strays)} "
+                     f"(a resumed controller cancels them)")
+    return jobs, strays, notes
 
 
 def describe_live(view: LiveView) -> list[str]:

@@ -32,7 +32,7 @@ from typing import Any
 
 from sailor_hpc.controller import records, slurm_ops
 from sailor_hpc.controller.attempt_job import prepare_attempt
-from sailor_hpc.controller.context import RunContext
+from sailor_hpc.controller.context import RunContext, user_name
 from sailor_hpc.controller.events import (
     Observation,
     about_nodes,
@@ -424,10 +424,12 @@ class OneJob:
         prog = tail.progress if tail is not None else None
         if job.state == "FAILED" and not any(c.exit_code for c in job.components):
             job = self._with_exit_codes(cur, job)
-        by_user = self._cancelled_by_user(cur, job)
+        by, by_user = self._canceller(cur, job)
         if cur.stopped is None:
+            cancelled = (f"cancelled by {by_user}, the run's user" if by_user else
+                         f"cancelled by {by}, not the run's user: a fault" if by else None)
             self.ctx.note(records.JobStopped(attempt=cur.number, job_id=cur.job_id, state=job.state,
-                      reason=why or (f"cancelled by {by_user}, the run's user" if by_user else _classify(cur, job, prog)),
+                      reason=why or cancelled or _classify(cur, job, prog),
                       step=prog.last_step if prog else None, last_step_t=prog.last_step_t if prog else None,
                       exit_codes=[c.exit_code for c in job.components if c.exit_code]))
         early = self.grower.open_gate_early(cur, tail)
@@ -464,12 +466,13 @@ class OneJob:
         if cur.first_step_t is None and cur.stop is None and not cur.lost_nodes:
             self._failed(cur, cur.stopped.reason if cur.stopped is not None else str(final))
 
-    def _cancelled_by_user(self, cur: Attempt, job: JobStatus) -> str | None:
-        """The run's own user's name when they cancelled the job outside sailor-hpc (``scancel``): their decision,
-        not a fault; anyone else's cancel is a fault the run recovers from."""
+    def _canceller(self, cur: Attempt, job: JobStatus) -> tuple[str | None, str | None]:
+        """Who cancelled the job outside sailor-hpc (``scancel``), and their name again when it is the run's own
+        user: their decision, not a fault; anyone else's cancel is a fault the run recovers from."""
         if job.state != "CANCELLED" or cur.stop is not None or cur.lost_nodes or cur.job_id is None:
-            return None
-        return self.ctx.users_own(slurm_ops.canceller(self.job(cur), job, self.ctx.clock, self.ctx.sleep))
+            return None, None
+        uid = slurm_ops.canceller(self.job(cur), job, self.ctx.clock, self.ctx.sleep)
+        return (user_name(uid) if uid is not None else None), self.ctx.users_own(uid)
 
     def end_all(self, how: str) -> dict[str, str]:
         """End the run's jobs as its user asked (``stop``: the running job saves a complete checkpoint first);

@@ -107,10 +107,11 @@ class RunDir:
         return rd
 
     @classmethod
-    def existing(cls, path: str | Path) -> RunDir:
+    def existing(cls, path: str | Path, option: str = "--resume") -> RunDir:
+        """The run directory at ``path`` (``option``: the argument that named it, for the error)."""
         rd = cls(path)
         if not rd.spec_file.is_file():
-            raise SailorError("not a run directory (no run.json)", file=rd.path, field="--resume",
+            raise SailorError("not a run directory (no run.json)", file=rd.path, field=option,
                               fix="pass the --run-dir of an earlier `sailor-hpc run`")
         return rd
 

@@ -168,7 +168,7 @@ def test_a_cancel_by_the_runs_user_stops_the_run_and_by_an_operator_is_recovered
     sacct = story["sacct"]
     assert sacct[own] == "CANCELLED by 0" and sacct[other] == f"CANCELLED by {65534}", sacct
     gone = next(r for r in recs if r["kind"] == "job_stopped" and r["job_id"] == other)
-    assert "cancelled by" not in gone["reason"]  # someone else's cancel is a fault ...
+    assert gone["reason"] == f"cancelled by {OPERATOR}, not the run's user: a fault"  # someone else's cancel ...
     after = [r for r in recs if r["kind"] == "submit_intent"][-1]
     assert after["t"] > gone["t"]  # ... and the run resubmitted
     assert recs[-1]["kind"] == "finished" and recs[-1]["step"] == STEPS
