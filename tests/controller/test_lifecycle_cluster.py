@@ -182,3 +182,30 @@ def test_the_run_trains_every_step_and_matches_the_reference(story):
     diff = max_diff(final, story["sc"].root / "ref" / f"ref_step_{STEPS}.pt")
     print(f"\nafter {STEPS} steps, stopped, cancelled twice and resumed: max |delta| vs reference {diff}")
     assert diff["param"] <= PARAM_TOL and diff["exp_avg"] <= MOMENT_TOL and diff["exp_avg_sq"] <= MOMENT_TOL
+
+
+def test_cancel_ends_every_job_at_once_and_the_run_resumes_from_its_checkpoint(slurm_cluster, tmp_path_factory):
+    """``run cancel`` while the controller watches a training job: no checkpoint is asked for (no signal), the job
+    is cancelled, the controller exits 0 and the run is stopped by its user, to be resumed from its newest
+    checkpoint."""
+    pytest.importorskip("megatron.core")
+    root = tmp_path_factory.mktemp("cancel")
+    data, archive = story_kit.build_inputs(tmp_path_factory, root)
+    sc = Scenario(slurm_cluster, root, data, archive, steps=STEPS, save_interval=5)
+    try:
+        sc.start_controller()
+        _trained_past(sc, 0)
+        job = _current_job(sc)
+        cancel = _cli(sc, "run", "cancel", str(sc.run_dir))
+        assert cancel.returncode == 0, cancel.stdout + cancel.stderr
+        assert sc.wait_exit(timeout=120) == 0, sc.controller_output()
+        recs = sc.records()
+        asked = next(i for i, r in enumerate(recs) if r["kind"] == "stop_requested")
+        assert recs[asked]["how"] == "cancel" and not [r for r in recs[asked:] if r["kind"] == "signal_sent"]
+        stopped = recs[-1]
+        assert stopped["kind"] == "run_stopped" and stopped["how"] == "cancel" and stopped["jobs"] == {job: "CANCELLED"}
+        assert sc.cluster.wait_job(job, timeout=60) == ["CANCELLED"]
+        status = _cli(sc, "run", "status", str(sc.run_dir), "--no-events")
+        assert "stopped by root (cancel)" in status.stdout and "now: no job of the run in Slurm" in status.stdout
+    finally:
+        sc.cleanup()
