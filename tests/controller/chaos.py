@@ -18,7 +18,6 @@ import contextlib
 import json
 import os
 import random
-import shutil
 import signal
 import subprocess
 import time
@@ -29,9 +28,9 @@ from typing import Any
 
 from sailor_hpc.core.checkpoint import latest_complete, read_manifest
 from tests.controller.scenario import Scenario
+from tests.slurm.cluster import OPERATOR
 from tests.slurm.ranks import pause, rank_pids
 
-OPERATOR = "nobody"  # made a Slurm operator: may cancel other users' jobs
 FAULTS = ("drain", "down", "operator_cancel", "controller_kill", "slurmctld", "corrupt", "grow")
 
 
@@ -53,14 +52,6 @@ class Soak:
     held: list[str] = field(default_factory=list)  # blockers the ``grow`` fault frees
 
     # ------------------------------------------------------------------------------------------ set-up
-
-    def operator(self) -> list[str]:
-        """The command prefix that runs a Slurm client as the operator (another user than the run's)."""
-        setpriv = shutil.which("setpriv")
-        assert setpriv is not None, "setpriv (util-linux) runs scancel as another user"
-        for args in (["add", "user", OPERATOR, "account=root"], ["modify", "user", OPERATOR, "set", "adminlevel=operator"]):
-            self.sc.cluster.run(["sacctmgr", "-i", *args])
-        return [setpriv, "--reuid", OPERATOR, "--regid", "nogroup", "--clear-groups"]
 
     def faults(self, n: int) -> list[str]:
         """``n`` faults in a seeded random order (each kind at most once until all were used)."""
@@ -112,7 +103,7 @@ class Soak:
 
     # ----------------------------------------------------------------------------------------- the faults
 
-    def inject(self, name: str, rng: random.Random, operator: list[str]) -> FaultResult:
+    def inject(self, name: str, rng: random.Random) -> FaultResult:
         """Inject one fault once the run trains, and wait until it was handled: the run trained past a
         checkpoint saved after the fault (for a fault that moved it, by a job that started after it)."""
         sc = self.sc
@@ -128,7 +119,7 @@ class Soak:
             cleanup = lambda: sc.set_node(node, "resume")  # noqa: E731
         elif name in ("operator_cancel", "corrupt"):
             job, _ = self.current_job()
-            proc = sc.cluster.run([*operator, "scancel", job])
+            proc = sc.cluster.as_operator(["scancel", job])
             assert proc.returncode == 0, proc.stderr
             detail = f"job {job} cancelled by {OPERATOR}"
             if name == "corrupt":  # once the job is gone (its ranks save on the cancel's SIGTERM), before the next loads
@@ -189,12 +180,11 @@ class Soak:
         """Start the run, inject ``n`` seeded faults one after the other, then stop the run (every rank saves)."""
         rng = random.Random(self.seed)
         names = self.faults(n)
-        operator = self.operator()
         if "grow" in names:
             self.hold_a100s()
         self.sc.start_controller()
         for name in names:
-            self.results.append(self.inject(name, rng, operator))
+            self.results.append(self.inject(name, rng))
         stop = subprocess.run(["sailor-hpc", "run", "stop", str(self.sc.run_dir)], cwd=self.sc.cluster.shared,
                               env=self.sc.env, capture_output=True, text=True, timeout=600)
         assert stop.returncode == 0, stop.stdout + stop.stderr

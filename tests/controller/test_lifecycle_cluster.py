@@ -25,11 +25,11 @@ import pytest
 from sailor_hpc.core.checkpoint import latest_complete, read_manifest
 from tests.controller import scenario as story_kit
 from tests.controller.scenario import Scenario, kind, records_of, step_events
+from tests.slurm.cluster import OPERATOR
 
 pytestmark = pytest.mark.slurm
 
 STEPS = 60
-OPERATOR = "nobody"  # made a Slurm operator: may cancel other users' jobs
 PARAM_TOL = MOMENT_TOL = 5e-6
 
 
@@ -67,9 +67,6 @@ def story(slurm_cluster, tmp_path_factory: pytest.TempPathFactory) -> Any:
     reference = story_kit.start_reference(root, data, STEPS)
     sc = Scenario(slurm_cluster, root, data, archive, steps=STEPS, save_interval=5)
     out: dict[str, Any] = {"sc": sc, "reference": reference}
-    sacctmgr = ["sacctmgr", "-i"]
-    sc.cluster.run([*sacctmgr, "add", "user", OPERATOR, "account=root"])
-    assert sc.cluster.run([*sacctmgr, "modify", "user", OPERATOR, "set", "adminlevel=operator"]).returncode == 0
     with story_kit.cleaned_up(sc, reference):
         # 1. resumed with Slurm off PATH (its job runs on), the run gives up at once, saying why; --resume with
         # PATH fixed continues it
@@ -110,8 +107,7 @@ def story(slurm_cluster, tmp_path_factory: pytest.TempPathFactory) -> Any:
         sc.wait_for("the job after the second resume", lambda r: r["kind"] == "submitted" and r["t"] > cancelled_t)
         _trained_past(sc, read_manifest(latest_complete(sc.save))["step"])
         out["operator_cancelled"] = _current_job(sc)
-        proc = sc.cluster.run([setpriv, "--reuid", OPERATOR, "--regid", "nogroup", "--clear-groups", "scancel",
-                               out["operator_cancelled"]])
+        proc = sc.cluster.as_operator(["scancel", out["operator_cancelled"]])
         assert proc.returncode == 0, proc.stderr
         out["status"] = story_kit.finish(sc, reference)
         out["records"] = sc.records()

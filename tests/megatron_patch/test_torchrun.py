@@ -70,6 +70,8 @@ def test_any_other_failure_keeps_torchruns_report(tmp_path: Path, codes: tuple[i
     res = torchrun(*python_ranks(f"import os, sys; sys.exit({codes}[int(os.environ['RANK'])])"), cwd=tmp_path)
     assert res.returncode == 1, res.stderr
     assert "Traceback" in res.stderr and "ChildFailedError" in res.stderr
-    # torchrun's report names every failed rank's exit code, and its log line the first failure
-    assert sorted(int(c) for c in re.findall(r"exitcode\s+: (\d+)", res.stderr)) == sorted(codes)
+    # torchrun's report names the failed ranks' exit codes (a rank still starting when the first failed is ended by
+    # the agent, unreported: on a loaded machine (1, 1) may report one), and its log line the first failure
+    reported = [int(c) for c in re.findall(r"exitcode\s+: (\d+)", res.stderr)]
+    assert 1 in reported and set(reported) <= set(codes), res.stderr
     assert re.search(r"failed \(exitcode: \d\) local_rank: \d", res.stderr), res.stderr

@@ -52,6 +52,9 @@ class ClusterUnavailable(Exception):
     """The test cluster cannot be used here; the message says why and what to do."""
 
 
+OPERATOR = "nobody"  # the Slurm operator of SlurmCluster.as_operator: another user than the tests'
+
+
 @dataclass
 class SlurmCluster:
     lab: Path
@@ -61,6 +64,7 @@ class SlurmCluster:
     start_seconds: float | None = None
     stop_seconds: float | None = None
     _stopped: bool = field(default=False, repr=False)
+    _operator: bool = field(default=False, repr=False)
 
     @property
     def slurm_conf(self) -> Path:
@@ -87,6 +91,20 @@ class SlurmCluster:
             kw.setdefault("capture_output", True)
         kw.setdefault("text", True)
         return subprocess.run(list(cmd), env=env, **kw)
+
+    def as_operator(self, cmd: Sequence[str]) -> subprocess.CompletedProcess:
+        """A Slurm client command run as a Slurm operator who is not the tests' user (``OPERATOR``, made one in
+        accounting on first use): another user's ``scancel``, as an administrator's or a site's tooling's is.
+        Needs root and setpriv (util-linux), as the tests that use it check."""
+        setpriv = shutil.which("setpriv")
+        if setpriv is None or os.geteuid() != 0:
+            raise ClusterUnavailable("running a command as another user needs root and setpriv (util-linux)")
+        if not self._operator:
+            for args in (["add", "user", OPERATOR, "account=root"], ["modify", "user", OPERATOR, "set",
+                                                                     "adminlevel=operator"]):
+                self.run(["sacctmgr", "-i", *args])
+            self._operator = True
+        return self.run([setpriv, "--reuid", OPERATOR, "--regid", "nogroup", "--clear-groups", *cmd])
 
     # -- small conveniences for tests ----------------------------------------------------------------
 
