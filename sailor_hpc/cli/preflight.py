@@ -32,6 +32,7 @@ from sailor_hpc.core.models import get_model
 from sailor_hpc.core.paths import writable_dir
 from sailor_hpc.core.site import Site
 from sailor_hpc.jobs.render import cluster_submit_env
+from sailor_hpc.slurm.control import PROBE_WAIT_S, run_probe
 from sailor_hpc.slurm.discover import check_reachable, missing_partitions
 
 SKIP_RUNTIME_CHECK = "--skip-runtime-check"
@@ -76,14 +77,17 @@ class JobNeeds:
 
 def check_before_queue(needs: JobNeeds) -> None:
     """Refuse (exit 2, or 3 for a Slurm that does not answer) what would fail only once the job runs.
-    What this machine can tell is looked at first, Slurm last."""
+    What this machine can tell is looked at first, Slurm last (an interpreter only the compute nodes see is
+    asked of one of them, by a one-task job, once Slurm answers)."""
     if needs.archive is not None:
         check_archive(needs.archive)
     if needs.model is not None:
         check_checkpoints(needs.model, needs.checkpoints)
-    if not needs.skip_runtime_check:
-        check_interpreter(needs.python, needs.modules)
+    missing = None if needs.skip_runtime_check else missing_modules(needs.python, needs.modules)
+    refuse_missing(needs.python, missing)
     check_slurm(needs.site, needs.partitions, submitit=needs.submitit)
+    if not needs.skip_runtime_check and missing is None:
+        refuse_missing(needs.python, missing_modules_on(needs.site, needs.partitions[0], needs.python, needs.modules))
 
 
 def check_archive(archive: Path) -> None:
@@ -130,10 +134,27 @@ def missing_modules(python: str, modules: tuple[str, ...]) -> list[str] | None:
     except OSError as exc:
         raise SailorError(f"the interpreter cannot be started: {exc.strerror}", file=exe, field="--python",
                           fix="pass a Python interpreter with --python") from None
+    return _probe_answer(proc, exe)
+
+
+def missing_modules_on(site: Site, partition: str, python: str, modules: tuple[str, ...]) -> list[str]:
+    """The modules ``python`` cannot find on a compute node of ``partition``, asked by a one-task job of a few
+    seconds: for an interpreter this machine does not see."""
+    cluster = site.partition(partition).cluster
+    env = cluster_submit_env(site, cluster, os.environ) if cluster else None
+    proc = run_probe(partition, [python, "-c", _PROBE, *modules], env)
+    if "Unable to allocate resources" in proc.stderr or "Immediate execution impossible" in proc.stderr:
+        raise SailorError(f"a one-task job on partition {partition} could not start within {PROBE_WAIT_S} s to check "
+                          "the compute side's interpreter", file=python, field="--python",
+                          fix=f"try again when a node is free, or pass {SKIP_RUNTIME_CHECK}")
+    return _probe_answer(proc, python, where=f" on a node of partition {partition}")
+
+
+def _probe_answer(proc: subprocess.CompletedProcess[str], exe: str, where: str = "") -> list[str]:
     if proc.returncode != 0:
         said = (proc.stderr.strip() or proc.stdout.strip() or "(no output)").splitlines()[-1]
-        raise SailorError(f"is not a Python interpreter that runs (exit {proc.returncode}: {said})", file=exe,
-                          field="--python", fix="pass a Python interpreter with --python")
+        raise SailorError(f"is not a Python interpreter that runs{where} (exit {proc.returncode}: {said})",
+                          file=exe, field="--python", fix="pass a Python interpreter with --python")
     return proc.stdout.split()
 
 
@@ -143,14 +164,8 @@ def _install_fix(python: str, missing: list[str]) -> str:
     return f"install {what} into {python}, or pass --python with an interpreter that has them"
 
 
-def check_interpreter(python: str, modules: tuple[str, ...]) -> None:
-    """The compute side's interpreter has ``modules``; refused when it lacks one or this machine cannot see it."""
-    missing = missing_modules(python, modules)
-    if missing is None:
-        raise SailorError("this machine does not see the compute side's interpreter, so what it has cannot be "
-                          "checked", file=python, field="--python",
-                          fix=f"pass an interpreter on a filesystem this machine shares with the compute nodes, or "
-                              f"{SKIP_RUNTIME_CHECK} if only they see it")
+def refuse_missing(python: str, missing: list[str] | None) -> None:
+    """Refuse a job whose interpreter lacks modules it needs (None, unknown yet: nothing to refuse)."""
     if missing:
         raise SailorError(f"the job's interpreter has no {', '.join(missing)}: the job would fail at its start",
                           file=python, field="--python", fix=_install_fix(python, missing))

@@ -91,6 +91,19 @@ def node_address(node: str, env: Env = None) -> str | None:
     return None
 
 
+PROBE_WAIT_S = 60  # a one-task probe job that cannot start within this is given up (srun --immediate)
+
+
+def run_probe(partition: str, argv: Sequence[str], env: Env = None,
+              timeout: float = PROBE_WAIT_S + 60.0) -> subprocess.CompletedProcess[str]:
+    """Run ``argv`` as a one-task job of a few seconds on a node of ``partition`` (``srun``: its output comes back
+    here), for what only the compute nodes can answer (their interpreter's modules). The job waits at most
+    ``PROBE_WAIT_S`` for a node (``--immediate``); its exit code is the caller's to judge."""
+    return run_slurm(["srun", f"--partition={partition}", "--ntasks=1", "--cpus-per-task=1", "--time=1",
+                      f"--immediate={PROBE_WAIT_S}", "--job-name=sailor-preflight", "--quiet", *argv], env,
+                     check=False, timeout=timeout)
+
+
 def run_step(options: Sequence[str], env: Mapping[str, str]) -> subprocess.CompletedProcess[str]:
     """Run one job step, ``srun OPTIONS``, from inside an allocation, with exactly ``env`` (the caller shapes
     the step: what it leaves out of the batch environment matters); its output captured, its exit code kept

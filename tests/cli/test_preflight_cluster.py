@@ -20,10 +20,12 @@ from tests.jobs.conftest import LOCAL_LAB, write_plan
 pytestmark = pytest.mark.slurm
 
 def _jobs(cluster) -> set[str]:
-    """Every job id squeue or sacct knows, of any user and state."""
-    queued = cluster.run(["squeue", "-h", "-t", "all", "-o", "%i"], check=True).stdout.split()
-    accounted = cluster.run(["sacct", "-a", "-X", "-n", "-P", "-o", "JobID", "-S", "now-2hours"], check=True)
-    return set(queued) | set(accounted.stdout.split())
+    """Every job id squeue or sacct knows, of any user and state, but the pre-queue check's own probes (a one-task
+    job that asks a compute node about an interpreter this machine does not see)."""
+    queued = cluster.run(["squeue", "-h", "-t", "all", "-o", "%i %j"], check=True).stdout.splitlines()
+    accounted = cluster.run(["sacct", "-a", "-X", "-n", "-P", "-o", "JobID,JobName", "-S", "now-2hours"], check=True)
+    rows = [line.replace("|", " ").split() for line in [*queued, *accounted.stdout.splitlines()]]
+    return {row[0] for row in rows if row and row[1:] != ["sailor-preflight"]}
 
 
 def _files(root: Path) -> set[Path]:
@@ -94,9 +96,9 @@ def test_submit_refuses_before_sbatch(slurm_cluster, env, work: Path, tmp_path: 
     if probe.returncode != 0:
         out = _refused(slurm_cluster, env, work, *submit, "--python", "/usr/bin/python3")
         assert "has no torch, megatron.core" in out and "--python" in out
-    # an interpreter this machine does not see: checked only by the job, so the escape is named
+    # an interpreter this machine does not see: asked of a compute node by a one-task job (here it has none either)
     out = _refused(slurm_cluster, env, work, *submit, "--python", str(tmp_path / "nowhere" / "python"))
-    assert "--skip-runtime-check" in out
+    assert "is not a Python interpreter that runs on a node of partition a100" in out, out
     # --save holds a checkpoint of another model: found now, not inside the job "at step None"
     _manifest(work / "ckpt", "tiny-llama")
     out = _refused(slurm_cluster, env, work, *submit)
@@ -150,3 +152,19 @@ def test_live_availability_names_a_partition_slurm_lacks(slurm_cluster, env, tmp
                              env={**env, "PYTHONWARNINGS": "ignore"}, cwd=tmp_path)
     assert "warning: --available live: Slurm has no partition 'h100x'" in proc.stderr, proc.stdout + proc.stderr
     assert os.fspath(site) in proc.stderr
+
+
+def test_an_interpreter_only_the_compute_nodes_see_is_asked_of_one(slurm_cluster, env, monkeypatch):
+    """The one-task probe job (srun on a node of the partition) reports the modules the node's interpreter lacks;
+    the job is in accounting under its own name."""
+    from sailor_hpc.cli.preflight import missing_modules_on
+    from sailor_hpc.core.site import load_site
+
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    site = load_site(LOCAL_LAB)
+    assert missing_modules_on(site, "a100", sys.executable, ("torch", "megatron.core")) == []
+    assert missing_modules_on(site, "v100", sys.executable, ("torch", "no_such_module_here")) == ["no_such_module_here"]
+    out = slurm_cluster.sacct_once(["-X", "-n", "-P", "-o", "JobName,State", "-S", "now-10minutes"],
+                                   lambda text: text.count("sailor-preflight") >= 2)
+    assert out.count("sailor-preflight|COMPLETED") >= 2, out
