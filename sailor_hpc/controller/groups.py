@@ -54,7 +54,7 @@ PlanFor = Callable[[tuple[str, ...]], Plan]
 #: a job that ends in one of these lost its cluster (Slurm ended it: cancelled, node failure, preemption, ...);
 #: a FAILED job is the training's own failure, or the echo of a peer cluster's loss: retried, not dropped
 CLUSTER_LOSS = frozenset({"CANCELLED", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE", "TIMEOUT"})
-STOP_TIMEOUT_S = 300.0  # a group asked to checkpoint by its user that has not ended by then is cancelled
+STOP_TIMEOUT_S = 300.0  # a group asked to checkpoint (by its user, or to regrow) that has not ended by then is cancelled
 SETTLE_S = 10.0  # after one job ends badly, how long the others get to end too (see _settle)
 
 
@@ -239,9 +239,7 @@ class Groups:
         if how == "stop" and all(s.state == "RUNNING" for s in self._poll(cur.jobs).values()):
             for c, j in cur.jobs.items():
                 request_checkpoint(self._job(c, j))
-            deadline = self.ctx.clock() + STOP_TIMEOUT_S
-            while self.ctx.clock() < deadline and not all(s.final for s in self._poll(cur.jobs).values()):
-                self.ctx.sleep(self.spec.control.poll_s)
+            self._ended_within(cur, STOP_TIMEOUT_S)  # cancelled below if not
         states = {c: cancel_and_wait(self._job(c, j)) for c, j in cur.jobs.items()}
         self.ctx.note(records.GroupStopped(group=cur.number, reason=f"the run's user asked it to {how}", states=states))
         return {f"{c}:{cur.jobs[c]}": st for c, st in states.items()}
@@ -269,15 +267,22 @@ class Groups:
                             fix="check the clusters' queues and nodes, then start the run again")
         self._next_clusters = rest
 
-    def _wait_group_final(self, cur: Attempt, timeout_s: float = 300.0) -> None:
-        """After a checkpoint request: wait for every job to end by itself (exit 75), else cancel it."""
+    def _ended_within(self, cur: Attempt, timeout_s: float) -> bool:
+        """After a checkpoint request: whether every job of the group ended by itself (exit 75) within
+        ``timeout_s``."""
         deadline = self.ctx.clock() + timeout_s
         while self.ctx.clock() < deadline:
             if all(s.final for s in self._poll(cur.jobs).values()):
-                self.ctx.note(records.GroupStopped(group=cur.number, reason="rejoin"))
-                return
+                return True
             self.ctx.sleep(self.spec.control.poll_s)
-        self._stop_group(cur, "rejoin: checkpoint request timed out")
+        return False
+
+    def _wait_group_final(self, cur: Attempt) -> None:
+        """After a checkpoint request: wait for every job to end by itself, else cancel it."""
+        if self._ended_within(cur, STOP_TIMEOUT_S):
+            self.ctx.note(records.GroupStopped(group=cur.number, reason="rejoin"))
+        else:
+            self._stop_group(cur, "rejoin: checkpoint request timed out")
 
     # -------------------------------------------------------------------------------------------- regrow
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import slurm_missing
 from tests.controller.chaos import Soak, describe, final_step, step_account
 from tests.controller.scenario import Scenario, build_inputs, start_reference
 
@@ -26,7 +27,7 @@ PARAM_TOL = MOMENT_TOL = 5e-6
 def soak(slurm_cluster, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     pytest.importorskip("megatron.core")
     if os.geteuid() != 0 or shutil.which("setpriv") is None:
-        pytest.skip("the operator's cancel runs scancel as another user: needs root and setpriv (util-linux)")
+        slurm_missing("the operator's cancel runs scancel as another user: needs root and setpriv (util-linux)")
     root = tmp_path_factory.mktemp("chaos")
     data, archive = build_inputs(tmp_path_factory, root)
     sc = Scenario(slurm_cluster, root, data, archive, steps=100_000, save_interval=5)

@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 from sailor_hpc.core.checkpoint import latest_complete, read_manifest
+from tests.conftest import slurm_missing
 from tests.controller import scenario as story_kit
 from tests.controller.scenario import Scenario, kind, records_of, step_events
 from tests.slurm.cluster import OPERATOR
@@ -61,7 +62,7 @@ def story(slurm_cluster, tmp_path_factory: pytest.TempPathFactory) -> Any:
     pytest.importorskip("megatron.core")
     setpriv = shutil.which("setpriv")
     if os.geteuid() != 0 or setpriv is None:
-        pytest.skip("the operator's cancel runs scancel as another user: needs root and setpriv (util-linux)")
+        slurm_missing("the operator's cancel runs scancel as another user: needs root and setpriv (util-linux)")
     root = tmp_path_factory.mktemp("lifecycle")
     data, archive = story_kit.build_inputs(tmp_path_factory, root)
     reference = story_kit.start_reference(root, data, STEPS)
