@@ -23,7 +23,7 @@ from sailor_hpc.core.plan import Plan
 from sailor_hpc.core.plan_io import load_plan
 from sailor_hpc.core.runtime_events import CheckpointSkipped
 from sailor_hpc.core.site import Site, load_site
-from sailor_hpc.jobs.render import cluster_submit_env
+from sailor_hpc.jobs.render import site_cluster
 from sailor_hpc.slurm.handle import SlurmCluster
 
 #: how a run's driver exits (``sailor-hpc run`` returns it): done, gave up, interrupted by a signal, stopped by its
@@ -91,9 +91,7 @@ class RunContext:
 
     def cluster(self, name: str | None = None) -> SlurmCluster:
         """The Slurm of ``name`` (its own ``SLURM_CONF``), or with None the one this process reaches."""
-        if name is None:
-            return SlurmCluster("", self.env)
-        return SlurmCluster(name, cluster_submit_env(self.site, name, dict(os.environ if self.env is None else self.env)))
+        return site_cluster(self.site, name, self.env)
 
     def wait_for_slurm(self, answers: Callable[[], bool]) -> None:
         """Wait, with back-off (poll x 2^k, at most ``SLURM_BACKOFF_MAX_S``), until ``answers()``."""

@@ -4,7 +4,6 @@ watched, a checkpoint saved since the journal last looked).
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,8 +12,7 @@ from sailor_hpc.controller.state import RunDir, RunState
 from sailor_hpc.core.checkpoint import latest_complete, read_manifest
 from sailor_hpc.core.errors import SailorError, SlurmUnavailable
 from sailor_hpc.core.site import load_site
-from sailor_hpc.jobs.render import cluster_submit_env
-from sailor_hpc.slurm.handle import SlurmCluster
+from sailor_hpc.jobs.render import site_cluster
 from sailor_hpc.slurm.status import FINAL_STATES
 
 
@@ -72,8 +70,7 @@ def _ask_slurm(rd: RunDir, state: RunState, controller_alive: bool) -> tuple[lis
     spec = rd.spec()
     site = load_site(spec.planning.site)
     names = [c.name for c in site.clusters] if len(site.clusters) > 1 else [""]
-    env = dict(os.environ)
-    clusters = {c: SlurmCluster(c, cluster_submit_env(site, c or None, env)) for c in names}
+    clusters = {c: site_cluster(site, c or None) for c in names}
     cur = state.current
     ours = dict(cur.jobs) if cur is not None else {}
     jobs, strays, notes = [], [], []

@@ -49,6 +49,7 @@ from sailor_hpc.jobs.options import (
     parse_time_limit,
 )
 from sailor_hpc.slurm import safety
+from sailor_hpc.slurm.handle import SlurmCluster
 
 DEFAULT_TIME = "01:00:00"
 MAX_SIGNAL_GRACE_S = 300  # SIGUSR1 this long before the time limit (capped at a tenth of the limit)
@@ -225,6 +226,12 @@ def cluster_submit_env(site: Site, cluster: str | None, env: Mapping[str, str]) 
     if conf:
         out["SLURM_CONF"] = conf
     return out
+
+
+def site_cluster(site: Site, name: str | None, env: Mapping[str, str] | None = None) -> SlurmCluster:
+    """The Slurm of the site's cluster ``name`` as this process reaches it (its own ``SLURM_CONF``); None: the one
+    ``env`` (default: this process's environment) names."""
+    return SlurmCluster(name or "", cluster_submit_env(site, name, os.environ if env is None else env))
 
 
 def render_job_script(plan: Plan, site: Site, options: JobOptions) -> str:

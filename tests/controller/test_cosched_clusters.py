@@ -41,7 +41,7 @@ from sailor_hpc.core.placement import place_plan
 from sailor_hpc.core.plan import Pipeline, Plan, Stage
 from sailor_hpc.core.site import load_site
 from sailor_hpc.core.toml_writer import dump_toml
-from sailor_hpc.jobs.render import cluster_submit_env, plan_clusters
+from sailor_hpc.jobs.render import plan_clusters, site_cluster
 from sailor_hpc.slurm.handle import SlurmCluster
 from tests.controller.scenario import step_events, wire
 from tests.data.tiny_archive import write_tiny_archive
@@ -226,7 +226,7 @@ def test_the_planner_plans_only_on_the_clusters_it_is_given(story, slurm_two_clu
     lab, lab2 = slurm_two_clusters
     site = two_lab_site(lab.lab, lab2.lab)
     def cluster(name: str) -> SlurmCluster:
-        return SlurmCluster(name, cluster_submit_env(site, name, job_env_two))
+        return site_cluster(site, name, job_env_two)
 
     idle = idle_by_node(site, [cluster("lab"), cluster("lab2")])
     # the fake nodes of start.sh: a100-1 and a100-2 with 4 GPUs each, in both clusters (same names)
