@@ -39,7 +39,8 @@ def _refused(cluster, env, root: Path, *args: str, code: int = 2) -> str:
     out = proc.stdout + proc.stderr
     assert proc.returncode == code, out
     assert _files(root) == before_files, sorted(map(str, _files(root) - before_files))
-    assert _jobs(cluster) == before_jobs
+    # nothing queued: no job id that was not there before (a finished job of another test may leave squeue meanwhile)
+    assert not _jobs(cluster) - before_jobs, sorted(_jobs(cluster) - before_jobs)
     return out
 
 
