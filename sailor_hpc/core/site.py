@@ -66,6 +66,16 @@ def parse_walltime(text: str) -> int:
     return seconds
 
 
+def memory_gib(memory_bytes: int) -> float:
+    """A GPU's memory in GiB as a person writes it: the fewest decimals that read back to the same bytes
+    (39.43, not the 39.42999999970198 that bytes / GiB gives after loading truncated 39.43 GiB to bytes)."""
+    exact = memory_bytes / GIB
+    for digits in range(10):
+        if int(round(exact, digits) * GIB) == memory_bytes:
+            return round(exact, digits)
+    return exact
+
+
 @dataclass(frozen=True)
 class GpuType:
     name: str  # the key used in profile archives (e.g. "A100-40")
@@ -199,7 +209,7 @@ class Site:
                         "extra_sbatch": list(self.slurm.extra_sbatch)}
         doc["environment"] = {"prelude": list(self.prelude)}
         doc["profiles"] = {"archive": self.archive}
-        doc["gpu_types"] = {g.name: {"memory_gib": g.memory_bytes / GIB, "aliases": list(g.aliases),
+        doc["gpu_types"] = {g.name: {"memory_gib": memory_gib(g.memory_bytes), "aliases": list(g.aliases),
                                      **({"peak_tflops": g.peak_tflops} if g.peak_tflops else {}),
                                      **({"dtypes": list(g.dtypes)} if g.dtypes != default_dtypes(g.name) else {})}
                             for g in self.gpu_types.values()}
