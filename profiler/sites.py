@@ -4,8 +4,10 @@ The simulator reads bandwidth from the site (``site.intra_node_fit`` / ``inter_n
 its fits in the archive (``network/<site key>/...``). :func:`measured_site` lays the measured fits over
 the site's own (a measured (link, k) replaces the configured one; links not measured keep theirs), and,
 for a CPU sweep, renames the GPU types to the ``cpu-`` keys the compute profiles were recorded under,
-so ``simulate(plan, measured_site(...), archive)`` prices a plan entirely from CPU measurements.
-``sailor-hpc profile --write-site FILE`` writes the result as a site TOML.
+so ``simulate(plan, measured_site(...), archive)`` prices a plan entirely from CPU measurements. The site
+keeps its name: the planner reads fits from the site, never by the site's name from the archive.
+``sailor-hpc profile --write-site FILE`` writes the result as an edit of the site's TOML
+(:mod:`sailor_hpc.core.site_edit`).
 """
 from __future__ import annotations
 
@@ -45,6 +47,6 @@ def measured_site(site: Site, archive: ProfileArchive, *, cpu: bool) -> Site:
     links = dict(site.between)
     for pair, fits in between.items():
         links[pair] = _laid_over(links.get(pair), fits)  # a measured pair has at least one fit
-    return replace(site, name=key if cpu else site.name, gpu_types=gpu_types, partitions=parts,
+    return replace(site, gpu_types=gpu_types, partitions=parts,
                    links=replace(site.links, partitions=links))
 

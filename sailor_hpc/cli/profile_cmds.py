@@ -3,22 +3,23 @@ processes on this machine (``--local``)."""
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import click
 
+from profiler.keys import device_key
 from profiler.sites import measured_site
 from profiler.sweep import SweepConfig, SweepInterrupted, checked, run_sweep
 from sailor_hpc.cli.app import main
 from sailor_hpc.cli.interrupts import jobs_left_running, this_command_with
 from sailor_hpc.cli.output import echo_json, json_option, table
 from sailor_hpc.cli.preflight import RUNTIME_MODULES, JobNeeds, check_before_queue, skip_runtime_check_option
+from sailor_hpc.cli.site_files import write_site_file, written_json, written_lines
 from sailor_hpc.core.archive import read_archive
-from sailor_hpc.core.atomic import atomic_write_text
 from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.models import get_model
 from sailor_hpc.core.site import load_site
-from sailor_hpc.core.toml_writer import dump_toml
 
 
 def _ints(text: str, flag: str) -> tuple[int, ...]:
@@ -73,7 +74,8 @@ def _names(text: str | None) -> tuple[str, ...]:
               help="Seconds between looks at Slurm while the jobs run.")
 @click.option("--resume", is_flag=True, help="Complete a partial sweep: skip what the archive has, re-attach to jobs.")
 @click.option("--write-site", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Also write the site with the measured network fits (and cpu- GPU types with --cpu).")
+              help="Also write the site with the measured network fits, the archive (and cpu- GPU types with --cpu): "
+                   "an edit of --site that keeps its comments; prints every field it changed. May be --site itself.")
 @skip_runtime_check_option
 @json_option
 def profile_cmd(site_file: Path, model: str, partitions: str | None, mbs: str, tp: str, archive: Path | None,
@@ -120,17 +122,23 @@ def profile_cmd(site_file: Path, model: str, partitions: str | None, mbs: str, t
         report = run_sweep(cfg)
     except SweepInterrupted as stop:
         jobs_left_running(stop.jobs, finish=this_command_with("--resume"))
-    if write_site is not None:
-        measured = measured_site(site, read_archive(report.archive), cpu=cpu)
-        atomic_write_text(write_site, dump_toml(measured.to_dict(), header_comments=[
-            f"site {site.name} with the network fits measured by `sailor-hpc profile` into {report.archive}"]))
+    written: list[str] = []
+    doc = report.to_dict()
+    if write_site is not None:  # the site as measured, with the archive its profiles are in
+        measured = replace(measured_site(site, read_archive(report.archive), cpu=cpu), archive=str(report.archive))
+        renamed = {n: device_key(n, cpu) for n in site.gpu_types}
+        changes = write_site_file(write_site, site_file, measured, renamed_gpu_types=renamed)
+        written = written_lines(write_site, site_file, changes)
+        doc["site_written"] = written_json(write_site, site_file, changes)
     if as_json:
-        echo_json(report.to_dict())
+        echo_json(doc)
     else:
         rows = [(u.key, u.status, u.job_id or "-", u.reason or "-") for u in report.units]
         click.echo(table(("unit", "status", "job", "note"), rows))
         counts = report.to_dict()["counts"]
         click.echo(f"{report.archive}: {', '.join(f'{v} {k}' for k, v in sorted(counts.items()))} "
                    f"in {report.seconds:.0f} s" + ("" if report.complete else "; run again with --resume to complete"))
+        for line in written:
+            click.echo(line)
     if not report.complete:
         raise SystemExit(1)

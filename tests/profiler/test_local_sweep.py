@@ -66,10 +66,20 @@ def test_local_sweep_fills_the_archive_as_a_slurm_sweep_does(tmp_path: Path) -> 
     assert link.path == "network/cpu-laptop/intra:cpu:cpu:2" and sizes == [2 ** 16, 2 ** 18, 2 ** 20]
     assert np.allclose(link.fit.coeffs, np.polyfit(np.log2(np.asarray(sizes) / 1e6), gbps, 2))
     assert len(set(link.provenance["hosts"])) == 1
-    # --write-site: the planner's view of this machine
+    # --write-site: the planner's view of this machine, as an edit of the laptop's file (its comments and name
+    # kept), with the archive the profiles are in; every changed field reported
     from sailor_hpc.core.site import load_site
     site = load_site(tmp_path / "measured.toml")
     assert site.partitions[0].gpu_type == "cpu-core" and site.intra_node_fit("cpu", 2) == link.fit
+    assert site.name == "laptop" and site.archive == str(tmp_path / "cpu.h5")
+    comments = [line for line in LAPTOP.read_text().splitlines() if line.lstrip().startswith("#")]
+    assert [line for line in (tmp_path / "measured.toml").read_text().splitlines() if line.lstrip().startswith("#")] \
+        == comments
+    written = report["site_written"]
+    assert written["file"] == str(tmp_path / "measured.toml")
+    assert {c["field"]: c["new"] for c in written["changes"]} == {
+        "gpu_types.core (renamed)": "cpu-core", "profiles.archive": "cpu.h5", "partitions[cpu].gpu_type": "cpu-core",
+        'partitions[cpu].network.intra_node."2"': link.fit.to_dict()}
 
 
 def test_a_timed_out_local_sweep_is_recorded_and_resume_completes_it(tmp_path: Path) -> None:
