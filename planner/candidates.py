@@ -7,6 +7,7 @@ import math
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 from planner.request import PlanRequest
 from sailor_hpc.core.archive import ProfileArchive
@@ -17,6 +18,7 @@ from sailor_hpc.core.precision import PREFERENCE
 from sailor_hpc.core.site import Partition, Site
 from simulator import SimResult
 
+TIE_DIGITS = 4  # significant digits of the ranked value below which two plans tie (the plan table prints as many)
 ESTIMATE_SLACK = 0.05  # a search's estimated time against the simulation of its plan (capped sync tails)
 Progress = Callable[[int, int], None]  # (done, total) callbacks of a search
 
@@ -33,6 +35,14 @@ class Candidate:
         return self.result.throughput_samples_per_s
 
 
+class ScoredAllocation(NamedTuple):
+    """One allocation the search scored, by its estimate (not simulated): a point of the Pareto chart."""
+
+    gpus: int
+    cost_per_hour: float
+    throughput: float  # samples per second, estimated
+
+
 @dataclass
 class SearchResult:
     """What a search answers: the feasible plans, best first by :func:`ranking`, and what it cost to find them."""
@@ -44,6 +54,8 @@ class SearchResult:
     plans_simulated: int
     rejected: dict[str, int] = field(default_factory=dict)
     simulated: list[Candidate] = field(default_factory=list)  # every plan simulated that fits in memory
+    scored: list[ScoredAllocation] = field(default_factory=list)  # every allocation scored (empty: not kept)
+    left_out: dict[str, str] = field(default_factory=dict)  # partition -> why no job of it can start now
 
 
 def default_available(site: Site) -> dict[str, int]:
@@ -72,14 +84,26 @@ def candidate_dtypes(site: Site, archive: ProfileArchive, request: PlanRequest) 
             if any(d in site.gpu(p.gpu_type).dtypes and archive.has_compute(model, p.gpu_type, d) for p in usable)]
 
 
-def ranking(request: PlanRequest) -> Callable[[Candidate], tuple[float, float]]:
-    """Best first: throughput (then cost per hour), cost per sample (then throughput), or expected finish."""
+def tie_value(x: float) -> float:
+    """``x`` to :data:`TIE_DIGITS` significant digits: the ranking's grid, on which equal values are a tie."""
+    return float(f"{x:.{TIE_DIGITS}g}")
+
+
+def ranking(request: PlanRequest) -> Callable[[Candidate], tuple[float, ...]]:
+    """Best first: iteration time, cost per sample, or expected finish. Under the throughput and cost
+    objectives a tie (equal on the :func:`tie_value` grid, as the plan table prints them) goes to the plan
+    with fewer GPUs, then the cheaper per hour: a few thousandths of a second are the simulator's noise, not
+    a reason to take more GPUs. The time objective ranks on finish, then throughput."""
     goal = request.time_goal
     if request.objective == "time" and goal is not None:
         return lambda x: (goal.plan_outlook(x.plan, x.result.iteration_time_s).finish_s, -x.throughput)
-    if request.objective == "throughput":
-        return lambda x: (-x.throughput, x.result.cost_per_hour)
-    return lambda x: (x.result.cost_per_iteration / request.global_batch_size, -x.throughput)
+    gbs = request.global_batch_size
+
+    def primary(x: Candidate) -> float:
+        r = x.result
+        return r.iteration_time_s if request.objective == "throughput" else r.cost_per_iteration / gbs
+
+    return lambda x: (tie_value(primary(x)), x.plan.num_gpus, x.result.cost_per_hour, primary(x), -x.throughput)
 
 
 def partition_gpus(part: Partition, available: int, capacity: int, request: PlanRequest) -> tuple[int, bool]:
@@ -115,7 +139,7 @@ def infeasible(request: PlanRequest, site: Site, rejected: dict[str, int], fitti
                            f"iteration, above --max-cost-per-iteration {c.max_cost_per_iteration}",
                            field="--max-cost-per-iteration",
                            fix="raise it, or lower the global batch (`--objective cost` finds the cheapest plan)")
-    if fitting and (rejected.get("deadline") or rejected.get("max_gpu_hours")):
+    if fitting and (rejected.get("deadline") or rejected.get("max_gpu_hours") or rejected.get("never_starts")):
         return time_infeasible(request, fitting)
     if not fitting and set(rejected) == {"placement"}:
         return SailorError(f"no plan of {request.model} packs its TP groups into the nodes a job may take",
@@ -126,18 +150,29 @@ def infeasible(request: PlanRequest, site: Site, rejected: dict[str, int], fitti
 
 
 def time_infeasible(request: PlanRequest, fitting: list[Candidate]) -> SailorError:
-    """No plan meets --deadline / --max-gpu-hours: say the closest one."""
+    """No plan meets --deadline / --max-gpu-hours, or none can start: say the closest one, or why."""
     goal = request.time_goal
     assert goal is not None
     looks = [goal.plan_outlook(c.plan, c.result.iteration_time_s) for c in fitting]
-    if goal.deadline_s is not None and all(o.finish_s > goal.deadline_s for o in looks):
-        best = min(o.finish_s for o in looks)
-        return SailorError(f"the soonest expected finish is {best / 3600:.2f} h from now, after --deadline "
-                           f"({goal.deadline_s / 3600:.2f} h)", field="--deadline",
-                           fix="move the deadline, train fewer steps, or allow a larger budget")
-    least = min(o.gpu_hours for o in looks)
+    starting = [o for o in looks if math.isfinite(o.start.start_s)]
+    if not starting:
+        reasons = sorted({o.start.detail or o.start.source for o in looks})
+        return SailorError(f"no plan can start under the site's current states: {'; '.join(reasons)}",
+                           field="partitions", fix="wait until the site can start them (sailor-hpc plan again), "
+                                                   "or plan on other partitions (--available)")
+    if goal.deadline_s is not None and all(o.finish_s > goal.deadline_s for o in starting):
+        best = min(starting, key=lambda o: o.finish_s)
+        return SailorError(f"the soonest expected finish is {_hms(best.finish_s)} from now (start {_hms(best.start.start_s)} "
+                           f"+ run {_hms(best.run_s + best.restart_s)}), after --deadline ({_hms(goal.deadline_s)})",
+                           field="--deadline", fix="move the deadline, train fewer steps, or allow a larger budget")
+    least = min(o.gpu_hours for o in starting)
     return SailorError(f"the plan using the fewest GPU-hours needs {least:.3g}, above --max-gpu-hours "
                        f"{goal.max_gpu_hours}", field="--max-gpu-hours", fix="raise it, or train fewer steps")
+
+
+def _hms(seconds: float) -> str:
+    s = int(round(seconds))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
 def best_over_dtypes(request: PlanRequest, dtypes: list[str],
@@ -158,4 +193,4 @@ def best_over_dtypes(request: PlanRequest, dtypes: list[str],
     return SearchResult(request, merged, sum(r.search_time_s for r in results),
                         sum(r.allocations_scored for r in results), sum(r.plans_simulated for r in results),
                         dict(sum((Counter(r.rejected) for r in results), Counter())),
-                        [c for r in results for c in r.simulated])
+                        [c for r in results for c in r.simulated], [p for r in results for p in r.scored])

@@ -9,9 +9,9 @@ The planner never calls Slurm: the caller reads the queue (a :class:`QueueSnapsh
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from planner.candidates import Progress, SearchResult
+from planner.candidates import Progress, SearchResult, default_available
 from planner.entry import plan_search
 from planner.request import PlanRequest
 from planner.time_goal import TimeGoal
@@ -43,16 +43,35 @@ def plan_on_state(site: Site, archive: ProfileArchive, state: QueueState, reques
     A bad request or goal raises its SailorError as it is; when the search finds no plan, its SailorError goes
     through ``no_plan`` (the controller waits on it where ``plan`` reports it)."""
     goal = None
+    available = dict(state.available)
+    left_out: dict[str, str] = {}
     if time is not None:
         assert state.snapshot is not None, "objective time plans on a queue"
         goal = queue_goal(site, time, state.snapshot)
-    request = request_for(dict(state.available), goal)
+        available, left_out = startable(site, goal, available)
+    request = request_for(available, goal)
     try:
         result = plan_search(site, archive, request, progress=progress)
     except SailorError as exc:
         if no_plan is None:
             raise
         raise no_plan(exc) from exc
-    return result if goal is None else refine(result, state.test_only, top_k)
+    result = result if goal is None else refine(result, state.test_only, top_k)
+    return replace(result, left_out=left_out)
 
-__all__ = ["NoPlan", "QueueState", "RequestFor", "plan_on_state"]
+
+def startable(site: Site, goal: TimeGoal, available: dict[str, int]) -> tuple[dict[str, int], dict[str, str]]:
+    """The GPUs a plan may use, less the partitions where no job can start under the site's states (a DOWN
+    or drained partition, one Slurm does not have, one with no usable node), and why each was left out.
+    Raises when that leaves none: a plan that would wait forever is no plan."""
+    left_out = {p.name: why for p in site.partitions if (why := goal.model.timeline.partition_refusal(p.name))}
+    if not left_out:
+        return available, {}
+    usable = {name: gpus for name, gpus in (available or default_available(site)).items() if name not in left_out}
+    if not any(usable.values()):
+        raise SailorError("no partition the plan may use can start a job now: " + "; ".join(left_out.values()),
+                          file=site.source, field="partitions",
+                          fix="plan again once they can, or plan on other partitions (--available)")
+    return usable, left_out
+
+__all__ = ["NoPlan", "QueueState", "RequestFor", "plan_on_state", "startable"]

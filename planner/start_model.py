@@ -4,21 +4,33 @@ A job starts at the first moment its per-node GPU demands fit the nodes' free GP
 its whole time limit (backfill never delays a job that Slurm has already planned, so the pending jobs'
 planned holds count as taken from their expected start). With ``--time-min`` the window need only last
 that long, and the job is granted the time up to the next moment it would no longer fit. A het request
-needs every partition at once. Slurm's own answer for the exact request (``sbatch --test-only``) wins
-where the snapshot has one, except for a request that fits the free GPUs now for its whole time without
-touching a planned job: backfill starts that one at once, while ``--test-only`` answers "now + the job's
-limit" for a node Slurm has planned for a pending job (measured on the local cluster). The site's
-history of waits is the fallback where the timeline has no end (a job holding GPUs without a time limit).
+needs every partition at once.
+
+The site's states shape the timeline before any request is asked about (:mod:`planner.site_timeline`):
+a partition that starts no job (DOWN, DRAIN, INACTIVE), a request over its MaxNodes, or one the
+usable nodes can never hold never starts, with the reason; a reservation takes its nodes over its
+whole time (so a request that would cross into it starts after it, or fits before it); the pending jobs
+Slurm has not planned yet are placed first, by priority, where backfill would put them.
+
+Slurm's own answer for the exact request (``sbatch --test-only``) wins where the snapshot has one, except
+(a) for a request that fits the free GPUs now for its whole time without touching a planned job: backfill
+starts that one at once, while ``--test-only`` answers "now + the job's limit" for a node Slurm has planned
+for a pending job (measured on the local cluster); (b) where the pending jobs Slurm has not planned moved
+the start: ``--test-only`` does not see them; (c) where the request can never start: ``--test-only``
+answers a start for a DOWN partition too. The site's history of waits is the fallback where the timeline
+has no end (a job holding GPUs without a time limit).
 """
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from planner.site_timeline import SiteTimeline
 from sailor_hpc.core.start_times import (
     HISTORY,
     IDLE_NOW,
+    SITE_STATE,
     TEST_ONLY,
     TIMELINE,
     QueueSnapshot,
@@ -47,26 +59,18 @@ def fits_sorted(demands: tuple[int, ...], slots: list[int]) -> bool:
     return len(demands) <= len(slots) and all(have >= need for have, need in zip(slots, demands))
 
 
-class StartModel:
-    """Expected starts of request shapes on one snapshot (cached: the search asks for few distinct shapes)."""
+class _Segments:
+    """The free GPUs of every node on each stretch between two hold boundaries, and where a shape fits."""
 
-    def __init__(self, snapshot: QueueSnapshot):
-        self.snapshot = snapshot
-        self._cache: dict[tuple, Window] = {}
+    def __init__(self, node_gpus: Mapping[str, Mapping[str, int]], timeline: SiteTimeline, with_unplanned: bool):
+        self.timeline = timeline
+        holds = timeline.holds if with_unplanned else timeline.holds_without_unplanned
+        self.holds = holds
+        self.times = sorted({0.0, *(t for h in holds for t in (h.start_s, h.end_s) if math.isfinite(t))})
+        self._free = {p: [sorted(timeline.free_at(p, t, holds).values(), reverse=True) for t in self.times]
+                      for p in node_gpus}
         self._fit_cache: dict[tuple[RequestShape, int], bool] = {}
         self._intervals: dict[RequestShape, list[tuple[float, float]]] = {}
-        self._times = sorted({0.0, *(t for h in snapshot.holds for t in (h.start_s, h.end_s) if math.isfinite(t))})
-        # free GPUs per node of each partition on each segment [times[i], times[i + 1]), largest first
-        self._free = {p: [sorted(self.free_at(p, t).values(), reverse=True) for t in self._times]
-                      for p in snapshot.node_gpus}
-
-    def free_at(self, partition: str, t: float) -> dict[str, int]:
-        """Free GPUs per usable node of ``partition`` at ``t`` seconds from the snapshot."""
-        free = dict(self.snapshot.node_gpus.get(partition, {}))
-        for h in self.snapshot.holds:
-            if h.partition == partition and h.node in free and h.start_s <= t < h.end_s:
-                free[h.node] -= h.gpus
-        return free
 
     def _fits_at(self, shape: RequestShape, i: int) -> bool:
         key = (shape, i)
@@ -76,14 +80,13 @@ class StartModel:
         return hit
 
     def intervals(self, shape: RequestShape) -> list[tuple[float, float]]:
-        """The stretches of time ``[start, end)`` over which ``shape`` fits, in order (end math.inf: for good)."""
         hit = self._intervals.get(shape)
         if hit is None:
             hit = []
-            for i, t in enumerate(self._times):
+            for i, t in enumerate(self.times):
                 if not self._fits_at(shape, i):
                     continue
-                end = self._times[i + 1] if i + 1 < len(self._times) else math.inf
+                end = self.times[i + 1] if i + 1 < len(self.times) else math.inf
                 if hit and hit[-1][1] == t:
                     hit[-1] = (hit[-1][0], end)
                 else:
@@ -91,38 +94,78 @@ class StartModel:
             self._intervals[shape] = hit
         return hit
 
+    def first(self, shape: RequestShape, need: float) -> tuple[float, float] | None:
+        """The first stretch of at least ``need`` seconds over which ``shape`` fits."""
+        return next(((s, e) for s, e in self.intervals(shape) if e - s >= need), None)
+
+
+class StartModel:
+    """Expected starts of request shapes on one snapshot (cached: the search asks for few distinct shapes)."""
+
+    def __init__(self, snapshot: QueueSnapshot):
+        self.snapshot = snapshot
+        self.timeline = SiteTimeline(snapshot)
+        self._full = _Segments(snapshot.node_gpus, self.timeline, with_unplanned=True)
+        self._base: _Segments | None = None  # without the unplanned jobs, asked only when they exist
+        self._cache: dict[tuple, Window] = {}
+
+    def free_at(self, partition: str, t: float) -> dict[str, int]:
+        """Free GPUs per usable node of ``partition`` at ``t`` seconds from the snapshot."""
+        return self.timeline.free_at(partition, t, self.timeline.holds)
+
+    def intervals(self, shape: RequestShape) -> list[tuple[float, float]]:
+        """The stretches of time ``[start, end)`` over which ``shape`` fits, in order (end math.inf: for good)."""
+        return self._full.intervals(shape)
+
     def window(self, shape: RequestShape, limit_s: float, min_s: float | None = None) -> Window:
         """The first start of ``shape`` with ``limit_s`` to run (or at least ``min_s`` under --time-min)."""
         key = (shape, round(limit_s), None if min_s is None else round(min_s))
         hit = self._cache.get(key)
         if hit is None:
-            hit = self._cache[key] = self._window(shape, limit_s, min_s)
+            window = self._window(shape, limit_s, min_s)
+            hit = self._cache[key] = replace(window, estimate=replace(
+                window.estimate, considered=self.timeline.considered(shape)))
         return hit
 
     def _window(self, shape: RequestShape, limit_s: float, min_s: float | None) -> Window:
+        refusal = self.timeline.refusal(shape)
+        if refusal:
+            return Window(StartEstimate(math.inf, SITE_STATE, refusal), limit_s)
         need = limit_s if min_s is None else min(min_s, limit_s)
         tested = self.snapshot.tested.get((shape, round(limit_s))) if min_s is None else None
-        for start, end in self.intervals(shape):
-            if end - start >= need:
-                if start > 0 and tested is not None:
-                    return Window(tested, limit_s)
-                return Window(StartEstimate(start, IDLE_NOW if start == 0 else TIMELINE), min(limit_s, end - start))
+        found = self._full.first(shape, need)
+        if found is not None:
+            start, end = found
+            moved = self._moved_by_unplanned(shape, need, start)
+            if start > 0 and tested is not None and not moved:  # Slurm's start; what frees the GPUs, the timeline's
+                return Window(replace(tested, detail=self.timeline.freed_by(shape, start)), limit_s)
+            source = IDLE_NOW if start == 0 else TIMELINE
+            return Window(StartEstimate(start, source, self.timeline.freed_by(shape, start)), min(limit_s, end - start))
         if tested is not None:
             return Window(tested, limit_s)
         return self._from_history(shape, limit_s)
 
+    def _moved_by_unplanned(self, shape: RequestShape, need: float, start: float) -> bool:
+        """Whether the pending jobs Slurm has not planned push ``shape``'s start later (``--test-only`` does
+        not see them, so its answer is not taken then)."""
+        if not self.timeline.unplanned_holds:
+            return False
+        if self._base is None:
+            self._base = _Segments(self.snapshot.node_gpus, self.timeline, with_unplanned=False)
+        base = self._base.first(shape, need)
+        return base is None or base[0] < start
+
     def _from_history(self, shape: RequestShape, limit_s: float) -> Window:
         """No start on the timeline (GPUs held with no end, or more than the nodes have): the history."""
+        never = next((why for p, g in shape if (why := self.timeline.never_fits(p, g))), "")
+        if never:
+            return Window(StartEstimate(math.inf, SITE_STATE, never), limit_s)
         waits = [self.snapshot.history_wait(part, len(gpus)) for part, gpus in shape]
-        if not waits or any(w is None for w in waits) or not all(self._could_ever_fit(p, g) for p, g in shape):
-            return Window(StartEstimate(math.inf, TIMELINE, "never fits the usable nodes, or held without end"),
-                          limit_s)
+        if not waits or any(w is None for w in waits):
+            return Window(StartEstimate(math.inf, TIMELINE, "held without end, and no wait history"), limit_s)
         worst = max((w for w in waits if w is not None), key=lambda w: w.median_wait_s)
         return Window(StartEstimate(worst.median_wait_s, HISTORY,
                                     f"median of {worst.jobs} past jobs on {worst.partition}"), limit_s)
 
-    def _could_ever_fit(self, partition: str, gpus: tuple[int, ...]) -> bool:
-        return fits(gpus, self.snapshot.node_gpus.get(partition, {}))
 
-
-__all__ = ["StartModel", "Window", "fits", "HISTORY", "IDLE_NOW", "TEST_ONLY", "TIMELINE"]
+__all__ = ["StartModel", "Window", "fits", "HISTORY", "IDLE_NOW", "SITE_STATE", "TEST_ONLY", "TIMELINE"]

@@ -68,7 +68,13 @@ class TimeGoal:
 
     @staticmethod
     def for_site(site: Site, steps: int, snapshot: QueueSnapshot, **kw: float | None) -> TimeGoal:
-        limits = {p.name: float(p.max_walltime_s) if p.max_walltime_s else math.inf for p in site.partitions}
+        """The goal on ``site``: each partition's time limit is the site file's ``max_walltime`` or Slurm's
+        MaxTime read into the snapshot, whichever is shorter (a job asking more is refused)."""
+        limits = {}
+        for p in site.partitions:
+            mine = float(p.max_walltime_s) if p.max_walltime_s else math.inf
+            state = snapshot.partitions.get(p.name)
+            limits[p.name] = min(mine, state.max_time_s) if state is not None else mine
         return TimeGoal(steps=steps, snapshot=snapshot, partition_limits_s=limits, **kw)  # type: ignore[arg-type]
 
     def limit_s(self, shape: RequestShape) -> float:
@@ -111,7 +117,9 @@ class TimeGoal:
         return self.outlook(plan_shape(plan), iteration_s, plan.num_gpus, steps)
 
     def violation(self, outlook: Outlook) -> str | None:
-        """The constraint an outlook breaks, if any."""
+        """The constraint an outlook breaks, if any (``never_starts``: no start under the site's states)."""
+        if not math.isfinite(outlook.start.start_s):
+            return "never_starts"
         if self.deadline_s is not None and outlook.finish_s > self.deadline_s:
             return "deadline"
         if self.max_gpu_hours is not None and outlook.gpu_hours > self.max_gpu_hours:

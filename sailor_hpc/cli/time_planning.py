@@ -24,7 +24,7 @@ from sailor_hpc.cli.output import table
 from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.models import get_model
 from sailor_hpc.core.site import Site
-from sailor_hpc.core.start_times import QueueSnapshot, shape_text
+from sailor_hpc.core.start_times import IDLE_NOW, QueueSnapshot, shape_text
 from sailor_hpc.jobs.options import JobOptions
 from sailor_hpc.jobs.render import parse_time_limit
 from sailor_hpc.slurm.start_estimate import StartEstimator
@@ -109,7 +109,7 @@ def queue_now(site: Site, opts: TimeOptions) -> tuple[QueueSnapshot, TestOnly | 
         return QueueSnapshot.all_idle({p.name: {f"{p.name}-{i}": p.gpus_per_node for i in range(p.nodes)}
                                        for p in site.partitions}, time.time()), None
     estimator = StartEstimator()
-    return estimator.snapshot([p.name for p in site.partitions]), partial(estimator.test_only, site)
+    return estimator.site_snapshot(site), partial(estimator.test_only, site)
 
 
 def time_terms(site: Site, model: str, gbs: int, seq_len: int | None, steps: int | None,
@@ -161,26 +161,41 @@ def _history(goal: TimeGoal, c: Candidate) -> float | None:
     return None if any(w is None for w in waits) else max(w.median_wait_s for w in waits if w is not None)
 
 
+def finite(value: float | None) -> float | None:
+    """A number JSON can hold: None for no value, math.inf (never) or NaN."""
+    return value if value is not None and math.isfinite(value) else None
+
+
 def plan_time_json(goal: TimeGoal, c: Candidate) -> dict[str, Any]:
+    """One plan's time to result; a start, finish or GPU-hours that does not exist is null, with the reason."""
     o = goal.plan_outlook(c.plan, c.result.iteration_time_s)
+    start = o.start
     return {"request": shape_text(plan_shape(c.plan)), "shape": [[p, list(g)] for p, g in plan_shape(c.plan)],
-            "expected_start_s": o.start.start_s,
-            "start_source": o.start.source, "timeline_start_s": _timeline(goal, c).start.start_s,
-            "history_wait_s": _history(goal, c), "run_s": o.run_s, "restarts": o.restarts,
-            "restart_s": o.restart_s, "job_time_s": o.job_time_s, "expected_finish_s": o.finish_s,
-            "gpu_hours": o.gpu_hours}
+            "expected_start_s": finite(start.start_s), "start_source": start.source,
+            "start_reason": start.detail or None, "start_considered": list(start.considered),
+            "timeline_start_s": finite(_timeline(goal, c).start.start_s),
+            "history_wait_s": finite(_history(goal, c)), "run_s": o.run_s, "restarts": o.restarts,
+            "restart_s": finite(o.restart_s), "job_time_s": finite(o.job_time_s),
+            "expected_finish_s": finite(o.finish_s), "gpu_hours": finite(o.gpu_hours)}
 
 
 def strategy_json(s: Strategy) -> dict[str, Any]:
-    return {"chosen": s.chosen, "why": s.why, "wait_finish_s": s.wait.finish_s,
-            "grow_finish_s": s.grow_finish_s if math.isfinite(s.grow_finish_s) else None,
-            "grow_at_s": s.grow_at_s,
+    return {"chosen": s.chosen, "why": s.why, "wait_finish_s": finite(s.wait.finish_s),
+            "grow_finish_s": finite(s.grow_finish_s), "grow_at_s": finite(s.grow_at_s),
             "grow_from": s.grow_from.plan.gpus_by_type() if s.grow_from else None,
             "grow_to": s.grow_to.plan.gpus_by_type() if s.grow_to else None}
 
 
-def queue_json(snapshot: QueueSnapshot) -> dict[str, Any]:
+def queue_json(snapshot: QueueSnapshot, left_out: dict[str, str]) -> dict[str, Any]:
+    """The queue's sources: notes, the site states read, the partitions left out and why, the history."""
     return {"taken_at": snapshot.taken_at, "slurm_seconds": snapshot.slurm_seconds, "notes": list(snapshot.notes),
+            "partitions": {name: {"state": st.state, "max_time_s": finite(st.max_time_s), "max_nodes": st.max_nodes}
+                           for name, st in snapshot.partitions.items()},
+            "unknown_partitions": list(snapshot.unknown_partitions), "left_out": left_out,
+            "nodes_left_out": {p: dict(n) for p, n in snapshot.nodes_left_out.items()},
+            "reservations": [{"name": r.name, "start_s": finite(r.start_s), "end_s": finite(r.end_s),
+                              "nodes": list(r.nodes), "ours": r.ours} for r in snapshot.reservations],
+            "unplanned_pending_jobs": [j.job for j in snapshot.unplanned],
             "history": [asdict(h) for h in snapshot.history],
             "history_error": asdict(snapshot.history_error) if snapshot.history_error else None}
 
@@ -199,9 +214,19 @@ def echo_time(result: SearchResult, shown: list[Candidate]) -> None:
     click.echo(f"\ntime to result of {goal.steps} steps (h:mm:ss from now):")
     click.echo(table(("#", "request", "iteration s", "start", "start source", "timeline start", "history wait",
                       "run", "restarts", "finish", "GPU-hours"), rows))
+    for i, c in enumerate(shown):
+        start = goal.plan_outlook(c.plan, c.result.iteration_time_s).start
+        if start.detail and start.source != IDLE_NOW:
+            click.echo(f"  #{i + 1} starts {start.detail}" if math.isfinite(start.start_s)
+                       else f"  #{i + 1} never starts: {start.detail}")
     strategy = choose(result, goal)
     click.echo(f"strategy: {strategy.chosen}: {strategy.why}")
     snap = goal.snapshot
+    for name, why in result.left_out.items():
+        click.echo(f"left out: {name}: {why}")
+    states = site_states(snap)
+    if states:
+        click.echo(f"site states taken into account: {states}")
     err = snap.history_error
     note = (f"sacct history of {sum(h.jobs for h in snap.history)} jobs; its error on them (each predicted from "
             f"the others): mean {err.mean_abs_error_s:.0f} s, {100 * err.within_60s:.0f} % within a minute"
@@ -215,4 +240,15 @@ def time_json(result: SearchResult, shown: list[Candidate]) -> dict[str, Any]:
     goal = result.request.time_goal
     assert goal is not None
     return {"steps": goal.steps, "time": [plan_time_json(goal, c) for c in shown],
-            "strategy": strategy_json(choose(result, goal)), "queue": queue_json(goal.snapshot)}
+            "strategy": strategy_json(choose(result, goal)), "queue": queue_json(goal.snapshot, result.left_out)}
+
+
+def site_states(snap: QueueSnapshot) -> str:
+    """The site states a snapshot read, in a line: partitions not UP, nodes left out, reservations, pending
+    jobs Slurm has not planned ("" when it read none of them)."""
+    parts = [f"{name} {st.state}" for name, st in snap.partitions.items() if not st.starts_jobs]
+    parts += [f"{len(n)} node(s) of {p} {'/'.join(sorted(set(n.values())))}" for p, n in snap.nodes_left_out.items()]
+    parts += [r.text() for r in snap.reservations]
+    if snap.unplanned:
+        parts.append(f"{len(snap.unplanned)} pending job(s) Slurm has not planned (counted ahead)")
+    return "; ".join(parts)

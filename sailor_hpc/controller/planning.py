@@ -235,9 +235,10 @@ def plan_on_queue(spec: RunSpec, site: Site, archive: ProfileArchive, estimator:
     Runtime auto: the runtime chosen as :func:`_per_runtime` says, on the same queue read."""
     allowed = partitions_for_time(spec.job.time_limit, site)
     estimator.new_plan()  # each re-plan gets the whole budget of Slurm calls
-    snapshot = estimator.snapshot(sorted(allowed))
+    snapshot = estimator.site_snapshot(site, sorted(allowed))
     if pending:
-        snapshot = replace(snapshot, holds=tuple(h for h in snapshot.holds if h.job not in pending))
+        snapshot = replace(snapshot, holds=tuple(h for h in snapshot.holds if h.job not in pending),
+                           unplanned=tuple(j for j in snapshot.unplanned if j.job not in pending))
     available = {p.name: int(sum(snapshot.node_gpus.get(p.name, {}).values())) if p.name in allowed else 0
                  for p in site.partitions}
     state = QueueState(available, snapshot, partial(estimator.test_only, site))

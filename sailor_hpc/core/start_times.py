@@ -17,6 +17,10 @@ IDLE_NOW = "idle now"
 TIMELINE = "squeue timeline"
 TEST_ONLY = "sbatch --test-only"
 HISTORY = "sacct history"
+SITE_STATE = "site state"  # the request can never start under the partitions', nodes' or reservations' states
+
+#: partition states in which Slurm starts jobs (DOWN queues them, DRAIN and INACTIVE refuse them too)
+STARTS_JOBS = frozenset({"UP"})
 
 
 def request_shape(demands: Mapping[str, list[int] | tuple[int, ...]]) -> RequestShape:
@@ -49,11 +53,72 @@ class Hold:
 
 @dataclass(frozen=True)
 class StartEstimate:
-    """An expected start (seconds from the snapshot) and where it came from."""
+    """An expected start (seconds from the snapshot), where it came from, and the site states it took into
+    account (``considered``: partition states, nodes left out, reservations, pending jobs Slurm has not
+    planned). ``start_s`` is math.inf where the request can never start; ``detail`` then says why."""
 
     start_s: float
-    source: str  # IDLE_NOW, TIMELINE, TEST_ONLY or HISTORY
+    source: str  # IDLE_NOW, TIMELINE, TEST_ONLY, HISTORY or SITE_STATE
     detail: str = ""
+    considered: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class PartitionState:
+    """What Slurm says of a partition that decides whether and how long a job runs there."""
+
+    name: str
+    state: str = "UP"  # UP, DOWN (jobs queue, none starts), DRAIN / INACTIVE (new jobs refused)
+    max_time_s: float = math.inf  # MaxTime
+    max_nodes: int | None = None  # MaxNodes per job (None: unlimited)
+
+    @property
+    def starts_jobs(self) -> bool:
+        return self.state.upper() in STARTS_JOBS
+
+    def refusal(self) -> str:
+        """Why a job here never starts (``""`` where it may)."""
+        state = self.state.upper()
+        if state == "DOWN":
+            return f"partition {self.name} is DOWN: its jobs queue, none starts until an admin sets it UP"
+        if state in ("DRAIN", "INACTIVE"):
+            return f"partition {self.name} is {state}: Slurm accepts no new job there"
+        return "" if self.starts_jobs else f"partition {self.name} is {state}"
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """A Slurm reservation of nodes over [start_s, end_s) (math.inf: no end). ``ours``: this user may use it
+    and the site's jobs ask for it (``--reservation``): jobs then run in it alone; else its nodes are taken
+    for its whole time (a job that would cross into it starts after it, or fits before it)."""
+
+    name: str
+    start_s: float
+    end_s: float
+    nodes: tuple[str, ...]
+    flags: tuple[str, ...] = ()
+    ours: bool = False
+
+    def text(self) -> str:
+        until = "no end" if not math.isfinite(self.end_s) else f"until +{self.end_s:.0f} s"
+        when = "now" if self.start_s <= 0 else f"from +{self.start_s:.0f} s"
+        return f"reservation {self.name} ({len(self.nodes)} node(s), {when}, {until})"
+
+
+@dataclass(frozen=True)
+class PendingJob:
+    """A pending job Slurm has not planned yet (no expected start and nodes: held by a dependency or a begin
+    time, or not reached by the backfill pass). Jobs ahead of a new request take their GPUs first."""
+
+    job: str
+    partitions: tuple[str, ...]  # it may start in any of them
+    nodes: int
+    gpus_per_node: int
+    limit_s: float  # its time limit (math.inf: none)
+    priority: int
+    eligible_s: float = 0.0  # its begin time, from the snapshot
+    after_start: tuple[str, ...] = ()  # jobs that must have started (``after:``)
+    after_end: tuple[str, ...] = ()  # jobs that must have ended (``afterok``, ``afterany``, ``afternotok``)
 
 
 @dataclass(frozen=True)
@@ -89,6 +154,11 @@ class QueueSnapshot:
     history_error: HistoryError | None = None
     slurm_seconds: float = 0.0  # time spent in Slurm calls to build this
     notes: tuple[str, ...] = ()  # what could not be read (a failed sacct, the time bound reached)
+    partitions: Mapping[str, PartitionState] = field(default_factory=dict)  # read from Slurm ({}: all UP)
+    reservations: tuple[Reservation, ...] = ()
+    unplanned: tuple[PendingJob, ...] = ()
+    nodes_left_out: Mapping[str, Mapping[str, str]] = field(default_factory=dict)  # partition -> node -> state
+    unknown_partitions: tuple[str, ...] = ()  # partitions of the site Slurm does not have
 
     def history_wait(self, partition: str, nodes: int) -> WaitHistory | None:
         """The closest history entry: this partition and size bucket, else the partition's nearest size."""

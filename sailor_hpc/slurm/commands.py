@@ -225,7 +225,27 @@ class NodeInfo:
         return gpu_count(self.gres)
 
 
+@dataclass(frozen=True)
+class ReservationInfo:
+    """``scontrol -o show reservation`` (one reservation); times as Slurm prints them (local time)."""
+
+    name: str
+    start: str
+    end: str
+    nodes: str                 # hostlist expression ("" for a reservation of licences only)
+    partition: str             # "" when none is named
+    users: tuple[str, ...]     # a leading '-' excludes that user
+    accounts: tuple[str, ...]
+    groups: tuple[str, ...]
+    flags: tuple[str, ...]
+    state: str                 # ACTIVE or INACTIVE (not started yet)
+
+
 _UNLIMITED = {"UNLIMITED", "INFINITE", "NONE", "N/A", ""}
+
+
+def _names(text: str | None) -> tuple[str, ...]:
+    return tuple(x for x in (text or "").split(",") if x and x != "(null)")
 
 
 def _scontrol_records(entity: str, key: str, env: Mapping[str, str] | None,
@@ -248,6 +268,17 @@ def show_partitions(env: Mapping[str, str] | None = None) -> list[PartitionInfo]
             max_time=None if max_time.upper() in _UNLIMITED else max_time,
             default=kv.get("Default", "NO").upper() == "YES", state=kv.get("State", ""), raw=kv))
     return parts
+
+
+def show_reservations(env: Mapping[str, str] | None = None) -> list[ReservationInfo]:
+    """Every reservation Slurm holds ("No reservations in the system" gives none)."""
+    return [ReservationInfo(
+        name=kv["ReservationName"], start=kv.get("StartTime", ""), end=kv.get("EndTime", ""),
+        nodes="" if kv.get("Nodes", "(null)") == "(null)" else kv.get("Nodes", ""),
+        partition="" if kv.get("PartitionName", "(null)") == "(null)" else kv.get("PartitionName", ""),
+        users=_names(kv.get("Users")), accounts=_names(kv.get("Accounts")), groups=_names(kv.get("Groups")),
+        flags=_names(kv.get("Flags")), state=kv.get("State", ""))
+        for kv in _scontrol_records("reservation", "ReservationName", env)]
 
 
 def show_nodes(env: Mapping[str, str] | None = None, names: Sequence[str] = ()) -> list[NodeInfo]:

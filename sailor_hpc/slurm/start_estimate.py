@@ -3,6 +3,11 @@
 * the queue (:func:`StartEstimator.snapshot`): every usable node's GPUs (``sinfo``), what running jobs
   hold on each node until their end time, and what pending jobs Slurm has planned hold from their
   expected start (``scontrol -d show job``: the per-node GRES, ``SchedNodeList``, ``StartTime``/``EndTime``);
+* the site's states that decide when a request can start at all: partition states and limits
+  (``scontrol show partition``), the nodes left out (down, drained, draining), reservations (``scontrol
+  show reservation``: who may use them, start and end) and the pending jobs Slurm has not planned yet
+  (a dependency, a begin time), by priority; the planner turns them into holds
+  (:mod:`planner.site_timeline`);
 * Slurm's answer for an exact (het) request (:func:`StartEstimator.test_only`): ``sbatch --test-only``,
   once per distinct request and time limit, cached;
 * the site's history (:func:`wait_history`): ``sacct`` start - submit of past jobs per partition and
@@ -13,6 +18,7 @@ snapshot's ``notes``, never guessed. The result is plain data (:class:`QueueSnap
 """
 from __future__ import annotations
 
+import getpass
 import math
 import re
 import statistics
@@ -28,13 +34,24 @@ from sailor_hpc.core.start_times import (
     TEST_ONLY,
     HistoryError,
     Hold,
+    PartitionState,
+    PendingJob,
     QueueSnapshot,
     RequestShape,
+    Reservation,
     StartEstimate,
     WaitHistory,
     shape_text,
 )
-from sailor_hpc.slurm.commands import parse_gres, parse_kv_line, run_slurm, sinfo_nodes
+from sailor_hpc.slurm.commands import (
+    ReservationInfo,
+    parse_gres,
+    parse_kv_line,
+    run_slurm,
+    show_partitions,
+    show_reservations,
+    sinfo_nodes,
+)
 from sailor_hpc.slurm.hostlist import expand_hostlist
 from sailor_hpc.slurm.safety import site_sbatch_options
 
@@ -89,28 +106,65 @@ def _gpus(gres: str) -> int:
     return sum(g.count for g in parse_gres(gres) if g.name == "gpu")
 
 
-def queue_holds(env: Mapping[str, str] | None, budget: Budget, now: float) -> list[Hold]:
-    """What running and planned pending jobs hold, per node, from ``scontrol -d -o show job``."""
+def queue_holds(env: Mapping[str, str] | None, budget: Budget, now: float) -> tuple[list[Hold], list[PendingJob]]:
+    """What running and planned pending jobs hold, per node, and the pending jobs Slurm has not planned yet
+    (``scontrol -d -o show job``)."""
     out = budget.run(["scontrol", "-d", "-o", "show", "job"], env)
     records = [(line, parse_kv_line(line)) for line in out.stdout.splitlines() if line.startswith("JobId=")]
     lists = [m.group(1) for line, _ in records for m in _NODE_GRES.finditer(line)]
     lists += [kv.get("SchedNodeList", "") for _, kv in records if kv.get("JobState") == "PENDING"]
     hosts = {text: expand_hostlist(text) for text in set(lists)}  # in Python: no Slurm call of the budget
     holds: list[Hold] = []
+    unplanned: list[PendingJob] = []
     for line, kv in records:
         state, job, part = kv.get("JobState", ""), kv.get("JobId", ""), kv.get("Partition", "")
         end_s = _end_s(kv, now)
         if state in ("RUNNING", "SUSPENDED", "COMPLETING"):
             for m in _NODE_GRES.finditer(line):
                 holds += [Hold(part, node, _gpus(m.group(2)), 0.0, end_s, job) for node in hosts[m.group(1)]]
-        elif state == "PENDING" and kv.get("SchedNodeList"):
+        elif state == "PENDING":
             start = slurm_time(kv.get("StartTime"))
-            nodes = hosts[kv["SchedNodeList"]]
-            if start is None or not nodes:
-                continue
-            per_node = _gpus(kv.get("TresPerNode", "")) or _tres_gpus(kv.get("TRES", "")) // len(nodes)
-            holds += [Hold(part, node, per_node, max(0.0, start - now), end_s, job) for node in nodes]
-    return holds
+            nodes = hosts.get(kv.get("SchedNodeList", ""), [])
+            if start is not None and nodes:
+                per_node = _gpus(kv.get("TresPerNode", "")) or _tres_gpus(kv.get("TRES", "")) // len(nodes)
+                holds += [Hold(part, node, per_node, max(0.0, start - now), end_s, job) for node in nodes]
+            elif (waiting := _unplanned(kv, now)) is not None:
+                unplanned.append(waiting)
+    return holds, unplanned
+
+
+_HELD = ("JobHeld", "DependencyNeverSatisfied", "BadConstraints", "PartitionDown", "PartitionInactive")
+_DEPENDENCY = re.compile(r"(after\w*):(\d+(?:[_+]\d+)?)(?:\+\d+)?\((\w+)\)")
+
+
+def _unplanned(kv: Mapping[str, str], now: float) -> PendingJob | None:
+    """A pending GPU job Slurm has no start and nodes for; None for one that will not start by itself (held,
+    a dependency never satisfied) or asks no GPU."""
+    reason, priority = kv.get("Reason", ""), _count(kv.get("Priority"))
+    if priority <= 0 or reason.startswith(_HELD):
+        return None
+    nodes = _count(kv.get("NumNodes", "1").split("-")[0]) or 1
+    per_node = _gpus(kv.get("TresPerNode", "")) or _tres_gpus(kv.get("TRES", "")) // nodes
+    if per_node <= 0:
+        return None
+    try:
+        limit = slurm_time_seconds(kv.get("TimeLimit", "UNLIMITED"))
+    except ValueError:
+        limit = None
+    eligible = slurm_time(kv.get("EligibleTime"))
+    after_start: list[str] = []
+    after_end: list[str] = []
+    for kind, dep, status in _DEPENDENCY.findall(kv.get("Dependency", "")):
+        if status.lower() == "unfulfilled":
+            (after_start if kind == "after" else after_end).append(dep)
+    return PendingJob(kv.get("JobId", ""), tuple(p for p in kv.get("Partition", "").split(",") if p), nodes, per_node,
+                      math.inf if limit is None else float(limit), priority,
+                      0.0 if eligible is None else max(0.0, eligible - now), tuple(after_start), tuple(after_end))
+
+
+def _count(text: str | None) -> int:
+    t = (text or "").strip()
+    return int(t) if t.isdigit() else 0
 
 
 def _end_s(kv: Mapping[str, str], now: float) -> float:
@@ -132,20 +186,92 @@ def _tres_gpus(tres: str) -> int:
     return int(m.group(1)) if m else 0
 
 
-def node_gpus(partitions: Sequence[str], env: Mapping[str, str] | None, budget: Budget) -> dict[str, dict[str, int]]:
-    """GPUs of every usable node of ``partitions`` (``sinfo -N``; down or drained nodes left out, nodes
-    that backfill plans for a pending job kept)."""
+def node_gpus(partitions: Sequence[str], env: Mapping[str, str] | None,
+              budget: Budget) -> tuple[dict[str, dict[str, int]], dict[str, dict[str, str]]]:
+    """GPUs of every node of ``partitions`` a job may come to use (``sinfo -N``), and the nodes left out
+    with their states (down, drained or draining, failing, not responding: none of them starts a job).
+    Nodes that backfill plans for a pending job, and nodes in a reservation, are kept: the pending job's
+    hold and the reservation say from when and until when they are taken."""
     t0 = time.perf_counter()
     try:
         nodes = sinfo_nodes(env, partitions)  # the project's parser of sinfo -N (its own timeout)
     finally:
         budget.used += time.perf_counter() - t0
     out: dict[str, dict[str, int]] = {p: {} for p in partitions}
+    left: dict[str, dict[str, str]] = {}
     for n in nodes:
-        # "planned": backfill keeps the node for a pending job, whose hold says from when; free until then
-        if (n.usable or n.state.lower().rstrip("+") == "planned") and n.partition in out:
+        if n.partition not in out:
+            continue
+        if n.usable or _only_reserved(n.state):
             out[n.partition][n.name] = n.gpus
-    return out
+        else:
+            left.setdefault(n.partition, {})[n.name] = n.state
+    return out, left
+
+
+def _only_reserved(state: str) -> bool:
+    """A node that is up and only planned for a pending job or in a reservation (``maint``, ``reserved``)."""
+    s = state.lower()
+    return not s.endswith("*") and s.rstrip("$@^-+") in ("planned", "reserved", "maint")
+
+
+def partition_states(partitions: Sequence[str], env: Mapping[str, str] | None,
+                     budget: Budget) -> tuple[dict[str, PartitionState], tuple[str, ...]]:
+    """State, MaxTime and MaxNodes of each of ``partitions`` (``scontrol show partition``), and those Slurm
+    does not have."""
+    t0 = time.perf_counter()
+    try:
+        infos = {p.name: p for p in show_partitions(env)}
+    finally:
+        budget.used += time.perf_counter() - t0
+    states = {}
+    for name in partitions:
+        info = infos.get(name)
+        if info is None:
+            continue
+        limit = slurm_time_seconds(info.max_time) if info.max_time else None
+        states[name] = PartitionState(name, info.state.upper() or "UP", math.inf if limit is None else float(limit),
+                                      info.max_nodes)
+    return states, tuple(p for p in partitions if p not in infos)
+
+
+def reservations(env: Mapping[str, str] | None, budget: Budget, now: float, *, asked: str = "",
+                 account: str = "") -> tuple[list[Reservation], list[str]]:
+    """Every reservation of nodes (``scontrol show reservation``); ``asked``: the one the site's jobs ask for
+    (``--reservation``), used by them where this user may (``account``: the jobs' account). Notes say when
+    the one asked for is missing or not this user's."""
+    t0 = time.perf_counter()
+    try:
+        infos = show_reservations(env)
+    finally:
+        budget.used += time.perf_counter() - t0
+    user = getpass.getuser()
+    notes, out = [], []
+    for r in infos:
+        if not r.nodes:
+            continue
+        start, end = slurm_time(r.start), slurm_time(r.end)
+        mine = r.name == asked and may_use(r, user, account)
+        if r.name == asked and not mine:
+            notes.append(f"reservation {asked} (--reservation of the site's jobs) is not open to user {user}")
+        out.append(Reservation(r.name, 0.0 if start is None else start - now,
+                               math.inf if end is None else end - now, tuple(expand_hostlist(r.nodes)), r.flags, mine))
+    if asked and asked not in {r.name for r in infos}:
+        notes.append(f"reservation {asked} (--reservation of the site's jobs) does not exist: its jobs would be refused")
+    return out, notes
+
+
+def may_use(r: ReservationInfo, user: str, account: str = "") -> bool:
+    """Whether ``user`` (with ``account``) may run in reservation ``r``: named in its users or accounts, or
+    not excluded where it lists only exclusions (``-name``)."""
+    def allowed(names: tuple[str, ...], me: str) -> bool | None:
+        if not names or not me:
+            return None
+        if all(n.startswith("-") for n in names):
+            return f"-{me}" not in names
+        return me in names
+    verdicts = [v for v in (allowed(r.users, user), allowed(r.accounts, account)) if v is not None]
+    return any(verdicts)
 
 
 def wait_history(env: Mapping[str, str] | None, budget: Budget, *, now: float | None = None,
@@ -195,13 +321,31 @@ class StartEstimator:
         """A new plan's calls: the budget starts again (cached answers stay while fresh)."""
         self.budget = Budget(self.budget.total)
 
-    def snapshot(self, partitions: Sequence[str]) -> QueueSnapshot:
+    def snapshot(self, partitions: Sequence[str], *, reservation: str = "", account: str = "") -> QueueSnapshot:
+        """The queue of ``partitions`` now, with the site's states that decide when a request can start:
+        partition states and limits, nodes left out, reservations (``reservation``: the one the site's jobs
+        ask for; ``account``: theirs), and the pending jobs Slurm has not planned."""
         now = time.time()
         notes: list[str] = []
-        nodes = node_gpus(partitions, self.env, self.budget)
-        holds: list[Hold] = []
+        nodes, left = node_gpus(partitions, self.env, self.budget)
+        states: dict[str, PartitionState] = {}
+        unknown: tuple[str, ...] = ()
         try:
-            holds = queue_holds(self.env, self.budget, now)
+            states, unknown = partition_states(partitions, self.env, self.budget)
+        except SlurmUnavailable as exc:
+            notes.append(f"partition states not read: {exc}")
+        if unknown:
+            notes.append(f"Slurm has no partition {', '.join(unknown)} of the site: not planned on")
+        held: list[Reservation] = []
+        try:
+            held, said = reservations(self.env, self.budget, now, asked=reservation, account=account)
+            notes += said
+        except SlurmUnavailable as exc:
+            notes.append(f"reservations not read: {exc}")
+        holds: list[Hold] = []
+        unplanned: list[PendingJob] = []
+        try:
+            holds, unplanned = queue_holds(self.env, self.budget, now)
         except SlurmUnavailable as exc:
             notes.append(f"queue not read: {exc}")
         history: list[WaitHistory] = []
@@ -211,7 +355,16 @@ class StartEstimator:
                 history, error = wait_history(self.env, self.budget, now=now)
             except (SlurmUnavailable, SailorError) as exc:
                 notes.append(f"no wait history: {exc}")
-        return QueueSnapshot(now, nodes, tuple(holds), {}, tuple(history), error, self.budget.used, tuple(notes))
+        return QueueSnapshot(now, nodes, tuple(holds), {}, tuple(history), error, self.budget.used, tuple(notes),
+                             partitions=states, reservations=tuple(held), unplanned=tuple(unplanned),
+                             nodes_left_out=left, unknown_partitions=unknown)
+
+    def site_snapshot(self, site: Site, partitions: Sequence[str] | None = None) -> QueueSnapshot:
+        """:meth:`snapshot` of ``site``'s partitions (or ``partitions``), its jobs' reservation and account
+        read from the site's sbatch options."""
+        asked = {o.name: o.value or "" for o in site_sbatch_options(site)}
+        names = [p.name for p in site.partitions] if partitions is None else list(partitions)
+        return self.snapshot(names, reservation=asked.get("reservation", ""), account=asked.get("account", ""))
 
     def test_only(self, site: Site, snapshot: QueueSnapshot,
                   requests: Iterable[tuple[RequestShape, int]]) -> QueueSnapshot:
