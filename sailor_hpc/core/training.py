@@ -39,14 +39,31 @@ class Flag:
     help: str
     choices: tuple[str, ...] | None = None
     minimum: float | None = None  # values below are refused (inclusive bound)
+    above: float | None = None  # values at or below are refused (exclusive bound: "positive" is above=0)
+    maximum: float | None = None  # values above are refused (inclusive bound)
+    required: bool = False
 
     @property
     def dest(self) -> str:
         return self.flag.lstrip("-").replace("-", "_")
 
+    def range_text(self) -> str:
+        """The values the flag takes, for a person: ``an integer >= 1``, ``an integer from 0 to 4294967295``."""
+        kind = "an integer" if self.type is int else "a number"
+        if self.minimum is not None and self.maximum is not None:
+            return f"{kind} from {_number(self.minimum)} to {_number(self.maximum)}"
+        bounds = [f"{op} {_number(v)}" for op, v in ((">=", self.minimum), (">", self.above), ("<=", self.maximum))
+                  if v is not None]
+        return f"{kind} {' and '.join(bounds)}" if bounds else kind
+
+
+def _number(value: float) -> str:
+    """A bound as a person writes it: 4294967295, not 4.29497e+09."""
+    return str(int(value)) if float(value).is_integer() else f"{value:g}"
+
 
 OPTIMIZER_FLAGS: tuple[Flag, ...] = (
-    Flag("--lr", float, 1e-3, "peak learning rate", minimum=0.0),
+    Flag("--lr", float, 1e-3, "peak learning rate", above=0.0),
     Flag("--min-lr", float, 0.0, "learning rate at the end of the decay", minimum=0.0),
     Flag("--lr-decay-style", str, "constant", "decay after the warm-up", choices=DECAY_STYLES),
     Flag("--lr-warmup-iters", int, 0, "linear warm-up from 0 over this many steps", minimum=0),
@@ -56,7 +73,7 @@ OPTIMIZER_FLAGS: tuple[Flag, ...] = (
     Flag("--weight-decay", float, 0.01, "decoupled weight decay (AdamW; none on biases and norms)", minimum=0.0),
     Flag("--clip-grad", float, 1.0, "clip the global gradient norm (all stages and replicas) to this; 0: off",
          minimum=0.0),
-    Flag("--adam-eps", float, 1e-8, "Adam's epsilon", minimum=0.0),
+    Flag("--adam-eps", float, 1e-8, "Adam's epsilon", above=0.0),
 )
 DATA_FLAGS: tuple[Flag, ...] = (
     Flag("--split", str, "100,0,0", "train,valid,test weights over each dataset's documents (Megatron's "
@@ -79,8 +96,15 @@ def check_value(flag: Flag, value: Any) -> None:
         return
     if flag.choices is not None and value not in flag.choices:
         raise SailorError(f"unknown value {value!r}", field=flag.flag, fix=f"use one of {', '.join(flag.choices)}")
-    if flag.minimum is not None and (not math.isfinite(value) or value < flag.minimum):
-        raise SailorError(f"must be at least {flag.minimum:g}, got {value!r}", field=flag.flag)
+    if flag.type not in (int, float):
+        return
+    fix = f"give {flag.flag} {flag.range_text()}"
+    if not math.isfinite(value):
+        raise SailorError(f"must be a finite number, got {value!r}", field=flag.flag, fix=fix)
+    for bound, what, outside in ((flag.minimum, "at least", value.__lt__), (flag.above, "more than", value.__le__),
+                                 (flag.maximum, "at most", value.__gt__)):
+        if bound is not None and outside(bound):
+            raise SailorError(f"must be {what} {_number(bound)}, got {value!r}", field=flag.flag, fix=fix)
 
 
 def check_values(values: Mapping[str, Any]) -> None:
