@@ -43,11 +43,24 @@ class DistEnv:
     host: str
 
 
-def _int(env: Mapping[str, str], key: str) -> int:
+#: what the launcher sets, the smallest and largest value each may take (ranks count from 0; a port is 1..65535)
+_BOUNDS = {"RANK": (0, None), "WORLD_SIZE": (1, None), "LOCAL_RANK": (0, None), "SLURM_PROCID": (0, None),
+           "SLURM_NTASKS": (1, None), "SLURM_LOCALID": (0, None), "MASTER_PORT": (1, 65535)}
+
+
+def _int(env: Mapping[str, str], key: str, default: int | None = None) -> int:
+    """The integer variable ``key`` (``default`` when unset), within its :data:`_BOUNDS`."""
+    if key not in env and default is not None:
+        return default
+    low, high = _BOUNDS[key]
+    fix = f"the launcher sets {key}; export an integer from {low}" + (f" to {high}" if high is not None else "")
     try:
-        return int(env[key])
+        value = int(env[key])
     except ValueError:
-        raise SailorError(f"environment variable {key}={env[key]!r} is not an integer", field=key) from None
+        raise SailorError(f"environment variable {key}={env[key]!r} is not an integer", field=key, fix=fix) from None
+    if value < low or (high is not None and value > high):
+        raise SailorError(f"environment variable {key}={value} is out of range", field=key, fix=fix)
+    return value
 
 
 def _first_host(nodelist: str) -> str | None:
@@ -63,11 +76,11 @@ def read_env(env: Mapping[str, str] | None = None) -> DistEnv:
     env = os.environ if env is None else env
     host = env.get("SLURMD_NODENAME") or socket.gethostname()
     if "RANK" in env and "WORLD_SIZE" in env:
-        rank, world, local = _int(env, "RANK"), _int(env, "WORLD_SIZE"), int(env.get("LOCAL_RANK", "0"))
+        rank, world, local = _int(env, "RANK"), _int(env, "WORLD_SIZE"), _int(env, "LOCAL_RANK", 0)
         source = "torchrun"
     elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         rank, world = _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS")
-        local = int(env.get("SLURM_LOCALID", "0"))
+        local = _int(env, "SLURM_LOCALID", 0)
         source = "slurm"
     else:
         rank, world, local, source = 0, 1, 0, "single"
@@ -75,8 +88,9 @@ def read_env(env: Mapping[str, str] | None = None) -> DistEnv:
     if addr is None and source == "slurm":
         nodelist = env.get("SLURM_JOB_NODELIST_HET_GROUP_0") or env.get("SLURM_JOB_NODELIST", "")
         addr = _first_host(nodelist)
-    port = _int(env, "MASTER_PORT") if "MASTER_PORT" in env else DEFAULT_PORT
+    port = _int(env, "MASTER_PORT", DEFAULT_PORT)
     if not 0 <= rank < world:
-        raise SailorError(f"rank {rank} is not in [0, {world})", field="RANK/SLURM_PROCID")
+        raise SailorError(f"rank {rank} is not in [0, {world})", field="RANK/SLURM_PROCID",
+                          fix="start as many processes as WORLD_SIZE / SLURM_NTASKS says")
     return DistEnv(rank=rank, world_size=world, local_rank=local, master_addr=addr or "127.0.0.1",
                    master_port=port, source=source, host=host)

@@ -46,3 +46,21 @@ def _can_create_in(directory: Path) -> bool:
     except OSError:
         pass
     return True
+
+
+def writable_file(path: str | os.PathLike[str], field: str) -> Path:
+    """``path`` (absolute) if a file can be written there: not a directory, its folder writable or creatable
+    (:func:`writable_dir`), and an existing file open for writing (opened to append: nothing changes);
+    else a SailorError naming it and ``field``."""
+    target = Path(path).expanduser().absolute()
+    if target.is_dir():
+        raise SailorError("is a directory, not a file", file=target, field=field,
+                          fix=f"give {field} the path of a file, in this directory or elsewhere")
+    writable_dir(target.parent, field)
+    if target.exists():
+        try:
+            os.close(os.open(target, os.O_WRONLY | os.O_APPEND))
+        except OSError as exc:
+            raise SailorError(f"the file cannot be written ({exc.strerror})", file=target, field=field,
+                              fix=f"choose a file you can write, with {field}") from None
+    return target
