@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING, Any
 from megatron_patch.mcore_import import quiet_fallback_notices
 from megatron_patch.options import (
     LAYER_SPECS,
+    RUN_FLAGS,
+    OptionParser,
     TrainOptions,
     adam_from_args,
     add_adam_args,
@@ -52,9 +54,10 @@ if TYPE_CHECKING:  # torch: imported where a rank trains, never for --dry-run
     from megatron_patch.engine import Trainer
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m megatron_patch.launch",
-                                 description="Train a plan with the heterogeneous megatron-core runtime.")
+def parser(prog: str = "python -m megatron_patch.launch") -> argparse.ArgumentParser:
+    """Every option of both launchers (this one and ``megatron_patch.ds_runtime.launch``); their values are
+    checked where they are read, before torch (:func:`megatron_patch.training_loop.check_args`)."""
+    ap = OptionParser(prog=prog, description="Train a plan with the heterogeneous megatron-core runtime.")
     ap.add_argument("--plan", required=True, help="plan JSON (sailor-hpc format)")
     ap.add_argument("--model", required=True, help="model name (must match the plan's)")
     ap.add_argument("--data", required=False, nargs="+",
@@ -63,26 +66,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--load", help="checkpoint directory, or a root whose newest complete checkpoint is loaded")
     ap.add_argument("--auto-resume", action="store_true",
                     help="resume from the newest complete checkpoint in --save when there is one")
-    ap.add_argument("--steps", type=int, required=True, help="train until this optimizer step")
-    ap.add_argument("--save-interval", type=int, default=0, help="also save every K steps (0: only at the end)")
-    ap.add_argument("--keep", type=int, default=3, help="complete checkpoints to keep")
     ap.add_argument("--dry-run", action="store_true", help="print this rank's role as JSON and exit")
-    ap.add_argument("--seed", type=int, default=1234)
+    add_flags(ap, RUN_FLAGS)
     add_adam_args(ap)
     add_flags(ap, DATA_FLAGS + LOG_FLAGS)
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     ap.add_argument("--layer-spec", choices=LAYER_SPECS, default="local",
                     help="megatron layer spec: local modules with SDPA attention (auto = local; te is refused)")
     add_precision_args(ap)
-    ap.add_argument("--grad-bucket-mb", type=float, default=TrainOptions().grad_bucket_mb,
-                    help="cap of a gradient all-reduce bucket in MB of fp32 (<= 0: one bucket per rank set)")
     ap.add_argument("--grad-weighting", choices=("samples", "uniform"), default="samples",
                     help=argparse.SUPPRESS)  # "uniform" is wrong on purpose: the tests' negative control
-    ap.add_argument("--timeout-min", type=float, default=30.0, help="collective timeout (minutes)")
     ap.add_argument("--wait-for", default=None,
                     help="start everything, then wait until this file exists before loading the checkpoint: a job "
                          "that takes over from a running one is ready the moment that one has saved")
-    return ap.parse_args(argv)
+    return ap
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    return parser().parse_args(argv)
 
 
 def _build(args: argparse.Namespace, plan: Plan, device: Any, train: Samples, valid: Samples | None) -> Trainer:

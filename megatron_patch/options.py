@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field, replace
+from typing import NoReturn
 
-from sailor_hpc.core.errors import SailorError
-from sailor_hpc.core.training import DEFAULTS, FLAGS, OPTIMIZER_FLAGS, Flag, LrSchedule, check_values
+from sailor_hpc.core.errors import EXIT_BAD_INPUT, SailorError
+from sailor_hpc.core.training import DEFAULTS, FLAGS, OPTIMIZER_FLAGS, Flag, LrSchedule, check_value, check_values
 
 
 @dataclass(frozen=True)
@@ -62,10 +63,37 @@ def check_layer_spec(name: str) -> None:
         raise SailorError(f"unknown layer spec {name!r}", field="--layer-spec", fix="use --layer-spec local")
 
 
+class OptionParser(argparse.ArgumentParser):
+    """argparse with the runtime's refusal: one line, ``error: ... (fix: ...)``, exit 2, as a SailorError
+    says it (argparse's own is the usage text, then its error, on every rank)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_BAD_INPUT, f"error: {message} (fix: `{self.prog} --help` lists the options)\n")
+
+
+#: the numeric options of the launchers beyond the table's (``sailor_hpc.core.training``), with their ranges
+RUN_FLAGS: tuple[Flag, ...] = (
+    Flag("--steps", int, None, "train until this optimizer step", minimum=1, required=True),
+    Flag("--save-interval", int, 0, "also save every K steps (0: only at the end)", minimum=0),
+    Flag("--keep", int, 3, "complete checkpoints to keep", minimum=1),
+    Flag("--seed", int, 1234, "seed of the initial weights and the data order", minimum=0, maximum=2**32 - 1),
+    Flag("--grad-bucket-mb", float, TrainOptions.grad_bucket_mb,
+         "cap of a gradient all-reduce bucket in MB of fp32 (0: one bucket per rank set)", minimum=0.0),
+    Flag("--timeout-min", float, 30.0, "collective timeout (minutes)", above=0.0, maximum=10.0 ** 6),
+)
+PRECISION_FLAGS: tuple[Flag, ...] = (
+    Flag("--initial-loss-scale", float, LossScaleConfig.initial, "fp16: first dynamic loss scale", above=0.0),
+    Flag("--loss-scale-window", int, LossScaleConfig.growth_interval,
+         "fp16: double the loss scale after this many steps without overflow", minimum=1),
+    Flag("--min-loss-scale", float, LossScaleConfig.min_scale, "fp16: the loss scale never falls below this",
+         above=0.0),
+)
+
+
 def add_flags(ap: argparse.ArgumentParser, flags: tuple[Flag, ...]) -> None:
-    """argparse options of ``sailor_hpc.core.training``'s table (the CLI builds its own from the same)."""
+    """argparse options of a table of flags (the CLI builds its own from ``sailor_hpc.core.training``'s)."""
     for f in flags:
-        ap.add_argument(f.flag, type=f.type, default=f.default, choices=f.choices, help=f.help)
+        ap.add_argument(f.flag, type=f.type, default=f.default, choices=f.choices, help=f.help, required=f.required)
 
 
 def add_adam_args(ap: argparse.ArgumentParser) -> None:
@@ -74,27 +102,36 @@ def add_adam_args(ap: argparse.ArgumentParser) -> None:
 
 
 def check_train_args(args: argparse.Namespace) -> None:
-    """The table's checks on parsed arguments (bad values: SailorError, exit code 2)."""
+    """The tables' checks on parsed arguments (bad values: SailorError, exit code 2)."""
     check_values({f.dest: getattr(args, f.dest) for f in FLAGS if hasattr(args, f.dest)})
+    for f in RUN_FLAGS + PRECISION_FLAGS:
+        if hasattr(args, f.dest):
+            check_value(f, getattr(args, f.dest))
+    if hasattr(args, "min_loss_scale") and args.min_loss_scale > args.initial_loss_scale:
+        raise SailorError(f"{args.min_loss_scale!r} exceeds --initial-loss-scale {args.initial_loss_scale!r}",
+                          field="--min-loss-scale", fix="give a minimum no larger than the initial loss scale")
+    if getattr(args, "inject_overflow", None) is not None:
+        injected_overflow(args.inject_overflow)
 
 
 def add_precision_args(ap: argparse.ArgumentParser) -> None:
     """TF32 and fp16 loss-scale options (the plan's ``dtype`` picks fp32/bf16/fp16)."""
-    d = LossScaleConfig()
     ap.add_argument("--no-tf32", action="store_true", help="fp32 plans on CUDA: no TF32 matmuls (exact fp32)")
-    ap.add_argument("--initial-loss-scale", type=float, default=d.initial, help="fp16: first dynamic loss scale")
-    ap.add_argument("--loss-scale-window", type=int, default=d.growth_interval,
-                    help="fp16: double the loss scale after this many steps without overflow")
-    ap.add_argument("--min-loss-scale", type=float, default=d.min_scale)
+    add_flags(ap, PRECISION_FLAGS)
     ap.add_argument("--inject-overflow", default=None, help=argparse.SUPPRESS)  # "RANK:STEP", tests only
+
+
+def injected_overflow(text: str) -> tuple[int, int]:
+    """``--inject-overflow RANK:STEP`` (the tests' forced fp16 overflow) as (rank, step)."""
+    parts = text.split(":")
+    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+        raise SailorError(f"{text!r} is not RANK:STEP", field="--inject-overflow", fix="e.g. --inject-overflow 1:3")
+    return int(parts[0]), int(parts[1])
 
 
 def with_precision_from_args(opts: TrainOptions, args: argparse.Namespace) -> TrainOptions:
     """``opts`` with the fields that :func:`add_precision_args`' options set."""
-    inject: tuple[int, int] | None = None
-    if args.inject_overflow:
-        rank, step = (int(x) for x in args.inject_overflow.split(":"))
-        inject = (rank, step)
+    inject = injected_overflow(args.inject_overflow) if args.inject_overflow else None
     return replace(opts, tf32=not args.no_tf32, inject_overflow=inject,
                    loss_scale=LossScaleConfig(initial=args.initial_loss_scale, growth_interval=args.loss_scale_window,
                                               min_scale=args.min_loss_scale))

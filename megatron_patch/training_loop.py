@@ -26,8 +26,10 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
+from megatron_patch.dataset_files import check_dataset_files
 from megatron_patch.memory import peak_rss
 from megatron_patch.metrics import RunLog, open_tensorboard
 from megatron_patch.options import check_train_args
@@ -35,7 +37,7 @@ from megatron_patch.rank_output import rank_output
 from sailor_hpc.core.checkpoint import Skipped, step_of
 from sailor_hpc.core.dist_env import EXIT_BAD_INPUT, EXIT_DONE, EXIT_SAVED_ON_SIGNAL, DistEnv, read_env
 from sailor_hpc.core.errors import SailorError
-from sailor_hpc.core.paths import writable_dir
+from sailor_hpc.core.paths import writable_dir, writable_file
 from sailor_hpc.core.plan import Plan
 from sailor_hpc.core.plan_io import load_plan
 from sailor_hpc.core.roles import Role, role_of
@@ -55,7 +57,7 @@ from sailor_hpc.core.runtime_events import (
     Waiting,
     encode_event,
 )
-from sailor_hpc.core.training import DataBlend, eval_due, parse_split
+from sailor_hpc.core.training import DataBlend, check_dataset_prefix, eval_due, parse_split
 
 if TYPE_CHECKING:  # torch: imported where a rank trains, never for --dry-run
     from megatron_patch.checkpoint_io import Checkpointed
@@ -277,7 +279,9 @@ def train(args: argparse.Namespace, plan: Plan, env: DistEnv, role: Role, runtim
 
 
 def check_args(args: argparse.Namespace, runtime: Runtime[Any]) -> None:
-    """What no runtime takes, refused before any rank starts (bad values, no data, an unwritable --save)."""
+    """What no runtime takes, refused on every rank before torch is imported and before anything is written:
+    values out of range, options that would do nothing, datasets whose files disagree, paths that cannot be
+    read or written (each tried: a file made and removed where a run writes)."""
     check_train_args(args)
     if args.eval_interval and runtime.evaluate is None:
         raise SailorError(f"the {runtime.name} runtime does not evaluate", field="--eval-interval",
@@ -287,8 +291,40 @@ def check_args(args: argparse.Namespace, runtime: Runtime[Any]) -> None:
     if args.data is None:
         raise SailorError("--data is required to train", field="--data",
                           fix="build a dataset: python -m megatron_patch.data PREFIX")
+    for prefix in DataBlend.parse(args.data).prefixes:
+        check_dataset_prefix(prefix)
+        check_dataset_files(prefix)
+    for option, needs_save in (("--auto-resume", args.auto_resume), ("--save-interval", args.save_interval)):
+        if needs_save and not args.save:  # it would be accepted and do nothing
+            raise SailorError("does nothing without --save", field=option, fix=f"add --save DIR, or drop {option}")
     if args.save:  # not an OSError at the first save
         writable_dir(args.save, "--save")
+    if args.load is not None and not os.path.isdir(args.load):
+        raise SailorError("no checkpoint directory (or checkpoint root) here", file=args.load, field="--load",
+                          fix="check the path: --load takes a step_* directory or the --save root holding them")
+    if args.metrics_file:
+        writable_file(args.metrics_file, "--metrics-file")
+    if args.tensorboard_dir:
+        writable_dir(args.tensorboard_dir, "--tensorboard-dir")
+    if args.wait_for is not None:
+        check_gate_path(args.wait_for)
+    if args.device == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            raise SailorError("no CUDA device is visible to this process", field="--device",
+                              fix="run on a GPU node (check CUDA_VISIBLE_DEVICES), or use --device cpu / auto")
+
+
+def check_gate_path(path: str) -> None:
+    """``--wait-for``: a file that can appear one day (the controller makes its folder when it opens the gate)."""
+    target = Path(path).expanduser().absolute()
+    if target.is_dir():
+        raise SailorError("is a directory: the rank would never wait", file=target, field="--wait-for",
+                          fix="give the path of the gate file (it need not exist yet)")
+    existing = next(d for d in target.parents if d.exists())
+    if not existing.is_dir():
+        raise SailorError(f"can never exist: {existing} is a file", file=target, field="--wait-for",
+                          fix="give a gate file path in a directory")
 
 
 def run(args: argparse.Namespace, runtime: Runtime[Any]) -> int:

@@ -19,7 +19,7 @@ import os
 import warnings
 from typing import TYPE_CHECKING, Any
 
-from megatron_patch.launch import exit_now, parse_args
+from megatron_patch.launch import exit_now, parser
 from megatron_patch.options import TrainOptions, adam_from_args, schedule_from_args
 from megatron_patch.training_loop import Runtime, run
 from sailor_hpc.core.deepspeed_plan import check_engine_plan, zero_stage_of
@@ -86,7 +86,7 @@ RUNTIME: Runtime[DsTrainer] = Runtime(
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run(parse_args(argv), RUNTIME)
+    return run(parser("python -m megatron_patch.ds_runtime.launch").parse_args(argv), RUNTIME)
 
 
 if __name__ == "__main__":
