@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -32,6 +33,7 @@ from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.site import Site, load_site_dict
 
 _ABSENT = object()
+_WORD = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # keys whose values are bandwidth fits keyed by the number of senders: written inline, one line per fit,
 # as the shipped sites write them
 _FIT_TABLES = frozenset({"intra_node", "inter_node", "links"})
@@ -97,6 +99,11 @@ def _label(path: str, key: str | int, item: Any) -> str:
     return f"{path}.{text}" if path else text
 
 
+def _table_key(i: int, table: Mapping[str, Any]) -> Any:
+    """Which table of an array of tables one is: its name ([[partitions]]), else its place."""
+    return table.get("name", i)
+
+
 def _is_fit(value: Any) -> bool:
     return isinstance(value, Mapping) and ("coeffs" in value or "constant_gbps" in value)
 
@@ -116,9 +123,16 @@ def _diff(old: Any, new: Any, path: str, out: list[Change]) -> None:
             if k not in new:
                 _diff(old[k], _ABSENT, _label(path, k, None), out)
         return
-    if _is_table_list(old) and _is_table_list(new) and len(old) == len(new):
-        for i, (a, b) in enumerate(zip(old, new)):
-            _diff(a, b, _label(path, i, b), out)
+    if _is_table_list(old) and _is_table_list(new):  # matched as _apply_tables matches them
+        before = {_table_key(i, t): t for i, t in enumerate(old)}
+        after = {_table_key(i, t): t for i, t in enumerate(new)}
+        for i, t in enumerate(new):
+            k = _table_key(i, t)
+            if k in before:
+                _diff(before[k], t, _label(path, i, t), out)
+            else:
+                out.append(Change(_label(path, i, t), None, t))
+        out += [Change(_label(path, i, t), t, None) for i, t in enumerate(old) if _table_key(i, t) not in after]
         return
     out.append(Change(path, None if old is _ABSENT else old, None if new is _ABSENT else new))
 
@@ -130,8 +144,8 @@ def _inline(value: Mapping[str, Any]) -> InlineTable:
 
 
 def _key(name: str) -> str | SingleKey:
-    """A key as the shipped sites write it: the senders of a fit quoted ("2"), others bare where they can be."""
-    return SingleKey(name, t=KeyType.Basic) if name.isdigit() else name
+    """A key as the shipped sites write it: quoted unless it is a plain word ("2", "A100-40", but nodes)."""
+    return name if _WORD.match(name) else SingleKey(name, t=KeyType.Basic)
 
 
 def _item(key: str, value: Any) -> Any:
@@ -144,7 +158,9 @@ def _item(key: str, value: Any) -> Any:
             return t
         t = tomlkit.table(is_super_table=bool(value) and all(isinstance(v, Mapping) for v in value.values()))
         for k, v in value.items():
-            t[k] = _item(k, v)
+            t[_key(k)] = _item(k, v)
+        if not t.is_super_table():
+            t.add(tomlkit.nl())  # a blank line before the next table, as people write them
         return t
     if _is_table_list(value):
         aot = tomlkit.aot()
@@ -185,15 +201,33 @@ def _apply(table: Any, old: Mapping[str, Any], new: Mapping[str, Any]) -> None:
                 _apply_fits(here, before, value)
             else:
                 _apply(here, before, value)
-        elif (_is_table_list(value) and _is_table_list(before) and len(value) == len(before)
-              and isinstance(here, AoT) and len(here) == len(value)):
-            for sub, a, b in zip(here, before, value):
-                _apply(sub, a, b)
+        elif _is_table_list(value) and _is_table_list(before) and isinstance(here, AoT) and len(here) == len(before):
+            _apply_tables(here, before, value)
         else:
-            table[key] = _item(key, value)
+            table[_key(key)] = _item(key, value)
     for key in old:
         if key not in new and key in table:
             del table[key]
+
+
+def _apply_tables(tables: AoT, old: Sequence[Mapping[str, Any]], new: Sequence[Mapping[str, Any]]) -> None:
+    """An array of tables ([[partitions]]): a table that stays (the same name, or the same place where the
+    tables have no names) is edited in place, a new one appended, one that went deleted."""
+    key = _table_key
+    before = {key(i, t): (i, t) for i, t in enumerate(old)}
+    after = {key(i, t) for i, t in enumerate(new)}
+    for k in sorted((k for k in before if k not in after), key=lambda k: -before[k][0]):
+        del tables[before[k][0]]
+    for i, t in enumerate(new):
+        k = key(i, t)
+        if k in before:
+            at = sorted(j for j, _ in before.values() if key(j, old[j]) in after).index(before[k][0])
+            _apply(tables[at], before[k][1], t)
+        else:
+            last = tables[-1].value.body if len(tables) else []
+            if last and not isinstance(last[-1][1], Whitespace):
+                tables[-1].add(tomlkit.nl())  # a blank line between the last table and the new one
+            tables.append(_item("", t))
 
 
 def _apply_fits(table: Table | InlineTable, old: Mapping[str, Any], new: Mapping[str, Any]) -> None:

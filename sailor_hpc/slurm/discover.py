@@ -10,6 +10,7 @@ the live cluster before a job is queued.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import warnings
 from collections import Counter
@@ -72,6 +73,10 @@ KNOWN_GPUS: tuple[KnownGpu, ...] = (
 )
 #: memory assumed for a gres type that is not in KNOWN_GPUS (the discovered TOML says to fix it)
 UNKNOWN_GPU_MEMORY_GIB = 16.0
+_MODEL_AND_MEMORY = re.compile(r"^([A-Za-z]+\d+)-(\d+)$")  # A100-40: model A100 with 40 GB
+#: what Slurm says of a partition; a re-discovery into an existing site updates these and keeps the rest
+SLURM_FACTS = ("gres", "nodes", "gpus_per_node", "cpus_per_node", "memory_per_node_mb", "max_nodes_per_job",
+               "max_walltime")
 
 
 def guess_gpu_type(gres_type: str | None) -> KnownGpu | None:
@@ -83,6 +88,30 @@ def guess_gpu_type(gres_type: str | None) -> KnownGpu | None:
         if key == g.name.lower() or key in g.aliases:
             return g
     return None
+
+
+def memory_variants(known: KnownGpu) -> tuple[str, ...]:
+    """The other known types of the same GPU model with another memory size (A100-40: A100-80)."""
+    m = _MODEL_AND_MEMORY.match(known.name)
+    if m is None:
+        return ()
+    return tuple(g.name for g in KNOWN_GPUS if g is not known and (v := _MODEL_AND_MEMORY.match(g.name))
+                 and v.group(1) == m.group(1))
+
+
+def guess_note(gres_type: str, known: KnownGpu, partitions: Sequence[str]) -> str:
+    """Tell a person which GPU type discovery took a gres type for, whether the gres type says the memory, and
+    which fields to edit when the guess is wrong."""
+    where = ", ".join(repr(p) for p in partitions)
+    fields = f"gpu_type of partition(s) {where} and [gpu_types.\"{known.name}\"] (its name and memory_gib)"
+    variants = memory_variants(known)
+    m = _MODEL_AND_MEMORY.match(known.name)
+    said = m is not None and re.search(rf"(?<!\d){m.group(2)}(?!\d)", gres_type) is not None
+    head = f"partition(s) {where}: GPU type {known.name!r} ({known.memory_gib:g} GiB per GPU)"
+    if variants and not said:
+        return (f"{head} guessed from gres type {gres_type!r}, which does not say the memory: if these are "
+                f"{' or '.join(variants)}, edit {fields}")
+    return f"{head} inferred from gres type {gres_type!r}; if that is wrong, edit {fields}"
 
 
 # ------------------------------------------------------------------------------------------- walltime
@@ -215,9 +244,53 @@ def discover(name: str | None = None, env: Mapping[str, str] | None = None) -> D
         "gpu_types": gpu_types,
         "partitions": partitions,
     }
-    if not partitions:
+    guessed: dict[tuple[str, str], list[str]] = {}
+    for part_doc in partitions:  # every known GPU type taken from a gres type: once per gres type, with its partitions
+        gres_type = part_doc["gres"].partition(":")[2]
+        if guess_gpu_type(gres_type) is not None:
+            guessed.setdefault((gres_type, part_doc["gpu_type"]), []).append(part_doc["name"])
+    for (gres_type, _name), names in guessed.items():
+        known = guess_gpu_type(gres_type)
+        assert known is not None
+        notes.append(guess_note(gres_type, known, names))
+    if partitions:
+        notes.append("cost_per_gpu_hour = 1 on every partition and cost_unit = \"GPU-hours\" are placeholders "
+                     "(Slurm knows no prices): plans are priced in GPU-hours, every partition's alike; set each "
+                     "partition's cost_per_gpu_hour (and cost_unit, e.g. \"CHF\") to price them as your site does")
+    else:
         notes.append("no partition with GPU nodes found: the site has no partitions and will not validate")
     return Discovery(site=site, notes=notes)
+
+
+def refresh_site_doc(existing: Mapping[str, Any], found: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """An existing site document with what Slurm says now (:data:`SLURM_FACTS` of every partition it has, and the
+    partitions it lacks, with their GPU types), keeping every choice of the site's author: its name, GPU types,
+    costs, Slurm defaults, archive and network fits. Partitions Slurm no longer has are kept, with a note."""
+    doc = {k: v for k, v in existing.items()}
+    types = dict(existing.get("gpu_types", {}))
+    parts = [dict(p) for p in existing.get("partitions", [])]
+    by_name = {p["name"]: p for p in parts}
+    notes: list[str] = []
+    for new in found.get("partitions", []):
+        old = by_name.get(new["name"])
+        if old is None:
+            parts.append(dict(new))
+            if new["gpu_type"] not in types and not any(new["gpu_type"] in t.get("aliases", []) for t in types.values()):
+                types[new["gpu_type"]] = found["gpu_types"][new["gpu_type"]]
+            continue
+        for key in SLURM_FACTS:
+            if key in new:
+                old[key] = new[key]
+            else:
+                old.pop(key, None)
+        if old["max_nodes_per_job"] > old["nodes"]:
+            old["max_nodes_per_job"] = old["nodes"]
+    gone = [p["name"] for p in parts if p["name"] not in {n["name"] for n in found.get("partitions", [])}]
+    if gone:
+        notes.append(f"partition(s) {', '.join(map(repr, gone))} of the site are not GPU partitions of this Slurm "
+                     "(kept: remove them if they are gone)")
+    doc["gpu_types"], doc["partitions"] = types, parts
+    return doc, notes
 
 
 def discover_site(name: str | None = None, env: Mapping[str, str] | None = None) -> dict[str, Any]:

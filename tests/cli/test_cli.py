@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from sailor_hpc.core.site import load_site
 from tests.data import SAILOR_DATA, SITE_CONFIGS
 
 EXE = shutil.which("sailor-hpc", path=str(Path(sys.executable).parent)) or "sailor-hpc"
@@ -21,6 +22,12 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
 def test_site_show_and_validate() -> None:
     out = cli("site", "show", str(SITE_CONFIGS / "a100-v100.toml"))
     assert out.returncode == 0 and "a100" in out.stdout and "V100-16" in out.stdout
+    # the cost column: its unit once, in the header, and a number per partition (not "1 GPU-hours")
+    site = load_site(SITE_CONFIGS / "a100-v100.toml")
+    header, _, *rows = out.stdout.splitlines()[1:]
+    assert f"cost/GPU-h ({site.cost_unit})" in header and not any(site.cost_unit in row for row in rows)
+    at = header.index("cost/GPU-h")
+    assert [row[at:].split()[0] for row in rows] == [f"{p.cost_per_gpu_hour:g}" for p in site.partitions]
     data = json.loads(cli("site", "show", "--json", str(SITE_CONFIGS / "a100-v100.toml")).stdout)
     assert [p["nodes"] for p in data["partitions"]] == [64, 64]
     ok = cli("site", "validate", "--json", str(SITE_CONFIGS / "clariden.toml"))

@@ -245,3 +245,97 @@ def test_cli_discover_writes_the_notes_into_the_toml(tmp_path):
     assert "# - partition 'gpu-long' shares nodes with 'gpu'" in text and "mystery9000" in text
     assert "note: partition 'gpu-long' shares nodes" in proc.stderr
     assert tomllib.loads(text) == discover(env=env).site
+
+
+FAKE_A100_SCONTROL = r"""
+case "$*" in
+  *"show partition"*) cat <<'END'
+PartitionName=small Default=YES MaxNodes=2 MaxTime=1-00:00:00 Nodes=s[1-2] State=UP TotalCPUs=64 TotalNodes=2
+PartitionName=big Default=NO MaxNodes=UNLIMITED MaxTime=1-00:00:00 Nodes=b1 State=UP TotalCPUs=32 TotalNodes=1
+END
+  ;;
+  *"show node"*) cat <<'END'
+NodeName=s1 CPUTot=32 Gres=gpu:a100:4 RealMemory=256000 State=IDLE Partitions=small
+NodeName=s2 CPUTot=32 Gres=gpu:a100:4 RealMemory=256000 State=IDLE Partitions=small
+NodeName=b1 CPUTot=32 Gres=gpu:a100_80gb:8 RealMemory=512000 State=IDLE Partitions=big
+END
+  ;;
+  *"show config"*) echo "ClusterName              = lab2" ;;
+esac
+"""
+
+
+def _discover_cli(tmp_path: Path, *args: str):
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"}
+    return subprocess.run([str(Path(sys.executable).with_name("sailor-hpc")), "site", "discover", *args],
+                          capture_output=True, text=True, env=env, timeout=60)
+
+
+def test_discover_says_which_gpu_types_it_guessed_and_what_to_edit(tmp_path):
+    """gres 'a100' does not say 40 or 80 GB: a guess, named as one, with the fields to edit; 'a100_80gb' says
+    it: an inference. Costs are placeholders, said so too."""
+    _fake_bin(tmp_path, "scontrol", FAKE_A100_SCONTROL)
+    out = tmp_path / "site.toml"
+    proc = _discover_cli(tmp_path, "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert ("note: partition(s) 'small': GPU type 'A100-40' (39.43 GiB per GPU) guessed from gres type 'a100', "
+            "which does not say the memory: if these are A100-80, edit gpu_type of partition(s) 'small' and "
+            "[gpu_types.\"A100-40\"] (its name and memory_gib)") in proc.stderr
+    assert ("note: partition(s) 'big': GPU type 'A100-80' (80 GiB per GPU) inferred from gres type 'a100_80gb'; "
+            "if that is wrong, edit gpu_type of partition(s) 'big'") in proc.stderr
+    assert "cost_per_gpu_hour = 1 on every partition" in proc.stderr
+    text = out.read_text()
+    assert "# - partition(s) 'small': GPU type 'A100-40' (39.43 GiB per GPU) guessed" in text
+    assert proc.stdout.strip() == (f"wrote {out}: site 'lab2', partitions small (2 x 4 A100-40), big (1 x 8 A100-80); "
+                                   "review the 3 note(s) above (also on top of the file)")
+    site = tomllib.loads(text)
+    assert site["gpu_types"] == {"A100-40": {"memory_gib": 39.43, "aliases": ["a100"]},
+                                 "A100-80": {"memory_gib": 80.0, "aliases": ["a100_80gb"]}}
+
+
+USER_SITE = '''\
+# our cluster, kept by hand
+name = "ours"
+cost_unit = "CHF"                 # the price list's currency
+
+[gpu_types."A100-40"]
+memory_gib = 39.43
+aliases = ["a100"]
+
+[[partitions]]
+name = "small"
+gpu_type = "a100"                 # by its alias
+gres = "gpu:a100"
+nodes = 1                         # before the upgrade
+gpus_per_node = 4
+cost_per_gpu_hour = 2.5           # CHF per GPU-hour
+'''
+
+
+def test_discover_into_an_existing_site_updates_slurms_facts_and_keeps_the_rest(tmp_path):
+    _fake_bin(tmp_path, "scontrol", FAKE_A100_SCONTROL)
+    out = tmp_path / "ours.toml"
+    out.write_text(USER_SITE)
+    proc = _discover_cli(tmp_path, "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    text = out.read_text()
+    # the author's choices and comments stay; what Slurm says now replaces what it said before
+    for line in ('name = "ours"', 'cost_unit = "CHF"                 # the price list\'s currency',
+                 'gpu_type = "a100"                 # by its alias', "nodes = 2                         # before the upgrade",
+                 "cost_per_gpu_hour = 2.5           # CHF per GPU-hour"):
+        assert line in text.splitlines(), text
+    from sailor_hpc.core.site import load_site
+    site = load_site(out)
+    small = site.partition("small")
+    assert (small.nodes, small.cpus_per_node, small.memory_per_node_mb, small.max_nodes_per_job, small.max_walltime) \
+        == (2, 32, 256000, 2, "1-00:00:00")
+    assert [p.name for p in site.partitions] == ["small", "big"] and site.partition("big").gpu_type == "A100-80"
+    lines = proc.stdout.splitlines()
+    assert lines[0] == f"wrote {out}: 8 field(s) changed"
+    assert "  partitions[small].nodes: 1 -> 2" in lines and "  partitions[small].cpus_per_node: 1 -> 32" in lines
+    assert any(line.startswith('  partitions[big]: (absent) -> {name = "big", gpu_type = "A100-80"') for line in lines)
+    assert "  gpu_types.A100-80.memory_gib: (absent) -> 80" in lines
+    assert '\n\n[gpu_types."A100-80"]\n' in text and '\n\n[[partitions]]\nname = "big"' in text
