@@ -42,8 +42,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from megatron_patch.dataset_files import check_dataset_files
 from megatron_patch.mcore_import import import_megatron
+from megatron_patch.options import OptionParser
 from sailor_hpc.core.errors import SailorError
+from sailor_hpc.core.fields import Fields
+from sailor_hpc.core.paths import writable_dir
 from sailor_hpc.core.sailor_compat import SAILOR_DATA
 from sailor_hpc.core.training import SPLITS, DataBlend, check_dataset_prefix, split_bounds
 
@@ -62,9 +66,11 @@ def build_dataset(prefix: str | Path, texts: Iterable[str]) -> Path:
     import_megatron()
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder, get_bin_path, get_idx_path
     prefix = Path(prefix)
+    made = [d for d in (prefix.parent, *prefix.parent.parents) if not d.exists()]  # deepest first
     prefix.parent.mkdir(parents=True, exist_ok=True)
     tmp = str(prefix.with_name(f".{prefix.name}.tmp{os.getpid()}"))
     done = {get_bin_path(tmp): get_bin_path(str(prefix)), get_idx_path(tmp): get_idx_path(str(prefix))}
+    ok = False
     try:
         builder = IndexedDatasetBuilder(get_bin_path(tmp), dtype=np.uint16)
         n = 0
@@ -78,9 +84,12 @@ def build_dataset(prefix: str | Path, texts: Iterable[str]) -> Path:
             raise SailorError("no text to build a dataset from", field="texts")
         for src, dst in done.items():
             os.replace(src, dst)
+        ok = True
     finally:
         for src in done:
             Path(src).unlink(missing_ok=True)
+        for folder in made if not ok else ():  # the folders made for a dataset that was never written
+            folder.rmdir()
     return prefix
 
 
@@ -142,12 +151,10 @@ class GlobalSamples:
     def __init__(self, prefix: str | Path, seq_len: int, seed: int = 1234, docs: tuple[int, int] | None = None,
                  name: str = "") -> None:
         import_megatron()
-        from megatron.core.datasets.indexed_dataset import IndexedDataset, get_bin_path, get_idx_path
+        from megatron.core.datasets.indexed_dataset import IndexedDataset
         prefix = str(prefix)
-        for path in (get_bin_path(prefix), get_idx_path(prefix)):
-            if not Path(path).is_file():
-                raise SailorError("indexed dataset file not found", file=path,
-                                  fix="build one: python -m megatron_patch.data PREFIX")
+        check_dataset_prefix(prefix)
+        check_dataset_files(prefix)  # megatron's reader trusts the index: a truncated file fails deep inside it
         self.ds = IndexedDataset(prefix)
         self.seq_len = seq_len
         self.seed = seed
@@ -156,9 +163,6 @@ class GlobalSamples:
         self._itemsize = int(index.dtype_size)
         count = len(self._pointers)
         self._stream = 0 if count == 0 else int(self._pointers[-1]) // self._itemsize + int(index.sequence_lengths[-1])
-        if Path(get_bin_path(prefix)).stat().st_size != self._stream * self._itemsize:
-            raise SailorError("the .bin file is not the index's sequences back to back", file=get_bin_path(prefix),
-                              fix="rebuild it with megatron's IndexedDatasetBuilder (python -m megatron_patch.data)")
         self.prefix, self.num_documents = prefix, count
         first, end = docs if docs is not None else (0, count)
         self._base = self._start(first) if count else 0  # the split's first token in the stream
@@ -205,6 +209,7 @@ def check_vocab(prefix: str | Path, vocab_size: int, model: str = "the model") -
     a silently zero embedding row and a wrong loss, so the runtime checks before training: one pass of
     ``max`` over the memory-mapped tokens, a chunk at a time (memory bounded, any corpus size)."""
     check_dataset_prefix(prefix)
+    check_dataset_files(prefix)
     import_megatron()
     from megatron.core.datasets.indexed_dataset import IndexedDataset, get_bin_path
     ds = IndexedDataset(str(prefix))
@@ -325,16 +330,23 @@ def read_documents(files: Iterable[str | Path], json_key: str = "text") -> Itera
             for n, line in enumerate(fh, 1):
                 if not line.strip():
                     continue
+                where = f"{path}, line {n}"
                 try:
-                    yield json.loads(line)[json_key]
-                except (ValueError, KeyError, TypeError):
-                    raise SailorError(f"line {n} is not a JSON object with a {json_key!r} string", file=path,
-                                      field=json_key, fix="one JSON object per line, or pass --json-key") from None
+                    record = json.loads(line)
+                except ValueError:
+                    raise SailorError("is not JSON", file=where, field=json_key, fix="one JSON object per line") from None
+                try:
+                    yield Fields(record, file=where, path="").req(json_key, str)
+                except SailorError as exc:
+                    if exc.field == json_key:
+                        exc.fix = f"{exc.fix + '; or ' if exc.fix else ''}name the field of the text with --json-key"
+                    raise
 
 
 def check_build_paths(prefix: str | Path, files: Iterable[str | Path]) -> None:
-    """Every input is a readable file and the output's folder can be written, before anything is read
-    or written: a typo ends in one message naming the path, not a traceback halfway through."""
+    """Every input is a readable file and the output's folder can be written (a file made and removed there),
+    before anything is read or written: a typo ends in one message naming the path, not a traceback halfway
+    through."""
     for f in files:
         path = Path(f)
         if not path.exists():
@@ -343,24 +355,42 @@ def check_build_paths(prefix: str | Path, files: Iterable[str | Path]) -> None:
             raise SailorError("is not a file", file=path, field="files", fix="name the text files, not a folder")
         if not os.access(path, os.R_OK):
             raise SailorError("cannot be read (permissions)", file=path, field="files", fix="check its permissions")
-    folder = Path(prefix).parent
-    existing = next((p for p in (folder, *folder.parents) if p.exists()), Path("."))
-    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-        raise SailorError("cannot create the dataset here" + ("" if existing.is_dir() else f" ({existing} is a file)"),
-                          file=Path(prefix), field="prefix", fix="choose an output prefix in a folder you can write")
+    out = Path(prefix)
+    if out.suffix in (".bin", ".idx") or out.is_dir() or str(prefix).endswith(os.sep):
+        raise SailorError("is not a dataset prefix: the tool writes PREFIX.bin and PREFIX.idx", file=out,
+                          field="prefix", fix=f"name the files without their suffix, e.g. {out.with_suffix('')}"
+                          if out.suffix in (".bin", ".idx") else f"e.g. {out / 'corpus'} for files in that folder")
+    for written in (Path(f"{prefix}.bin"), Path(f"{prefix}.idx")):
+        if written.is_dir():
+            raise SailorError("is a folder, where the dataset's file goes", file=written, field="prefix",
+                              fix="choose another output prefix")
+    try:
+        writable_dir(out.parent, "prefix")
+    except SailorError as exc:
+        raise SailorError(f"cannot write the dataset here: {exc.message}", file=out, field="prefix",
+                          fix="choose an output prefix in a folder you can write") from None
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m megatron_patch.data", description=__doc__.split("\n")[0])
+def parser() -> argparse.ArgumentParser:
+    ap = OptionParser(prog="python -m megatron_patch.data", description=__doc__.split("\n")[0])
     ap.add_argument("prefix", help="output prefix (writes PREFIX.bin and PREFIX.idx)")
     ap.add_argument("files", nargs="*", help="raw text files, one document each, or .jsonl files, one document "
                                              "per line (default: the Sailor data the package ships)")
-    ap.add_argument("--json-key", default="text", help="the field of a .jsonl line that holds the text")
-    args = ap.parse_args(argv)
+    ap.add_argument("--json-key", default=None, help="the field of a .jsonl line that holds the text (default: text)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     try:
+        if args.json_key is not None and not any(Path(f).suffix == ".jsonl" for f in args.files):
+            raise SailorError("only .jsonl files have fields, and none is given", field="--json-key",
+                              fix="drop --json-key, or name the .jsonl files to read")
         check_build_paths(args.prefix, args.files)
-        texts = read_documents(args.files, args.json_key) if args.files else shipped_texts()
+        json_key = "text" if args.json_key is None else args.json_key
+        texts = read_documents(args.files, json_key) if args.files else shipped_texts()
         build_dataset(args.prefix, texts)
+        written = check_dataset_files(args.prefix, field="prefix")
     except OSError as exc:  # a file that vanished or a disk that filled after the checks
         print(f"error: {SailorError(exc.strerror or str(exc), file=exc.filename, fix='check the path')}",
               file=sys.stderr)
@@ -368,8 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     except SailorError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    ds = GlobalSamples(args.prefix, seq_len=32)
-    print(f"wrote {args.prefix}.bin/.idx: {ds.num_documents} documents, {ds.total_tokens} tokens "
+    print(f"wrote {args.prefix}.bin/.idx: {written.documents} documents, {written.tokens} tokens "
           f"(byte ids, end of document {EOD})")
     return 0
 
