@@ -39,7 +39,6 @@ from megatron_patch.options import (
     add_adam_args,
     add_flags,
     add_precision_args,
-    check_layer_spec,
     schedule_from_args,
     with_precision_from_args,
 )
@@ -110,7 +109,7 @@ def _evaluate(trainer: Trainer, iters: int) -> float:
 
 
 RUNTIME: Runtime[Trainer] = Runtime(
-    name="megatron_patch", check=lambda args, _plan: check_layer_spec(args.layer_spec), prepare=_prepare,
+    name="megatron_patch", check=nothing, prepare=_prepare,
     device_id=True, joined=lambda _plan, _cuda: {}, build=_build, ready=_ready, loaded=nothing, before_save=nothing,
     evaluate=_evaluate)
 

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 from megatron_patch.dataset_files import check_dataset_files
 from megatron_patch.memory import peak_rss
 from megatron_patch.metrics import RunLog, open_tensorboard
-from megatron_patch.options import check_train_args
+from megatron_patch.options import check_layer_spec, check_train_args
 from megatron_patch.rank_output import rank_output
 from sailor_hpc.core.checkpoint import Skipped, step_of
 from sailor_hpc.core.dist_env import EXIT_BAD_INPUT, EXIT_DONE, EXIT_SAVED_ON_SIGNAL, DistEnv, read_env
@@ -283,6 +283,7 @@ def check_args(args: argparse.Namespace, runtime: Runtime[Any]) -> None:
     values out of range, options that would do nothing, datasets whose files disagree, paths that cannot be
     read or written (each tried: a file made and removed where a run writes)."""
     check_train_args(args)
+    check_layer_spec(args.layer_spec)  # both runtimes build megatron's local modules
     if args.eval_interval and runtime.evaluate is None:
         raise SailorError(f"the {runtime.name} runtime does not evaluate", field="--eval-interval",
                           fix="drop --eval-interval, or train under megatron_patch")

@@ -24,6 +24,7 @@ from megatron_patch.options import TrainOptions, adam_from_args, schedule_from_a
 from megatron_patch.training_loop import Runtime, run
 from sailor_hpc.core.deepspeed_plan import check_engine_plan, zero_stage_of
 from sailor_hpc.core.dist_env import DistEnv
+from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.plan import Plan
 from sailor_hpc.core.runtime_events import Ready
 
@@ -79,14 +80,32 @@ def _before_save(trainer: DsTrainer) -> None:
     trainer.save_state()
 
 
+PROG = "python -m megatron_patch.ds_runtime.launch"
+#: options of the shared parser that only megatron_patch's trainer reads (DeepSpeed keeps its own loss scale,
+#: buckets and TF32 setting): given to this runtime, they would be accepted and do nothing
+MEGATRON_PATCH_ONLY = ("--no-tf32", "--initial-loss-scale", "--loss-scale-window", "--min-loss-scale",
+                       "--inject-overflow", "--grad-bucket-mb", "--grad-weighting")
+
+
+def _check(args: argparse.Namespace, plan: Plan) -> None:
+    """Refuse megatron_patch's own options when given, then every reason DeepSpeed's engine cannot run ``plan``."""
+    defaults = parser(PROG)
+    for flag in MEGATRON_PATCH_ONLY:
+        dest = flag.lstrip("-").replace("-", "_")
+        if getattr(args, dest) != defaults.get_default(dest):
+            raise SailorError("the DeepSpeed runtime does not use it", field=flag,
+                              fix=f"drop {flag}, or train under megatron_patch (python -m megatron_patch.launch)")
+    check_engine_plan(plan)
+
+
 RUNTIME: Runtime[DsTrainer] = Runtime(
-    name="DeepSpeed", check=lambda _args, plan: check_engine_plan(plan),  # exit 2 with every reason it cannot run
+    name="DeepSpeed", check=_check,
     prepare=_prepare, device_id=False, joined=_joined, build=_build, ready=_ready, loaded=_loaded,
     before_save=_before_save, evaluate=None)
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run(parser("python -m megatron_patch.ds_runtime.launch").parse_args(argv), RUNTIME)
+    return run(parser(PROG).parse_args(argv), RUNTIME)
 
 
 if __name__ == "__main__":
