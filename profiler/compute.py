@@ -27,9 +27,11 @@ neither monotonic nor what training runs; see :class:`Repetitions`):
   least ``iters`` of them and ``min_time_s`` of timed work; each layer's number is the median, and the
   relative interquartile range of every layer and of the whole model goes into the archive beside it
   (:class:`sailor_hpc.core.archive.PointSpread`);
-* after all sizes, a point whose whole-model forward or backward is faster than a smaller size's by
-  more than their spreads allow (:mod:`profiler.monotonic`) is measured once more, and if it still
-  breaks monotonicity it is written with a flag saying so.
+* after all sizes, a point whose spread says the node was busy (above 20 %, :mod:`profiler.noise`) is
+  measured again, twice at most, and flagged "noisy" when no measurement was quiet; then a point whose
+  whole-model forward or backward is faster than a smaller size's by more than their spreads allow
+  (:mod:`profiler.monotonic`) is measured once more, and if it still breaks monotonicity it is written
+  with a flag saying so.
 
 The update column is the optimizer step (megatron_patch's AdamW, :class:`megatron_patch.optimizer.StageOptimizer`)
 of the whole profiled model, repeated on every row, as the simulator reads it.
@@ -72,6 +74,7 @@ from megatron_patch.main_grad import attach_main_grads
 from megatron_patch.model import PipelineLayer, StageModule, build_stage_module, padded_vocab_size
 from megatron_patch.optimizer import AdamConfig, StageOptimizer
 from profiler.monotonic import ModelTotals, violations
+from profiler.noise import QUIET_RETRIES, noisy, worst_spread
 from sailor_hpc.core.archive import PointSpread
 from sailor_hpc.core.models import ModelSpec
 
@@ -595,11 +598,15 @@ def _release(prof: LayerProfiler, device: torch.device) -> None:
 def profile_compute(spec: ModelSpec, mbs_list: Sequence[int], *, tp_group: Any, device: torch.device,
                     dtype: str = "fp32", blocks: int | None = None, warmup: int = 3, iters: int = 20,
                     min_time_s: float = 1.0, remeasure: bool = True, baseline_rss: float = 0.0,
-                    store: Any | None = None, collective_timeout_s: float = 300.0) -> ComputeResult:
+                    store: Any | None = None, collective_timeout_s: float = 300.0,
+                    quiet_retries: int = QUIET_RETRIES) -> ComputeResult:
     """Measure every micro-batch size of ``mbs_list`` (ascending) at this TP degree. A step that fails on any
     rank (out of memory or any other error) is recorded as failed on every rank with the reasons
     (:class:`TPAgreement`; ``store`` is the job's rendezvous store, needed for TP > 1), and the larger sizes
     are still tried, after freeing the cache, on a fresh group and freshly built stages.
+
+    A point whose spread says the node was busy (:mod:`profiler.noise`) is measured again, up to
+    ``quiet_retries`` times, keeping the quietest measurement; one that stays noisy is flagged so.
 
     Then the measured points are checked for monotonicity (:mod:`profiler.monotonic`): the points of a
     pair that breaks it are measured once more (``remeasure``; the sweep driver re-runs a job with it off
@@ -634,6 +641,15 @@ def profile_compute(spec: ModelSpec, mbs_list: Sequence[int], *, tp_group: Any, 
     if memory_failure:
         recover()
     points = {mbs: measure(mbs, f"mbs{mbs}") for mbs in sorted(set(mbs_list))}
+    for attempt in range(1, quiet_retries + 1):  # a busy node's points, again: the quietest measurement is kept
+        loud: list[int] = agree.rank0(f"noisy{attempt}", sorted(m for m, p in points.items() if p.ok and noisy(p.spread)))
+        for mbs in loud:
+            again = measure(mbs, f"mbs{mbs}-quiet{attempt}")
+            if again.ok and worst_spread(again.spread) < worst_spread(points[mbs].spread):
+                points[mbs] = again
+            points[mbs].info["measurements"] = attempt + 1
+        if not loud:
+            break
     suspect = _non_monotonic(points.values())
     again_mbs: list[int] = agree.rank0("remeasure", sorted(suspect) if remeasure else [])
     if again_mbs:
@@ -643,8 +659,8 @@ def profile_compute(spec: ModelSpec, mbs_list: Sequence[int], *, tp_group: Any, 
                 again.info["remeasured"] = True
                 points[mbs] = again
         suspect = _non_monotonic(points.values())
-    for mbs, why in suspect.items():
-        points[mbs].flag = why
+    for mbs, p in points.items():
+        p.flag = " | ".join(filter(None, (noisy(p.spread) if p.ok else "", suspect.get(mbs, ""))))
     agree.finish()
     prof = current[0]
     return ComputeResult(points=list(points.values()), memory=memory, overhead_bytes=prof.overhead_bytes(baseline_rss),

@@ -11,6 +11,8 @@ Every value that reaches an ``#SBATCH`` line is checked with :mod:`sailor_hpc.sl
 """
 from __future__ import annotations
 
+import shlex
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +23,7 @@ import submitit
 from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.site import Partition, Site
 from sailor_hpc.slurm import safety
+from sailor_hpc.slurm.container import rank_wrapper
 
 
 @dataclass(frozen=True)
@@ -58,9 +61,10 @@ class JobSettings:
     extra: dict[str, str] = field(default_factory=dict)
 
     def per_component(self) -> dict[str, Any]:
-        """The site's options every het component needs in its own header (sbatch does not copy
-        --constraint, --exclusive, ... to later components)."""
-        return self._site_options(job_wide=False)
+        """The options every het component needs in its own header (sbatch does not copy --constraint,
+        --exclusive, ... to later components): ``--exclusive`` (a measuring job owns its nodes: work of
+        another job beside it on the node's cores or GPUs would be timed as the model's), then the site's."""
+        return {"exclusive": True} | self._site_options(job_wide=False)
 
     def _site_options(self, *, job_wide: bool) -> dict[str, Any]:
         """The site's sbatch options of one kind (:func:`safety.site_sbatch_options`), as submitit's
@@ -102,13 +106,24 @@ class HetSlurmExecutor(submitit.SlurmExecutor):
 
 
 def make_executor(settings: JobSettings, alloc: Allocation, *, job_name: str, one_task: bool = False,
-                  het: Allocation | None = None) -> submitit.SlurmExecutor:
+                  het: Allocation | None = None, after: Sequence[str] = (),
+                  one_at_a_time: bool = False) -> submitit.SlurmExecutor:
     """An executor for ``alloc`` (+ het component ``het``). ``one_task``: submitit starts the function in
-    one task only (it then starts its own step over the allocation), instead of one per task."""
+    one task only (it then starts its own step over the allocation), instead of one per task. ``after``:
+    jobs that must have ended before this one starts; ``one_at_a_time``: an array's elements run one after
+    the other (:class:`profiler.sweep.Queue` uses both where Slurm's nodes share one machine)."""
     safety.job_name(job_name, "job name")
     safety.python_exe(settings.python)
     settings.folder.mkdir(parents=True, exist_ok=True)
-    kw: dict[str, Any] = {"python": settings.python}
+    wrapper = rank_wrapper(settings.site.container)
+    if one_task and settings.site.container is not None:
+        # the driver of a one-task job starts its own srun step (the network benchmark's ranks, in the
+        # container): it needs Slurm's clients, which a container lacks, so it runs outside, with sailor-hpc's
+        # own interpreter (the nodes see it as they see the sweep's folder)
+        python, container_srun = shlex.quote(sys.executable), []
+    else:
+        python, container_srun = wrapper.shell_prefix + shlex.quote(settings.python), list(wrapper.srun_options)
+    kw: dict[str, Any] = {"python": python}
     if het is not None:
         components = [het.sbatch_options() | settings.per_component()]
         ex: submitit.SlurmExecutor = HetSlurmExecutor(settings.folder, het_components=components, **kw)
@@ -117,9 +132,12 @@ def make_executor(settings: JobSettings, alloc: Allocation, *, job_name: str, on
     srun_args = [f"--cpus-per-task={alloc.cpus_per_task}"]  # Slurm 22.05's srun does not inherit it
     if one_task:
         srun_args += ["--ntasks=1", "--nodes=1"]
+    srun_args += container_srun
     ex.update_parameters(job_name=job_name, partition=alloc.partition.name, nodes=alloc.nodes,
                          ntasks_per_node=alloc.tasks_per_node, gres=alloc.gres, cpus_per_task=alloc.cpus_per_task,
                          time=settings.time_min, setup=list(settings.setup), stderr_to_stdout=True,
-                         srun_args=srun_args, additional_parameters=settings.additional(), signal_delay_s=30)
+                         srun_args=srun_args, additional_parameters=settings.additional(), signal_delay_s=30,
+                         **({"dependency": "afterany:" + ":".join(after)} if after else {}),
+                         **({"array_parallelism": 1} if one_at_a_time else {}))
     return ex
 

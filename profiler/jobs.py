@@ -39,6 +39,7 @@ from sailor_hpc.core.archive import (
 from sailor_hpc.core.dist_env import job_port, read_env
 from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.models import get_model
+from sailor_hpc.slurm.container import NO_CONTAINER, RankWrapper
 from sailor_hpc.slurm.control import node_address as slurm_node_address
 from sailor_hpc.slurm.control import run_step
 
@@ -78,6 +79,7 @@ class NetworkTask:
     python: str
     iters: int = 5
     warmup: int = 2
+    wrapper: RankWrapper = NO_CONTAINER  # the benchmark's ranks run in the site's container
 
     @property
     def het(self) -> bool:
@@ -180,8 +182,8 @@ def compute_job(task: ComputeTask) -> dict[str, Any] | None:
 def _step_options(task: NetworkTask, spec_file: Path, out_file: Path) -> list[str]:
     """The ``srun`` options of the benchmark step over the whole allocation (the driver's own step holds one
     task: --overlap)."""
-    bench = [task.python, "-m", "profiler.netbench", "--spec", str(spec_file), "--out", str(out_file)]
-    common = ["--overlap", "--kill-on-bad-exit=1", "--distribution=block", "--cpus-per-task=1"]
+    bench = task.wrapper.command([task.python, "-m", "profiler.netbench", "--spec", str(spec_file), "--out", str(out_file)])
+    common = ["--overlap", "--kill-on-bad-exit=1", "--distribution=block", "--cpus-per-task=1", *task.wrapper.srun_options]
     if task.kind == "intra":
         return [*common, "--nodes=1", f"--ntasks={task.senders}", *bench]
     if not task.het:

@@ -20,6 +20,7 @@ import numpy as np
 from sailor_hpc.core.archive import PointSpread
 
 DIRECTIONS = ("forward", "backward")
+MONOTONIC = "not monotonic"  # the kind of flag a violation gives (profiler.noise.flag_parts)
 
 
 @dataclass(frozen=True)
@@ -58,4 +59,4 @@ def violations(points: Iterable[ModelTotals]) -> dict[int, str]:
                             f"their spreads allow ({allowed * 1e3:.3g} ms)")
                     why.setdefault(small.mbs, []).append(text)
                     why.setdefault(large.mbs, []).append(text)
-    return {mbs: "not monotonic: " + "; ".join(texts) for mbs, texts in why.items()}
+    return {mbs: f"{MONOTONIC}: " + "; ".join(texts) for mbs, texts in why.items()}

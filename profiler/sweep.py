@@ -56,7 +56,8 @@ from profiler.fit import check_message_sizes
 from profiler.jobs import ComputeTask, NetworkTask, compute_job, network_job, record_network, write_net_spec
 from profiler.keys import ComputePoint, NetworkLink, device_key, network_site_key
 from profiler.local import run_ranks, task_to_json
-from profiler.monotonic import ModelTotals, violations
+from profiler.monotonic import MONOTONIC, ModelTotals, violations
+from profiler.noise import flag_parts, with_flag
 from profiler.progress import Progress
 from sailor_hpc.core.archive import (
     EMBEDDED_ARCHIVE,
@@ -71,7 +72,8 @@ from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.models import get_model
 from sailor_hpc.core.precision import DTYPES
 from sailor_hpc.core.site import Site
-from sailor_hpc.slurm.commands import SlurmRefused
+from sailor_hpc.slurm.commands import SlurmRefused, show_nodes
+from sailor_hpc.slurm.container import rank_wrapper
 from sailor_hpc.slurm.status import JobStatus, poll_jobs
 from sailor_hpc.slurm.submit import cancel_job
 from sailor_hpc.slurm.watch import JobWatcher
@@ -330,6 +332,45 @@ def reattach(units: Sequence[Unit], state: dict[str, Any]) -> None:
 
 # ------------------------------------------------------------------------------------------- submitting
 
+def shared_hosts(partitions: Sequence[str]) -> dict[str, list[str]]:
+    """Machines that carry several Slurm nodes of ``partitions`` (``NodeHostname``), with those nodes: a test lab
+    runs one slurmd per fake node on one host. None on a cluster whose nodes are machines of their own."""
+    by_host: dict[str, list[str]] = defaultdict(list)
+    for node in show_nodes():
+        if set(node.partitions) & set(partitions):
+            by_host[node.raw.get("NodeHostname") or node.name].append(node.name)
+    return {host: sorted(nodes) for host, nodes in sorted(by_host.items()) if len(nodes) > 1}
+
+
+@dataclass
+class Queue:
+    """How a sweep queues its measuring jobs so that none times another's work (on the 2-core test lab, 13
+    jobs at once measured 3-7x what training then took). Every job owns its nodes (``--exclusive``:
+    :meth:`profiler.executors.JobSettings.per_component`). Where Slurm's nodes share a machine
+    (:func:`shared_hosts`), exclusive nodes still share its cores, so there the jobs also run one after the
+    other: each after the jobs submitted before it, an array's elements one at a time."""
+
+    shared: dict[str, list[str]] = field(default_factory=dict)
+    after: list[str] = field(default_factory=list)  # the jobs the next one waits for
+
+    @property
+    def serial(self) -> bool:
+        return bool(self.shared)
+
+    def options(self) -> dict[str, Any]:
+        """``make_executor``'s ordering arguments for the next job."""
+        return {"after": tuple(self.after), "one_at_a_time": True} if self.serial else {}
+
+    def submitted(self, job_id: str) -> None:
+        if self.serial:
+            self.after = [job_id.split("_")[0]]  # an array element's id: the array's, which ends with its last
+
+    def why(self) -> str:
+        machines = "; ".join(f"{', '.join(nodes)} on {host}" for host, nodes in self.shared.items())
+        return (f"Slurm nodes share a machine ({machines}): measuring jobs run one at a time, so that none "
+                "times another's work")
+
+
 def _settings(cfg: SweepConfig) -> JobSettings:
     return JobSettings(folder=cfg.folder, python=cfg.python, time_min=cfg.time_min, site=cfg.site, begin=cfg.begin,
                        setup=tuple(cfg.site.prelude))
@@ -367,11 +408,12 @@ def network_task(cfg: SweepConfig, link: NetworkLink) -> NetworkTask:
     return NetworkTask(site_key=network_site_key(cfg.site.name, cfg.cpu), kind=link.kind, a=link.a, b=link.b,
                        senders=link.senders, nodes=nodes, sizes=cfg.message_sizes, archive=str(cfg.archive),
                        cpu=cfg.cpu, sweep=str(cfg.folder), folder=str(cfg.folder), python=cfg.python,
-                       iters=cfg.net_iters)
+                       iters=cfg.net_iters, wrapper=rank_wrapper(cfg.site.container))
 
 
-def submit_compute(cfg: SweepConfig, units: Sequence[Unit], *, remeasure: bool = True) -> None:
+def submit_compute(cfg: SweepConfig, units: Sequence[Unit], *, remeasure: bool = True, queue: Queue | None = None) -> None:
     settings = _settings(cfg)
+    queue = queue or Queue()
     spec = get_model(cfg.model)
     for (part_name, tp), group in compute_groups(cfg, units, remeasure=remeasure).items():
         members = [u for chunk, _ in group for u in chunk]
@@ -379,8 +421,9 @@ def submit_compute(cfg: SweepConfig, units: Sequence[Unit], *, remeasure: bool =
         tasks = [task for _, task in group]
         alloc = Allocation(cfg.site.partition(part_name), nodes=1, tasks_per_node=tp)
         try:
-            ex = make_executor(settings, alloc, job_name=f"sailor-prof-{spec.name}-{part_name}-tp{tp}")
+            ex = make_executor(settings, alloc, job_name=f"sailor-prof-{spec.name}-{part_name}-tp{tp}", **queue.options())
             jobs = ex.map_array(compute_job, tasks) if len(tasks) > 1 else [ex.submit(compute_job, tasks[0])]
+            queue.submitted(str(jobs[-1].job_id))
         except SailorError:
             raise
         except Exception as exc:  # noqa: BLE001 - sbatch refused: every point of the group failed
@@ -391,8 +434,9 @@ def submit_compute(cfg: SweepConfig, units: Sequence[Unit], *, remeasure: bool =
                 u.status, u.job_id, u.reason = "queued", str(job.job_id), ""
 
 
-def submit_network(cfg: SweepConfig, units: Sequence[Unit]) -> None:
+def submit_network(cfg: SweepConfig, units: Sequence[Unit], *, queue: Queue | None = None) -> None:
     settings = _settings(cfg)
+    queue = queue or Queue()
     for u in units:
         if u.link is None or u.status != "pending":
             continue
@@ -403,8 +447,9 @@ def submit_network(cfg: SweepConfig, units: Sequence[Unit]) -> None:
         het = Allocation(cfg.site.partition(link.b), 1, link.senders) if link.het else None
         try:
             ex = make_executor(settings, Allocation(a, nodes, link.senders), one_task=True, het=het,
-                               job_name=f"sailor-net-{link.kind}-{link.a}-{link.b}-k{link.senders}")
+                               job_name=f"sailor-net-{link.kind}-{link.a}-{link.b}-k{link.senders}", **queue.options())
             job = ex.submit(network_job, task)
+            queue.submitted(str(job.job_id))
         except SailorError:
             raise
         except Exception as exc:  # noqa: BLE001
@@ -474,13 +519,14 @@ def measure_locally(cfg: SweepConfig, units: Sequence[Unit], progress: Progress,
     progress.update(_counts(units))
 
 
-def _measure(cfg: SweepConfig, units: Sequence[Unit], progress: Progress, deadline: float | None) -> None:
+def _measure(cfg: SweepConfig, units: Sequence[Unit], progress: Progress, deadline: float | None,
+             queue: Queue) -> None:
     """Measure the pending units (Slurm jobs, or local processes) and record every outcome."""
     if cfg.local:
         measure_locally(cfg, units, progress, deadline)
         return
-    submit_compute(cfg, units)
-    submit_network(cfg, units)
+    submit_compute(cfg, units, queue=queue)
+    submit_network(cfg, units, queue=queue)
     save_state(cfg, units)
     for u in units:
         if u.status == "failed":
@@ -679,7 +725,8 @@ def non_monotonic(cfg: SweepConfig, units: Sequence[Unit], archive: ProfileArchi
     return found
 
 
-def recheck_monotonic(cfg: SweepConfig, units: Sequence[Unit], progress: Progress, deadline: float | None) -> None:
+def recheck_monotonic(cfg: SweepConfig, units: Sequence[Unit], progress: Progress, deadline: float | None,
+                      queue: Queue | None = None) -> None:
     """Points that break monotonicity across jobs are measured once more (those a job flagged itself were
     already), then flagged in the archive if they still break it. A re-measure that fails keeps the first
     measurement: the point is in the archive, and a resumed sweep would not measure it again."""
@@ -690,7 +737,8 @@ def recheck_monotonic(cfg: SweepConfig, units: Sequence[Unit], progress: Progres
         assert u.point is not None
         return archive.compute[(name, u.point.gpu_key, cfg.dtype)][(u.point.mbs, u.point.tp)]
 
-    again = [(u, why) for u, why in non_monotonic(cfg, units, archive).values() if not entry(u).flag]
+    again = [(u, why) for u, why in non_monotonic(cfg, units, archive).values()
+             if MONOTONIC not in flag_parts(entry(u).flag)]
     if again:
         for u, why in again:
             progress.message(f"measuring again: {u.key}: {why}")
@@ -701,7 +749,8 @@ def recheck_monotonic(cfg: SweepConfig, units: Sequence[Unit], progress: Progres
         if cfg.local:
             measure_locally(again_cfg, units, progress, deadline, remeasure=False)
         else:
-            submit_compute(again_cfg, [u for u, _ in again], remeasure=False)
+            submit_compute(again_cfg, [u for u, _ in again], remeasure=False,
+                           queue=Queue(queue.shared) if queue else None)  # the first jobs have ended
             save_state(cfg, units)
             _watch(cfg, units, progress, deadline)
         for u, why in again:
@@ -709,7 +758,8 @@ def recheck_monotonic(cfg: SweepConfig, units: Sequence[Unit], progress: Progres
                 f"first measurement kept; measuring again failed: {u.reason}"
             u.status = "ok"
         archive = _archive_or_empty(cfg.archive)
-    flags = [(u, replace(entry(u), flag=why)) for u, why in non_monotonic(cfg, units, archive).values()]
+    flags = [(u, replace(entry(u), flag=with_flag(entry(u).flag, why, MONOTONIC)))
+             for u, why in non_monotonic(cfg, units, archive).values()]
     for u, e in flags:
         u.reason = f"flagged: {e.flag}"
         progress.message(f"flagged: {u.key}: {e.flag}")
@@ -730,10 +780,14 @@ def run_sweep(cfg: SweepConfig, progress: Progress | None = None) -> SweepReport
             reattach(units, load_state(cfg.folder))
     progress = progress or Progress(len(units))
     deadline = None if cfg.timeout_s is None else time.monotonic() + cfg.timeout_s
+    queue = Queue() if cfg.local else Queue(shared_hosts(cfg.part_names))
+    if queue.serial:
+        progress.message(queue.why())
+        queue.after = open_jobs(units)  # re-attached jobs of the run before: the first new job waits for them
     try:
-        _measure(cfg, units, progress, deadline)
+        _measure(cfg, units, progress, deadline, queue)
         if cfg.compute:
-            recheck_monotonic(cfg, units, progress, deadline)
+            recheck_monotonic(cfg, units, progress, deadline, queue)
     except KeyboardInterrupt:
         raise SweepInterrupted(open_jobs(units)) from None
     finally:

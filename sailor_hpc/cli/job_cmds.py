@@ -179,7 +179,7 @@ def _render(plan_file: Path, site_file: Path, model: str | None, data: str | Non
                                         skip_runtime_check=skip_runtime_check))
         else:
             check_checkpoints(plan.model, checkpoints)
-            if not skip_runtime_check:
+            if not skip_runtime_check and site.container is None:  # a container's interpreter is not this machine's
                 warn_interpreter(python, modules)
         copy = plan_path != plan_file.absolute()
         if entry is not None:

@@ -32,6 +32,7 @@ from sailor_hpc.core.models import get_model
 from sailor_hpc.core.paths import writable_dir
 from sailor_hpc.core.site import Site
 from sailor_hpc.jobs.render import cluster_submit_env
+from sailor_hpc.slurm.container import rank_wrapper
 from sailor_hpc.slurm.control import PROBE_WAIT_S, run_probe
 from sailor_hpc.slurm.discover import check_reachable, missing_partitions
 
@@ -83,7 +84,9 @@ def check_before_queue(needs: JobNeeds) -> None:
         check_archive(needs.archive)
     if needs.model is not None:
         check_checkpoints(needs.model, needs.checkpoints)
-    missing = None if needs.skip_runtime_check else missing_modules(needs.python, needs.modules)
+    # in a container, the interpreter at that path is the image's: this machine's file of that name is no judge
+    not_here = needs.skip_runtime_check or needs.site.container is not None
+    missing = None if not_here else missing_modules(needs.python, needs.modules)
     refuse_missing(needs.python, missing)
     check_slurm(needs.site, needs.partitions, submitit=needs.submitit)
     if not needs.skip_runtime_check and missing is None:
@@ -142,7 +145,8 @@ def missing_modules_on(site: Site, partition: str, python: str, modules: tuple[s
     seconds: for an interpreter this machine does not see."""
     cluster = site.partition(partition).cluster
     env = cluster_submit_env(site, cluster, os.environ) if cluster else None
-    proc = run_probe(partition, [python, "-c", _PROBE, *modules], env)
+    wrapper = rank_wrapper(site.container)
+    proc = run_probe(partition, wrapper.command([python, "-c", _PROBE, *modules]), env, options=wrapper.srun_options)
     if "Unable to allocate resources" in proc.stderr or "Immediate execution impossible" in proc.stderr:
         raise SailorError(f"a one-task job on partition {partition} could not start within {PROBE_WAIT_S} s to check "
                           "the compute side's interpreter", file=python, field="--python",

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from sailor_hpc.core.clusters import Cluster, Links, check_cluster_links, parse_between, parse_clusters
+from sailor_hpc.core.container import Container, parse_container
 from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.fields import Fields, read_text
 from sailor_hpc.core.network import LinkTable, NetworkFit, require_table
@@ -131,6 +132,7 @@ class Site:
     cost_unit: str = "GPU-hours"
     slurm: SlurmDefaults = SlurmDefaults()
     prelude: tuple[str, ...] = ()
+    container: Container | None = None  # the image every job's ranks run in (None: the nodes' own system)
     archive: str = ""  # path of the shared profile archive ("" = embedded default)
     source: str | None = None  # file it was read from
     clusters: tuple[Cluster, ...] = ()  # empty: one cluster, the default Slurm
@@ -208,6 +210,8 @@ class Site:
         doc["slurm"] = {"account": self.slurm.account, "qos": self.slurm.qos, "constraint": self.slurm.constraint,
                         "extra_sbatch": list(self.slurm.extra_sbatch)}
         doc["environment"] = {"prelude": list(self.prelude)}
+        if self.container is not None:
+            doc["environment"]["container"] = self.container.to_dict()
         doc["profiles"] = {"archive": self.archive}
         doc["gpu_types"] = {g.name: {"memory_gib": memory_gib(g.memory_bytes), "aliases": list(g.aliases),
                                      **({"peak_tflops": g.peak_tflops} if g.peak_tflops else {}),
@@ -377,6 +381,8 @@ def load_site_dict(data: dict[str, Any], source: object | None = None) -> Site:
     defaults = _parse_slurm(f.sub("slurm", f.opt("slurm", dict, {})))
     env = f.sub("environment", f.opt("environment", dict, {}))
     prelude = env.opt("prelude", list, [])
+    raw_container = env.opt("container", dict)
+    container = None if raw_container is None else parse_container(env.sub("container", raw_container), source)
     env.done()
     if not all(isinstance(line, str) for line in prelude):
         raise f.error("environment.prelude", "must be a list of shell lines (strings)")
@@ -395,8 +401,8 @@ def load_site_dict(data: dict[str, Any], source: object | None = None) -> Site:
     cost_unit = f.opt("cost_unit", str, "GPU-hours")
     f.done()
     return Site(name=name, partitions=parts, gpu_types=gpu_types, cost_unit=cost_unit,
-                slurm=defaults, prelude=tuple(prelude), archive=archive, source=None if source is None else str(source),
-                clusters=clusters, links=links)
+                slurm=defaults, prelude=tuple(prelude), container=container, archive=archive,
+                source=None if source is None else str(source), clusters=clusters, links=links)
 
 
 def _island_clusters(f: Fields, parts: tuple[Partition, ...]) -> dict[str, str]:

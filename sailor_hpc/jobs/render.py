@@ -49,6 +49,7 @@ from sailor_hpc.jobs.options import (
     parse_time_limit,
 )
 from sailor_hpc.slurm import safety
+from sailor_hpc.slurm.container import rank_wrapper
 from sailor_hpc.slurm.handle import SlurmCluster
 
 DEFAULT_TIME = "01:00:00"
@@ -279,6 +280,8 @@ def render_job_script(plan: Plan, site: Site, options: JobOptions) -> str:
         if any(c in line for c in "\n\r\x00"):
             raise SailorError("prelude lines must be single lines", file=site.source, field=f"environment.prelude[{i}]")
     in_place = scope.run_dir if isinstance(scope, InPlace) else None
+    python = safety.q(safety.quoted_python_exe(o.python or sys.executable))
+    wrapper = rank_wrapper(site.container, workdir)
     ctx: dict[str, Any] = {
         "version": __version__, "model": name, "model_q": safety.q(name), "num_ranks": layout.world_size,
         "num_tasks": layout.num_tasks,
@@ -297,7 +300,11 @@ def render_job_script(plan: Plan, site: Site, options: JobOptions) -> str:
         "load": safety.q(safety.shell_path(load, "--load")) if load is not None else "",
         "steps": o.steps, "train_args": [safety.q(a) for a in o.train_args],
         "launch_module": o.launch_module, "entry": entry,
-        "python": safety.q(safety.quoted_python_exe(o.python or sys.executable)),
+        "python": python, "container_prefix": wrapper.shell_prefix, "container_srun": wrapper.shell_srun_options,
+        "container": f"{site.container.runtime} {site.container.image}" if site.container else "",
+        # the batch script's own steps (the in-place re-plan) call Slurm's clients, which a container lacks:
+        # they run outside it, with sailor-hpc's own interpreter, which the nodes see as they see its folders
+        "host_python": safety.q(safety.quoted_python_exe(sys.executable)) if site.container else python,
         "exit_saved_on_signal": EXIT_SAVED_ON_SIGNAL,
         "partitions": ",".join(part.partitions) if part.partitions else "", "hosts_rendezvous": part.hosts_rendezvous,
         "cluster": part.cluster or "",

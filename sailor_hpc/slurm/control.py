@@ -94,13 +94,14 @@ def node_address(node: str, env: Env = None) -> str | None:
 PROBE_WAIT_S = 60  # a one-task probe job that cannot start within this is given up (srun --immediate)
 
 
-def run_probe(partition: str, argv: Sequence[str], env: Env = None,
-              timeout: float = PROBE_WAIT_S + 60.0) -> subprocess.CompletedProcess[str]:
+def run_probe(partition: str, argv: Sequence[str], env: Env = None, timeout: float = PROBE_WAIT_S + 60.0, *,
+              options: Sequence[str] = (), job_name: str = "sailor-preflight") -> subprocess.CompletedProcess[str]:
     """Run ``argv`` as a one-task job of a few seconds on a node of ``partition`` (``srun``: its output comes back
-    here), for what only the compute nodes can answer (their interpreter's modules). The job waits at most
-    ``PROBE_WAIT_S`` for a node (``--immediate``); its exit code is the caller's to judge."""
+    here), for what only the compute nodes can answer (their interpreter's modules, GPUs, folders). The job
+    waits at most ``PROBE_WAIT_S`` for a node (``--immediate``); its exit code is the caller's to judge.
+    ``options``: more ``srun`` options (the GPUs to ask for, the container of pyxis)."""
     return run_slurm(["srun", f"--partition={partition}", "--ntasks=1", "--cpus-per-task=1", "--time=1",
-                      f"--immediate={PROBE_WAIT_S}", "--job-name=sailor-preflight", "--quiet", *argv], env,
+                      f"--immediate={PROBE_WAIT_S}", f"--job-name={job_name}", "--quiet", *options, *argv], env,
                      check=False, timeout=timeout)
 
 

@@ -387,6 +387,59 @@ def test_a_point_that_stays_non_monotonic_is_flagged(one_rank, monkeypatch):
     assert calls == {1: 1, 2: 1} and all(p.flag for p in res.points)  # re-runs of the sweep driver: flag only
 
 
+def _noisy_points(monkeypatch, loud: dict[int, int]):
+    """Synthetic points of 1 ms x mbs per layer whose first ``loud[mbs]`` measurements have a 60 % spread (a
+    busy node) and a median 3x too slow; the later ones 2 %."""
+    from profiler.compute import LayerProfiler, PointResult
+    from sailor_hpc.core.archive import PointSpread
+    calls: dict[int, int] = {}
+
+    def fake(self, mbs):
+        calls[mbs] = calls.get(mbs, 0) + 1
+        busy = calls[mbs] <= loud.get(mbs, 0)
+        L, s = self.spec.num_pipeline_layers, 0.6 if busy else 0.02
+        return PointResult(mbs=mbs, times=np.full((L, 3), 1e-3 * mbs * (3.0 if busy else 1.0)),
+                           spread=PointSpread(np.full((L, 3), s), (s, s), 20), info={"warmup_reps": 3})
+
+    monkeypatch.setattr(LayerProfiler, "measure_point", fake)
+    return calls
+
+
+def test_a_noisy_point_is_measured_again_and_the_quiet_measurement_kept(one_rank, monkeypatch):
+    import torch
+
+    from profiler.compute import profile_compute
+    calls = _noisy_points(monkeypatch, {2: 1})  # mbs 2's first measurement ran beside other work
+    res = profile_compute(get_model("tiny-gpt"), [1, 2, 4], tp_group=one_rank, device=torch.device("cpu"), **QUICK)
+    assert calls == {1: 1, 2: 2, 4: 1}
+    points = {p.mbs: p for p in res.points}
+    assert points[2].times[0, 0] == 2e-3 and points[2].spread.model == (0.02, 0.02) and not points[2].flag
+    assert points[2].info["measurements"] == 2 and "measurements" not in points[1].info
+
+
+def test_a_point_that_stays_noisy_is_measured_three_times_then_flagged(one_rank, monkeypatch):
+    import torch
+
+    from profiler.compute import profile_compute
+    from profiler.noise import NOISY, QUIET_RETRIES, flag_parts
+    calls = _noisy_points(monkeypatch, {1: 99})
+    res = profile_compute(get_model("tiny-gpt"), [1, 2], tp_group=one_rank, device=torch.device("cpu"), **QUICK)
+    assert calls == {1: 1 + QUIET_RETRIES, 2: 1} == {1: 3, 2: 1}  # bounded: three measurements in all
+    points = {p.mbs: p for p in res.points}
+    assert points[1].flag == ("noisy: spread forward 60 %, backward 60 % over 20 repetitions, above 20 %: the node "
+                              "was busy (other work on its cores or GPU), so the median may be off by as much")
+    assert set(flag_parts(points[1].flag)) == {NOISY} and points[1].info["measurements"] == 3 and not points[2].flag
+
+
+def test_flag_parts_of_both_kinds_are_kept_apart():
+    from profiler.noise import NOISY, flag_parts, with_flag
+    both = with_flag("noisy: spread forward 60 %", "not monotonic: forward 1 ms at mbs 2 is below", "not monotonic")
+    assert flag_parts(both) == {NOISY: "noisy: spread forward 60 %",
+                                "not monotonic": "not monotonic: forward 1 ms at mbs 2 is below"}
+    assert with_flag(both, "", NOISY) == "not monotonic: forward 1 ms at mbs 2 is below"
+    assert with_flag("", "", NOISY) == ""
+
+
 def _fake_point_rank(job_id: int, task) -> None:
     """A TP-1 profiling job (compute_job itself, its archive writes included) whose mbs-2 point is always
     below mbs 1 (the synthetic points above), in a process of its own."""
@@ -510,6 +563,7 @@ def test_jobs_get_real_paths_from_a_relative_path_through_a_symlink(tmp_path, mo
     monkeypatch.chdir(tmp_path)
     _FakeExecutor.tasks = []
     monkeypatch.setattr(sweep, "make_executor", lambda *a, **k: _FakeExecutor())
+    monkeypatch.setattr(sweep, "shared_hosts", lambda _partitions: {})  # no Slurm to ask
     monkeypatch.setattr(sweep, "JobWatcher", _EndAtOnce)
     monkeypatch.setattr(sweep, "job_result", lambda folder, jid, st: (None, f"job {jid} FAILED"))
     cfg = SweepConfig(site=load_site(LOCAL_LAB), model="tiny-gpt", archive=Path("link/../link/a.h5"),
@@ -638,6 +692,35 @@ def test_het_profiling_jobs_give_every_component_the_sites_per_component_options
     assert "--mail-type=END" in first and "--mail-type" not in second
 
 
+def test_measuring_jobs_own_their_nodes_and_queue_one_at_a_time_on_a_shared_machine(tmp_path):
+    """Every component of a measuring job asks for its nodes alone (--exclusive); where Slurm's nodes are one
+    machine, the sweep's Queue makes each job wait for the one before and an array run element by element."""
+    from profiler.executors import Allocation, JobSettings, make_executor
+    from profiler.sweep import Queue
+    site = load_site(LOCAL_LAB)
+    a100, v100 = site.partitions
+    settings = JobSettings(folder=tmp_path, python="python3", time_min=5, site=site)
+    compute = make_executor(settings, Allocation(a100, 1, 2), job_name="compute")
+    lines = compute._make_submission_file_text("true", "uid").split("\n")
+    assert "#SBATCH --exclusive" in lines and not any("--dependency" in x for x in lines)
+    het = make_executor(settings, Allocation(a100, 1, 1), job_name="net", one_task=True, het=Allocation(v100, 1, 1))
+    first, _, second = het._make_submission_file_text("true", "uid").partition("#SBATCH hetjob")
+    assert "#SBATCH --exclusive" in first.split("\n") and "#SBATCH --exclusive" in second.split("\n")
+
+    queue = Queue({"localhost": ["a100-1", "a100-2", "v100-1", "v100-2"]})
+    assert queue.options() == {"after": (), "one_at_a_time": True}  # the first job waits for nothing
+    queue.submitted("41_2")  # an array: the next job waits for all of it
+    array = make_executor(settings, Allocation(a100, 1, 1), job_name="compute", **queue.options())
+    array.parameters["map_count"] = 3  # what submitit sets when it submits an array of 3
+    lines = array._make_submission_file_text("true", "uid").split("\n")
+    assert "#SBATCH --dependency=afterany:41" in lines and "#SBATCH --array=0-2%1" in lines
+    assert "#SBATCH --exclusive" in lines
+    assert "a100-1, a100-2, v100-1, v100-2 on localhost" in queue.why()
+    apart = Queue()  # nodes that are machines of their own: no ordering beyond --exclusive
+    apart.submitted("41")
+    assert apart.options() == {} and not apart.serial
+
+
 def test_the_sweep_measures_a_pair_across_jobs_again_then_flags_it(tmp_path, monkeypatch):
     """Two jobs measured mbs 1 and mbs 2 (one point each, so neither could compare them): the driver finds
     mbs 2 below mbs 1, submits both once more in one job that may not measure a third time, and flags both
@@ -660,7 +743,7 @@ def test_the_sweep_measures_a_pair_across_jobs_again_then_flags_it(tmp_path, mon
              for b in (1, 2, 4)]
     submitted: list = []
 
-    def resubmit(cfg_, todo, *, remeasure):
+    def resubmit(cfg_, todo, *, remeasure, queue=None):
         submitted.append(([u.point.mbs for u in todo], remeasure, cfg_.points_per_job))
         for u in todo:
             u.status, u.job_id = "queued", "77"
