@@ -44,15 +44,16 @@ class DistEnv:
 
 
 #: what the launcher sets, the smallest and largest value each may take (ranks count from 0; a port is 1..65535)
-_BOUNDS = {"RANK": (0, None), "WORLD_SIZE": (1, None), "LOCAL_RANK": (0, None), "SLURM_PROCID": (0, None),
-           "SLURM_NTASKS": (1, None), "SLURM_LOCALID": (0, None), "MASTER_PORT": (1, 65535)}
+ENV_BOUNDS: dict[str, tuple[int, int | None]] = {
+    "RANK": (0, None), "WORLD_SIZE": (1, None), "LOCAL_RANK": (0, None), "SLURM_PROCID": (0, None),
+    "SLURM_NTASKS": (1, None), "SLURM_LOCALID": (0, None), "MASTER_PORT": (1, 65535)}
 
 
 def _int(env: Mapping[str, str], key: str, default: int | None = None) -> int:
-    """The integer variable ``key`` (``default`` when unset), within its :data:`_BOUNDS`."""
+    """The integer variable ``key`` (``default`` when unset), within its :data:`ENV_BOUNDS`."""
     if key not in env and default is not None:
         return default
-    low, high = _BOUNDS[key]
+    low, high = ENV_BOUNDS[key]
     fix = f"the launcher sets {key}; export an integer from {low}" + (f" to {high}" if high is not None else "")
     try:
         value = int(env[key])

@@ -53,7 +53,8 @@ def load_run(path: str | Path, *, model: str | None = None, site: Site | None = 
             except SailorError as exc:
                 raise SailorError(exc.message, file=path, field="model", fix=exc.fix) from None
             if have != wanted:
-                raise SailorError(f"plan is for {run.plan.model}, not {model}", file=path, field="model")
+                raise SailorError(f"plan is for {run.plan.model}, not {model}", file=path, field="model",
+                                  fix=f"train {run.plan.model} (--model {run.plan.model}), or plan {model}")
     if validate:
         validate_plan(run.plan, site, source=path,
                       check_placement=site is not None and all(s.placement for p in run.plan.pipelines for s in p.stages))

@@ -117,7 +117,8 @@ def check_values(values: Mapping[str, Any]) -> None:
             raise SailorError(f"both --lr-{unit}-iters and --lr-{unit}-samples given", field=f"--lr-{unit}-samples",
                               fix="count the schedule in steps or in samples, not both")
     if merged["min_lr"] > merged["lr"]:
-        raise SailorError(f"--min-lr {merged['min_lr']} exceeds --lr {merged['lr']}", field="--min-lr")
+        raise SailorError(f"--min-lr {merged['min_lr']} exceeds --lr {merged['lr']}", field="--min-lr",
+                          fix="the decay ends at --min-lr: give it a value no larger than the peak --lr")
     split = parse_split(merged["split"])
     if merged["eval_interval"] and split[1] == 0:
         raise SailorError("--eval-interval needs a valid split", field="--split",
