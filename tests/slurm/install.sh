@@ -1,10 +1,11 @@
 #!/bin/bash
-# Install the Debian packages needed for the local test Slurm cluster (tests/slurm/start.sh).
+# Install the Debian packages needed for the local test Slurm cluster (tests/slurm/start.sh), and
+# Charliecloud's ch-run, the container runtime the container jobs' tests run ranks in.
 # Idempotent: a fast no-op when everything is already installed. Needs root (apt-get).
 set -euo pipefail
-PKGS="slurmctld slurmd slurm-client munge slurmdbd mariadb-server-core mariadb-client-core"
+PKGS="slurmctld slurmd slurm-client munge slurmdbd mariadb-server-core mariadb-client-core charliecloud-runtime"
 # binaries that must exist afterwards (checked before and after installing)
-BINS="slurmctld slurmd sinfo scontrol sbatch srun squeue sacct sacctmgr scancel munged munge unmunge slurmdbd mariadbd mariadb-install-db mariadb my_print_defaults"
+BINS="slurmctld slurmd sinfo scontrol sbatch srun squeue sacct sacctmgr scancel munged munge unmunge slurmdbd mariadbd mariadb-install-db mariadb my_print_defaults ch-run"
 
 missing_pkgs() {
   local p out=""
