@@ -399,7 +399,8 @@ def geo_search(site: Site, archive: ProfileArchive, request: PlanRequest, *,
     return SearchResult(request, merged, time.perf_counter() - t0,
                         local.allocations_scored if local else 0,
                         (local.plans_simulated if local else 0) + len(crossing),
-                        local.rejected if local else {}, [*(local.simulated if local else []), *crossing])
+                        local.rejected if local else {}, [*(local.simulated if local else []), *crossing],
+                        local.scored if local else [])
 
 
 def gpus_per_cluster(plan: Plan, site: Site) -> dict[str, int]:

@@ -23,6 +23,7 @@ from planner.candidates import (
     ESTIMATE_SLACK,
     Candidate,
     Progress,
+    ScoredAllocation,
     SearchResult,
     best_over_dtypes,
     candidate_dtypes,
@@ -118,7 +119,9 @@ def search(site: Site, archive: ProfileArchive, request: PlanRequest, *, setting
     best, simulated, rejected, fitting = _simulate_best(site, archive, request, allocations, settings)
     if not best:
         raise infeasible(request, site, rejected, fitting, scored)
-    return SearchResult(request, best, time.perf_counter() - t0, scored, simulated, rejected, fitting)
+    gbs = request.global_batch_size
+    points = [ScoredAllocation(a.gpus, a.cost_per_hour, gbs / a.time_s) for a in allocations]
+    return SearchResult(request, best, time.perf_counter() - t0, scored, simulated, rejected, fitting, points)
 
 
 def _search_dtypes(site: Site, archive: ProfileArchive, request: PlanRequest, settings: SearchSettings | None,

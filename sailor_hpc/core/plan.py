@@ -103,6 +103,10 @@ class Plan:
                 out[s.gpu_type] += s.tp
         return dict(out)
 
+    def gpus_label(self) -> str:
+        """The GPUs by type, as tables and charts name a plan: ``64 A100-40 + 256 V100-16``."""
+        return " + ".join(f"{n} {g}" for g, n in self.gpus_by_type().items())
+
     def gpus_by_partition(self) -> dict[str, int]:
         out: dict[str, int] = defaultdict(int)
         for p in self.pipelines:
