@@ -141,6 +141,9 @@ class StartModel:
                 return Window(replace(tested, detail=self.timeline.freed_by(shape, start)), limit_s)
             source = IDLE_NOW if start == 0 else TIMELINE
             return Window(StartEstimate(start, source, self.timeline.freed_by(shape, start)), min(limit_s, end - start))
+        never = next((why for p, g in shape if (why := self.timeline.never_fits(p, g))), "")
+        if never:  # --test-only may still answer a start: a reservation without end is never over
+            return Window(StartEstimate(math.inf, SITE_STATE, never), limit_s)
         if tested is not None:
             return Window(tested, limit_s)
         return self._from_history(shape, limit_s)
@@ -156,10 +159,7 @@ class StartModel:
         return base is None or base[0] < start
 
     def _from_history(self, shape: RequestShape, limit_s: float) -> Window:
-        """No start on the timeline (GPUs held with no end, or more than the nodes have): the history."""
-        never = next((why for p, g in shape if (why := self.timeline.never_fits(p, g))), "")
-        if never:
-            return Window(StartEstimate(math.inf, SITE_STATE, never), limit_s)
+        """No start on the timeline (GPUs held by a job with no end): the history."""
         waits = [self.snapshot.history_wait(part, len(gpus)) for part, gpus in shape]
         if not waits or any(w is None for w in waits):
             return Window(StartEstimate(math.inf, TIMELINE, "held without end, and no wait history"), limit_s)
