@@ -655,7 +655,8 @@ def plan_timeline(plan: Plan, site: Site, archive: ProfileArchive | None = None,
                            [x.act for x in xs], [x.grad for x in xs], a.micro_batches,
                            a.ev.collectives(a.costs, a.ends), update, [x.asynchronous for x in xs],
                            a.ev.options.runtime_model.serial_exchange)
-    return Timeline(tuple(run_programs(progs)))
+    gpu_types = {(i, s): stage.gpu_type for i, pipe in enumerate(a.plan.pipelines) for s, stage in enumerate(pipe.stages)}
+    return Timeline(tuple(run_programs(progs)), gpu_types)
 
 
 def _result(plan: Plan, site: Site, ev: StageEvaluator, costs, timing: IterationTiming) -> SimResult:

@@ -16,14 +16,17 @@ the analytic model, so agreement between the two is a real check.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sailor_hpc.core.atomic import atomic_path, atomic_write_text
 from sailor_hpc.core.errors import SailorError
 from simulator.iteration import Collective, StageKey, last_met
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 COLORS = {"fwd": "#4c72b0", "bwd": "#55a868", "send_act": "#c4a000", "recv_act": "#c4a000", "send_grad": "#dd8452",
           "recv_grad": "#dd8452", "post_act": "#e9d98a", "post_grad": "#f0c0a0", "exchange": "#c4a000",
@@ -284,6 +287,7 @@ def _meet(progs: dict[StageKey, list[_Op]], pc: dict[StageKey, int], clock: dict
 @dataclass(frozen=True)
 class Timeline:
     events: tuple[Event, ...]
+    gpu_types: Mapping[StageKey, str] = field(default_factory=dict)  # (pipeline, stage) -> GPU type: row names
 
     @property
     def iteration_time_s(self) -> float:
@@ -316,6 +320,9 @@ class Timeline:
     def write_png(self, path: str | Path, title: str = "") -> None:
         write_gantt(self, path, title)
 
+    def figure(self, title: str = "") -> Figure:
+        return gantt_figure(self, title)
+
 
 DENSE_EVENTS = 80  # work events in one row beyond which the whole iteration is drawn binned, with a zoom
 BINS = 600
@@ -328,7 +335,9 @@ _LEGEND = [("fwd", "forward"), ("bwd", "backward"), ("send_act", "activation tra
 
 def chart_rows(timeline: Timeline) -> list[tuple[str, StageKey]]:
     """One row per distinct rank schedule: replicas whose events are identical (same kinds, same times) share
-    a row, labelled with how many it stands for; a 64-replica plan is as many rows as it has shapes."""
+    a row, labelled with how many it stands for; a 64-replica plan is as many rows as it has shapes. A row is
+    named by its GPU type and stage (what tells a mixed plan's rows apart), then the pipeline(s) it draws:
+    ``V100-16 stage 1 (p16 +63 identical)``."""
     by_rank: dict[StageKey, list[tuple]] = {}
     for e in timeline.events:
         by_rank.setdefault((e.pipeline, e.stage), []).append((e.kind, round(e.start, 9), round(e.end, 9)))
@@ -338,7 +347,9 @@ def chart_rows(timeline: Timeline) -> list[tuple[str, StageKey]]:
     rows = []
     for ranks in sorted(groups.values()):
         p, s = ranks[0]
-        rows.append((f"p{p} s{s}" + (f" (+{len(ranks) - 1} identical)" if len(ranks) > 1 else ""), ranks[0]))
+        gpu = timeline.gpu_types.get((p, s))
+        name = f"{gpu} stage {s}" if gpu else f"stage {s}"
+        rows.append((f"{name} (p{p}" + (f" +{len(ranks) - 1} identical)" if len(ranks) > 1 else ")"), ranks[0]))
     return rows
 
 
@@ -397,16 +408,20 @@ def present_transfer(timeline: Timeline) -> bool:
 
 
 def write_gantt(timeline: Timeline, path: str | Path, title: str = "") -> None:
-    """Per-rank Gantt chart of one iteration (matplotlib, no display needed).
+    """:func:`gantt_figure` as a PNG, written atomically (the user's path in any error; nothing half-written)."""
+    fig = gantt_figure(timeline, title)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=110, format="png")
+
+
+def gantt_figure(timeline: Timeline, title: str = "") -> Figure:
+    """Per-rank Gantt chart of one iteration (matplotlib, no display needed; tests read the figure back).
 
     Identical replicas share a row (:func:`chart_rows`). Up to :data:`DENSE_EVENTS` events a row, every
     event is drawn; beyond, the first panel shows the whole iteration binned (what takes most of each
     slice: pipeline fill and drain, steady state, all-reduce tail) and a second panel the first micro-batches
     in full, where the schedule's pattern shows (later micro-batches repeat it)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
     from matplotlib.patches import Patch
 
     rows = chart_rows(timeline)
@@ -416,7 +431,8 @@ def write_gantt(timeline: Timeline, path: str | Path, title: str = "") -> None:
     work = max(sum(1 for e in events[k] if e.kind in ("fwd", "bwd")) for _, k in rows)
     dense = work > DENSE_EVENTS
     height = max(2.6, 0.3 * len(rows) + 1.2)
-    fig, axes = plt.subplots(2 if dense else 1, 1, figsize=(14, height * (2 if dense else 1)), squeeze=False)
+    fig = Figure(figsize=(14, height * (2 if dense else 1)))
+    axes = fig.subplots(2 if dense else 1, 1, squeeze=False)
     ax = axes[0][0]
     _draw(ax, rows, events, None, binned=dense)
     ax.set_xlabel("seconds")
@@ -441,6 +457,4 @@ def write_gantt(timeline: Timeline, path: str | Path, title: str = "") -> None:
                        for k, lab in legend if k in present], loc="upper left", bbox_to_anchor=(1.01, 1.0),
               fontsize=8, frameon=False)
     fig.tight_layout()
-    with atomic_path(path) as tmp:  # the user's path in any error; nothing half-written
-        fig.savefig(tmp, dpi=110, format="png")
-    plt.close(fig)
+    return fig

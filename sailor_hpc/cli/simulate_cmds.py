@@ -9,6 +9,7 @@ from sailor_hpc.cli.app import main
 from sailor_hpc.cli.output import echo_json, human_bytes, json_option, memory_by_gpu_type_table, table
 from sailor_hpc.core.archive import open_archive
 from sailor_hpc.core.errors import SailorError
+from sailor_hpc.core.plan import Plan
 from sailor_hpc.core.plan_io import load_plan
 from sailor_hpc.core.site import load_site
 from simulator import SimOptions, plan_timeline, simulate
@@ -64,7 +65,7 @@ def simulate_cmd(plan_file: Path, site_file: Path, profiles: Path | None, model:
         if timeline_file.suffix.lower() == ".json":
             tl.write_json(timeline_file)
         else:
-            tl.write_png(timeline_file, title=f"{plan_file.name}: {res.iteration_time_s:.4g} s per iteration")
+            tl.write_png(timeline_file, title=timeline_title(plan, site.name, plan_file.name, res.iteration_time_s))
     if as_json:
         out = {"file": str(plan_file), "site": site.name, "archive": archive.where, "runtime": runtime,
                "backend": backend, "optimizer_impl": options.optimizer_impl, **res.to_dict()}
@@ -75,6 +76,12 @@ def simulate_cmd(plan_file: Path, site_file: Path, profiles: Path | None, model:
     click.echo(describe_result(res, str(plan_file), site.name))
     if timeline_file is not None:
         click.echo(f"timeline written to {timeline_file}")
+
+
+def timeline_title(plan: Plan, site_name: str, plan_name: str, iteration_time_s: float) -> str:
+    """What the chart shows, said in its title: the model, the plan (file, GPUs, pipelines), the iteration time."""
+    return (f"{plan.model} on {site_name}, plan {plan_name} ({plan.gpus_label()}, {len(plan.pipelines)} "
+            f"pipeline{'s' if len(plan.pipelines) > 1 else ''}): {iteration_time_s:.4g} s per iteration")
 
 
 def describe_result(res, name: str, site_name: str) -> str:

@@ -38,10 +38,12 @@ def test_identical_replicas_share_a_row_and_different_ones_do_not(tmp_path: Path
     plan = load_plan(validation_dir() / "clariden/OPT-350/N4/plan_config_N4_D2.json", model="OPT-350M", site=clariden)
     tl = plan_timeline(plan, clariden, open_archive(site=clariden))
     assert {(p, s) for p, s in ((e.pipeline, e.stage) for e in tl.events)} == {(0, 0), (0, 1), (1, 0), (1, 1)}
-    assert [label for label, _ in chart_rows(tl)] == ["p0 s0 (+1 identical)", "p0 s1 (+1 identical)"]
+    assert [label for label, _ in chart_rows(tl)] == ["GH-96 stage 0 (p0 +1 identical)", "GH-96 stage 1 (p0 +1 identical)"]
     site = load_site(SITES / "a100-v100.toml")
     deep = plan_timeline(load_plan(_deep_plan(tmp_path / "deep.json", 8), site=site), site, open_archive(site=site))
-    assert [label for label, _ in chart_rows(deep)] == ["p0 s0", "p0 s1", "p0 s2", "p0 s3", "p1 s0", "p1 s1"]
+    assert [label for label, _ in chart_rows(deep)] == [  # named by GPU type: the mixed pipeline's V100 stage shows
+        "A100-40 stage 0 (p0)", "A100-40 stage 1 (p0)", "A100-40 stage 2 (p0)", "V100-16 stage 3 (p0)",
+        "A100-40 stage 0 (p1)", "A100-40 stage 1 (p1)"]
 
 
 def test_binning_keeps_what_takes_most_of_each_slice() -> None:
@@ -64,3 +66,38 @@ def test_chart_of_a_large_plan_renders(tmp_path: Path, micro_batches: int) -> No
     write_gantt(tl, tmp_path / "t.png")
     assert (tmp_path / "t.png").read_bytes()[:8] == PNG
 
+
+
+def test_the_chart_names_rows_by_gpu_type_and_its_title_the_model_plan_and_time(tmp_path: Path) -> None:
+    """Read back from the figure: one y tick label per row, each naming its stage's GPU type (taken from the
+    plan file itself), and the title the CLI gives (model, plan, iteration time)."""
+    from sailor_hpc.cli.simulate_cmds import timeline_title
+    from simulator import simulate
+
+    site = load_site(SITES / "a100-v100.toml")
+    path = _deep_plan(tmp_path / "deep.json", 8)
+    plan = load_plan(path, site=site)
+    tl = plan_timeline(plan, site, open_archive(site=site))
+    doc = json.loads(path.read_text())
+    gpu_of = {(p, s): st["gpu_type"] for p, pipe in enumerate(doc["pipelines"]) for s, st in enumerate(pipe["stages"])}
+    res = simulate(plan, site, open_archive(site=site))
+    title = timeline_title(plan, site.name, path.name, res.iteration_time_s)
+    assert title == (f"OPT-350M on a100-v100, plan deep.json (7 A100-40 + 1 V100-16, 2 pipelines): "
+                     f"{res.iteration_time_s:.4g} s per iteration")
+    ax = tl.figure(title).axes[0]
+    assert ax.get_title() == title
+    ticks = [t.get_text() for t in ax.get_yticklabels()]
+    assert ticks == [f"{gpu_of[k]} stage {k[1]} (p{k[0]})" for _, k in chart_rows(tl)]
+    assert sum("V100-16" in t for t in ticks) == 1  # the one V100 stage of the mixed pipeline
+
+
+def test_simulate_timeline_png_is_small(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from sailor_hpc.cli import main
+
+    out = tmp_path / "t.png"
+    plan = _deep_plan(tmp_path / "deep.json", 128)
+    r = CliRunner().invoke(main, ["simulate", str(plan), "--site", str(SITES / "a100-v100.toml"), "--timeline", str(out)])
+    assert r.exit_code == 0, r.output
+    assert out.read_bytes()[:8] == PNG and out.stat().st_size < 200_000
