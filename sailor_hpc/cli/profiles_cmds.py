@@ -11,9 +11,12 @@ from typing import TYPE_CHECKING, Any
 import click
 import numpy as np
 
+from profiler.monotonic import DIRECTIONS, MONOTONIC, ModelTotals, violations
+from profiler.noise import NOISY, NOISY_SPREAD, flag_parts, noisy
 from sailor_hpc.cli.app import main
+from sailor_hpc.cli.columns import fitted_table, terminal_width
 from sailor_hpc.cli.output import echo_json, json_option, table
-from sailor_hpc.core.archive import archive_files, compact, litter, open_archive, read_archive
+from sailor_hpc.core.archive import ComputeEntry, archive_files, compact, litter, open_archive, read_archive
 from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.locking import group_shared, mount_locks
 from sailor_hpc.core.models import get_model
@@ -21,8 +24,6 @@ from sailor_hpc.core.precision import DTYPES
 from sailor_hpc.core.sailor_compat.profiles import import_sailor
 
 if TYPE_CHECKING:
-    from sailor_hpc.core.archive import ComputeEntry
-
     Points = dict[tuple[int, int], ComputeEntry]
 
 archive_option = click.option("--archive", type=click.Path(dir_okay=False, path_type=Path), default=None,
@@ -96,6 +97,49 @@ def _pct(spread: dict[str, Any] | None, direction: str) -> str:
     return "-" if spread is None else f"{100 * spread[direction]:.1f} %"
 
 
+@dataclass(frozen=True)
+class OrderBreak:
+    """Two points of one TP degree whose times are out of order: the larger micro-batch size is faster."""
+
+    tp: int
+    small: int
+    large: int
+    why: str
+
+
+def _order_breaks(points: Points) -> list[OrderBreak]:
+    """Pairs of points whose larger micro-batch size is faster: more samples never take less time, so one of
+    the two is a measurement gone wrong. Named where the gap is wider than the two spreads
+    (:mod:`profiler.monotonic`, for archives its check did not write: Sailor's, older ones), and where either
+    spread is too wide to trust (:mod:`profiler.noise`): a busy node's spreads would allow any gap. A gap
+    inside two quiet spreads is noise the medians cannot resolve, as the profiler holds."""
+    out = []
+    for tp in sorted({t for _, t in points}):
+        totals = {b: ModelTotals.of(b, e.times, e.spread) for (b, t), e in points.items() if t == tp}
+        for small, large in ((s, big) for s in sorted(totals) for big in sorted(totals) if big > s):
+            a, b = totals[small], totals[large]
+            below = [d for d in range(len(DIRECTIONS)) if b.seconds[d] < a.seconds[d]]
+            loud = any(noisy(points[(m, tp)].spread) for m in (small, large))
+            if not below or not (loud or violations((a, b))):
+                continue
+            times = " and ".join(f"{DIRECTIONS[d]} {b.seconds[d] * 1e3:.3g} ms (mbs {small}: {a.seconds[d] * 1e3:.3g} ms)"
+                                 for d in below)
+            why = f"mbs {large} is faster than mbs {small}: {times}; a larger micro-batch cannot take less time"
+            why += ", and the spreads are too wide to tell which is wrong: measure both again on a quiet node" if loud else ""
+            out.append(OrderBreak(tp, small, large, why))
+    return out
+
+
+def _flag_words(entry: ComputeEntry, out_of_order: bool) -> str:
+    """The flag column: the kinds of doubt about a point, from its archive flag and from what show checks."""
+    kinds = set(flag_parts(entry.flag))
+    if noisy(entry.spread):
+        kinds.add(NOISY)
+    if out_of_order:
+        kinds.add(MONOTONIC)
+    return ", ".join(k.upper() if k == MONOTONIC else (k or "flagged") for k in sorted(kinds)) or "-"
+
+
 @profiles.command("show")
 @click.argument("model")
 @click.argument("gpu")
@@ -103,33 +147,47 @@ def _pct(spread: dict[str, Any] | None, direction: str) -> str:
 @archive_option
 @json_option
 def show_cmd(model: str, gpu: str, dtype: str, archive: Path | None, as_json: bool) -> None:
-    """Per-(mbs, TP) totals of one model on one GPU type in one dtype, with provenance."""
+    """Per-(mbs, TP) totals of one model on one GPU type in one dtype, with provenance; a point measured on a
+    busy node (spread above 20 %) or out of order with a smaller micro-batch size is marked and explained."""
 
     a = _open(archive)
     name = get_model(model).name
     key = (name, gpu, dtype)
     failed_only = key in a.failed and key not in a.compute
     points = {} if failed_only else a.compute_points(name, gpu, dtype)  # a profile never taken is an error
+    breaks = _order_breaks(points)
     rows = []
     for (mbs, tp), e in sorted(points.items()):
         spread = None if e.spread is None else {"fwd": e.spread.model[0], "bwd": e.spread.model[1],
                                                 "repetitions": e.spread.repetitions}
+        mine = [o.why for o in breaks if o.tp == tp and mbs in (o.small, o.large)]
         rows.append({"mbs": mbs, "tp": tp, "fwd_s": float(np.sum(e.times[:, 0])), "bwd_s": float(np.sum(e.times[:, 1])),
                      "update_s": float(np.max(e.times[:, 2])), "layers": int(e.times.shape[0]), "spread": spread,
-                     "flag": e.flag, "provenance": e.provenance})
+                     "flag": e.flag, "noisy": noisy(e.spread), "out_of_order": mine,
+                     "flags": _flag_words(e, bool(mine)), "provenance": e.provenance})
     failed = [{"mbs": b, "tp": t, "reason": e.reason} for (b, t), e in sorted(a.failed.get(key, {}).items())]
     if as_json:
-        echo_json({"model": name, "gpu": gpu, "dtype": dtype, "points": rows, "failed": failed})
+        echo_json({"model": name, "gpu": gpu, "dtype": dtype, "points": rows, "failed": failed,
+                   "noisy_spread": NOISY_SPREAD})
         return
     click.echo(f"{name} on {gpu} in {dtype} ({a.where}); whole-model seconds per micro-batch, "
                "± their interquartile range over the repetitions")
-    click.echo(table(("mbs", "tp", "fwd s", "fwd ±", "bwd s", "bwd ±", "update s", "layers", "reps", "flag", "source"),
-                     [(r["mbs"], r["tp"], r["fwd_s"], _pct(r["spread"], "fwd"), r["bwd_s"], _pct(r["spread"], "bwd"),
-                       r["update_s"], r["layers"], r["spread"]["repetitions"] if r["spread"] else "-",
-                       "NOT MONOTONIC" if r["flag"] else "-", r["provenance"].get("source", "")[:40]) for r in rows]))
+    click.echo(fitted_table(("mbs", "tp", "fwd s", "fwd ±", "bwd s", "bwd ±", "update s", "layers", "reps", "flag",
+                             "source"),
+                            [(r["mbs"], r["tp"], r["fwd_s"], _pct(r["spread"], "fwd"), r["bwd_s"], _pct(r["spread"], "bwd"),
+                              r["update_s"], r["layers"], r["spread"]["repetitions"] if r["spread"] else "-", r["flags"],
+                              r["provenance"].get("source", "")) for r in rows], terminal_width(), shrink=10))
     for r in rows:
         if r["flag"]:
             click.echo(f"flagged: mbs {r['mbs']} tp {r['tp']}: {r['flag']}")
+        elif r["noisy"]:  # an archive written before the profiler flagged noisy points
+            click.echo(f"warning: mbs {r['mbs']} tp {r['tp']}: {r['noisy']}")
+    for o in breaks:
+        click.echo(f"warning: tp {o.tp}: {o.why}")
+    if any(r["noisy"] for r in rows):
+        click.echo(f"noisy: a spread above {100 * NOISY_SPREAD:.0f} % means other work shared the node while the point "
+                   "was measured; its time may be off by as much. Measure it again where nothing else runs "
+                   "(sailor-hpc profile gives each measuring job its nodes alone).")
     for f in failed:
         click.echo(f"failed: mbs {f['mbs']} tp {f['tp']}: {f['reason']}")
 
