@@ -45,8 +45,3 @@ def memory_by_gpu_type_rows(res: Any) -> list[tuple[str, str, str]]:
 def memory_by_gpu_type_table(res: Any) -> str:
     """The rows of :func:`memory_by_gpu_type_rows` as a table (as ``sailor-hpc simulate`` prints them)."""
     return table(("gpu type", "peak memory", "capacity"), memory_by_gpu_type_rows(res))
-
-
-def memory_by_gpu_type_cell(res: Any) -> str:
-    """The same rows on one line, for tables with one row per plan: ``A100-40 17.19 GiB / 39.43 GiB, ...``."""
-    return ", ".join(f"{gpu} {peak} / {cap}" for gpu, peak, cap in memory_by_gpu_type_rows(res))

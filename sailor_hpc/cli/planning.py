@@ -17,7 +17,8 @@ from planner.pareto import plot_pareto
 from planner.time_goal import TimeGoal
 from planner.time_pareto import plot_time_pareto
 from sailor_hpc.cli.job_cmds import ds_config_file, entry_script
-from sailor_hpc.cli.output import echo_json, memory_by_gpu_type_cell, table
+from sailor_hpc.cli.output import echo_json, table
+from sailor_hpc.cli.plan_table import plan_table
 from sailor_hpc.cli.preflight import RUNTIME_MODULES, USER_ENTRY_MODULES, check_checkpoints, warn_interpreter
 from sailor_hpc.cli.time_planning import TimeOptions, echo_time, time_json, time_terms, timed_job
 from sailor_hpc.cli.training_options import job_work
@@ -233,9 +234,7 @@ def run_planner(query: PlanSearch, out: PlanOutputs) -> None:
     click.echo(f"{request.model} on {site.name}: global batch {request.global_batch_size}, objective "
                f"{objective}, space {space}; searched in {result.search_time_s:.2f} s "
                f"({result.allocations_scored} allocations scored, {result.plans_simulated} plans simulated)")
-    click.echo(table(("#", "GPUs", "pipelines", "stages", "TP", "mbs x micro-batches", "iteration s",
-                      "samples/s", "peak memory / capacity per GPU type", f"{site.cost_unit}/hour"),
-                     [_plan_row(i, c) for i, c in enumerate(shown)]))
+    click.echo(plan_table(shown, site.cost_unit))
     if site.clusters:
         click.echo(_clusters_table(shown, site))
     if goal is not None:
@@ -268,21 +267,6 @@ def _plan_json(c: Any, site: Site) -> dict[str, Any]:
             "cost_per_hour": r.cost_per_hour, "cost_per_iteration": r.cost_per_iteration,
             "peak_memory_bytes": r.peak_memory_bytes, "memory_by_gpu_type": r.memory_by_gpu_type(),
             "gpus": c.plan.gpus_by_type()}
-
-
-def _plan_row(i: int, c: Any) -> tuple:
-    plan, r = c.plan, c.result
-    shapes: dict[tuple, int] = {}
-    for p in plan.pipelines:
-        key = (p.stages[0].gpu_type, len(p.stages), "/".join(str(s.tp) for s in p.stages), p.micro_batch_size)
-        shapes[key] = shapes.get(key, 0) + 1
-    stages = ", ".join(f"{n}x {g}" for (g, _, _, _), n in shapes.items())
-    micro = sorted({(p.micro_batch_size, p.num_micro_batches) for p in plan.pipelines})
-    return (i + 1, " + ".join(f"{n} {g}" for g, n in plan.gpus_by_type().items()), stages,
-            ",".join(sorted({str(k[1]) for k in shapes})), ",".join(sorted({k[2] for k in shapes})),
-            " ".join(f"{b}x{m}" for b, m in micro[:4]) + (" ..." if len(micro) > 4 else ""),
-            f"{r.iteration_time_s:.3f}", f"{r.throughput_samples_per_s:.1f}",
-            memory_by_gpu_type_cell(r), f"{r.cost_per_hour:.2f}")
 
 
 class _ProgressBar:

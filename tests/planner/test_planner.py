@@ -346,7 +346,12 @@ def test_cli_plan_table_shows_peak_memory_per_gpu_type_against_its_capacity() ->
 
     data = json.loads(_plan_cli("--gbs", "32", "--json").output)
     text = _plan_cli("--gbs", "32").output
-    rows = [line for line in text.splitlines() if line[:1].isdigit()]
+    rows: list[str] = []  # a plan's lines: its numbered line and the lines under it (its other GPU types)
+    for line in text.splitlines()[3:]:
+        if line[:1].isdigit():
+            rows.append(line)
+        elif rows and line.startswith(" "):
+            rows[-1] += "\n" + line
     assert len(rows) == len(data["plans"]) and any(len(p["gpus"]) > 1 for p in data["plans"])
     for row, plan in zip(rows, data["plans"]):
         by_type = plan["memory_by_gpu_type"]
