@@ -13,6 +13,7 @@ from sailor_hpc.cli import (  # noqa: F401  (registration)
     run_cmds,
     simulate_cmds,
     site_cmds,
+    site_doctor,
 )
 from sailor_hpc.cli.app import main
 

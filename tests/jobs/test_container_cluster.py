@@ -11,7 +11,6 @@ the container; the same command on the site without a container is refused by th
 from __future__ import annotations
 
 import time
-import tomllib
 from pathlib import Path
 
 import numpy as np
@@ -20,12 +19,11 @@ import pytest
 from sailor_hpc.core.archive import read_archive
 from sailor_hpc.core.checkpoint import step_dir
 from sailor_hpc.core.site import load_site
-from sailor_hpc.core.toml_writer import dump_toml
 from sailor_hpc.slurm.watch import JobWatcher
 from tests.conftest import slurm_missing
 from tests.jobs.conftest import LOCAL_LAB, cross_plan
 from tests.megatron_patch.conftest import ADAM, max_diff, ref_file, runtime_env, shipped_data  # noqa: F401 - fixtures
-from tests.slurm.container_image import PYTHON_INSIDE, host_image, user_env, why_no_charliecloud
+from tests.slurm.container_image import PYTHON_INSIDE, local_lab_in_image, user_env, why_no_charliecloud
 
 pytestmark = pytest.mark.slurm
 
@@ -39,13 +37,7 @@ def ch_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     why = why_no_charliecloud()
     if why:
         slurm_missing(f"no container runtime for the container jobs: {why}")
-    root = tmp_path_factory.mktemp("charliecloud")
-    image = host_image(root, tmp_path_factory.getbasetemp())
-    doc = tomllib.loads(LOCAL_LAB.read_text())
-    doc["environment"]["container"] = image.container()
-    path = root / "site.toml"
-    path.write_text(dump_toml(doc))
-    return path
+    return local_lab_in_image(tmp_path_factory.mktemp("charliecloud"), tmp_path_factory.getbasetemp())
 
 
 @pytest.fixture()

@@ -13,12 +13,16 @@ import os
 import shutil
 import sys
 import tempfile
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+
+from sailor_hpc.core.toml_writer import dump_toml
 
 VENV_INSIDE = "/opt/venv"
 PYTHON_INSIDE = f"{VENV_INSIDE}/bin/python"
 REPO = Path(__file__).resolve().parents[2]
+LOCAL_LAB = REPO / "site_configs" / "local-lab.toml"
 
 
 @dataclass(frozen=True)
@@ -69,3 +73,13 @@ def host_image(root: Path, *more: Path) -> HostImage:
 def user_env() -> dict[str, str]:
     """What ch-run needs of the environment that a login shell sets and Slurm passes on: ``USER``."""
     return {"USER": os.environ.get("USER") or getpass.getuser()}
+
+
+def local_lab_in_image(root: Path, *more: Path) -> Path:
+    """site_configs/local-lab.toml with an ``[environment.container]`` of Charliecloud and :func:`host_image`,
+    written under ``root``."""
+    doc = tomllib.loads(LOCAL_LAB.read_text())
+    doc["environment"]["container"] = host_image(root, *more).container()
+    path = root / "site.toml"
+    path.write_text(dump_toml(doc))
+    return path
