@@ -43,7 +43,7 @@ def pareto_figure(result: SearchResult, cost_unit: str) -> Figure:
             label="Pareto front of the simulated plans")
     for c in front:
         ax.annotate(c.plan.gpus_label(), (c.result.cost_per_hour, c.throughput), textcoords="offset points",
-                    xytext=(4, -11), fontsize=7, color="#c0392b")
+                    xytext=(-6, 4), ha="right", fontsize=7, color="#c0392b")  # above-left of a front is empty
     ax.scatter([best.result.cost_per_hour], [best.throughput], marker="*", s=160, c="#f1c40f", edgecolors="black",
                linewidths=0.6, zorder=3, label=f"best by {result.request.objective}: {best.plan.gpus_label()}")
     xs = [p.cost_per_hour for p in result.scored] + [c.result.cost_per_hour for c in pts]
