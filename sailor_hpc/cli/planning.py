@@ -241,8 +241,9 @@ def run_planner(query: PlanSearch, out: PlanOutputs) -> None:
         echo_time(result, shown)
     if output is not None:
         click.echo(f"best plan written to {output}")
-    if sbatch_out is not None:
-        click.echo(f"its sbatch script written to {sbatch_out}")
+    if sbatch_out is not None and job is not None:
+        given = "--steps" if query.steps else f"the default of --steps, {DEFAULT_STEPS}"
+        click.echo(f"its sbatch script written to {sbatch_out}; the job trains {job.steps} steps ({given})")
     if runtime == "deepspeed":
         click.echo(f"ZeRO stage of the best plan: {zero_stage_of(best.plan)}"
                    + (f"; its DeepSpeed config written to {ds_config_out}" if ds_config_out is not None else ""))
