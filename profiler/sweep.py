@@ -333,12 +333,12 @@ def reattach(units: Sequence[Unit], state: dict[str, Any]) -> None:
 # ------------------------------------------------------------------------------------------- submitting
 
 def shared_hosts(partitions: Sequence[str]) -> dict[str, list[str]]:
-    """Machines that carry several Slurm nodes of ``partitions`` (``NodeHostname``), with those nodes: a test lab
+    """Machines that carry several Slurm nodes of ``partitions`` (``NodeHostName``), with those nodes: a test lab
     runs one slurmd per fake node on one host. None on a cluster whose nodes are machines of their own."""
     by_host: dict[str, list[str]] = defaultdict(list)
     for node in show_nodes():
         if set(node.partitions) & set(partitions):
-            by_host[node.raw.get("NodeHostname") or node.name].append(node.name)
+            by_host[node.raw.get("NodeHostName") or node.name].append(node.name)
     return {host: sorted(nodes) for host, nodes in sorted(by_host.items()) if len(nodes) > 1}
 
 

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import time
+from datetime import datetime
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +43,26 @@ def _profile(cluster, env, tmp: Path, *args: str, **kw) -> subprocess.CompletedP
     return cluster.run(cmd, env=env, timeout=300, **kw)
 
 
+def _measuring_runs(cluster, folder: Path) -> dict[str, tuple[set[str], datetime, datetime]]:
+    """Each measuring job of a sweep (an array element on its own, a het job's components together) as
+    accounting saw it run: its nodes, start and end."""
+    state = json.loads((folder / "sweep-state.json").read_text())
+    ids = sorted({u["job_id"].split("_")[0] for u in state["units"].values() if u["job_id"]})
+
+    def ended(text: str) -> bool:
+        rows = [line.split("|") for line in text.splitlines() if line]
+        return bool(rows) and all(r[3] not in ("Unknown", "None", "") for r in rows)
+
+    out = cluster.sacct_once(["-n", "-P", "-X", "-j", ",".join(ids), "-o", "JobID,NodeList,Start,End"], ended)
+    runs: dict[str, tuple[set[str], datetime, datetime]] = {}
+    for job, nodes, start, end in (line.split("|") for line in out.splitlines() if line):
+        key = job.split("+")[0]
+        hosts = set(cluster.run(["scontrol", "show", "hostnames", nodes], check=True).stdout.split())
+        old = runs.get(key, (set(), datetime.max, datetime.min))
+        runs[key] = (old[0] | hosts, min(old[1], datetime.fromisoformat(start)), max(old[2], datetime.fromisoformat(end)))
+    return runs
+
+
 def test_cpu_sweep_fills_the_archive_and_the_simulator_reads_it(slurm_cluster, prof_env, tmp_path):
     t0 = time.monotonic()
     proc = _profile(slurm_cluster, prof_env, tmp_path, "--partitions", "a100,v100", "--mbs", "1,2", "--tp", "1,2",
@@ -51,6 +72,16 @@ def test_cpu_sweep_fills_the_archive_and_the_simulator_reads_it(slurm_cluster, p
     assert proc.returncode == 0, proc.stdout + proc.stderr
     print(f"\nCPU sweep (8 points in 4 jobs, 2 network jobs): {took:.1f} s")
     assert "[" + "#" * 28 + "] 10/10 (10 ok)" in proc.stderr  # the progress bar reached the end
+    # measuring jobs never shared a node, nor, the lab's four nodes being one machine, ran at the same time
+    assert "Slurm nodes share a machine (a100-1, a100-2, v100-1, v100-2 on localhost): measuring jobs run one " \
+           "at a time" in proc.stderr
+    runs = _measuring_runs(slurm_cluster, tmp_path / "jobs")
+    assert len(runs) == 6  # a job per partition and TP degree (2 points each), a network job per partition
+    pairs = [(a, b) for a in runs for b in runs if a < b]
+    at_once = [(a, b) for a, b in pairs if runs[a][1] < runs[b][2] and runs[b][1] < runs[a][2]]
+    assert not [(a, b) for a, b in at_once if runs[a][0] & runs[b][0]], runs  # on one node: --exclusive
+    assert not at_once, runs  # on one machine: the sweep's queue
+    assert all(nodes for nodes, _, _ in runs.values())
     spec = get_model("tiny-gpt")
     L, s, h = spec.num_pipeline_layers, spec.seq_len, spec.hidden_size
     a = read_archive(tmp_path / "cpu.h5")
