@@ -191,8 +191,6 @@ def _wait_for(path: str, where: dict[str, Any], poll_s: float = 0.05) -> None:
 
 def train(args: argparse.Namespace, plan: Plan, env: DistEnv, role: Role, runtime: Runtime[T]) -> int:
     """Collective: train ``plan`` as this rank; the exit code."""
-    for signum in (signal.SIGUSR1, signal.SIGTERM):  # before anything slow: the default action kills
-        signal.signal(signum, _on_signal)
     import torch
     import torch.distributed as dist
 
@@ -331,6 +329,11 @@ def check_gate_path(path: str) -> None:
 def run(args: argparse.Namespace, runtime: Runtime[Any]) -> int:
     """A launch module's main: ``--dry-run`` prints this rank's role as one JSON line (no torch), else it trains;
     bad input is said on stderr and exits 2."""
+    # first: the default action kills. A launcher that saw another rank refuse its input stops this one with
+    # SIGTERM; held until the checks end, this rank says its own refusal too (a valid one trains to its first
+    # step, saves and exits 75, as on any signal)
+    for signum in (signal.SIGUSR1, signal.SIGTERM):
+        signal.signal(signum, _on_signal)
     try:
         check_args(args, runtime)
         env = read_env()
@@ -343,5 +346,19 @@ def run(args: argparse.Namespace, runtime: Runtime[Any]) -> int:
             return EXIT_DONE
         return train(args, plan, env, role, runtime)
     except SailorError as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
+        sys.stderr.write(f"error: {exc}\n")  # one write: ranks sharing a stderr never split each other's line
+        sys.stderr.flush()
+        _let_siblings_refuse()
         return EXIT_BAD_INPUT
+
+
+#: how long a rank that refused its input stays under torchrun's agent, which stops every rank the moment one
+#: exits: the ranks started with it reach their own checks meanwhile (from there they hold the agent's SIGTERM
+#: until they have said their refusal). Under srun, ``--wait`` gives them a minute.
+SIBLING_GRACE_S = 2.0
+
+
+def _let_siblings_refuse() -> None:
+    world = os.environ.get("WORLD_SIZE", "1")
+    if "TORCHELASTIC_RUN_ID" in os.environ and world.isdigit() and int(world) > 1:
+        time.sleep(SIBLING_GRACE_S)
