@@ -512,9 +512,7 @@ def measure_locally(cfg: SweepConfig, units: Sequence[Unit], progress: Progress,
         for u in members:
             u.job_id = f"local:{ran.pid}"
         apply_result(members, value, ran.reason or reason)
-        for u in members:
-            if u.status == "failed":
-                progress.message(f"failed: {u.key}: {u.reason}")
+        _tell(members, progress)
     save_state(cfg, units)
     progress.update(_counts(units))
 
@@ -604,10 +602,21 @@ def apply_result(units: Sequence[Unit], value: Any, reason: str) -> None:
                 u.status, u.reason = "failed", "the job returned no result for this point"
             else:
                 u.status, u.reason = ("ok", "") if p["ok"] else ("failed", p["reason"])
+                if p["ok"] and p.get("flag"):  # measured, but the job doubts it (a busy node, out of order)
+                    u.reason = f"flagged: {p['flag']}"
             u.result = value
     else:
         for u in units:
             u.status, u.reason, u.result = "ok", "", value
+
+
+def _tell(units: Sequence[Unit], progress: Progress) -> None:
+    """A person hears of every point that failed, and of every point measured but doubted, as it ends."""
+    for u in units:
+        if u.status == "failed":
+            progress.message(f"failed: {u.key}: {u.reason}")
+        elif u.reason.startswith("flagged: "):
+            progress.message(f"{u.reason.replace('flagged: ', f'flagged: {u.key}: ', 1)}")
 
 
 def record_failures(cfg: SweepConfig, units: Sequence[Unit]) -> None:
@@ -663,9 +672,7 @@ def _watch(cfg: SweepConfig, units: Sequence[Unit], progress: Progress, deadline
             if cause is not None:
                 _stop_for_environment(cfg, units, by_job, watcher.open, jid, cause)
             apply_result(members, value, reason)
-            for u in members:
-                if u.status == "failed":
-                    progress.message(f"failed: {u.key}: {u.reason}")
+            _tell(members, progress)
         save_state(cfg, units)
         progress.update(_counts(units))
         if not watcher.open:

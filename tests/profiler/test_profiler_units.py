@@ -692,6 +692,21 @@ def test_het_profiling_jobs_give_every_component_the_sites_per_component_options
     assert "--mail-type=END" in first and "--mail-type" not in second
 
 
+def test_a_point_the_job_flagged_is_reported_as_the_sweep_hears_of_it():
+    """A job's summary names a point measured but doubted (its node was busy): the sweep says so at once and
+    keeps it in the unit's note, so the report shows it, not a plain 'ok'."""
+    from profiler.keys import ComputePoint
+    from profiler.sweep import Unit, _tell, apply_result
+    units = [Unit(f"compute:a100:mbs{b}:tp1", point=ComputePoint("a100", "cpu-A100-40", b, 1)) for b in (1, 2)]
+    busy = "noisy: spread forward 60 % over 20 repetitions, above 20 %: the node was busy"
+    apply_result(units, {"points": [{"mbs": 1, "ok": True, "reason": "", "flag": ""},
+                                    {"mbs": 2, "ok": True, "reason": "", "flag": busy}]}, "")
+    assert [(u.status, u.reason) for u in units] == [("ok", ""), ("ok", f"flagged: {busy}")]
+    out = io.StringIO()
+    _tell(units, Progress(2, stream=out, tty=False))
+    assert out.getvalue().strip() == f"flagged: compute:a100:mbs2:tp1: {busy}"
+
+
 def test_measuring_jobs_own_their_nodes_and_queue_one_at_a_time_on_a_shared_machine(tmp_path):
     """Every component of a measuring job asks for its nodes alone (--exclusive); where Slurm's nodes are one
     machine, the sweep's Queue makes each job wait for the one before and an array run element by element."""
