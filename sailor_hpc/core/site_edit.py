@@ -63,7 +63,7 @@ def _show(value: Any) -> str:
     if value is None or value is _ABSENT:
         return "(absent)"
     if isinstance(value, float):
-        return f"{value:.4g}"
+        return f"{value:.0f}" if value.is_integer() and abs(value) < 1e15 else f"{value:.4g}"
     if isinstance(value, str):
         return f'"{value}"'
     if isinstance(value, Mapping):
