@@ -20,7 +20,7 @@ from sailor_hpc.cli.job_cmds import ds_config_file, entry_script
 from sailor_hpc.cli.output import echo_json, table
 from sailor_hpc.cli.plan_table import plan_table
 from sailor_hpc.cli.preflight import RUNTIME_MODULES, USER_ENTRY_MODULES, check_checkpoints, warn_interpreter
-from sailor_hpc.cli.time_planning import TimeOptions, echo_time, time_json, time_terms, timed_job
+from sailor_hpc.cli.time_planning import TimeOptions, echo_time, run_steps, time_json, time_terms, timed_job
 from sailor_hpc.cli.training_options import job_work
 from sailor_hpc.core.archive import open_archive
 from sailor_hpc.core.atomic import atomic_write_text, removed_on_error
@@ -169,6 +169,9 @@ def run_planner(query: PlanSearch, out: PlanOutputs) -> None:
     for, report."""
     site = load_site(query.site_file)
     check_options(query.model, query.seq_len)
+    from_tokens = query.objective == "time" and query.steps is None and query.time.tokens is not None
+    if from_tokens:  # the job trains the steps the plan's finish was computed for
+        query = replace(query, steps=run_steps(None, query.time, query.model, query.gbs, query.seq_len))
     if out.ds_config is not None and query.runtime != "deepspeed":
         raise SailorError("--ds-config writes the config of a plan DeepSpeed's engine runs", field="--ds-config",
                           fix="add --runtime deepspeed")
@@ -178,7 +181,8 @@ def run_planner(query: PlanSearch, out: PlanOutputs) -> None:
                        fix="pass --profiles FILE, set SAILOR_PROFILES, or reinstall to get the embedded default"):
         archive = open_archive(query.archive_path, site)
     objective, steps, top_k = query.objective, query.steps, query.top_k
-    terms, snapshot, test_only = (time_terms(site, query.model, query.gbs, query.seq_len, steps, query.time)
+    terms, snapshot, test_only = (time_terms(site, query.model, query.gbs, query.seq_len,
+                                             None if from_tokens else steps, query.time)
                                   if objective == "time" else (None, None, None))
     state = QueueState(parse_available(query.available, site), snapshot, test_only)
 
@@ -242,7 +246,8 @@ def run_planner(query: PlanSearch, out: PlanOutputs) -> None:
     if output is not None:
         click.echo(f"best plan written to {output}")
     if sbatch_out is not None and job is not None:
-        given = "--steps" if query.steps else f"the default of --steps, {DEFAULT_STEPS}"
+        given = ("--tokens" if from_tokens else "--steps" if query.steps
+                 else f"the default of --steps, {DEFAULT_STEPS}")
         click.echo(f"its sbatch script written to {sbatch_out}; the job trains {job.steps} steps ({given})")
     if runtime == "deepspeed":
         click.echo(f"ZeRO stage of the best plan: {zero_stage_of(best.plan)}"

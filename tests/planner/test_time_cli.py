@@ -65,3 +65,15 @@ def test_the_sbatch_job_asks_for_the_limit_its_finish_was_computed_with(tmp_path
         assert ("#SBATCH --time-min=00:01:00" in lines) == (floor and want_min > 1)
         # 400 steps outlast --time: each job asks for all of it; 3 steps ask for far less than the default hour
         assert want_min == 2 if floor else want_min < 60
+
+
+def test_tokens_set_the_steps_the_sbatch_job_trains(tmp_path) -> None:
+    """``--tokens`` without ``--steps``: the job trains the steps its finish was computed for, not the default."""
+    archive = write_tiny_archive(tmp_path / "tiny.h5")
+    script = tmp_path / "job.sbatch"
+    code, out = plan(archive, "--tokens", "2000000", "--sbatch", str(script), "--data", str(tmp_path / "data/tokens"),
+                     "--save", str(tmp_path / "ckpt"), "--skip-path-check", "--json")
+    assert code == 0, out
+    steps = math.ceil(2_000_000 / (64 * 32))  # tiny-gpt: 32 tokens a sample
+    assert json.loads(out)["steps"] == steps
+    assert f"--steps {steps}" in script.read_text()
