@@ -17,7 +17,10 @@ GPUs, v100 = 2 x 8) with blocker jobs of known time limits, then:
 
 Scenarios: the best partition busy for a while; a backfill window (a100-1 held, a pending whole-
 partition job planned after it, a100-2 idle until then); all idle; both partitions busy, the slower
-one briefly; the best partition's time limit shorter than the run (restarts).
+one briefly; the best partition's time limit shorter than the run (restarts); and the site states: the
+V100 partition DOWN while the A100s are busy; a maintenance reservation on the A100s ending in a minute;
+a reservation on the A100s starting in 150 s; a job pending on a dependency (Slurm plans no start for
+it) that takes the A100s next.
 
     python benchmarks/time_to_result.py [--only NAME] [--steps N]      (as root; ~15 min)
 
@@ -41,9 +44,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from planner import Candidate, PlanRequest  # noqa: E402
+from planner.on_queue import QueueState, plan_on_state  # noqa: E402
 from planner.search import search  # noqa: E402
 from planner.time_goal import TimeGoal, plan_shape  # noqa: E402
-from planner.time_queue import refine  # noqa: E402
+from planner.time_queue import TimeTerms  # noqa: E402
 from sailor_hpc.core.archive import EMBEDDED_ARCHIVE, open_archive, read_archive  # noqa: E402
 from sailor_hpc.core.site import Site, load_site, load_site_dict  # noqa: E402
 from sailor_hpc.core.start_times import Hold, QueueSnapshot, shape_text  # noqa: E402
@@ -60,13 +64,26 @@ NAMES = ("ttr-blocker", "ttr")  # the benchmark's job names: only these are canc
 
 @dataclass(frozen=True)
 class Blocker:
-    """A job holding GPUs: ``nodes`` of ``partition`` (whole), limit ``limit_min``, running ``run_s``."""
+    """A job holding GPUs: ``nodes`` of ``partition`` (whole), limit ``limit_min``, running ``run_s``;
+    ``after``: the index of an earlier blocker it waits for (``afterok``: Slurm plans no start for it)."""
 
     partition: str
     nodes: int
     limit_min: int
     run_s: int
     node: str | None = None
+    after: int | None = None
+
+
+@dataclass(frozen=True)
+class Resv:
+    """A reservation of ``nodes`` from ``start_s`` from now for ``minutes`` (``maint``: a maintenance one)."""
+
+    name: str
+    nodes: str
+    start_s: int
+    minutes: int
+    maint: bool = False
 
 
 @dataclass(frozen=True)
@@ -75,6 +92,8 @@ class Scenario:
     blockers: tuple[Blocker, ...]
     steps: int
     site_edit: Callable[[dict], None] | None = None
+    down: tuple[str, ...] = ()  # partitions set DOWN (their nodes idle)
+    reservations: tuple[Resv, ...] = ()
 
 
 def _short_a100_limit(doc: dict) -> None:
@@ -87,6 +106,11 @@ SCENARIOS = (
     Scenario("all idle", (), 60),
     Scenario("both busy, v100 briefly", (Blocker("a100", 2, 2, 110), Blocker("v100", 2, 1, 30)), 60),
     Scenario("limit shorter than the run", (), 150, _short_a100_limit),
+    Scenario("v100 down, a100 busy", (Blocker("a100", 2, 2, 110),), 60, down=("v100",)),
+    Scenario("a100 maintenance, 1 min", (), 200, reservations=(Resv("ttr-maint", "a100-[1-2]", 0, 1, True),)),
+    Scenario("a100 reserved in 150 s", (), 300, reservations=(Resv("ttr-soon", "a100-[1-2]", 150, 4),)),
+    Scenario("job pending on a dependency", (Blocker("a100", 2, 1, 55), Blocker("v100", 1, 1, 55, "v100-1"),
+                                             Blocker("a100", 2, 2, 110, after=0)), 100),
 )
 
 
@@ -109,7 +133,13 @@ def job_info(cluster: SlurmCluster, job: str) -> dict[str, str]:
 
 
 def clear(cluster: SlurmCluster) -> None:
-    """Cancel the benchmark's jobs (blockers and runs) and wait until they are gone."""
+    """Cancel the benchmark's jobs (blockers and runs), its reservations and DOWN partitions; wait until the
+    jobs are gone."""
+    for sc in SCENARIOS:
+        for r in sc.reservations:
+            cluster.run(["scontrol", "delete", f"ReservationName={r.name}"])
+        for part in sc.down:
+            cluster.run(["scontrol", "update", f"PartitionName={part}", "State=UP"])
     for name in NAMES:
         cluster.run(["scancel", f"--name={name}"])
     deadline = time.monotonic() + 90
@@ -121,13 +151,22 @@ def clear(cluster: SlurmCluster) -> None:
 
 
 def make_state(cluster: SlurmCluster, sc: Scenario) -> float:
-    """Submit the blockers in order; wait until the running ones run (the pending ones are planned)."""
-    jobs = []
+    """Set the partitions DOWN, create the reservations, submit the blockers in order; wait until the
+    running ones run (the pending ones are planned)."""
+    for part in sc.down:
+        cluster.run(["scontrol", "update", f"PartitionName={part}", "State=DOWN"], check=True)
+    for r in sc.reservations:
+        cluster.run(["scontrol", "create", "reservation", f"ReservationName={r.name}", f"StartTime=now+{r.start_s}",
+                     f"Duration={r.minutes}", f"Nodes={r.nodes}", "Users=nobody",
+                     *(["Flags=MAINT"] if r.maint else [])], check=True)
+    jobs: list[str] = []
     for b in sc.blockers:
         args = ["-p", b.partition, "-N", str(b.nodes), f"--gres=gpu:{b.partition}:{4 if b.partition == 'a100' else 8}",
                 "-t", str(b.limit_min), "-o", "/dev/null", "-J", NAMES[0], "--wrap", f"sleep {b.run_s}"]
         if b.node:
             args[4:4] = ["-w", b.node]
+        if b.after is not None:
+            args[4:4] = ["-d", f"afterok:{jobs[b.after]}"]
         jobs.append(cluster.sbatch(args))
         time.sleep(1.5)  # the first blockers start before the next ones queue behind them
     deadline = time.monotonic() + 30
@@ -140,10 +179,15 @@ def make_state(cluster: SlurmCluster, sc: Scenario) -> float:
     return time.time()
 
 
-def plans(site: Site, archive, goal: TimeGoal, estimator: StartEstimator) -> tuple[Candidate, Candidate, TimeGoal]:
-    """The time plan (ranked on the queue, then on Slurm's --test-only answers) and the throughput plan."""
-    timed = search(site, archive, PlanRequest(MODEL, GBS, objective="time", time_goal=goal, dtype="fp32"))
-    timed = refine(timed, partial(estimator.test_only, site), 3)
+def plans(site: Site, archive, snapshot: QueueSnapshot,
+          estimator: StartEstimator, steps: int) -> tuple[Candidate, Candidate, TimeGoal]:
+    """The time plan (as ``plan --objective time`` makes it: partitions that start no job left out, ranked on
+    the queue, then on Slurm's --test-only answers) and the throughput plan."""
+    def request_for(available: dict[str, int], goal: TimeGoal | None) -> PlanRequest:
+        return PlanRequest(MODEL, GBS, objective="time", time_goal=goal, dtype="fp32", available=available)
+
+    state = QueueState({}, snapshot, partial(estimator.test_only, site))
+    timed = plan_on_state(site, archive, state, request_for, TimeTerms(steps, restart_cost_s=RESTART_S), top_k=3)
     fastest = search(site, archive, PlanRequest(MODEL, GBS, dtype="fp32")).candidates[0]
     assert timed.request.time_goal is not None
     return timed.candidates[0], fastest, timed.request.time_goal
@@ -153,7 +197,7 @@ def execute(cluster: SlurmCluster, site: Site, goal: TimeGoal, plan: Candidate, 
     """Run the plan's request as a chain of jobs holding its GPUs for its predicted run; measured times."""
     shape = plan_shape(plan.plan)
     est = StartEstimator(cluster.env, history=False)
-    snap = est.snapshot([p.name for p in site.partitions])
+    snap = est.site_snapshot(site)
     fresh = replace(goal, snapshot=snap)
     key_limit = fresh.job_time_s(shape, goal.steps * plan.result.iteration_time_s)
     snap = est.test_only(site, snap, [(shape, round(key_limit))])
@@ -181,9 +225,7 @@ def run_scenario(cluster: SlurmCluster, archive, sc: Scenario) -> dict:
     clear(cluster)
     make_state(cluster, sc)
     estimator = StartEstimator(cluster.env)
-    goal = TimeGoal.for_site(site, sc.steps, estimator.snapshot([p.name for p in site.partitions]),
-                             restart_cost_s=RESTART_S)
-    timed, fastest, goal = plans(site, archive, goal, estimator)
+    timed, fastest, goal = plans(site, archive, estimator.site_snapshot(site), estimator, sc.steps)
     out = {}
     for label, plan in (("time", timed), ("throughput", fastest)):
         clear(cluster)
