@@ -74,6 +74,9 @@ class SimOptions:
     # (simulate sets zero_dp to the plan's pipeline count; the planner per candidate)
     zero_stage: int = 0
     zero_dp: int = 1
+    # the deepspeed runtime: the plan has several stages, so DeepSpeed's PipelineEngine runs it (else its plain
+    # engine); which engine's profiled costs and ZeRO buffers apply (simulate sets it from the plan)
+    pipelined: bool = False
 
     def __post_init__(self) -> None:
         rt = get_runtime(self.runtime)
@@ -113,7 +116,7 @@ class SimOptions:
     @property
     def zero(self) -> Zero:
         """The ZeRO partitioning the memory model charges (stage 0: none)."""
-        return Zero(self.zero_stage, self.zero_dp, ZERO_BUCKET_ELEMS if self.zero_stage else 0)
+        return Zero(self.zero_stage, self.zero_dp, ZERO_BUCKET_ELEMS if self.zero_stage else 0, self.pipelined)
 
     @property
     def optimizer_model(self) -> OptimizerImpl:
@@ -238,7 +241,8 @@ class StageEvaluator:
                             recompute=self.recompute, bucket_elems=self.options.reduce_buffer_elems,
                             allocator_slack=self.options.allocator_slack, optimizer_impl=self.options.optimizer_model,
                             head=self.head_shape(tp) if rt.ties_within_stage else replace(self.head_shape(tp), tied_params=0.0),
-                            per_layer_working=rt.per_layer_working, zero=self.options.zero, **stage)
+                            per_layer_working=rt.per_layer_working, zero=self.options.zero,
+                            reduce_at_peak=rt.reduce_at_peak, **stage)
 
     def head_shape(self, tp: int) -> HeadShape:
         """The model's head at TP ``tp`` (:class:`simulator.memory.HeadShape`), from the spec and the profile.
@@ -620,7 +624,8 @@ def _assemble(plan: Plan, site: Site, archive: ProfileArchive | None, options: S
     plan = prepare_plan(plan, site)
     if options is not None and options.runtime == "deepspeed":  # what DeepSpeed's engine cannot run is refused
         check_engine_plan(plan)
-        options = replace(options, zero_stage=zero_stage_of(plan), zero_dp=len(plan.pipelines))
+        options = replace(options, zero_stage=zero_stage_of(plan), zero_dp=len(plan.pipelines),
+                          pipelined=len(plan.pipelines[0].stages) > 1)
     archive = archive if archive is not None else open_archive(site=site)
     ev = StageEvaluator(archive, site, plan.model, dtype=plan.dtype, optimizer=plan.optimizer,
                         recompute=plan.recompute, options=options)

@@ -38,7 +38,10 @@ Terms:
   same path with a group of one). The caching allocator cannot carve a buffer that large out of the
   freed activation blocks, so it adds to what nvidia-smi reports. Sailor's 24 bytes/parameter for
   fp32 Adam is these three terms; the data (GH200, OPT-350M and GPT-Neo-2.7B) agrees. megatron_patch's
-  buckets are the fp32 main grads themselves (in the state).
+  buckets are the fp32 main grads themselves (in the state). Stock DeepSpeed (the ``deepspeed``
+  runtime) allocates that buffer only in the reduction after the last backward, when the activations
+  are freed (measured on its allocations: ZeRO 0's peak is the backward's, without it), so there it is
+  a term of the step phase (``step_buffer``).
 * Retained activations: the profiled bytes of the stage's layers at micro-batch 1, times the
   micro-batch size, times the micro-batches in flight, ``min(P - s, m)`` for stage s of a P-stage
   1F1B pipeline running m micro-batches (Sailor used ``P - s`` even when m is smaller), scaled from
@@ -125,17 +128,19 @@ class StageMemory:
     allocator_slack: float
     overhead: float
     temp_coexists: bool = field(default=True)  # the optimizer temporary is alive at the activation peak
+    backward_buffer: float = 0.0  # a reduction buffer alive only while a backward runs (ZeRO 2's bucket)
+    step_buffer: float = 0.0  # a reduction buffer alive only after the last backward (see stage_memory, Zero)
 
     @property
     def activation_phase(self):
         """Allocated at the backward's peak."""
         temp = self.optimizer_temp if self.temp_coexists else 0.0
-        return self.state + self.reduce_buffer + self.activations + self.working + temp
+        return self.state + self.reduce_buffer + self.backward_buffer + self.activations + self.working + temp
 
     @property
     def step_phase(self):
-        """Allocated during the optimizer step (the activations are freed)."""
-        return self.state + self.reduce_buffer + self.optimizer_temp
+        """Allocated during the gradient reduction and optimizer step (the activations are freed)."""
+        return self.state + self.reduce_buffer + self.step_buffer + self.optimizer_temp
 
     @property
     def peak_allocated(self):
@@ -220,14 +225,28 @@ def _backward_working_one(mem: MemoryTable, first: int, last: int, mbs: int, sca
 
 @dataclass(frozen=True)
 class Zero:
-    """DeepSpeed's ZeRO stage and the data-parallel degree it partitions over (stage 0: nothing partitioned)."""
+    """DeepSpeed's ZeRO stage and the data-parallel degree it partitions over (stage 0: nothing partitioned).
+
+    ``pipelined``: the plan has several stages, so DeepSpeed's ``PipelineEngine`` runs it (ZeRO 0 and 1),
+    else its plain engine. Where each stage's reduce bucket (``bucket_elems`` elements, ``torch.empty``
+    of the whole size) lives, from DeepSpeed 0.19's ``stage_1_and_2.py``/``stage3.py`` and measured on the
+    runtime's allocations (``benchmarks/simulator_vs_runtime.py --deepspeed-only``):
+
+    * ZeRO 1: the first backward's ``setup_buckets`` allocates one, freed by the step's reduction, so it
+      stands beside the activations of the later micro-batches; the pipeline engine's ``ReduceGrads``
+      (``reduce_gradients(pipeline_parallel=True)``) appends a second one after the flush: two in the step;
+    * ZeRO 2: every backward allocates one and releases it before the backward returns (with that
+      micro-batch's activations, never in the step);
+    * ZeRO 3: one from the engine's initialisation on, in both phases.
+    """
 
     stage: int = 0
     data_parallel: int = 1
     bucket_elems: int = 0  # reduce bucket ZeRO 1-3 allocate whole
+    pipelined: bool = False
 
     def apply(self, m: StageMemory, params, *, dtype: str, optimizer: str, temp_words: int, layer_params) -> StageMemory:
-        """``m`` (a stage's memory without ZeRO) with the model state, gradient buffer and step terms of this stage."""
+        """``m`` (a stage's memory without ZeRO) with the model state, gradient buffers and step terms of this stage."""
         if self.stage == 0:
             return m
         d = self.data_parallel
@@ -237,8 +256,11 @@ class Zero:
         weight_part = weight / d if self.stage >= 3 else weight
         gathered = layer_params * weight if self.stage >= 3 else 0.0
         step_temp = (temp_words * FP32_WORD if optimizer == "adam" else 0) / d + FP32_WORD / d  # + fp32 grad partition
+        bucket = GRAD_BYTES[dtype] * self.bucket_elems + 0.0 * params  # the shape of params (arrays)
+        both, backward, step = {1: (bucket, 0.0, bucket if self.pipelined else 0.0), 2: (0.0, bucket, 0.0),
+                                3: (bucket, 0.0, 0.0)}[self.stage]
         return replace(m, state=(weight_part + grad_part + opt) * params, optimizer_temp=step_temp * params,
-                       reduce_buffer=GRAD_BYTES[dtype] * self.bucket_elems + 0.0 * params,
+                       reduce_buffer=both, backward_buffer=backward, step_buffer=step,
                        working=m.working + gathered, temp_coexists=False)
 
 
@@ -246,14 +268,16 @@ def stage_memory(mem: MemoryTable, first, last, *, stage, num_stages, mbs: int, 
                  optimizer: str, recompute: bool, input_bytes, overhead, bucket_elems: int = DEFAULT_BUCKET_ELEMS,
                  allocator_slack: float = ALLOCATOR_SLACK, freed_output_bytes=0.0,
                  optimizer_impl: OptimizerImpl = SUMMED, head: HeadShape | None = None,
-                 per_layer_working: bool = False, zero: Zero = Zero()) -> StageMemory:
+                 per_layer_working: bool = False, zero: Zero = Zero(), reduce_at_peak: bool = True) -> StageMemory:
     """Peak memory of one GPU of a stage holding layers ``first..last`` at TP ``mem.tp``.
 
     ``input_bytes``: the activation a non-first stage receives per micro-batch (0 for stage 0);
     ``freed_output_bytes``: what the runtime frees of the output it sent, per micro-batch;
     ``optimizer_impl``: the runtime's Adam (:mod:`simulator.runtimes`); ``head``: the model's head
     (tied embedding, logits); ``per_layer_working``: megatron_patch's backward working set (else the
-    largest layer activation); ``zero``: DeepSpeed's ZeRO partitioning (:class:`Zero`). Layer ranges,
+    largest layer activation); ``zero``: DeepSpeed's ZeRO partitioning (:class:`Zero`); ``reduce_at_peak``:
+    the flattened reduction buffer stands beside the activations (Sailor's calibrated DeepSpeed), else it
+    exists only in the reduction after the last backward (stock DeepSpeed's ``allreduce_gradients``). Layer ranges,
     stage indices, micro-batch counts and inputs may be arrays of
     one shape (many stages at once, same TP); every component then is an array of that shape.
     """
@@ -270,10 +294,12 @@ def stage_memory(mem: MemoryTable, first, last, *, stage, num_stages, mbs: int, 
         working = (backward_working(mem, first, last, mbs=mbs, scale=scale, elem=DTYPE_BYTES[dtype], head=head,
                                     freed_output_bytes=freed_output_bytes) if per_layer_working else layer_max)
     temp = optimizer_impl.temp_words * FP32_WORD if optimizer == "adam" else 0
+    flat = GRAD_BYTES[dtype] * np.minimum(params, bucket_elems)
     out = StageMemory(state=STATE_BYTES[(dtype, optimizer)] * params, optimizer_temp=temp * params,
-                      reduce_buffer=GRAD_BYTES[dtype] * np.minimum(params, bucket_elems),
+                      reduce_buffer=flat if reduce_at_peak else 0.0 * flat,
                       activations=acts, working=working, allocator_slack=allocator_slack * (acts + working),
-                      overhead=overhead, temp_coexists=optimizer_impl.coexists)
+                      overhead=overhead, temp_coexists=optimizer_impl.coexists,
+                      step_buffer=0.0 * flat if reduce_at_peak else flat)
     if zero.stage == 0:
         return out
     return zero.apply(out, params, dtype=dtype, optimizer=optimizer, temp_words=optimizer_impl.temp_words,

@@ -14,7 +14,9 @@ A plan is simulated as the runtime that will run it runs it; both share every ot
     user's own DeepSpeed script under a plan of ``sailor-hpc plan --runtime deepspeed``): the pipeline engine's
     exchange order and flattened reduction, no tensor parallelism (a TP-1 stage keeps its whole output until
     its backward), torch's AdamW (``torch_adam``, multi-tensor) and a ZeRO stage (``SimOptions.zero_stage``,
-    :mod:`simulator.memory`).
+    :mod:`simulator.memory`). Its flattened reduction buffer exists only after the last backward
+    (``reduce_at_peak`` off), and its engine's own per-step work comes from the profile
+    (:mod:`simulator.engine_costs`).
 ``megatron_patch``: this project's runtime (megatron-core's non-interleaved 1F1B, ``megatron_patch.p2p``).
     * Activations are replicated over the TP ranks, and every rank of the receiving stage gets a full
       copy from one sender rank: as many streams of A bytes as the receiving stage has ranks.
@@ -94,6 +96,7 @@ class Runtime:
     optimizer_by_backend: Mapping[str, str]  # communication backend (device) -> OPTIMIZER_IMPLS key
     per_layer_working: bool  # backward working set per layer next to unreleased activations (else the largest)
     ties_within_stage: bool  # a stage holding both ends of a tied embedding holds it once (else as profiled)
+    reduce_at_peak: bool = True  # the flattened reduction buffer stands beside the activations (else step only)
 
     def optimizer_impl(self, backend: str) -> OptimizerImpl:
         """The Adam implementation this runtime steps with where it talks ``backend`` (nccl: CUDA, gloo: CPU)."""
@@ -112,7 +115,7 @@ RUNTIMES: dict[str, Runtime] = {
     # stock DeepSpeed with the ds_config of sailor_hpc.core.ds_config: torch AdamW, foreach on every device
     "deepspeed": Runtime("deepspeed", partitioned_p2p=True, serial_exchange=True, overlap_grad_sync=False,
                          extra_reduce_buffer=True, optimizer_by_backend={"nccl": "foreach", "gloo": "foreach"},
-                         per_layer_working=True, ties_within_stage=True),
+                         per_layer_working=True, ties_within_stage=True, reduce_at_peak=False),
 }
 
 

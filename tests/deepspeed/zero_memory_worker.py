@@ -1,0 +1,111 @@
+"""What stock DeepSpeed's engines allocate per ZeRO stage, from torch's CPU allocator (one rank of a gloo world).
+
+Every configuration of ``ZERO_CONFIGS`` (a JSON list of ``[label, zero stage, stages]`` in the environment:
+one stage x ``world`` replicas runs DeepSpeed's plain engine, ``world`` stages x 1 replica its
+``PipelineEngine``) is built as ``megatron_patch.ds_runtime`` builds it (:class:`DsTrainer`) and trained
+``STEPS`` steps, one after the other in this process, all under ``torch.profiler.profile(profile_memory=True)``,
+whose events carry every allocation and free of the CPU allocator. Their running sum is what the allocator
+has handed out (the CPU analogue of ``torch.cuda.memory_allocated``); unlike the resident set size it
+counts a buffer that ``torch.empty`` allocates and nobody writes (ZeRO's reduce buckets), as a GPU's
+allocator does.
+
+Each rank prints one ``{"event": "zero_memory", ...}`` line: per configuration, from the allocated total
+when the engine's construction began, the peak during the last step (``peak``), the total when that step
+began (``start``) and the largest single allocations inside it. Rank 0 also prints the layer profile a
+profiling job takes (``{"event": "profile"}``, micro-batch ``PROFILE_MBS``), for the simulator.
+"""
+from __future__ import annotations
+
+import bisect
+import gc
+import json
+import os
+import sys
+import warnings
+from typing import Any
+
+warnings.filterwarnings("ignore")
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
+
+MODEL = "tiny-gpt"
+
+
+def plan_for(zero: int, stages: int, world: int, mbs: int, micro: int) -> Any:
+    """tiny-gpt as ``stages`` stages x ``world // stages`` replicas, ``micro`` micro-batches of ``mbs``."""
+    from sailor_hpc.core.deepspeed_plan import with_zero_stage
+    from sailor_hpc.core.plan import Pipeline, Plan, Stage
+
+    cuts = {1: ((0, 5),), 2: ((0, 2), (3, 5))}[stages]
+    pipe = Pipeline(mbs, micro, tuple(Stage(a, b, 1, "CPU") for a, b in cuts))
+    return with_zero_stage(Plan(MODEL, world // stages * mbs * micro, (pipe,) * (world // stages)), zero)
+
+
+def _totals(events: Any) -> tuple[list[int], list[int]]:
+    mem = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+    times, totals, total = [], [], 0
+    for t, n in mem:
+        total += n
+        times.append(t)
+        totals.append(total)
+    return times, totals
+
+
+def main() -> None:
+    import deepspeed
+
+    from megatron_patch.data import GlobalSamples
+    from megatron_patch.ds_runtime.engine import DsTrainer
+    from megatron_patch.ds_runtime.launch import _without_shm_op
+    _without_shm_op()
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.set_num_threads(1)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mbs, micro, steps = int(os.environ.get("ZERO_MBS", "4")), int(os.environ.get("ZERO_MICRO", "4")), 3
+    configs = json.loads(os.environ["ZERO_CONFIGS"])
+    from sailor_hpc.core.models import get_model
+    samples = GlobalSamples(os.environ["ZERO_DATA"], get_model(MODEL).seq_len)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        for label, zero, stages in configs:
+            with record_function(f"cfg.{label}.init"):
+                trainer = DsTrainer(plan_for(zero, stages, world, mbs, micro), samples)
+            for i in range(steps):
+                with record_function(f"cfg.{label}.step{i}"):
+                    trainer.train_step()
+            del trainer
+            gc.collect()
+    events = prof.profiler.kineto_results.events()
+    times, totals = _totals(events)
+    ranges = {e.name(): (e.start_ns(), e.start_ns() + e.duration_ns()) for e in events if e.name().startswith("cfg.")}
+
+    def at(t: int) -> int:
+        i = bisect.bisect_left(times, t)
+        return totals[i - 1] if i > 0 else 0
+
+    out: dict[str, Any] = {}
+    for label, _zero, _stages in configs:
+        base = at(ranges[f"cfg.{label}.init"][0])
+        lo, hi = ranges[f"cfg.{label}.step{steps - 1}"]
+        a, b = bisect.bisect_left(times, lo), bisect.bisect_right(times, hi)
+        inside = [totals[i] - (totals[i - 1] if i else 0) for i in range(a, b)]
+        out[label] = {"start": at(lo) - base, "peak": max([at(lo), *totals[a:b]]) - base,
+                      "largest": sorted((n for n in inside if n > 0), reverse=True)[:3]}
+    print(json.dumps({"event": "zero_memory", "rank": rank, "world": world, "mbs": mbs, "micro": micro,
+                      "results": out}), flush=True)
+    if rank == 0:
+        from profiler.compute import LayerProfiler
+        prof_mbs = int(os.environ.get("PROFILE_MBS", str(mbs)))
+        layers = LayerProfiler(get_model(MODEL), tp_group=dist.new_group([0]), device=torch.device("cpu"),
+                               warmup=1, iters=3, min_time_s=0.0)
+        print(json.dumps({"event": "profile", "mbs": prof_mbs, "times": layers.measure(prof_mbs).tolist(),
+                          "memory": layers.memory_table().tolist()}), flush=True)
+    else:
+        dist.new_group([0])  # every rank creates every group
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
