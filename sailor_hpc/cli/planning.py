@@ -47,6 +47,11 @@ def parse_available(spec: str, site: Site) -> dict[str, int]:
         if missing:  # planned without them, but not silently: a typo in the site would look like a busy queue
             click.echo(f"warning: --available live: Slurm has no partition {', '.join(map(repr, missing))} of the "
                        f"site {site.name} (planned without it; correct the site file {site.source})", err=True)
+        stopped = [f"{p.name} ({live[p.name]['state']})" for p in site.partitions
+                   if p.name in live and live[p.name]["state"] != "UP"]
+        if stopped:  # its idle nodes would take a job that never starts
+            click.echo(f"warning: --available live: partition {', '.join(stopped)} starts no job now (planned "
+                       f"without it)", err=True)
         return {p.name: live.get(p.name, {}).get("nodes_idle", 0) * p.gpus_per_node for p in site.partitions}
     out: dict[str, int] = {}
     for item in spec.split(","):

@@ -43,8 +43,10 @@ from sailor_hpc.core.checkpoint import newest_step
 from sailor_hpc.core.errors import JobFailed, NoPlanFits, SailorError, SlurmUnavailable
 from sailor_hpc.core.plan import Plan
 from sailor_hpc.core.site import Site
+from sailor_hpc.core.start_times import STARTS_JOBS
 from sailor_hpc.jobs.options import ClusterPart
 from sailor_hpc.jobs.render import plan_clusters
+from sailor_hpc.slurm.discover import partition_states
 from sailor_hpc.slurm.handle import SlurmCluster, SlurmJob
 from sailor_hpc.slurm.hostlist import expand_hostlists
 from sailor_hpc.slurm.status import JobStatus
@@ -70,7 +72,8 @@ def idle_by_node(site: Site, clusters: Sequence[SlurmCluster],
     with every GPU (a running group's own, as if it had stopped)."""
     out: dict[str, dict[str, int]] = {}
     for cluster in clusters:
-        parts = [p.name for p in site.partitions if p.cluster == cluster.name]
+        starting = {name for name, state in partition_states(cluster.env).items() if state in STARTS_JOBS}
+        parts = [p.name for p in site.partitions if p.cluster == cluster.name and p.name in starting]
         full = (whole or {}).get(cluster.name, set())
         for n in cluster.nodes(parts):
             if n.usable and n.partition in parts:

@@ -20,6 +20,7 @@ from typing import Any
 
 from sailor_hpc.core.errors import SlurmUnavailable
 from sailor_hpc.core.site import format_slurm_time, slurm_time_seconds
+from sailor_hpc.core.start_times import STARTS_JOBS
 from sailor_hpc.core.toml_writer import dump_toml
 from sailor_hpc.slurm.commands import (
     PING_TIMEOUT_S,
@@ -315,27 +316,34 @@ def dump_site_toml(d: Mapping[str, Any], comments: Sequence[str] = ()) -> str:
 
 # ----------------------------------------------------------------------------------------- availability
 
+def partition_states(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Each partition's state as Slurm says it (``UP``, ``DOWN``, ``DRAIN``, ``INACTIVE``)."""
+    return {p.name: (p.state or "UP").upper() for p in show_partitions(env)}
+
+
 def live_availability(env: Mapping[str, str] | None = None,
                       partitions: Sequence[str] = ()) -> dict[str, dict[str, Any]]:
     """Idle GPUs and nodes per partition, now (``sinfo -N`` GRES and GRES in use).
 
-    Per partition: ``gres`` (most common GPU gres, e.g. ``gpu:a100``), ``nodes`` (all),
-    ``nodes_usable`` (up and schedulable), ``nodes_idle`` (usable with no GPU in use),
-    ``gpus`` (all), ``gpus_usable``, ``gpus_idle`` (free GPUs on usable nodes that still have a
-    free CPU) and ``idle_gpus_by_node`` (node → free GPUs, usable nodes only).
+    Per partition: ``state`` (Slurm's: UP, DOWN, DRAIN, INACTIVE), ``gres`` (most common GPU gres, e.g.
+    ``gpu:a100``), ``nodes`` (all), ``nodes_usable`` (up and schedulable), ``nodes_idle`` (usable with no
+    GPU in use), ``gpus`` (all), ``gpus_usable``, ``gpus_idle`` (free GPUs on usable nodes that still have
+    a free CPU) and ``idle_gpus_by_node`` (node → free GPUs, usable nodes only). A partition that starts no
+    job (not UP) has no usable node: its idle nodes would take a job that never starts.
     """
+    states = partition_states(env)
     out: dict[str, dict[str, Any]] = {}
     for n in sinfo_nodes(env, partitions):
-        p = out.setdefault(n.partition, {"gres": None, "nodes": 0, "nodes_usable": 0, "nodes_idle": 0,
-                                         "gpus": 0, "gpus_usable": 0, "gpus_idle": 0, "idle_gpus_by_node": {},
-                                         "_specs": Counter()})
+        p = out.setdefault(n.partition, {"state": states.get(n.partition, "UP"), "gres": None, "nodes": 0,
+                                         "nodes_usable": 0, "nodes_idle": 0, "gpus": 0, "gpus_usable": 0,
+                                         "gpus_idle": 0, "idle_gpus_by_node": {}, "_specs": Counter()})
         gpus, used = n.gpus, min(n.gpus_used, n.gpus)
         for g in n.gres:
             if g.name == "gpu":
                 p["_specs"][g.spec] += g.count
         p["nodes"] += 1
         p["gpus"] += gpus
-        if not n.usable:
+        if not n.usable or p["state"] not in STARTS_JOBS:
             continue
         p["nodes_usable"] += 1
         p["gpus_usable"] += gpus

@@ -154,6 +154,7 @@ END
 
 def test_live_availability_with_canned_sinfo(tmp_path):
     _fake_bin(tmp_path, "sinfo", FAKE_SINFO)
+    _fake_bin(tmp_path, "scontrol", "echo 'PartitionName=gpu Nodes=g[1-5] State=UP'\n")
     env = {"PATH": f"{tmp_path}:{os.environ['PATH']}"}
     nodes = sinfo_nodes(env)
     assert [n.usable for n in nodes] == [True, True, False, True, False]
@@ -163,6 +164,11 @@ def test_live_availability_with_canned_sinfo(tmp_path):
     assert (avail["gpus"], avail["gpus_usable"], avail["gpus_idle"]) == (20, 12, 5)
     assert (avail["nodes"], avail["nodes_usable"], avail["nodes_idle"]) == (5, 3, 1)
     assert avail["gres"] == "gpu:h100"
+    # the partition DOWN: its nodes are still counted, none is free for a job (it would never start)
+    _fake_bin(tmp_path, "scontrol", "echo 'PartitionName=gpu Nodes=g[1-5] State=DOWN'\n")
+    down = live_availability(env)["gpu"]
+    assert down["state"] == "DOWN" and (down["nodes"], down["gpus"]) == (5, 20)
+    assert (down["gpus_idle"], down["nodes_idle"], down["idle_gpus_by_node"]) == (0, 0, {})
 
 
 def test_dump_toml_round_trips():

@@ -19,6 +19,7 @@ from planner.time_goal import TimeGoal
 from sailor_hpc.core.site import load_site
 from sailor_hpc.core.start_times import request_shape
 from sailor_hpc.slurm.commands import parse_kv_line
+from sailor_hpc.slurm.discover import live_availability
 from sailor_hpc.slurm.start_estimate import StartEstimator, request_script
 from tests.data.tiny_archive import write_tiny_archive
 
@@ -100,6 +101,9 @@ def test_down_partition_is_left_out_and_an_unplanned_job_is_waited_for(site_stat
     assert abs(started - predicted) <= TOLERANCE_S, (started - out["queue"]["taken_at"], first)
     kv = _info(cluster, on_v100)  # what the plan left out: the V100 request never started
     assert (kv["JobState"], kv["Reason"]) == ("PENDING", "PartitionDown"), kv
+    # what `run` and `--available live` plan on: the DOWN partition's idle nodes are no free GPUs
+    live = live_availability(cluster.env)
+    assert live["v100"]["state"] == "DOWN" and live["v100"]["gpus_idle"] == 0 and live["v100"]["nodes"] == 2
 
 
 def test_reservations_are_waited_for_or_fitted_before(site_state) -> None:
