@@ -40,15 +40,21 @@ def plan_on_state(site: Site, archive: ProfileArchive, state: QueueState, reques
                   no_plan: NoPlan | None = None) -> SearchResult:
     """The best plans, best first, of ``request_for(GPUs, goal)`` on ``state``. ``time`` (objective time): the
     goal of that run on the state's queue, and the first ``top_k`` plans ranked again on Slurm's answers.
-    A bad request or goal raises its SailorError as it is; when the search finds no plan, its SailorError goes
-    through ``no_plan`` (the controller waits on it where ``plan`` reports it)."""
+    A bad request or goal raises its SailorError as it is; when the search finds no plan, or no partition can
+    start a job under the site's states, its SailorError goes through ``no_plan`` (the controller waits on it
+    where ``plan`` reports it)."""
     goal = None
     available = dict(state.available)
     left_out: dict[str, str] = {}
     if time is not None:
         assert state.snapshot is not None, "objective time plans on a queue"
         goal = queue_goal(site, time, state.snapshot)
-        available, left_out = startable(site, goal, available)
+        try:
+            available, left_out = startable(site, goal, available)
+        except SailorError as exc:  # nothing can start now: the controller waits on it where plan reports it
+            if no_plan is None:
+                raise
+            raise no_plan(exc) from exc
     request = request_for(available, goal)
     try:
         result = plan_search(site, archive, request, progress=progress)

@@ -167,6 +167,12 @@ def test_a_down_partition_is_left_out_of_the_plan_with_the_reason(tiny_archive) 
         startable(site, goal, {})
     assert "a100 is DOWN" in err.value.message and "v100 is DOWN" in err.value.message
 
+    class Waits(SailorError):  # how the controller names "no plan now": it waits instead of stopping
+        pass
+    with pytest.raises(Waits):
+        plan_on_state(site, tiny_archive, QueueState({}, both_down), request_for, TimeTerms(50), top_k=3,
+                      no_plan=lambda exc: Waits(exc.message))
+
 
 def test_a_plan_that_can_never_start_has_null_times_with_the_reason(tiny_archive) -> None:
     site = small_site(2, 2, 2)
