@@ -34,13 +34,17 @@ from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E
 MODEL = "tiny-gpt"
 
 
-def plan_for(zero: int, stages: int, world: int, mbs: int, micro: int) -> Any:
-    """tiny-gpt as ``stages`` stages x ``world // stages`` replicas, ``micro`` micro-batches of ``mbs``."""
+CUTS = {1: ((0, 5),), 2: ((0, 2), (3, 5)), 3: ((0, 1), (2, 3), (4, 5))}  # tiny-gpt's 6 pipeline layers
+
+
+def plan_for(zero: int, stages: int, world: int, mbs: int, micro: int, gpus: tuple[str, ...] = ()) -> Any:
+    """tiny-gpt as ``stages`` stages x ``world // stages`` replicas, ``micro`` micro-batches of ``mbs``; stage s
+    on GPU type ``gpus[s]`` (default "CPU": the runtime does not read it, the simulator does)."""
     from sailor_hpc.core.deepspeed_plan import with_zero_stage
     from sailor_hpc.core.plan import Pipeline, Plan, Stage
 
-    cuts = {1: ((0, 5),), 2: ((0, 2), (3, 5))}[stages]
-    pipe = Pipeline(mbs, micro, tuple(Stage(a, b, 1, "CPU") for a, b in cuts))
+    types = gpus or ("CPU",) * stages
+    pipe = Pipeline(mbs, micro, tuple(Stage(a, b, 1, t) for (a, b), t in zip(CUTS[stages], types, strict=True)))
     return with_zero_stage(Plan(MODEL, world // stages * mbs * micro, (pipe,) * (world // stages)), zero)
 
 
