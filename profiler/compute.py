@@ -599,7 +599,7 @@ def profile_compute(spec: ModelSpec, mbs_list: Sequence[int], *, tp_group: Any, 
                     dtype: str = "fp32", blocks: int | None = None, warmup: int = 3, iters: int = 20,
                     min_time_s: float = 1.0, remeasure: bool = True, baseline_rss: float = 0.0,
                     store: Any | None = None, collective_timeout_s: float = 300.0,
-                    quiet_retries: int = QUIET_RETRIES) -> ComputeResult:
+                    quiet_retries: int = QUIET_RETRIES, deepspeed: bool = False) -> ComputeResult:
     """Measure every micro-batch size of ``mbs_list`` (ascending) at this TP degree. A step that fails on any
     rank (out of memory or any other error) is recorded as failed on every rank with the reasons
     (:class:`TPAgreement`; ``store`` is the job's rendezvous store, needed for TP > 1), and the larger sizes
@@ -610,7 +610,10 @@ def profile_compute(spec: ModelSpec, mbs_list: Sequence[int], *, tp_group: Any, 
 
     Then the measured points are checked for monotonicity (:mod:`profiler.monotonic`): the points of a
     pair that breaks it are measured once more (``remeasure``; the sweep driver re-runs a job with it off
-    when the pair spans two jobs), and a pair that still breaks it flags both points."""
+    when the pair spans two jobs), and a pair that still breaks it flags both points.
+
+    ``deepspeed``: every measured point also gets what DeepSpeed's engines add to a step of its micro-batch
+    size (:mod:`profiler.ds_engine`) in its provenance, or why that could not be measured."""
     agree = TPAgreement(tp_group, store, collective_timeout_s=collective_timeout_s)
 
     def build() -> LayerProfiler:
@@ -661,6 +664,8 @@ def profile_compute(spec: ModelSpec, mbs_list: Sequence[int], *, tp_group: Any, 
         suspect = _non_monotonic(points.values())
     for mbs, p in points.items():
         p.flag = " | ".join(filter(None, (noisy(p.spread) if p.ok else "", suspect.get(mbs, ""))))
+    if deepspeed:
+        _deepspeed_costs(spec, [p for p in points.values() if p.ok], agree, device=device, dtype=dtype, blocks=blocks)
     agree.finish()
     prof = current[0]
     return ComputeResult(points=list(points.values()), memory=memory, overhead_bytes=prof.overhead_bytes(baseline_rss),
@@ -668,6 +673,26 @@ def profile_compute(spec: ModelSpec, mbs_list: Sequence[int], *, tp_group: Any, 
                          extra={"padded_vocab": prof.padded, "warmup": warmup, "iters": iters, "min_time_s": min_time_s,
                                 "timing": "chain", "chain_layers": len(prof.measured),
                                 **({"memory_failure": memory_failure} if memory_failure else {})})
+
+
+def _deepspeed_costs(spec: ModelSpec, points: Sequence[PointResult], agree: TPAgreement, *, device: torch.device,
+                     dtype: str, blocks: int | None) -> None:
+    """Each point's DeepSpeed engine costs into its provenance (``deepspeed_engine``), or the reason they are
+    missing (``deepspeed_engine_failed``): DeepSpeed's engine runs TP 1 only, and a failure leaves the
+    point's layer times standing."""
+    if agree.world != 1:
+        for p in points:
+            p.info["deepspeed_engine_failed"] = f"measured at TP 1 only (this job is TP {agree.world})"
+        return
+    from profiler.ds_engine import KEY, engine_costs
+
+    for p in points:
+        costs, why = agree.run(f"deepspeed{p.mbs}", functools.partial(engine_costs, spec, p.mbs, device=device,
+                                                                       dtype=dtype, blocks=blocks))
+        if why:
+            p.info["deepspeed_engine_failed"] = why
+        else:
+            p.info[KEY] = costs
 
 
 def _non_monotonic(points: Iterable[PointResult]) -> dict[int, str]:

@@ -61,6 +61,7 @@ class ComputeTask:
     collective_timeout_s: float = 300.0  # how long a TP rank waits in a collective for the others
     min_time_s: float = 1.0  # ... and seconds of timed work at least (profiler.compute.Repetitions)
     remeasure: bool = True  # measure a non-monotonic point once more before flagging it (off: re-runs)
+    deepspeed: bool = False  # also DeepSpeed's engine costs per point (profiler.ds_engine; TP 1)
 
 
 @dataclass(frozen=True)
@@ -149,7 +150,7 @@ def compute_job(task: ComputeTask) -> dict[str, Any] | None:
         res = profile_compute(spec, task.mbs, tp_group=group, device=device, dtype=task.dtype, blocks=task.blocks,
                               warmup=task.warmup, iters=task.iters, min_time_s=task.min_time_s,
                               remeasure=task.remeasure, baseline_rss=baseline, store=store,
-                              collective_timeout_s=task.collective_timeout_s)
+                              collective_timeout_s=task.collective_timeout_s, deepspeed=task.deepspeed)
     finally:
         dist.destroy_process_group()
     if rank != 0:

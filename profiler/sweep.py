@@ -113,6 +113,7 @@ class SweepConfig:
     poll_s: float = 1.0
     resume: bool = False
     local: bool = False  # run the measurements as processes on this machine (no Slurm)
+    deepspeed: bool = False  # also DeepSpeed's engine costs at every TP-1 point (--runtime deepspeed)
 
     @property
     def part_names(self) -> tuple[str, ...]:
@@ -200,6 +201,9 @@ def check_config(cfg: SweepConfig) -> None:
     for flag, values in (("--mbs", cfg.mbs), ("--tp", cfg.tp), ("--net-senders", cfg.senders)):
         if not values or any(v <= 0 for v in values):
             raise SailorError(f"needs positive integers, got {list(values)}", field=flag)
+    if cfg.deepspeed and 1 not in cfg.tp:
+        raise SailorError(f"DeepSpeed's engine costs are measured at TP 1, and --tp is {list(cfg.tp)}",
+                          field="--runtime", fix="add 1 to --tp, or drop --runtime deepspeed")
     bad = [k for k in cfg.network if k not in NETWORK_KINDS]
     if bad:
         raise SailorError(f"unknown network measurement {bad[0]!r}", field="--network",
@@ -399,7 +403,8 @@ def compute_groups(cfg: SweepConfig, units: Sequence[Unit], *, remeasure: bool =
              ComputeTask(model=spec.name, partition=part_name, gpu_key=c[0][0].gpu_key, tp=tp,
                          mbs=tuple(p.mbs for p, _ in c), archive=str(cfg.archive), cpu=cfg.cpu,
                          sweep=str(cfg.folder), dtype=cfg.dtype, blocks=cfg.blocks, warmup=cfg.warmup,
-                         iters=cfg.iters, min_time_s=cfg.min_time_s, remeasure=remeasure)) for c in chunks]
+                         iters=cfg.iters, min_time_s=cfg.min_time_s, remeasure=remeasure,
+                         deepspeed=cfg.deepspeed and tp == 1)) for c in chunks]
     return out
 
 

@@ -73,6 +73,10 @@ def _names(text: str | None) -> tuple[str, ...]:
 @click.option("--poll", "poll_s", type=click.FloatRange(min=0.05), default=1.0, show_default=True,
               help="Seconds between looks at Slurm while the jobs run.")
 @click.option("--resume", is_flag=True, help="Complete a partial sweep: skip what the archive has, re-attach to jobs.")
+@click.option("--runtime", type=click.Choice(["megatron_patch", "deepspeed"]), default="megatron_patch",
+              show_default=True, help="deepspeed: also measure DeepSpeed's engine costs per step and micro-batch at "
+                                      "TP 1 (ZeRO 0-3, its pipeline engine), which `plan/simulate --runtime "
+                                      "deepspeed` add to the layers.")
 @click.option("--write-site", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write the site with the measured network fits, the archive (and cpu- GPU types with --cpu): "
                    "an edit of --site that keeps its comments; prints every field it changed. May be --site itself.")
@@ -83,7 +87,7 @@ def profile_cmd(site_file: Path, model: str, partitions: str | None, mbs: str, t
                 blocks: int | None, iters: int, min_time_s: float, warmup: int, points_per_job: int, time_min: int,
                 begin: str | None,
                 folder: Path | None, python: str, timeout_s: float | None, lost_after: float, poll_s: float,
-                resume: bool, write_site: Path | None, skip_runtime_check: bool, as_json: bool) -> None:
+                resume: bool, runtime: str, write_site: Path | None, skip_runtime_check: bool, as_json: bool) -> None:
     """Profile MODEL on the site's partitions with Slurm jobs (or, with --local, processes on this machine)
     and merge the results into the archive.
 
@@ -111,10 +115,10 @@ def profile_cmd(site_file: Path, model: str, partitions: str | None, mbs: str, t
                       warmup=warmup, iters=iters, min_time_s=min_time_s, time_min=time_min, begin=begin,
                       folder=folder or Path("sailor-profile") / f"{site.name}-{name}", python=python,
                       points_per_job=points_per_job, timeout_s=timeout_s, lost_after_s=lost_after, poll_s=poll_s,
-                      resume=resume, local=local)
+                      resume=resume, local=local, deepspeed=runtime == "deepspeed")
     if not local:  # jobs need the runtime extra (submitit starts them), a network-only sweep torch alone
         checked(cfg)  # the input first, then the environment
-        modules = ("submitit", *(("torch",) if no_compute else RUNTIME_MODULES["megatron_patch"]))
+        modules = ("submitit", *(("torch",) if no_compute else RUNTIME_MODULES[runtime]))
         check_before_queue(JobNeeds(site=site, partitions=cfg.part_names, python=python, modules=modules,
                                     archive=archive, skip_runtime_check=skip_runtime_check,
                                     submitit=True))
