@@ -37,9 +37,32 @@ from simulator.schedule import ScheduleResult, pipeline_schedule
 from simulator.tables import ComputeTable, MemoryTable, ProfileTables, tables_for
 from simulator.timeline import Timeline, build_programs, run_programs
 
-# ZeRO-3 moves 1.5x an all-reduce's bytes per step: a reduce-scatter of the gradients plus an all-gather of the
-# weights in the forward and another in the backward (stages 1-2: reduce-scatter + all-gather = one all-reduce)
-ZERO3_TRAFFIC = {3: 1.5}
+# DeepSpeed keeps a parameter smaller than this whole on every rank under ZeRO 3
+# (stage3_param_persistence_threshold, which sailor_hpc.core.ds_config leaves at its default)
+PARAM_PERSISTENCE_THRESHOLD = 100_000
+
+
+def zero_traffic(stage: int, micro_batches: int, gathers_weights: bool) -> float:
+    """All-reduces' worth of the data-parallel traffic one step of DeepSpeed moves under ZeRO ``stage``
+    (a ring all-gather or reduce-scatter moves half an all-reduce's bytes). From DeepSpeed 0.19's
+    ``stage_1_and_2.py`` and ``stage3.py``, and counted on the runtime's collectives (tiny-gpt, DP 2, 4
+    micro-batches: ZeRO 0 one all-reduce of the gradients; 1 the same and two all-gathers of the updated
+    partitions; 2 an all-reduce in every micro-batch's backward and the all-gathers; 3 a reduce-scatter in
+    every backward and the weights' all-gathers):
+
+    * ZeRO 0: the gradients' all-reduce at the accumulation boundary;
+    * ZeRO 1: the same, then the step's all-gather of the updated fp32 partitions' weights;
+    * ZeRO 2: every micro-batch's backward all-reduces its gradients into the owners' partitions (the
+      reduction does not wait for the boundary), then the step's all-gather;
+    * ZeRO 3: every backward reduce-scatters its gradients, every forward and backward all-gathers the
+      partitioned weights (``gathers_weights``: the model has weights above DeepSpeed's persistence
+      threshold), and the step gathers the updated ones once.
+
+    Under ZeRO 2 and 3 (plans of one stage only) a micro-batch's reduction blocks its backward
+    (``overlap_comm`` off); after the flush or inside it, the step's time is the same.
+    """
+    m = micro_batches
+    return {0: 1.0, 1: 1.5, 2: m + 0.5, 3: 0.5 * m + (m if gathers_weights else 0.0) + 0.5}[stage]
 
 
 @dataclass(frozen=True)
@@ -140,6 +163,9 @@ class StageCost:
     in_bytes: float  # activation received from the previous stage per micro-batch (0 for layer 0)
     params: float  # parameters per TP rank
     grad_bytes: float  # gradient bytes per GPU (what its all-reduce moves)
+    # the deepspeed runtime: what its engine adds (simulator.engine_costs), already in bwd_s and update_s;
+    # None: the profile point has no engine costs (nothing charged)
+    engine_s: tuple[float, float] | None = None  # (per step, per micro-batch)
 
 
 class StageEvaluator:
@@ -197,9 +223,24 @@ class StageEvaluator:
         update = self.tables.update_seconds(table, first, last, self.optimizer)
         if self.options.zero_stage:  # each replica steps its 1/D partition
             update /= self.options.zero_dp
+        engine = self._engine_costs(table.gpu, tp, mbs, first, last)
+        if engine is not None:
+            update += engine[0]
+            bwd += engine[1]
         return StageCost(gpu=table.gpu, tp=tp, mbs=mbs, first=first, last=last, fwd_s=fwd, bwd_s=bwd,
                          update_s=update, out_bytes=out, in_bytes=inp,
-                         params=params, grad_bytes=params * GRAD_BYTES[self.dtype])
+                         params=params, grad_bytes=params * GRAD_BYTES[self.dtype], engine_s=engine)
+
+    def _engine_costs(self, gpu: str, tp: int, mbs: int, first: int, last: int) -> tuple[float, float] | None:
+        """(per step, per micro-batch) seconds DeepSpeed's engine adds to the stage (the deepspeed runtime, from
+        the profile: :mod:`simulator.engine_costs`); None for other runtimes and for points without them."""
+        if self.options.runtime != "deepspeed":
+            return None
+        costs = self.tables.engine_costs(gpu, mbs, tp, self.dtype)
+        if costs is None:
+            return None
+        blocks = max(0, min(last, self.model.num_layers) - max(first, 1) + 1)  # layers 1..T are the blocks
+        return costs.stage("pipe" if self.options.pipelined else "engine", self.options.zero_stage, blocks)
 
     def stage_memory(self, cost: StageCost, *, stage: int, num_stages: int, micro_batches: int) -> StageMemory:
         """Peak memory of one GPU of the stage (see :mod:`simulator.memory`); cached per in-flight count."""
@@ -335,9 +376,12 @@ class StageEvaluator:
         return pipeline_schedule(F, B, act, grad, m, asynchronous, self.options.runtime_model.serial_exchange)
 
     # ------------------------------------------------------------------ whole iterations
-    def collectives(self, costs: Sequence[Sequence[StageCost]], ends: Sequence[Sequence[Endpoint]]) -> list[Collective]:
+    def collectives(self, costs: Sequence[Sequence[StageCost]], ends: Sequence[Sequence[Endpoint]],
+                    micro_batches: Sequence[int] = ()) -> list[Collective]:
         """Tied-embedding all-reduces, then one gradient all-reduce per segment (see :mod:`simulator.iteration`);
-        with ``overlap_grad_sync``, per bucket of each segment, last layers first, then the tied ones."""
+        with ``overlap_grad_sync``, per bucket of each segment, last layers first, then the tied ones. Under
+        DeepSpeed's ZeRO a segment moves :func:`zero_traffic` all-reduces' worth (``micro_batches``: each
+        pipeline's count; ZeRO 2 and 3 reduce in every micro-batch)."""
         tied: list[Collective] = []
         grads: list[Collective] = []
         L = self.model.num_pipeline_layers
@@ -360,11 +404,20 @@ class StageEvaluator:
                 for blo, bhi in self._buckets(lo, hi, [costs[i][s].tp for i, s in holders]) if overlap else [(lo, hi)]:
                     per_gpu = [self.memory_table(costs[i][s].tp).params(blo, bhi) * elem for i, s in holders]
                     lead = tuple(self._backward_below(costs[i][s], blo) for i, s in holders) if overlap else ()
-                    secs = self.allreduce(eps, per_gpu, elem) * ZERO3_TRAFFIC.get(self.options.zero_stage, 1.0)
+                    secs = self.allreduce(eps, per_gpu, elem) * self._zero_traffic(holders, micro_batches)
                     grads.append(Collective("grads", holders, secs, blo, bhi, skew=skew, lead=lead))
         if overlap:  # one global order, as the runtime launches its buckets: backward order, last layers first
             return sorted(grads, key=lambda c: -c.last_layer) + tied
         return tied + grads
+
+    def _zero_traffic(self, holders: Sequence[tuple[int, int]], micro_batches: Sequence[int]) -> float:
+        """:func:`zero_traffic` of the deepspeed runtime's ZeRO stage for a segment held by ``holders``
+        (DeepSpeed runs one micro-batch count for every replica: the largest is taken); 1 without ZeRO."""
+        zero = self.options.zero_stage
+        if not zero:
+            return 1.0
+        m = max((micro_batches[i] for i, _ in holders), default=1) if micro_batches else 1
+        return zero_traffic(zero, m, self.model.hidden_size ** 2 >= PARAM_PERSISTENCE_THRESHOLD)
 
     def _backward_below(self, cost: StageCost, layer: int) -> float:
         """Seconds of the stage's last backward still to run once ``layer``'s gradients are complete."""
@@ -404,7 +457,7 @@ class StageEvaluator:
             if key not in same:
                 same[key] = self.pipeline_times(F, B, x.act, x.grad, m, x.asynchronous)
             scheds.append(same[key])
-        colls = self.collectives(costs, ends)
+        colls = self.collectives(costs, ends, micro_batches)
         flush = {(i, s): float(sch.finish[0, s]) for i, sch in enumerate(scheds) for s in range(sch.finish.shape[1])}
         update = {(i, s): x.update_s for i, c in enumerate(costs) for s, x in enumerate(c)}
         return IterationTiming(scheds, transfers, colls, finish_iteration(flush, colls, update))
@@ -532,6 +585,7 @@ class StageReport:
     end_s: float  # when it ended its optimizer step
     memory: StageMemory
     capacity_bytes: int
+    engine_s: tuple[float, float] | None = None  # DeepSpeed's engine: (per step, per micro-batch), in update/bwd
 
     @property
     def fits(self) -> bool:
@@ -544,6 +598,8 @@ class StageReport:
         d["memory_bytes"] = self.memory.total  # peak device memory in use: what decides out-of-memory
         d["peak_allocated_bytes"] = float(self.memory.peak_allocated)
         d["memory"] = self.memory.to_dict()
+        if self.engine_s is not None:
+            d["deepspeed_engine_s"] = {"per_step": self.engine_s[0], "per_micro_batch": self.engine_s[1]}
         return d
 
 
@@ -658,7 +714,7 @@ def plan_timeline(plan: Plan, site: Site, archive: ProfileArchive | None = None,
     update = {(i, s): x.update_s for i, c in enumerate(a.costs) for s, x in enumerate(c)}
     progs = build_programs([[x.fwd_s for x in c] for c in a.costs], [[x.bwd_s for x in c] for c in a.costs],
                            [x.act for x in xs], [x.grad for x in xs], a.micro_batches,
-                           a.ev.collectives(a.costs, a.ends), update, [x.asynchronous for x in xs],
+                           a.ev.collectives(a.costs, a.ends, a.micro_batches), update, [x.asynchronous for x in xs],
                            a.ev.options.runtime_model.serial_exchange)
     gpu_types = {(i, s): stage.gpu_type for i, pipe in enumerate(a.plan.pipelines) for s, stage in enumerate(pipe.stages)}
     return Timeline(tuple(run_programs(progs)), gpu_types)
@@ -677,7 +733,7 @@ def _result(plan: Plan, site: Site, ev: StageEvaluator, costs, timing: Iteration
                 partition=stage.partition or "", tp=x.tp, fwd_s=x.fwd_s, bwd_s=x.bwd_s, update_s=x.update_s,
                 act_send_s=act[s] if s < P - 1 else 0.0, grad_send_s=grad[s - 1] if s > 0 else 0.0,
                 flush_s=float(scheds[i].finish[0, s]), end_s=end.stage_end[(i, s)], memory=mem,
-                capacity_bytes=ev.capacity(x.gpu)))
+                capacity_bytes=ev.capacity(x.gpu), engine_s=x.engine_s))
     T = end.time_s
     per_hour = plan_cost_per_hour(plan, site)
     seq = plan.sequence_length
@@ -696,6 +752,8 @@ def _result(plan: Plan, site: Site, ev: StageEvaluator, costs, timing: Iteration
         "sync_s": max(end.stage_sync_end.values()) - max(p["flush_s"] for p in pipes),
         "optimizer_s": max(x.update_s for c in costs for x in c),
     }
+    if ev.options.runtime == "deepspeed":
+        breakdown["deepspeed_engine"] = _engine_breakdown(costs)
     crossing, egress_cost = egress(site, _transfers(plan, ev, costs, collectives))
     return SimResult(plan=plan, iteration_time_s=T, throughput_samples_per_s=plan.global_batch_size / T,
                      tokens_per_s=plan.global_batch_size * seq / T,
@@ -705,6 +763,21 @@ def _result(plan: Plan, site: Site, ev: StageEvaluator, costs, timing: Iteration
                      cost_per_iteration=per_hour * T / 3600.0 + egress_cost, cost_unit=site.cost_unit,
                      breakdown=breakdown, collectives=tuple(collectives), collective_starts=end.collective_start,
                      egress_bytes=crossing, egress_cost=egress_cost)
+
+
+def _engine_breakdown(costs: Sequence[Sequence[StageCost]]) -> dict[str, Any]:
+    """What DeepSpeed's engine adds per stage, and which GPU types' profiles lack it (charged nothing)."""
+    stages = [x for c in costs for x in c]
+    missing = sorted({x.gpu for x in stages if x.engine_s is None})
+    charged = [x.engine_s for x in stages if x.engine_s is not None]
+    out: dict[str, Any] = {"profiled": not missing,
+                           "per_step_s": max((e[0] for e in charged), default=0.0),
+                           "per_micro_batch_s": max((e[1] for e in charged), default=0.0)}
+    if missing:
+        out["not_profiled"] = (f"no DeepSpeed engine costs in the profiles of {', '.join(missing)} "
+                               "(`sailor-hpc profile --runtime deepspeed` measures them): its per-step work is "
+                               "not charged there")
+    return out
 
 
 def _transfers(plan: Plan, ev: StageEvaluator, costs: Sequence[Sequence[StageCost]],

@@ -45,6 +45,7 @@ import numpy as np
 from sailor_hpc.core.archive import ProfileArchive
 from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.models import ModelSpec
+from simulator.engine_costs import EngineCosts, engine_costs
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 DEFAULT_PROFILED_BLOCKS = 2
@@ -129,6 +130,7 @@ class ProfileTables:
         self.model = model
         self._compute: dict[tuple[str, int, int, str, bool], ComputeTable] = {}
         self._memory: dict[int, MemoryTable] = {}
+        self._engine: dict[tuple[str, int, int, str], EngineCosts | None] = {}
 
     @property
     def num_layers(self) -> int:
@@ -188,6 +190,16 @@ class ProfileTables:
         return ComputeTable(gpu=gpu, mbs=mbs, tp=tp, cum_fwd=cum_fwd, cum_bwd=cum_bwd,
                             update_s=float(times[:, 2].max()), update_params=profiled, dtype=entry.dtype,
                             boundary_fwd=saving[0], boundary_bwd=saving[1])
+
+    def engine_costs(self, gpu: str, mbs: int, tp: int, dtype: str = "fp32") -> EngineCosts | None:
+        """DeepSpeed's engine costs the point (``gpu``, ``mbs``, ``tp``, ``dtype``) was profiled with, if any
+        (:mod:`simulator.engine_costs`)."""
+        key = (gpu, mbs, tp, dtype)
+        if key not in self._engine:
+            entry = self.archive.compute_points(self.model.name, gpu, dtype).get((mbs, tp))
+            where = f"compute/{self.model.name}/{gpu}/mbs{mbs}_tp{tp}"
+            self._engine[key] = None if entry is None else engine_costs(entry.provenance, where)
+        return self._engine[key]
 
     def _boundary_saving(self, entry, times: np.ndarray, blocks: int) -> tuple[float, float]:
         """(forward, backward) seconds per layer boundary: (sum of the measured layers alone - their
