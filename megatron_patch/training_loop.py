@@ -352,13 +352,34 @@ def run(args: argparse.Namespace, runtime: Runtime[Any]) -> int:
         return EXIT_BAD_INPUT
 
 
-#: how long a rank that refused its input stays under torchrun's agent, which stops every rank the moment one
-#: exits: the ranks started with it reach their own checks meanwhile (from there they hold the agent's SIGTERM
-#: until they have said their refusal). Under srun, ``--wait`` gives them a minute.
-SIBLING_GRACE_S = 2.0
+#: how long a rank that refused its input waits at most, under torchrun's agent (which stops every rank the
+#: moment one exits), for the ranks started with it to reach their own checks (from there they hold the agent's
+#: SIGTERM until they have said their refusal). Under srun, ``--wait`` gives them a minute.
+SIBLING_GRACE_S = 30.0
 
 
-def _let_siblings_refuse() -> None:
+def _let_siblings_refuse(poll_s: float = 0.05) -> None:
+    """Under torchrun, mark this rank's refusal in its own folder of the agent's log folder and wait until every
+    local rank has marked its own (or :data:`SIBLING_GRACE_S`): a loaded machine may still be starting a sibling
+    when this rank is done, and the agent would kill it before it says anything. A valid sibling never marks:
+    then this rank waits the whole grace, and the agent stops that sibling at its rendezvous."""
     world = os.environ.get("WORLD_SIZE", "1")
-    if "TORCHELASTIC_RUN_ID" in os.environ and world.isdigit() and int(world) > 1:
-        time.sleep(SIBLING_GRACE_S)
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not world.isdigit() or int(world) <= 1:
+        return
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE", "")
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    if not error_file or not local.isdigit():  # no log folder to meet in: a fixed grace
+        time.sleep(2.0)
+        return
+    mine = os.path.dirname(error_file)
+    attempt = os.path.dirname(mine)
+    try:
+        open(os.path.join(mine, "refused"), "w").close()
+    except OSError:
+        time.sleep(2.0)
+        return
+    deadline = time.monotonic() + SIBLING_GRACE_S
+    while time.monotonic() < deadline:
+        if all(os.path.exists(os.path.join(attempt, str(i), "refused")) for i in range(int(local))):
+            return
+        time.sleep(poll_s)
