@@ -124,8 +124,9 @@ class _Runner:
         config = _config(spec, mbs, MICRO_BATCHES[-1], zero, dtype, device)
         opt = config["optimizer"]["params"]
 
-        def groups(module: torch.nn.Module) -> list[dict[str, Any]]:
-            layer = module if isinstance(module, StageLayer) else module.forward_funcs[0]  # a PipelineModule's one
+        def groups(module: Any) -> list[dict[str, Any]]:
+            layer = module if isinstance(module, StageLayer) else module.forward_funcs[0]
+            assert isinstance(layer, StageLayer)  # a PipelineModule's one layer
             params = layer.stage.canonical_params()
             return [g for g in ({"params": [p for n, p in params.items() if infos[n].decay],
                                  "weight_decay": opt["weight_decay"]},
