@@ -29,11 +29,16 @@ predicts; the two-rank plans fit this machine's two cores and separate the model
 
 Then, with ``--deepspeed`` (alone: ``--deepspeed-only``), each ZeRO stage under stock DeepSpeed
 (``megatron_patch.ds_runtime``): tiny-gpt on two gloo ranks, one stage, two replicas (DP 2), micro-batch 4
-x 4, profiled first at TP 1; measured median step (slowest rank) and peak RSS per rank beside the
-simulator's step time and peak allocated bytes (runtime ``deepspeed``, gloo). Peak RSS carries the
-process (Python, torch, DeepSpeed: hundreds of MB), so the comparable figure is each stage's difference
-from ZeRO 0, measured and predicted; a ZeRO bucket that ``torch.empty`` allocates but never fills is
-charged whole by the model (on a GPU it is allocated) and costs no RSS on the CPU.
+x 4. Step time: one world of the two ranks alternates, for every ZeRO stage in each of ``--rounds`` rounds,
+a measurement and the run it predicts: each rank alone and both at once (so that both cores are as busy as
+under the run), tiny-gpt's layer times and the plain engine's costs at that ZeRO stage as ``sailor-hpc
+profile --runtime deepspeed`` measures them (every block measured; the engines on a group of the rank
+alone), then three steps of the plan; the simulator (runtime ``deepspeed``, gloo) predicts the step from each
+rank's measurement, with and without the engine's costs, and the medians of the per-round values are
+printed with the load. Memory: one run under
+torch's allocator accounting (``tests/deepspeed/zero_memory_worker.py``), the peak allocated beside the
+simulator's (a ZeRO bucket that ``torch.empty`` allocates and nobody fills counts, as it does on a GPU; the
+resident set size would not count it).
 
     .venv/bin/python benchmarks/simulator_vs_runtime.py [--rounds 5] [--no-pipelines] [--deepspeed | --deepspeed-only]
 """
@@ -45,8 +50,10 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -268,59 +275,183 @@ def pipelines(env: dict[str, str]) -> list[dict]:
 
 
 DS_MBS, DS_MICRO, DS_STEPS = 4, 4, 8
+ZERO_WORKER = ROOT / "tests" / "deepspeed" / "zero_memory_worker.py"
 
 
-def deepspeed_zero(env: dict[str, str]) -> list[dict]:
-    """Every ZeRO stage of a DP-2 one-stage plan under DeepSpeed: measured beside the simulator (see the doc)."""
+ENGINE_ROUNDS = 3  # paired DeepSpeed/plain steps per engine cost measurement (profiler.ds_engine)
+
+
+def ds_rank_main() -> None:
+    """Both ranks, in turn: measure (each alone, at once) tiny-gpt's layers and the plain engine's costs under
+    ZeRO z, as ``sailor-hpc profile --runtime deepspeed`` does (:class:`profiler.compute.LayerProfiler`,
+    :class:`profiler.ds_engine.EngineMeter` on a group of this rank alone), then run the DP-2 plan under ZeRO z
+    (``megatron_patch.ds_runtime``'s trainer); every ZeRO stage in every round. Each rank prints its rows."""
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if os.environ.get("BENCH_NICE"):  # ahead of the host's other work (root only): a quieter machine
+        os.setpriority(os.PRIO_PROCESS, 0, int(os.environ["BENCH_NICE"]))
+    if os.environ.get("BENCH_CLOCK") == "cpu":  # every clock of this process (profiler, engine meter, runtime)
+        time.perf_counter = time.thread_time  # counts this rank's own work only: robust to a busy host
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+
+    from megatron_patch.data import GlobalSamples
+    from megatron_patch.ds_runtime.engine import DsTrainer
+    from megatron_patch.ds_runtime.launch import _without_shm_op
+    from profiler.compute import LayerProfiler
+    from profiler.ds_engine import EngineMeter
+    from profiler.netbench import allreduce_busbw
+
+    _without_shm_op()
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.set_num_threads(1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    spec, cpu = shape_spec("tiny"), torch.device("cpu")
+    alone = [dist.new_group([r]) for r in range(world)][rank]
+    prof = LayerProfiler(spec, tp_group=alone, device=cpu, blocks=spec.num_layers, warmup=2, iters=9, min_time_s=0.3)
+    samples = GlobalSamples(os.environ["BENCH_DATA"], spec.seq_len)
+    trainers = {z: DsTrainer(_ds_plan(z), samples, spec=spec) for z in range(4)}
+    meters = {z: EngineMeter("engine", z, spec, DS_MBS, device=cpu, blocks=spec.num_layers, group=alone)
+              for z in range(4)}
+    for t in trainers.values():  # first steps pay for allocations
+        t.train_step()
+    grad_bytes = 4 * sum(p.numel() for p in trainers[0].params.values())
+    rows = []
+    for r in range(int(os.environ["BENCH_ROUNDS"])):
+        for z in range(4):
+            load = os.getloadavg()[0]
+            times = prof.measure(DS_MBS)
+            costs = {meters[z].key: meters[z].measure(ENGINE_ROUNDS)}
+            steps = []
+            for _ in range(3):
+                step = torch.tensor([trainers[z].train_step().seconds])
+                dist.all_reduce(step, op=dist.ReduceOp.MAX)  # the step ends with its slowest rank
+                steps.append(float(step))
+            gbps = allreduce_busbw(grad_bytes, 10, 2, cpu)  # the link the gradients' collectives see, now
+            rows.append({"round": r, "zero": z, "load": load, "times": times.tolist(), "costs": costs,
+                         "blocks": meters[z].sizes, "measured_s": statistics.median(steps), "gbps": gbps})
+    print(json.dumps({"rank": rank, "rows": rows, "memory": prof.memory_table().tolist()}), flush=True)
+    dist.destroy_process_group()
+
+
+def _ds_archive(times: list, memory: list, costs: dict | None = None, blocks: list | None = None) -> Any:
+    """A profile archive of tiny-gpt at micro-batch :data:`DS_MBS` (with DeepSpeed's engine costs of one ZeRO stage)."""
     import numpy as np
 
+    from profiler.ds_engine import KEY, document
     from sailor_hpc.core.archive import ComputeEntry, MemoryEntry, OverheadEntry, ProfileArchive
+
+    archive, prov = ProfileArchive(), {"source": "benchmark", "profiled_blocks": shape_spec("tiny").num_layers}
+    point = {**prov, **({KEY: document(costs, blocks or [], ENGINE_ROUNDS)} if costs is not None else {})}
+    archive.add(ComputeEntry(MODEL, "CPU", DS_MBS, 1, np.array(times), point))
+    archive.add(MemoryEntry(MODEL, 1, np.array(memory), prov))
+    archive.add(OverheadEntry("CPU", {1: 0.0}, prov))
+    return archive
+
+
+def _ds_plan(zero: int) -> Any:
     from sailor_hpc.core.deepspeed_plan import with_zero_stage
     from sailor_hpc.core.plan import Pipeline, Plan, Stage
+
+    L = shape_spec("tiny").num_pipeline_layers
+    return with_zero_stage(Plan(MODEL, 2 * DS_MBS * DS_MICRO, (Pipeline(DS_MBS, DS_MICRO, (Stage(0, L - 1, 1, "CPU"),)),)
+                                * 2), zero)
+
+
+def _compute_s(res: Any) -> float:
+    """A one-stage step without its collectives: the micro-batches' compute and the optimizer step (what a
+    rank's own thread does: the CPU clock's comparison)."""
+    return res.breakdown["flush_s"] + res.breakdown["optimizer_s"]
+
+
+def deepspeed_zero(env: dict[str, str], rounds: int, clock: str = "wall") -> dict[str, Any]:
+    """Every ZeRO stage of a DP-2 one-stage plan under DeepSpeed, measured beside the simulator (see the doc):
+    the rounds of :func:`ds_rank_main` in one world of two ranks, and one allocator-counted run."""
     from sailor_hpc.core.site import load_site_dict
     from simulator import SimOptions, simulate
 
-    prof = _launch({**env, "BENCH_PART": "profile", "BENCH_SHAPE": "tiny"}, 1)
-    archive, base = ProfileArchive(), {"source": "benchmark", "shape": "tiny"}
-    for mbs, times in prof["times"].items():
-        archive.add(ComputeEntry(MODEL, "CPU", int(mbs), 1, np.array(times), base))
+    options = SimOptions(runtime="deepspeed", backend="gloo")
+    out = local.run([str(Path(__file__).resolve())], 2, {**env, "BENCH_PART": "ds", "BENCH_ROUNDS": str(rounds),
+                                                         "BENCH_CLOCK": clock}, timeout=3600)
+    seconds = _compute_s if clock == "cpu" else (lambda res: res.iteration_time_s)
+    bad = [r for r in out if r.returncode != 0]
+    if bad:
+        raise RuntimeError(bad[0].stderr[-3000:])
+    ranks = [json.loads(r.stdout.strip().splitlines()[-1]) for r in out]
+    time_rows: list[dict[str, Any]] = []
+    for i, row in enumerate(ranks[0]["rows"]):
+        mine = [rk["rows"][i] for rk in ranks]  # each rank measured its own profile at the same time
+        plan = _ds_plan(row["zero"])
+        site = load_site_dict(measured_site(row["gbps"]), source="<this machine, gloo all-reduce measured>")
+        predicted = [seconds(simulate(plan, site, _ds_archive(x["times"], rk["memory"], x["costs"], x["blocks"]),
+                                      options=options)) for x, rk in zip(mine, ranks, strict=True)]
+        layers = [seconds(simulate(plan, site, _ds_archive(x["times"], rk["memory"]), options=options))
+                  for x, rk in zip(mine, ranks, strict=True)]
+        time_rows.append({"round": row["round"], "zero": row["zero"], "load": row["load"], "gbps": row["gbps"],
+                          "measured_s": row["measured_s"], "predicted_s": statistics.fmean(predicted),
+                          "layers_only_s": statistics.fmean(layers)})
+    return {"time": time_rows, "memory": zero_memory(env), "clock": clock}
+
+
+def zero_memory(env: dict[str, str]) -> list[dict[str, Any]]:
+    """Peak allocated per ZeRO stage (rank 0), from torch's CPU allocator (``tests/deepspeed/zero_memory_worker.py``),
+    beside the simulator's peak allocated from the layer profile the same run takes."""
+    import numpy as np
+
+    from sailor_hpc.core.archive import ComputeEntry, MemoryEntry, OverheadEntry, ProfileArchive
+    from sailor_hpc.core.site import load_site_dict
+    from simulator import SimOptions, simulate
+
+    configs = [[f"z{z}", z, 1] for z in range(4)]
+    out = local.run([str(ZERO_WORKER)], 2, {"ZERO_CONFIGS": json.dumps(configs), "ZERO_DATA": env["BENCH_DATA"],
+                                            "ZERO_MBS": str(DS_MBS), "ZERO_MICRO": str(DS_MICRO)}, timeout=1800)
+    bad = [r for r in out if r.returncode != 0]
+    if bad:
+        raise RuntimeError(bad[0].stderr[-3000:])
+    lines = [json.loads(x) for r in out for x in r.stdout.splitlines() if x.startswith('{"event"')]
+    (got,) = [e for e in lines if e["event"] == "zero_memory" and e["rank"] == 0]
+    (prof,) = [e for e in lines if e["event"] == "profile"]
+    archive, base = ProfileArchive(), {"source": "benchmark"}
+    archive.add(ComputeEntry(MODEL, "CPU", prof["mbs"], 1, np.array(prof["times"]), base))
     archive.add(MemoryEntry(MODEL, 1, np.array(prof["memory"]), base))
-    archive.add(OverheadEntry("CPU", {1: prof["overhead"]}, base))
+    archive.add(OverheadEntry("CPU", {1: 0.0}, base))
     site = load_site_dict(SITE, source="<this machine>")
-    L = shape_spec("tiny").num_pipeline_layers
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for zero in range(4):
-            plan = with_zero_stage(Plan(MODEL, 2 * DS_MBS * DS_MICRO, (Pipeline(DS_MBS, DS_MICRO, (Stage(0, L - 1, 1, "CPU"),)),)
-                                        * 2), zero)
-            path = Path(tmp) / f"z{zero}.json"
-            plan.save(path)
-            out = local.run(["-m", "megatron_patch.ds_runtime.launch", "--plan", str(path), "--model", MODEL,
-                             "--data", env["BENCH_DATA"], "--steps", str(DS_STEPS)], 2, timeout=1800)
-            bad = [r for r in out if r.returncode != 0]
-            if bad:
-                raise RuntimeError(bad[0].stderr[-3000:])
-            steps = [[e for e in map(json.loads, (x for x in r.stdout.splitlines() if x.startswith("{")))
-                      if e.get("event") == "step"] for r in out]  # DeepSpeed prints lines of its own
-            res = simulate(plan, site, archive, options=SimOptions(runtime="deepspeed", backend="gloo"))
-            rows.append({"zero": zero, "measured_s": statistics.median(max(r[i]["iter_s"] for r in steps)
-                                                                        for i in range(2, DS_STEPS)),
-                         "predicted_s": res.iteration_time_s, "rss": max(r[-1]["mem_bytes"] for r in steps),
-                         "predicted_bytes": res.peak_allocated_bytes})
+    for zero in range(4):
+        res = simulate(_ds_plan(zero), site, archive, options=SimOptions(runtime="deepspeed", backend="gloo"))
+        rows.append({"zero": zero, "measured_bytes": got["results"][f"z{zero}"]["peak"],
+                     "predicted_bytes": float(res.stages[0].memory.peak_allocated)})
     return rows
 
 
-def print_deepspeed(rows: list[dict]) -> None:
-    print(f"\n{MODEL} under DeepSpeed, 2 gloo ranks: one stage x 2 replicas, mbs {DS_MBS} x {DS_MICRO}; median s/step "
-          "(slowest rank) and peak memory per rank (MB), each ZeRO stage's memory also as the change from ZeRO 0")
-    print(f"{'ZeRO':>5}{'measured s':>11}{'predicted':>10}{'err %':>7}{'peak RSS':>10}{'d RSS':>8}"
-          f"{'predicted':>10}{'d pred':>8}")
-    z0 = rows[0]
-    for r in rows:
-        print(f"{r['zero']:>5}{r['measured_s']:>11.4f}{r['predicted_s']:>10.4f}"
-              f"{(r['predicted_s'] / r['measured_s'] - 1) * 100:>+7.1f}{r['rss'] / 1e6:>10.1f}"
-              f"{(r['rss'] - z0['rss']) / 1e6:>+8.1f}{r['predicted_bytes'] / 1e6:>10.1f}"
-              f"{(r['predicted_bytes'] - z0['predicted_bytes']) / 1e6:>+8.1f}")
+def print_deepspeed(result: dict[str, Any]) -> None:
+    rows = result["time"]
+    rounds = max(r["round"] for r in rows) + 1
+    loads = sorted({round(r["load"], 1) for r in rows})
+    print(f"\n{MODEL} under DeepSpeed, 2 gloo ranks: one stage x 2 replicas, mbs {DS_MBS} x {DS_MICRO}; "
+          f"{rounds} rounds (load {loads[0]}-{loads[-1]} on {os.cpu_count()} cores)")
+    if result["clock"] == "cpu":
+        print("clock: each rank's thread CPU time (its own work, whatever else the host runs), measured and predicted "
+              "without the collectives")
+    print("step time: each round and ZeRO stage, both ranks measure layers + the engine's costs at once, then run "
+          "three steps; medians over rounds of the per-round values (s/step, slowest rank); gloo all-reduce "
+          f"measured at the gradients' size: median {statistics.median(r['gbps'] for r in rows):.3f} GB/s")
+    print(f"{'ZeRO':>5}{'measured':>10}{'layers only':>13}{'err %':>7}{'+ engine':>10}{'err %':>7}"
+          f"{'   per-round err % (+ engine)':>30}")
+    for zero in range(4):
+        mine = [r for r in rows if r["zero"] == zero]
+        errs = [(r["predicted_s"] / r["measured_s"] - 1) * 100 for r in mine]
+        bare = [(r["layers_only_s"] / r["measured_s"] - 1) * 100 for r in mine]
+        med = {k: statistics.median(r[k] for r in mine) for k in ("measured_s", "predicted_s", "layers_only_s")}
+        print(f"{zero:>5}{med['measured_s']:>10.4f}{med['layers_only_s']:>13.4f}{statistics.median(bare):>+7.1f}"
+              f"{med['predicted_s']:>10.4f}{statistics.median(errs):>+7.1f}   "
+              + " ".join(f"{e:+.1f}" for e in errs))
+    print("peak allocated, rank 0 (torch's CPU allocator, as max_memory_allocated on a GPU), MB")
+    print(f"{'ZeRO':>5}{'measured':>10}{'predicted':>11}{'err %':>7}")
+    for r in result["memory"]:
+        print(f"{r['zero']:>5}{r['measured_bytes'] / 1e6:>10.2f}{r['predicted_bytes'] / 1e6:>11.2f}"
+              f"{(r['predicted_bytes'] / r['measured_bytes'] - 1) * 100:>+7.1f}")
 
 
 def _launch(script_env: dict[str, str], world: int):
@@ -337,13 +468,20 @@ def main() -> int:
     ap.add_argument("--no-pipelines", dest="pipelines", action="store_false", help="skip the multi-stage plans")
     ap.add_argument("--deepspeed", action="store_true", help="also each ZeRO stage under DeepSpeed")
     ap.add_argument("--deepspeed-only", action="store_true", help="only the DeepSpeed ZeRO stages")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="DeepSpeed rounds: wall-clock steps (with the collectives), or each rank's thread CPU time "
+                         "on both sides (its own work: the engine's costs against a busy host's noise)")
+    ap.add_argument("--nice", type=int, default=None,
+                    help="run the DeepSpeed rounds' ranks at this niceness (e.g. -10, root only): ahead of the host's "
+                         "other work, as if on a quieter machine")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         data = str(Path(tmp) / "data")
         local.build_dataset(data)
-        env = {"BENCH_ROUNDS": str(args.rounds), "BENCH_DATA": data, "BENCH_RANK_MAIN": "1"}
-        zero = deepspeed_zero(env) if args.deepspeed or args.deepspeed_only else []
-        if args.deepspeed_only:
+        env = {"BENCH_ROUNDS": str(args.rounds), "BENCH_DATA": data, "BENCH_RANK_MAIN": "1",
+               **({"BENCH_NICE": str(args.nice)} if args.nice is not None else {})}
+        zero = deepspeed_zero(env, args.rounds, args.clock) if args.deepspeed or args.deepspeed_only else None
+        if zero is not None and args.deepspeed_only:
             print_deepspeed(zero)
             return 0
         rows = _launch(env, 1)
@@ -366,14 +504,15 @@ def main() -> int:
             print(f"{r['shape']:>6}{r['plan']:>14}{r['ranks']:>6}{r['gbps']:>10.3f}{r['measured_s']:>10.4f}"
                   f"{r['predicted_s']:>11.4f}{(r['predicted_s'] / r['measured_s'] - 1) * 100:>+7.1f}"
                   f"{r['serial_s']:>22.4f}{(r['serial_s'] / r['measured_s'] - 1) * 100:>+7.1f}")
-    if zero:
+    if zero is not None:
         print_deepspeed(zero)
     return 0
 
 
 def _rank_main() -> None:
     part = os.environ.get("BENCH_PART")
-    {"pipelines": pipelines_rank_main, "profile": profile_rank_main}.get(part or "", rank_main)()
+    {"pipelines": pipelines_rank_main, "profile": profile_rank_main,
+     "ds": ds_rank_main}.get(part or "", rank_main)()
 
 
 if __name__ == "__main__":
