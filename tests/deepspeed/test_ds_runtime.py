@@ -45,7 +45,7 @@ def _launch(module: str, plan: Plan, root: Path, name: str, steps: int, *extra: 
     plan.save(path)
     argv = ["-m", module, "--plan", str(path), "--model", plan.model, "--data", str(root / "data"),
             "--save", str(root / name), "--steps", str(steps), *ADAM, *extra]
-    results = local.run(argv, plan.num_gpus, timeout=600)
+    results = local.run(argv, plan.num_gpus, timeout=600, fork=True)
     for r in results:
         assert r.returncode == 0, f"{name} rank {r.rank} exited {r.returncode}:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
     return results

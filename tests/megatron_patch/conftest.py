@@ -2,9 +2,12 @@
 
 Training runs in subprocesses (``megatron_patch.local`` starts gloo ranks with torchrun's variables),
 so the pytest process never initialises torch.distributed or megatron's globals; building a dataset
-needs neither and runs in process. One reference run (``REF_STEPS`` steps, snapshots up to
-``REF_SNAPSHOTS``) serves every test that compares with the single-process trajectory from the
-initialisation. All runs use Adam with eps = 1e-5 (see test_exactness.py for why) and OMP_NUM_THREADS=1.
+needs neither and runs in process. The ranks and reference runs are forked from a zygote that imported
+torch and megatron-core once (``megatron_patch.zygote``; ``fork=True``), not started as new interpreters:
+the same programs, 3-4 s of CPU less each; a process that checks its own imports or memory starts anew.
+One reference run (``REF_STEPS`` steps, snapshots up to ``REF_SNAPSHOTS``) serves every test that compares
+with the single-process trajectory from the initialisation. All runs use Adam with eps = 1e-5 (see
+test_exactness.py for why) and OMP_NUM_THREADS=1.
 """
 from __future__ import annotations
 
@@ -55,7 +58,11 @@ class Env:
     ref: Path  # ref_step_N.pt for N in 1..REF_SNAPSHOTS, losses.json (REF_STEPS losses)
 
 
-def python(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def python(*args: str, timeout: float = 300, fork: bool = False) -> subprocess.CompletedProcess:
+    """``python *args`` as one rank would run (``fork``: forked from the zygote)."""
+    if fork:
+        res = local.run(list(args), 1, timeout=timeout, fork=True)[0]
+        return subprocess.CompletedProcess([sys.executable, *args], res.returncode, res.stdout, res.stderr)
     return subprocess.run([sys.executable, *args], cwd=local.REPO, env=local.rank_env(0, 1, local.free_port()),
                           capture_output=True, text=True, timeout=timeout)
 
@@ -77,7 +84,7 @@ def runtime_env(tmp_path_factory: pytest.TempPathFactory, shipped_data: str) -> 
     def reference(out: Path) -> None:
         res = python("-m", "megatron_patch.reference", "--model", MODEL, "--data", data, "--global-batch",
                      str(GLOBAL_BATCH), "--steps", str(REF_STEPS), "--snapshots", snapshots, "--out", str(out),
-                     *ADAM, timeout=600)
+                     *ADAM, timeout=600, fork=True)
         assert res.returncode == 0, res.stderr[-3000:]
 
     ref = built_once(tmp_path_factory, "runtime-reference", reference)  # the same run for every worker
@@ -104,7 +111,8 @@ def launch(env: Env, plan: str, steps: int, save: Path, *extra: str, expect: int
     argv = launch_args(env, plan, steps, save, *extra)
     if program is not None:
         argv = [*program, *argv[2:]]
-    results = local.run(argv, load_plan(env.plans[plan]).num_gpus, extra_env, timeout=timeout, grace=grace)
+    results = local.run(argv, load_plan(env.plans[plan]).num_gpus, extra_env, timeout=timeout, grace=grace,
+                        fork=True)
     for r in results if expect is not None else ():
         assert r.returncode == expect, f"rank {r.rank} exited {r.returncode}:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
     return results

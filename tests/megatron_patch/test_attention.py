@@ -20,7 +20,7 @@ TOL = 1e-6
 
 @pytest.fixture(scope="module")
 def measured() -> dict[str, float]:
-    results = local.run(["tests/megatron_patch/attention_worker.py"], 1, timeout=300)
+    results = local.run(["tests/megatron_patch/attention_worker.py"], 1, timeout=300, fork=True)
     assert results[0].returncode == 0, results[0].stderr[-4000:]
     out = json.loads(results[0].stdout.strip().splitlines()[-1])
     print(out)

@@ -146,7 +146,7 @@ def test_launch_refuses_a_missing_prefix_of_a_quoted_blend_on_every_rank(prefixe
     Plan("tiny-gpt", 4, (Pipeline(2, 2, (Stage(0, 2, 1, "A100-40"), Stage(3, 5, 1, "A100-40"))),)).save(plan)
     missing = tmp_path / "never-built"
     ranks = local.run(["-m", "megatron_patch.launch", "--plan", str(plan), "--model", "tiny-gpt", "--steps", "1",
-                       "--data", f"0.7 {prefixes[0]} 0.3 {missing}"], 2, timeout=300)
+                       "--data", f"0.7 {prefixes[0]} 0.3 {missing}"], 2, timeout=300, fork=True)
     for r in ranks:
         last = r.stderr.strip().splitlines()[-1]
         assert r.returncode == 2 and last.startswith(f"error: {missing}: --data: no indexed dataset"), \

@@ -64,7 +64,7 @@ def test_signal_saves_a_complete_checkpoint_and_exits_75(
         runtime_env: Env, ref_file: Callable[[int], Path]) -> None:
     root = runtime_env.root / "signal"
     logs = runtime_env.root / "signal-logs"
-    procs = local.start(launch_args(runtime_env, "A", 18, root), 4, logs=logs)
+    procs = local.start(launch_args(runtime_env, "A", 18, root), 4, logs=logs, fork=True)
     _wait_for_step(logs / "rank0.out")
     procs[2].send_signal(signal.SIGUSR1)  # one rank only: the others learn it from the step's all-reduce
     results = local.wait(procs, timeout=180)

@@ -95,7 +95,8 @@ def test_single_process_continues_from_a_heterogeneous_checkpoint(chain: dict, r
     from tests.megatron_patch.conftest import ADAM, GLOBAL_BATCH, MODEL, python
     out = runtime_env.root / "ref-from-6"
     res = python("-m", "megatron_patch.reference", "--model", MODEL, "--data", runtime_env.data, "--global-batch",
-                 str(GLOBAL_BATCH), "--steps", "8", "--out", str(out), "--load", str(step_dir(chain["root"], 6)), *ADAM)
+                 str(GLOBAL_BATCH), "--steps", "8", "--out", str(out), "--load", str(step_dir(chain["root"], 6)), *ADAM,
+                 fork=True)
     assert res.returncode == 0, res.stderr[-3000:]
     got = torch.load(out / "ref_step_8.pt", weights_only=True)
     ref = torch.load(ref_file(8), weights_only=True)

@@ -52,16 +52,16 @@ def _cli_ok(*args: str) -> None:
 def roundtrip(tmp_path_factory: pytest.TempPathFactory, shipped_data: str) -> RoundTrip:
     root = tmp_path_factory.mktemp("hf")
     data = shipped_data
-    _ok(python("tests/megatron_patch/hf_worker.py", "make", str(root / "hf")))
+    _ok(python("tests/megatron_patch/hf_worker.py", "make", str(root / "hf"), fork=True))
     _cli_ok("checkpoint", "import", str(root / "hf"), "--model", MODEL, "--save", str(root / "imported"))
     PLAN.save(root / "plan.json")
     ranks = local.run(["-m", "megatron_patch.launch", "--plan", str(root / "plan.json"), "--model", MODEL,
                        "--data", data, "--load", str(root / "imported"), "--save", str(root / "trained"),
-                       "--steps", "2", *ADAM], PLAN.num_gpus, timeout=300)
+                       "--steps", "2", *ADAM], PLAN.num_gpus, timeout=300, fork=True)
     for r in ranks:
         assert r.returncode == 0, (r.rank, r.stderr[-4000:])
     _cli_ok("checkpoint", "export", str(root / "imported"), "--to", "hf", str(root / "roundtrip"))
-    res = python("tests/megatron_patch/hf_worker.py", "compare", str(root), data, *ADAM)  # + the reference
+    res = python("tests/megatron_patch/hf_worker.py", "compare", str(root), data, *ADAM, fork=True)  # + the reference
     _ok(res)
     loaded = events(ranks[0], "loaded")
     assert loaded and loaded[0]["step"] == 0 and loaded[0]["consumed_samples"] == 0

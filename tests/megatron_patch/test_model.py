@@ -15,7 +15,7 @@ pytest.importorskip("megatron.core")
 
 
 def run_worker(world: int) -> dict[str, float]:
-    results = local.run(["tests/megatron_patch/model_worker.py"], world, timeout=300)
+    results = local.run(["tests/megatron_patch/model_worker.py"], world, timeout=300, fork=True)
     for r in results:
         assert r.returncode == 0, r.stderr[-4000:]
     return json.loads(results[0].stdout.strip().splitlines()[-1])

@@ -42,7 +42,7 @@ if rank == 0:
 
 def test_a_gloo_send_waits_for_its_receiver_at_any_size() -> None:
     pytest.importorskip("torch")
-    results = local.run(["-c", RANK], 2, timeout=120)
+    results = local.run(["-c", RANK], 2, timeout=120, fork=True)
     for r in results:
         assert r.returncode == 0, r.stderr[-3000:]
     waited = json.loads(results[0].stdout.strip().splitlines()[-1])

@@ -67,7 +67,7 @@ def blend(runtime_env: Env) -> list[str]:
 def run(runtime_env: Env, blend: list[str]) -> dict:
     ref = runtime_env.root / "ref-schedule"
     res = python("-m", "megatron_patch.reference", "--model", MODEL, *blend, "--global-batch", str(GLOBAL_BATCH),
-                 "--steps", str(STEPS), "--out", str(ref), *ADAM, *OPTS)
+                 "--steps", str(STEPS), "--out", str(ref), *ADAM, *OPTS, fork=True)
     assert res.returncode == 0, res.stderr[-3000:]
     root = runtime_env.root / "schedule-run"
     logs = launch(runtime_env, "A", RESIZE_AT, root, *blend, *OPTS)
