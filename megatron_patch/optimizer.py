@@ -10,18 +10,44 @@ one, else ``p.grad`` (the profiler steps without the hooks).
 torch's AdamW runs fused (one kernel for all tensors) on CUDA and multi-tensor (foreach) elsewhere;
 on the CPU the foreach update equals the single-tensor one within fp32 rounding, and the reference
 uses the same :func:`adamw` (tests/megatron_patch compare parameters to 1e-6).
+
+:class:`StageOptimizer` keeps the Adam state itself and calls the function ``torch.optim.AdamW.step`` calls
+(``torch.optim.adamw.adamw``, torch's functional AdamW), with the same arguments and state: the same update, bit for
+bit (tests/megatron_patch/test_optimizer.py). The class would import ``torch._dynamo`` at its first parameter
+group and every step (for its ``torch.compile`` support): 0.9 s of CPU at every rank's start, a quarter of
+what a rank spends before its first step.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import torch
+from torch.optim.adamw import adamw as adamw_update
 
 from megatron_patch.layout import ParamInfo
 from megatron_patch.main_grad import main_grad_of, zero_main_grads
 from megatron_patch.options import AdamConfig
 
 __all__ = ["AdamConfig", "StageOptimizer", "adamw", "clip_coefficient", "set_lr"]  # AdamConfig re-exported (profiler uses it)
+
+
+@dataclass
+class AdamState:
+    """One parameter's Adam state, as ``torch.optim.Adam`` keeps it (``step``: a 0-d float32 tensor, on the
+    device for the fused kernel, else on the CPU)."""
+
+    step: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+
+
+@dataclass(frozen=True)
+class ParamGroup:
+    """Masters that share a weight decay, by canonical name, in the order Adam updates them."""
+
+    names: tuple[str, ...]
+    weight_decay: float
 
 
 class StageOptimizer:
@@ -35,11 +61,13 @@ class StageOptimizer:
         self.master: OrderedDict[str, torch.Tensor] = OrderedDict()
         for name, p in params.items():
             self.master[name] = p if not self.mixed else p.detach().float().requires_grad_(True)
-        decay = [self.master[n] for n in params if infos[n].decay]
-        no_decay = [self.master[n] for n in params if not infos[n].decay]
-        groups = [g for g in ({"params": decay, "weight_decay": cfg.weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
-        self.adam = adamw(groups, cfg, next(iter(params.values())).device if params else torch.device("cpu"))
+        decay = tuple(n for n in params if infos[n].decay)
+        no_decay = tuple(n for n in params if not infos[n].decay)
+        self.groups = [g for g in (ParamGroup(decay, cfg.weight_decay), ParamGroup(no_decay, 0.0)) if g.names]
+        device = next(iter(params.values())).device if params else torch.device("cpu")
+        self.fused = device.type == "cuda"  # as adamw(): fused on CUDA, foreach elsewhere
+        self.lr = cfg.lr
+        self.state: dict[str, AdamState] = {}  # by name; made at a parameter's first step, as torch does
 
     def main_grads(self) -> OrderedDict[str, torch.Tensor]:
         """fp32 gradients by name, as the sync left them: ``p.main_grad``, else made from ``p.grad``
@@ -60,11 +88,35 @@ class StageOptimizer:
         grads = [m.grad for m in self.master.values() if m.grad is not None]
         if clip_coef < 1.0 and grads:
             torch._foreach_mul_(grads, clip_coef)
-        set_lr(self.adam, self.cfg.lr if lr is None else lr)
-        self.adam.step()
-        if self.mixed:
-            with torch.no_grad():
+        self.lr = self.cfg.lr if lr is None else lr
+        with torch.no_grad():
+            for group in self.groups:
+                self._adam(group)
+            if self.mixed:
                 torch._foreach_copy_(list(self.params.values()), list(self.master.values()))
+
+    def _adam(self, group: ParamGroup) -> None:
+        """``torch.optim.AdamW.step`` for one group: its masters that have a gradient, their state made as
+        ``Adam._init_group`` makes it, the same call."""
+        names = [n for n in group.names if self.master[n].grad is not None]
+        if not names:
+            return
+        for n in names:
+            if n not in self.state:
+                m = self.master[n]
+                step = (torch.zeros((), dtype=torch.float32, device=m.device) if self.fused
+                        else torch.tensor(0.0, dtype=torch.float64 if torch.get_default_dtype() == torch.float64
+                                          else torch.float32, device="cpu"))
+                self.state[n] = AdamState(step, torch.zeros_like(m, memory_format=torch.preserve_format),
+                                          torch.zeros_like(m, memory_format=torch.preserve_format))
+        masters = [self.master[n] for n in names]
+        states = [self.state[n] for n in names]
+        adamw_update(masters, [m.grad for m in masters], [s.exp_avg for s in states],  # type: ignore[misc]
+                     [s.exp_avg_sq for s in states], [], [s.step for s in states], foreach=not self.fused,
+                     capturable=False, differentiable=False, fused=self.fused, grad_scale=None, found_inf=None,
+                     has_complex=any(torch.is_complex(m) for m in masters), amsgrad=False, beta1=self.cfg.beta1,
+                     beta2=self.cfg.beta2, lr=self.lr, weight_decay=group.weight_decay, eps=self.cfg.eps,
+                     maximize=False)
 
     def zero_grad(self) -> None:
         zero_main_grads(self.params)
@@ -73,15 +125,15 @@ class StageOptimizer:
 
     # -- state by canonical name (what the checkpoint stores)
     def state_of(self, name: str) -> dict[str, torch.Tensor]:
-        st = self.adam.state.get(self.master[name], {})
+        st = self.state.get(name)
         m = self.master[name]
         return {"param": m.detach(),
-                "exp_avg": st.get("exp_avg", torch.zeros_like(m)).detach(),
-                "exp_avg_sq": st.get("exp_avg_sq", torch.zeros_like(m)).detach()}
+                "exp_avg": (st.exp_avg if st else torch.zeros_like(m)).detach(),
+                "exp_avg_sq": (st.exp_avg_sq if st else torch.zeros_like(m)).detach()}
 
     def adam_steps(self) -> int:
-        for st in self.adam.state.values():
-            return int(st["step"])
+        for st in self.state.values():
+            return int(st.step)
         return 0
 
     def load_state(self, name: str, param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
@@ -91,11 +143,9 @@ class StageOptimizer:
             m.copy_(param)
             if self.mixed:
                 self.params[name].copy_(param)
-        if steps > 0:
-            fused = self.adam.defaults.get("fused")  # fused Adam keeps its step count on the device
-            step = torch.tensor(float(steps), device=m.device if fused else "cpu")
-            self.adam.state[m] = {"step": step, "exp_avg": exp_avg.to(m).clone(),
-                                  "exp_avg_sq": exp_avg_sq.to(m).clone()}
+        if steps > 0:  # fused Adam keeps its step count on the device
+            step = torch.tensor(float(steps), device=m.device if self.fused else "cpu")
+            self.state[name] = AdamState(step, exp_avg.to(m).clone(), exp_avg_sq.to(m).clone())
 
 
 def adamw(groups: list[dict], cfg: AdamConfig, device: torch.device) -> torch.optim.AdamW:

@@ -63,13 +63,13 @@ def _state(trainer: Trainer) -> dict[str, Any]:
         if not any(s.main_grad.untyped_storage().data_ptr() == lb.flat.untyped_storage().data_ptr()
                    for lb in trainer.sync.order)]
     masters = list(opt.master.values()) if opt.mixed else []
-    moments = [st[k] for st in opt.adam.state.values() for k in ("exp_avg", "exp_avg_sq")]
-    decay = opt.adam.param_groups[0]
+    moments = [t for st in opt.state.values() for t in (st.exp_avg, st.exp_avg_sq)]
+    decay = opt.groups[0]
     by_kind = {"params": _storage_bytes(params), "main_grads": _storage_bytes(grads),
                "masters": _storage_bytes(masters), "moments": _storage_bytes(moments)}
     return {**by_kind, "state": sum(by_kind.values()), "params_elems": sum(p.numel() for p in params),
-            "decay_params": sum(p.numel() for p in decay["params"]) if decay["weight_decay"] else 0,
-            "param_groups": [sum(p.numel() for p in g["params"]) for g in opt.adam.param_groups]}
+            "decay_params": sum(opt.master[n].numel() for n in decay.names) if decay.weight_decay else 0,
+            "param_groups": [sum(opt.master[n].numel() for n in g.names) for g in opt.groups]}
 
 
 def _marked_step(self: Trainer, *args: Any, **kwargs: Any) -> Any:
