@@ -3,15 +3,17 @@
 Every configuration of ``ZERO_CONFIGS`` (a JSON list of ``[label, zero stage, stages]`` in the environment:
 one stage x ``world`` replicas runs DeepSpeed's plain engine, ``world`` stages x 1 replica its
 ``PipelineEngine``) is built as ``megatron_patch.ds_runtime`` builds it (:class:`DsTrainer`) and trained
-``STEPS`` steps, one after the other in this process, all under ``torch.profiler.profile(profile_memory=True)``,
+four steps, one after the other in this process, all under ``torch.profiler.profile(profile_memory=True)``,
 whose events carry every allocation and free of the CPU allocator. Their running sum is what the allocator
 has handed out (the CPU analogue of ``torch.cuda.memory_allocated``); unlike the resident set size it
 counts a buffer that ``torch.empty`` allocates and nobody writes (ZeRO's reduce buckets), as a GPU's
 allocator does.
 
 Each rank prints one ``{"event": "zero_memory", ...}`` line: per configuration, from the allocated total
-when the engine's construction began, the peak during the last step (``peak``), the total when that step
-began (``start``) and the largest single allocations inside it. Rank 0 also prints the layer profile a
+when the engine's construction began, the peak of each steady step (all but the first: ``steady_peaks``)
+and the least of them (``peak``: under load DeepSpeed's reduction sometimes keeps a gradient-sized buffer a
+moment longer in one step), the total when the last step began (``start``) and the largest single
+allocations inside it. Rank 0 also prints the layer profile a
 profiling job takes (``{"event": "profile"}``, micro-batch ``PROFILE_MBS``), for the simulator.
 """
 from __future__ import annotations
@@ -68,7 +70,7 @@ def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     torch.set_num_threads(1)
     world, rank = dist.get_world_size(), dist.get_rank()
-    mbs, micro, steps = int(os.environ.get("ZERO_MBS", "4")), int(os.environ.get("ZERO_MICRO", "4")), 3
+    mbs, micro, steps = int(os.environ.get("ZERO_MBS", "4")), int(os.environ.get("ZERO_MICRO", "4")), 4
     configs = json.loads(os.environ["ZERO_CONFIGS"])
     from sailor_hpc.core.models import get_model
     samples = GlobalSamples(os.environ["ZERO_DATA"], get_model(MODEL).seq_len)
@@ -89,13 +91,20 @@ def main() -> None:
         i = bisect.bisect_left(times, t)
         return totals[i - 1] if i > 0 else 0
 
+    def peak(lo: int, hi: int) -> int:
+        a, b = bisect.bisect_left(times, lo), bisect.bisect_right(times, hi)
+        return max([at(lo), *totals[a:b]])
+
     out: dict[str, Any] = {}
     for label, _zero, _stages in configs:
         base = at(ranges[f"cfg.{label}.init"][0])
         lo, hi = ranges[f"cfg.{label}.step{steps - 1}"]
         a, b = bisect.bisect_left(times, lo), bisect.bisect_right(times, hi)
         inside = [totals[i] - (totals[i - 1] if i else 0) for i in range(a, b)]
-        out[label] = {"start": at(lo) - base, "peak": max([at(lo), *totals[a:b]]) - base,
+        # the steady steps' (all but the first) peaks: under load DeepSpeed's reduction sometimes holds a
+        # gradient-sized buffer a moment longer in one of them; the least is the step's own
+        steady = [peak(*ranges[f"cfg.{label}.step{i}"]) - base for i in range(1, steps)]
+        out[label] = {"start": at(lo) - base, "peak": min(steady), "steady_peaks": steady,
                       "largest": sorted((n for n in inside if n > 0), reverse=True)[:3]}
     print(json.dumps({"event": "zero_memory", "rank": rank, "world": world, "mbs": mbs, "micro": micro,
                       "results": out}), flush=True)
