@@ -156,6 +156,8 @@ class Zygote:
                  start_timeout: float = 300) -> None:
         """Start a zygote under ``env`` that imports ``preload`` (default :data:`PRELOAD`) and wait for it."""
         preload = PRELOAD if preload is None else preload
+        if not hasattr(os, "pidfd_open"):
+            raise ZygoteError("forking ranks needs Linux 5.3+ (pidfds); start them as new processes")
         self.env = import_env(env)
         self.children: list[ForkedProcess] = []
         self.control, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
