@@ -57,6 +57,7 @@ PRELOAD = (
 #: variables nothing reads while importing: a zygote serves environments that differ from its own only in these
 START_ONLY = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PYTEST_CURRENT_TEST"})
 MAX_MESSAGE = 1 << 20  # argv + environment of one request, bytes (a socket's default buffer holds ~200 KiB)
+STATUS_BYTES = 4096  # a child's pid or exit status
 
 
 class ZygoteError(RuntimeError):
@@ -116,7 +117,7 @@ class ForkedProcess:
         if self.returncode is None:
             self.channel.settimeout(timeout)
             try:
-                message = self.channel.recv(MAX_MESSAGE)
+                message = self.channel.recv(STATUS_BYTES)
             except (TimeoutError, BlockingIOError):
                 return None
             # an empty message: the zygote died before it could tell the status (it was killed)
@@ -203,7 +204,7 @@ class Zygote:
             except OSError as exc:
                 mine.close()
                 raise ZygoteError(f"the zygote is gone: {exc}") from exc
-        message, fds, _, _ = socket.recv_fds(mine, MAX_MESSAGE, 1)
+        message, fds, _, _ = socket.recv_fds(mine, STATUS_BYTES, 1)
         if not message or not fds:
             mine.close()
             raise ZygoteError(f"the zygote did not fork {list(argv)[:3]}: {message.decode() or 'it exited'}")
