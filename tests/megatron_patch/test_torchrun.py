@@ -67,7 +67,20 @@ def test_a_rank_the_agent_stopped_after_the_clean_error_adds_nothing(tmp_path: P
 
 @pytest.mark.parametrize("codes", [(2, 1), (1, 1)])
 def test_any_other_failure_keeps_torchruns_report(tmp_path: Path, codes: tuple[int, int]) -> None:
-    res = torchrun(*python_ranks(f"import os, sys; sys.exit({codes}[int(os.environ['RANK'])])"), cwd=tmp_path)
+    # rank 0 ends after rank 1 has failed: else, on a loaded machine, the agent could stop rank 1 while it was still
+    # starting, and the run would be rank 0's alone (a clean refusal, exit 2: the test above)
+    res = torchrun(*python_ranks("import os, sys, time\n"
+                                 "if os.environ['RANK'] == '1':\n"
+                                 "    open('rank1.pid.tmp', 'w').write(str(os.getpid()))\n"
+                                 "    os.replace('rank1.pid.tmp', 'rank1.pid')\n"
+                                 f"    sys.exit({codes[1]})\n"
+                                 "deadline = time.monotonic() + 120\n"
+                                 "while not os.path.exists('rank1.pid') and time.monotonic() < deadline:\n"
+                                 "    time.sleep(0.05)\n"
+                                 "pid = int(open('rank1.pid').read())\n"
+                                 "while os.path.exists(f'/proc/{pid}') and time.monotonic() < deadline:\n"
+                                 "    time.sleep(0.05)\n"
+                                 f"sys.exit({codes[0]})\n"), cwd=tmp_path)
     assert res.returncode == 1, res.stderr
     assert "Traceback" in res.stderr and "ChildFailedError" in res.stderr
     # torchrun's report names the failed ranks' exit codes (a rank still starting when the first failed is ended by
