@@ -14,15 +14,22 @@ and what an estimate took into account (:meth:`SiteTimeline.considered`).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from sailor_hpc.core.start_times import Hold, PendingJob, QueueSnapshot, RequestShape, Reservation
 
 MAX_UNPLANNED = 200  # pending jobs placed at most: beyond that, a request is behind them for longer than a plan
 
 
-def _fits(demands: tuple[int, ...], free: Iterable[int]) -> bool:
-    slots = sorted(free, reverse=True)
+def fits(demands: tuple[int, ...], free: Mapping[str, int]) -> bool:
+    """First-fit of per-node GPU demands into the nodes' free GPUs (one node per demand)."""
+    return fits_sorted(demands, sorted(free.values(), reverse=True))
+
+
+def fits_sorted(demands: tuple[int, ...], slots: list[int]) -> bool:
+    """:func:`fits` on the free GPUs sorted largest first. First-fit over sorted nodes takes the largest
+    unused node every time (a smaller one fits no demand the largest refuses), so the k-th demand lands on
+    the k-th largest node: the request fits when each of those holds it."""
     return len(demands) <= len(slots) and all(have >= need for have, need in zip(slots, demands))
 
 
@@ -160,9 +167,9 @@ class SiteTimeline:
         forever = {h.node for h in self.holds_without_unplanned
                    if h.partition == part and not math.isfinite(h.end_s) and h.job.startswith("reservation ")}
         nodes = self.node_gpus.get(part, {})
-        if _fits(gpus, (g for n, g in nodes.items() if n not in forever)):
+        if fits(gpus, {n: g for n, g in nodes.items() if n not in forever}):
             return ""
-        if forever and _fits(gpus, nodes.values()):
+        if forever and fits(gpus, nodes):
             names = sorted({h.job for h in self.holds_without_unplanned if h.node in forever and h.partition == part})
             return f"{', '.join(names)} hold(s) {len(forever)} node(s) of {part} with no end"
         return f"the request asks more than the usable nodes of {part} have ({len(nodes)} node(s))"
@@ -211,4 +218,4 @@ def _job_order(job: str) -> tuple[int, str]:
     return (int(head), job) if head.isdigit() else (0, job)
 
 
-__all__ = ["MAX_UNPLANNED", "SiteTimeline"]
+__all__ = ["MAX_UNPLANNED", "SiteTimeline", "fits", "fits_sorted"]

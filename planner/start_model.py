@@ -23,10 +23,9 @@ has no end (a job holding GPUs without a time limit).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-from planner.site_timeline import SiteTimeline
+from planner.site_timeline import SiteTimeline, fits, fits_sorted
 from sailor_hpc.core.start_times import (
     HISTORY,
     IDLE_NOW,
@@ -47,28 +46,14 @@ class Window:
     granted_s: float
 
 
-def fits(demands: tuple[int, ...], free: Mapping[str, int]) -> bool:
-    """First-fit of per-node GPU demands into the nodes' free GPUs (one node per demand)."""
-    return fits_sorted(demands, sorted(free.values(), reverse=True))
-
-
-def fits_sorted(demands: tuple[int, ...], slots: list[int]) -> bool:
-    """:func:`fits` on the free GPUs sorted largest first. First-fit over sorted nodes takes the largest
-    unused node every time (a smaller one fits no demand the largest refuses), so the k-th demand lands on
-    the k-th largest node: the request fits when each of those holds it."""
-    return len(demands) <= len(slots) and all(have >= need for have, need in zip(slots, demands))
-
-
 class _Segments:
     """The free GPUs of every node on each stretch between two hold boundaries, and where a shape fits."""
 
-    def __init__(self, node_gpus: Mapping[str, Mapping[str, int]], timeline: SiteTimeline, with_unplanned: bool):
-        self.timeline = timeline
+    def __init__(self, timeline: SiteTimeline, with_unplanned: bool):
         holds = timeline.holds if with_unplanned else timeline.holds_without_unplanned
-        self.holds = holds
         self.times = sorted({0.0, *(t for h in holds for t in (h.start_s, h.end_s) if math.isfinite(t))})
         self._free = {p: [sorted(timeline.free_at(p, t, holds).values(), reverse=True) for t in self.times]
-                      for p in node_gpus}
+                      for p in timeline.node_gpus}
         self._fit_cache: dict[tuple[RequestShape, int], bool] = {}
         self._intervals: dict[RequestShape, list[tuple[float, float]]] = {}
 
@@ -105,7 +90,7 @@ class StartModel:
     def __init__(self, snapshot: QueueSnapshot):
         self.snapshot = snapshot
         self.timeline = SiteTimeline(snapshot)
-        self._full = _Segments(snapshot.node_gpus, self.timeline, with_unplanned=True)
+        self._full = _Segments(self.timeline, with_unplanned=True)
         self._base: _Segments | None = None  # without the unplanned jobs, asked only when they exist
         self._cache: dict[tuple, Window] = {}
 
@@ -154,7 +139,7 @@ class StartModel:
         if not self.timeline.unplanned_holds:
             return False
         if self._base is None:
-            self._base = _Segments(self.snapshot.node_gpus, self.timeline, with_unplanned=False)
+            self._base = _Segments(self.timeline, with_unplanned=False)
         base = self._base.first(shape, need)
         return base is None or base[0] < start
 
