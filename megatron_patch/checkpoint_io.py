@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import io
+import itertools
 import pickle
 import sys
 from collections import OrderedDict
@@ -31,6 +32,7 @@ from sailor_hpc.core import checkpoint as ck
 if TYPE_CHECKING:
     from megatron_patch.options import TrainOptions
     from megatron_patch.precision import LossScaler
+    from megatron_patch.resident import Kept
     from sailor_hpc.core.models import ModelSpec
     from sailor_hpc.core.plan import Plan
     from sailor_hpc.core.roles import Role
@@ -282,7 +284,7 @@ def _warn_skipped(skipped: ck.Skipped, using: str | None) -> None:
 
 
 def load(trainer: Checkpointed, path: str, *, missing_ok: bool = False,
-         on_skip: Callable[[ck.Skipped, str | None], None] = _warn_skipped) -> str | None:
+         on_skip: Callable[[ck.Skipped, str | None], None] = _warn_skipped, kept: Kept | None = None) -> str | None:
     """Collective: load a checkpoint written under any plan into this trainer's layout.
 
     Rank 0 alone picks it (the newest complete one under ``path``, every checksum verified once, not
@@ -290,7 +292,8 @@ def load(trainer: Checkpointed, path: str, *, missing_ok: bool = False,
     error. ``missing_ok``: no checkpoint under ``path`` yet returns None (a fresh start). Every newer
     checkpoint passed over (torn, truncated, corrupt) goes to ``on_skip`` on rank 0 with the one loaded
     (None: none verifies), so a fallback to an older step is never silent; an explicit ``step_*`` path
-    that does not verify is an error, never a fallback."""
+    that does not verify is an error, never a fallback. ``kept``: a resident rank's own state of the step it
+    saved, used for the shards it still trains when the checkpoint loaded is that step (the files otherwise)."""
     t = trainer
     decision: list[Any] = [None]
     if t.rank == 0:
@@ -321,12 +324,21 @@ def load(trainer: Checkpointed, path: str, *, missing_ok: bool = False,
                                  fix="finish the run with the megatron_patch that wrote it, or start a new run "
                                      "(resuming would repeat and skip samples of the current epoch)")
     _check_schedule(m, t, reader.path)
-    for name, shard in reader.shards((t.infos[n] for n in t.params), t.role.tp, t.role.tp_rank):
+    step = int(m["step"])
+    in_memory: dict[str, dict[str, torch.Tensor]] = {}
+    if kept is not None:
+        kept.used.clear()
+        for n in t.params:
+            own = kept.shard(n, t.role.tp, t.role.tp_rank, t.optimizer.state_of(n)["param"], step)
+            if own is not None:
+                in_memory[n] = own
+    from_files = reader.shards((t.infos[n] for n in t.params if n not in in_memory), t.role.tp, t.role.tp_rank)
+    for name, shard in itertools.chain(in_memory.items(), from_files):
         shard = {k: v.to(t.device) for k, v in shard.items()}
         t.optimizer.load_state(name, shard["param"], shard["exp_avg"], shard["exp_avg_sq"], int(m["adam_steps"]))
     if t.scaler is not None and m.get("loss_scale"):  # else (fp32/bf16 checkpoint): the initial scale
         t.scaler.load(m["loss_scale"])
-    t.step = int(m["step"])
+    t.step = step
     t.consumed_samples = int(m["consumed_samples"])
     if "rng" in m:  # an imported checkpoint has none: the RNG stays as a fresh start seeds it
         rng_from_json(m["rng"]["torch_cpu"])

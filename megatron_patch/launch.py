@@ -78,6 +78,10 @@ def parser(prog: str = "python -m megatron_patch.launch") -> argparse.ArgumentPa
     ap.add_argument("--wait-for", default=None,
                     help="start everything, then wait until this file exists before loading the checkpoint: a job "
                          "that takes over from a running one is ready the moment that one has saved")
+    ap.add_argument("--resident", default=None, metavar="DIR",
+                    help="outlive allocation changes: when training stops short (a peer's node lost, a signal saved "
+                         "on), wait in DIR for the job agent's next plan and rejoin in this process "
+                         "(sailor_hpc.controller.job_agent starts ranks with it)")
     return ap
 
 

@@ -34,12 +34,14 @@ from megatron_patch.memory import peak_rss
 from megatron_patch.metrics import RunLog, open_tensorboard
 from megatron_patch.options import check_layer_spec, check_train_args
 from megatron_patch.rank_output import rank_output
+from megatron_patch.resident import Kept
 from sailor_hpc.core.checkpoint import Skipped, step_of
 from sailor_hpc.core.dist_env import EXIT_BAD_INPUT, EXIT_DONE, EXIT_SAVED_ON_SIGNAL, DistEnv, read_env
 from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.paths import writable_dir, writable_file
 from sailor_hpc.core.plan import Plan
 from sailor_hpc.core.plan_io import load_plan
+from sailor_hpc.core.resident import Held, Seat, seat_of, wait_directive, write_held
 from sailor_hpc.core.roles import Role, role_of
 from sailor_hpc.core.runtime_events import (
     LABEL_ENV,
@@ -189,18 +191,54 @@ def _wait_for(path: str, where: dict[str, Any], poll_s: float = 0.05) -> None:
     emit(Go(**where, waited_s=time.perf_counter() - t0))
 
 
-def train(args: argparse.Namespace, plan: Plan, env: DistEnv, role: Role, runtime: Runtime[T]) -> int:
-    """Collective: train ``plan`` as this rank; the exit code."""
+@dataclass
+class Residency:
+    """A resident rank's life so far (``--resident DIR``): where it meets the job agent, its seat, the epoch it
+    trains in (0: as started; n: under the agent's n-th directive) and the state it kept from the last one."""
+
+    root: Path
+    seat: Seat
+    epoch: int = 0
+    kept: Kept | None = None
+    data: dict[int, Any] = dataclasses.field(default_factory=dict)  # checked samples by sequence length
+
+
+@dataclass(frozen=True)
+class Interrupted:
+    """A resident rank stopped training (a peer gone, or a signal it saved on) and holds."""
+
+    held: Held
+    kept: Kept | None
+
+
+def train(args: argparse.Namespace, plan: Plan, env: DistEnv, role: Role, runtime: Runtime[T],
+          resident: Residency | None = None) -> int | Interrupted:
+    """Collective: train ``plan`` as this rank; the exit code (a resident rank: or why it holds)."""
     import torch
-    import torch.distributed as dist
 
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     runtime.prepare(cuda, env)
     device = _device(cuda, env.local_rank)
     if args.tensorboard_dir:
         open_tensorboard(None)
-    os.environ.setdefault("MASTER_ADDR", env.master_addr)
-    os.environ.setdefault("MASTER_PORT", str(env.master_port))
+    os.environ["MASTER_ADDR"] = env.master_addr
+    os.environ["MASTER_PORT"] = str(env.master_port)
+    if resident is None:
+        return _train(args, plan, env, role, runtime, device, cuda, None)
+    from megatron_patch.resident import abort_communication
+    try:
+        return _train(args, plan, env, role, runtime, device, cuda, resident)
+    except RuntimeError as exc:  # a peer's connection closed (its node lost) or timed out: hold, the agent decides
+        abort_communication()
+        first = (str(exc).strip().splitlines() or [""])[0]
+        return Interrupted(Held(epoch=resident.epoch, node=resident.seat.node, local=resident.seat.local,
+                                step=-1, saved=False, pid=os.getpid(), reason=f"{type(exc).__name__}: {first[:300]}"),
+                           None)
+
+
+def _train(args: argparse.Namespace, plan: Plan, env: DistEnv, role: Role, runtime: Runtime[T], device: Any,
+           cuda: bool, resident: Residency | None) -> int | Interrupted:
+    import torch.distributed as dist
     dist.init_process_group("nccl" if cuda else "gloo", rank=env.rank, world_size=env.world_size,
                             timeout=datetime.timedelta(minutes=args.timeout_min),
                             device_id=device if cuda and runtime.device_id else None)
@@ -208,15 +246,21 @@ def train(args: argparse.Namespace, plan: Plan, env: DistEnv, role: Role, runtim
 
     emit(Started(**role_record(role, env), device=str(device), plan_gpus=plan.num_gpus, **runtime.joined(plan, cuda)))
     where: dict[str, Any] = {"rank": role.rank, "pipeline": role.pipeline, "stage": role.stage, "tp_rank": role.tp_rank}
-    train_data, valid_data = checked_data(args, plan, env.rank)
+    if resident is not None and plan.sequence_length in resident.data:  # checked and indexed once per process
+        train_data, valid_data = resident.data[plan.sequence_length]
+    else:
+        train_data, valid_data = checked_data(args, plan, env.rank)
+        if resident is not None:
+            resident.data[plan.sequence_length] = (train_data, valid_data)
     trainer = runtime.build(args, plan, device, train_data, valid_data)
     metrics = args.metrics_file or (os.path.join(args.save, "metrics.jsonl") if args.save else None)
     log = RunLog(env.rank == 0, steps=args.steps, tokens_per_step=plan.global_batch_size * trainer.seq_len,
                  log_interval=args.log_interval, metrics_file=metrics, tensorboard_dir=args.tensorboard_dir,
                  predicted_s=plan.notes.get("simulator", {}).get("iteration_time_s"))
     emit(dataclasses.replace(runtime.ready(trainer, valid_data), **where))
-    if args.wait_for:
+    if args.wait_for and (resident is None or resident.epoch == 0):
         _wait_for(args.wait_for, where)
+    kept = resident.kept if resident is not None else None
     if args.load or (args.auto_resume and args.save):
         t0 = time.perf_counter()
 
@@ -225,11 +269,12 @@ def train(args: argparse.Namespace, plan: Plan, env: DistEnv, role: Role, runtim
                                    using=using))
             log.note("checkpoint_skipped", f"warning: {gone.line(using, 'loading')}", **gone.to_dict(), using=using)
 
-        path = checkpoint_io.load(trainer, args.load or args.save, missing_ok=args.load is None, on_skip=skipped)
+        path = checkpoint_io.load(trainer, args.load or args.save, missing_ok=args.load is None, on_skip=skipped,
+                                  kept=kept)
         if path is not None:
             runtime.loaded(trainer)
             emit(Loaded(**where, path=path, step=trainer.step, consumed_samples=trainer.consumed_samples,
-                        seconds=time.perf_counter() - t0))
+                        seconds=time.perf_counter() - t0, from_memory=len(kept.used) if kept else 0))
             log.note("resumed", f"resumed from step {trainer.step} ({path}; {trainer.consumed_samples} samples "
                      "consumed)", step=trainer.step, path=path, consumed_samples=trainer.consumed_samples)
 
@@ -261,6 +306,15 @@ def train(args: argparse.Namespace, plan: Plan, env: DistEnv, role: Role, runtim
             log.note("signal", f"stopping after step {trainer.step} on signal {', '.join(map(str, _STOP))}: "
                      "saving a checkpoint", step=trainer.step, signals=list(_STOP))
             save()
+            if resident is not None:  # hold with this state: it is the checkpoint just written
+                from megatron_patch.resident import abort_communication, kept_state
+                log.close()
+                held = Held(epoch=resident.epoch, node=resident.seat.node, local=resident.seat.local,
+                            step=trainer.step, saved=bool(args.save), pid=os.getpid(),
+                            reason=f"signal {', '.join(map(str, _STOP))}")
+                mine = kept_state(trainer) if args.save else None
+                abort_communication()
+                return Interrupted(held, mine)
             return leave(EXIT_SAVED_ON_SIGNAL)
         if runtime.evaluate is not None and eval_due(trainer.step, args.eval_interval, args.steps):
             t0 = time.perf_counter()
@@ -307,6 +361,8 @@ def check_args(args: argparse.Namespace, runtime: Runtime[Any]) -> None:
         writable_dir(args.tensorboard_dir, "--tensorboard-dir")
     if args.wait_for is not None:
         check_gate_path(args.wait_for)
+    if args.resident is not None:
+        writable_dir(args.resident, "--resident")
     if args.device == "cuda":
         import torch
         if not torch.cuda.is_available():
@@ -344,12 +400,43 @@ def run(args: argparse.Namespace, runtime: Runtime[Any]) -> int:
         if args.dry_run:
             print(json.dumps(role_record(role, env), sort_keys=True), flush=True)
             return EXIT_DONE
-        return train(args, plan, env, role, runtime)
+        if args.resident:
+            return _resident(args, plan, env, role, runtime)
+        out = train(args, plan, env, role, runtime)
+        assert isinstance(out, int)
+        return out
     except SailorError as exc:
         sys.stderr.write(f"error: {exc}\n")  # one write: ranks sharing a stderr never split each other's line
         sys.stderr.flush()
         _let_siblings_refuse()
         return EXIT_BAD_INPUT
+
+
+def _resident(args: argparse.Namespace, plan: Plan, env: DistEnv, role: Role, runtime: Runtime[Any]) -> int:
+    """Train plan after plan in this one process: each time training stops short (a peer gone, a signal saved
+    on), say so to the job agent, take its next directive (a place in the new plan, or leave) and rejoin; the
+    imports, the data's index and this rank's own state stay (:mod:`sailor_hpc.core.resident`)."""
+    res = Residency(Path(args.resident), seat_of(os.environ, env.local_rank))
+    while True:
+        out = train(args, plan, env, role, runtime, res)
+        if isinstance(out, int):
+            return out
+        write_held(res.root, out.held)
+        directive = wait_directive(res.root, res.epoch + 1)
+        rank = directive.rank_of(res.seat) if directive.plan is not None else None
+        if rank is None:
+            return directive.exit_code
+        assert directive.plan is not None
+        plan = load_plan(directive.plan, model=args.model)
+        env = dataclasses.replace(env, rank=rank, world_size=directive.world_size,
+                                  master_addr=directive.master_addr, master_port=directive.master_port)
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(directive.world_size))
+        role = role_of(plan, rank, directive.world_size)
+        args.plan = directive.plan
+        if args.save:  # from now on the run's own newest checkpoint, never the one it started from
+            args.load, args.auto_resume = None, True
+        _STOP.clear()
+        res = Residency(res.root, res.seat, directive.epoch, out.kept if out.held.saved else None, res.data)
 
 
 #: how long a rank that refused its input waits at most, under torchrun's agent (which stops every rank the

@@ -82,9 +82,10 @@ def _before_save(trainer: DsTrainer) -> None:
 
 PROG = "python -m megatron_patch.ds_runtime.launch"
 #: options of the shared parser that only megatron_patch's trainer reads (DeepSpeed keeps its own loss scale,
-#: buckets and TF32 setting): given to this runtime, they would be accepted and do nothing
+#: buckets and TF32 setting; its engine is built once per process, so it cannot rejoin as a resident rank): given
+#: to this runtime, they would be accepted and do nothing
 MEGATRON_PATCH_ONLY = ("--no-tf32", "--initial-loss-scale", "--loss-scale-window", "--min-loss-scale",
-                       "--inject-overflow", "--grad-bucket-mb", "--grad-weighting")
+                       "--inject-overflow", "--grad-bucket-mb", "--grad-weighting", "--resident")
 
 
 def _check(args: argparse.Namespace, plan: Plan) -> None:

@@ -113,6 +113,7 @@ class Loaded(RankEvent):
     consumed_samples: int | None = None
     path: str | None = None
     seconds: float | None = None
+    from_memory: int = 0  # parameters a resident rank restored from its own memory, not from the files
 
 
 @dataclass(frozen=True, kw_only=True)

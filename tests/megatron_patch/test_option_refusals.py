@@ -108,6 +108,7 @@ LAUNCH: dict[str, list[Bad]] = {
     "--inject-overflow": values("--inject-overflow", "x", "1:", "a:b"),
     "--grad-weighting": values("--grad-weighting", "none"),
     "--wait-for": [Bad(("--wait-for", "folder"), "folder"), Bad(("--wait-for", "afile/gate"), "afile")],
+    "--resident": [Bad(("--resident", "afile"), "afile"), Bad(("--resident", UNWRITABLE), UNWRITABLE)],
 }
 #: --device cuda needs torch to see the refusal (the one case that imports it); only where no GPU is
 CUDA_CASE = Bad(("--device", "cuda"), "--device")
@@ -127,7 +128,7 @@ ENV: dict[str, list[Bad]] = {
 #: megatron_patch's own options, given a valid value, under DeepSpeed (whose trainer would ignore them)
 DS_ONLY_REFUSES = {"--no-tf32": (), "--initial-loss-scale": ("1024",), "--loss-scale-window": ("10",),
                    "--min-loss-scale": ("2",), "--inject-overflow": ("0:1",), "--grad-bucket-mb": ("1",),
-                   "--grad-weighting": ("uniform",)}
+                   "--grad-weighting": ("uniform",), "--resident": ("folder",)}
 
 #: the dataset tool's arguments: (argv, named)
 DATA: dict[str, list[tuple[list[str], str]]] = {

@@ -1,0 +1,153 @@
+"""Ranks that outlive an allocation change: the files the job agent and the ranks meet in (torch-free).
+
+A job that recovers in place runs one ``srun`` step per node (``sailor_hpc.controller.job_agent``): losing a node
+ends that node's step only, and the ranks of the others keep their processes. A rank started with
+``--resident DIR`` does not exit when training is interrupted (a peer's connection closed: a node lost; or a
+signal it saved on: a drain, a resize, the time limit); it writes a :class:`Held` marker and waits for the
+agent's next :class:`Directive`, which gives every surviving rank its place in the new plan (or tells it to
+leave), with a fresh rendezvous. Both are JSON files written atomically in ``DIR``:
+
+* ``held-<epoch>/<node>.<local>.json``: a rank of epoch ``epoch`` holds (its step, whether its state is the
+  checkpoint of that step, its PID);
+* ``epoch-<n>.json``: the agent's answer for epoch ``n`` (1, 2, ...).
+
+A rank is named by its node and its index on the node (``SLURM_LOCALID`` of its node's step): both stay the
+same for the process's whole life, whatever rank the plans give it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sailor_hpc.core.atomic import atomic_write_text
+from sailor_hpc.core.errors import SailorError
+
+#: the environment variable naming the rank's node (``srun`` sets it on every task; the fake nodes of the
+#: local cluster share one host, so the host name would not tell them apart)
+NODE_ENV = "SLURMD_NODENAME"
+
+
+@dataclass(frozen=True)
+class Seat:
+    """Where a resident rank's process lives, for its whole life."""
+
+    node: str
+    local: int
+
+    @property
+    def key(self) -> str:
+        return f"{self.node}.{self.local}"
+
+
+@dataclass(frozen=True)
+class Held:
+    """A rank of ``epoch`` stopped training and waits for the agent. ``saved``: its state is the checkpoint of
+    ``step`` (it saved on a signal), so it can restore the layers it keeps from its own memory."""
+
+    epoch: int
+    node: str
+    local: int
+    step: int
+    saved: bool
+    pid: int
+    reason: str
+    t: float = field(default_factory=lambda: round(time.time(), 3))
+
+
+@dataclass(frozen=True)
+class Directive:
+    """The agent's answer to a held epoch: the next epoch's plan and rendezvous, and each seat's new rank
+    (``ranks[node][local]``; None or a node not named: the rank leaves with ``exit_code``). ``plan`` None: every
+    rank leaves."""
+
+    epoch: int
+    plan: str | None
+    master_addr: str
+    master_port: int
+    world_size: int
+    ranks: dict[str, list[int | None]]
+    exit_code: int = 0
+
+    def rank_of(self, seat: Seat) -> int | None:
+        places = self.ranks.get(seat.node, [])
+        return places[seat.local] if seat.local < len(places) else None
+
+
+def held_dir(root: Path, epoch: int) -> Path:
+    return root / f"held-{epoch}"
+
+
+def directive_file(root: Path, epoch: int) -> Path:
+    return root / f"epoch-{epoch}.json"
+
+
+def write_held(root: Path, held: Held) -> Path:
+    path = held_dir(root, held.epoch) / f"{held.node}.{held.local}.json"
+    atomic_write_text(path, json.dumps(asdict(held), sort_keys=True) + "\n")
+    return path
+
+
+def read_held(root: Path, epoch: int) -> dict[str, Held]:
+    """The markers of the ranks of ``epoch`` that hold, by seat key."""
+    out: dict[str, Held] = {}
+    folder = held_dir(root, epoch)
+    if not folder.is_dir():
+        return out
+    for path in folder.glob("*.json"):
+        data = _read_json(path)
+        try:
+            held = Held(**data)
+        except TypeError as exc:
+            raise SailorError(f"not a held marker ({exc})", file=path, fix="the job agent and the runtime disagree: "
+                              "run one sailor-hpc version in the job") from None
+        out[Seat(held.node, held.local).key] = held
+    return out
+
+
+def write_directive(root: Path, directive: Directive) -> Path:
+    path = directive_file(root, directive.epoch)
+    atomic_write_text(path, json.dumps(asdict(directive), sort_keys=True) + "\n")
+    return path
+
+
+def read_directive(root: Path, epoch: int) -> Directive | None:
+    """The directive of ``epoch``, or None while the agent has not written it."""
+    path = directive_file(root, epoch)
+    if not path.exists():
+        return None
+    data = _read_json(path)
+    try:
+        return Directive(**data)
+    except TypeError as exc:
+        raise SailorError(f"not a directive ({exc})", file=path,
+                          fix="the job agent and the runtime disagree: run one sailor-hpc version in the job") from None
+
+
+def wait_directive(root: Path, epoch: int, poll_s: float = 0.02) -> Directive:
+    """Block until the agent answered ``epoch``. The agent always answers (a new plan, or leave), and a job
+    whose agent died is ended by Slurm with its batch script, ranks included."""
+    while True:
+        d = read_directive(root, epoch)
+        if d is not None:
+            return d
+        time.sleep(poll_s)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise SailorError(f"cannot be read ({exc})", file=path) from None
+    if not isinstance(data, dict):
+        raise SailorError("is not a JSON object", file=path)
+    return data
+
+
+def seat_of(env: dict[str, str] | os._Environ[str], local_rank: int) -> Seat:
+    """This process's seat: its node (Slurm's name for it, else the host) and its index there."""
+    import socket
+    return Seat(env.get(NODE_ENV) or socket.gethostname(), local_rank)
