@@ -5,7 +5,10 @@ split (and each stage's TP) that minimises the pipeline's steady-state period --
 forward + backward plus its exchanges with both neighbours, which is what the simulator's 1F1B
 schedule converges to -- subject to every stage fitting in memory with the micro-batches it holds in
 flight. The DP runs over suffixes ("k stages left for layers i..L-1"), because a stage's in-flight
-count is k, the number of stages from it to the end; one pass gives the best split for every P.
+count is ``min(k, m)``, k the number of stages from it to the end; one pass gives the best split for
+every P. A template's m is only known once an allocation shares the global batch among its copies,
+so a stage is checked with ``min(k, ceil(gbs / mbs))`` in flight, the most any copy can run: a split
+rejected then fits no allocation, and one kept fits every allocation (fewer micro-batches hold fewer).
 
 TP per stage follows one of two policies: *uniform* (every stage TP t, for each profiled t) or
 *min-fit* (each stage takes the smallest profiled TP under which it fits), so stages of a pipeline can
@@ -94,9 +97,14 @@ class TemplateBuilder:
     def _cost(self, mbs: int, tp: int, i: int, j: int):
         return self.ev.stage(self.part.gpu_type, tp, mbs, i, j)
 
+    def in_flight(self, mbs: int, k: int) -> int:
+        """Micro-batches a stage with ``k`` stages from it to the end holds at most: 1F1B's ``min(k, m)``
+        with m at its largest, every sample of the global batch in this pipeline (``ceil(gbs / mbs)``)."""
+        return max(1, min(k, -(-self.max_m // mbs)))
+
     def _fits_mem(self, mbs: int, tp: int, i: int, j: int, k: int) -> bool:
-        """Whether layers i..j fit on one GPU of a TP-``tp`` stage holding ``k`` micro-batches in flight."""
-        return j <= self._max_last(mbs, tp, i, k)
+        """Whether layers i..j fit on one GPU of a TP-``tp`` stage ``k`` stages from the end of its pipeline."""
+        return j <= self._max_last(mbs, tp, i, self.in_flight(mbs, k))
 
     def _max_last(self, mbs: int, tp: int, i: int, k: int) -> int:
         """The last layer j such that layers i..j still fit (i - 1 if not even layer i does). A stage's
