@@ -8,22 +8,45 @@ difference from the measured figure, the stage the simulator calls busiest (what
 compares, the peak of every rank) and the stage nearest the figure. Where every rank's log was read, the
 busiest stage is the nearest one and the others lie below the figure.
 
+"anchored": what a stage must read by a measured one-stage run of the same set on the same GPU type, TP
+degree and micro-batch size whose busiest replica is of that type: its figure less the predicted
+difference of the two ranks' terms. The fixed overhead (context, communicators, other ranks' contexts on
+GPU 0) is the same on both and cancels, so this does not rest on the overhead estimate.
+
     .venv/bin/python benchmarks/memory_by_stage.py [--data DIR]  (default: the copy shipped in sailor_hpc/core/data/sailor)
 """
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 
 from simulator_accuracy import set_reports, validation_dir  # the sibling benchmark (same folder)
 
+from simulator.api import SimResult
 from simulator.memory import in_flight
+from simulator.validation import ValidationReport
 
 GIB = 2**30
+
+
+def anchors(report: ValidationReport) -> dict[tuple[str, int, int], list[tuple[float, float]]]:
+    """(GPU type, TP, mbs) -> (measured figure, predicted peak) of the one-stage runs whose busiest replica
+    is of that type (a figure is that replica's reading only there)."""
+    out: dict[tuple[str, int, int], list[tuple[float, float]]] = {}
+    for row in report.rows:
+        res: SimResult | None = row.result
+        if res is None or row.real_mem_bytes is None or row.mem_excluded or len(res.plan.pipelines[0].stages) > 1:
+            continue
+        top = max(res.stages, key=lambda s: float(s.memory.total))
+        key = (top.gpu_type, top.tp, res.plan.pipelines[top.pipeline].micro_batch_size)
+        out.setdefault(key, []).append((row.real_mem_bytes, float(top.memory.total)))
+    return out
 
 
 def main() -> None:
     val = validation_dir(__doc__)
     for _, report in set_reports(val):
+        anchored = anchors(report)
         for row in report.rows:
             res, real = row.result, row.real_mem_bytes
             if res is None or real is None or len(res.plan.pipelines[0].stages) < 2:
@@ -39,8 +62,12 @@ def main() -> None:
             for (stage, gpu), s in sorted(by_stage.items()):
                 total = float(s.memory.total)
                 tags = [t for t, hit in (("busiest", s is busiest), ("nearest", s is nearest)) if hit]
+                ref = anchored.get((gpu, s.tp, pipe.micro_batch_size), [])
+                anchor = (f"anchored {statistics.fmean(fig - pred + total for fig, pred in ref) / GIB:6.2f} GiB"
+                          if ref else " " * 21)
                 print(f"   stage {stage} {gpu:10s} {int(in_flight(stage, len(pipe.stages), pipe.num_micro_batches))}"
-                      f" in flight  {total / GIB:6.2f} GiB  {(total - real) / real * 100:+6.1f} %  {' '.join(tags)}")
+                      f" in flight  {total / GIB:6.2f} GiB  {(total - real) / real * 100:+6.1f} %  {anchor}  "
+                      f"{' '.join(tags)}")
 
 
 if __name__ == "__main__":
