@@ -244,7 +244,8 @@ def _train(args: argparse.Namespace, plan: Plan, env: DistEnv, role: Role, runti
                             device_id=device if cuda and runtime.device_id else None)
     from megatron_patch import checkpoint_io
 
-    emit(Started(**role_record(role, env), device=str(device), plan_gpus=plan.num_gpus, **runtime.joined(plan, cuda)))
+    emit(Started(**role_record(role, env), device=str(device), plan_gpus=plan.num_gpus, **runtime.joined(plan, cuda),
+                 pid=os.getpid(), epoch=resident.epoch if resident is not None else None))
     where: dict[str, Any] = {"rank": role.rank, "pipeline": role.pipeline, "stage": role.stage, "tp_rank": role.tp_rank}
     if resident is not None and plan.sequence_length in resident.data:  # checked and indexed once per process
         train_data, valid_data = resident.data[plan.sequence_length]

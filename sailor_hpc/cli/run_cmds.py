@@ -52,6 +52,7 @@ _RUN_OPTIONS = ("site_file", "model", "data", "save", "run_dir", "profiles", "gb
                 "max_cost_per_hour", "max_cost_per_iteration", "min_throughput", "max_gpus", "max_stages", "runtime", "min_gain",
                 "restart_cost", "max_restarts", "backoff", "poll", "replan_interval", "grow_timeout", "save_interval",
                 "time_limit", "time_min", "signal_grace", "python", "skip_runtime_check", "train_arg", "extra_sbatch",
+                "resident_ranks",
                 *(f.dest for f in FLAGS))
 
 
@@ -95,7 +96,8 @@ def new_run(opts: dict[str, Any]) -> Path:
                    save_interval=opts["save_interval"], time_limit=opts.get("time_limit"),
                    time_min=opts.get("time_min"),
                    signal_grace_s=opts.get("signal_grace"), python=opts["python"],
-                   train_args=train_args, extra_sbatch=tuple(opts.get("extra_sbatch") or ()))
+                   train_args=train_args, extra_sbatch=tuple(opts.get("extra_sbatch") or ()),
+                   resident_ranks=bool(opts.get("resident_ranks")))
     check_before_queue(JobNeeds(site=site, partitions=tuple(p.name for p in site.partitions), python=opts["python"],
                                 modules=RUNTIME_MODULES[opts["runtime"]], model=spec.planning.model,
                                 checkpoints={"--save": str(save)}, skip_runtime_check=opts["skip_runtime_check"]))
@@ -162,6 +164,9 @@ def drive(run_dir: Path, *, resume: bool = False) -> int:
 @click.option("--grow-timeout", type=float, default=300.0, show_default=True,
               help="Seconds a bigger job submitted beside the running one may wait in the queue before it is "
                    "cancelled (the run keeps training meanwhile).")
+@click.option("--resident-ranks", is_flag=True, default=False,
+              help="Recover in place without new processes: one srun step per node, and on a node lost or drained "
+                   "the surviving ranks take the new plan in their own processes (megatron_patch runtime).")
 @click.option("--save-interval", type=click.IntRange(min=1), default=50, show_default=True,
               help="The job checkpoints every K steps (a lost node costs at most K steps).")
 @click.option("--time", "time_limit", default=None, help="Time limit of each job (it checkpoints before it).")

@@ -61,4 +61,5 @@ def prepare_attempt(rundir: RunDir, spec: RunSpec, site: Site, plan: Plan, attem
     """The plan file and job script of a one-job attempt (the run's directory scope: in-place re-planning)."""
     plan_path = write_attempt_plan(rundir, plan, attempt)
     return plan_path, write_attempt_script(rundir, spec, site, plan, plan_path, attempt, name=name,
-                                           scope=InPlace(rundir.path), gate=gate, exclude=exclude)
+                                           scope=InPlace(rundir.path, spec.job.resident_ranks), gate=gate,
+                                           exclude=exclude)

@@ -49,6 +49,8 @@ import os
 import shlex
 import sys
 import time
+from collections.abc import Collection
+from dataclasses import dataclass
 from pathlib import Path
 
 from sailor_hpc.controller.events import node_states
@@ -127,23 +129,31 @@ def release(comps: list[Component], keep: set[str], lost: dict[str, str]) -> tup
     return released, refused
 
 
-def next_step(run_dir: Path, job_plan_file: Path, step_plan_file: Path, step: int, rc: int,
-              job_id: str) -> InPlace | None:
-    """Plan and prepare the next step; returns the ``in_place`` record, or None when the step lost no node
-    (raises SailorError when it did but no plan fits the survivors: the job ends, a new one follows)."""
-    t_end = time.time()
-    rd = RunDir(run_dir)
-    spec = rd.spec()
+@dataclass(frozen=True)
+class Replanned:
+    """The plan on the job's survivors, and where each of its components runs (Slurm's nodes, in rank order)."""
+
+    planned: Planned
+    lost: dict[str, str]
+    options: list[str]  # per component: the srun options of a step running it
+    nodes: list[str]
+    released: list[str]
+    refused: list[str]
+    address: str  # where the new plan's rank 0 runs
+
+
+def replan(run_dir: Path, job_plan_file: Path, step_nodes: Collection[str], job_id: str) -> Replanned | None:
+    """Which of ``step_nodes`` were lost and the plan on the job's survivors, with the lost nodes released;
+    None when no node was lost. Raises SailorError when no plan fits the survivors or Slurm keeps a lost node."""
+    spec = RunDir(run_dir).spec()
     site = load_site(spec.planning.site)
     job_plan = load_plan(job_plan_file, validate=False)
-    step_plan = load_plan(step_plan_file, validate=False)
     comps = job_components(job_id)
     _, _, lost_states = node_states(sinfo_nodes(None))
-    step_nodes = set(_step_nodes(job_plan_file, step - 1))
     lost = {n: lost_states.get(n, "gone from the job") for n in step_nodes
             if n in lost_states or all(n not in c.nodes for c in comps)}
     if not lost:
-        return None  # finished, saved on a signal, asked to resize, or failed: the job ends as it always did
+        return None
     free = survivors(comps, job_plan, lost)
     planned: Planned = plan_on(spec, site, open_archive(spec.planning.profiles, site), free)
     cpus = [c.cpus_per_task for c in components_for(job_layout(job_plan), site)]
@@ -153,19 +163,38 @@ def next_step(run_dir: Path, job_plan_file: Path, step_plan_file: Path, step: in
         raise SailorError(f"Slurm refused to release {', '.join(sorted(set(lost) - set(released)))}: "
                           f"{'; '.join(refused)}", field="in-place release",
                           fix="the job ends; the controller submits a new job without the node")
-    plan_path = job_plan_file.with_name(f"{job_plan_file.stem}.step-{step}.json")
-    planned.plan.save(plan_path)
-    addr = next((n.raw.get("NodeAddr") for n in show_nodes(None, names=[nodes[0]])), None) or nodes[0]
-    # a fresh rendezvous port per step, far from the ports of the jobs submitted next (base + job id)
-    port = job_port(int(job_id) + step * STEP_PORT_STRIDE)
-    env = "\n".join([f"PLAN={shlex.quote(str(plan_path))}", f"export MASTER_ADDR={shlex.quote(addr)}",
-                     f"export MASTER_PORT={port}", f"STEP_NODES={shlex.quote(','.join(nodes))}",
-                     "STEP_COMPONENTS=(" + " ".join(shlex.quote(o) for o in opts) + ")"]) + "\n"
-    atomic_write_text(_env_file(job_plan_file, step), env)
+    address = next((n.raw.get("NodeAddr") for n in show_nodes(None, names=[nodes[0]])), None) or nodes[0]
+    return Replanned(planned, lost, opts, nodes, released, refused, address)
+
+
+def step_port(job_id: str, step: int) -> int:
+    """A fresh rendezvous port per step, far from the ports of the jobs submitted next (base + job id)."""
+    return job_port(int(job_id) + step * STEP_PORT_STRIDE)
+
+
+def in_place_record(r: Replanned, job_id: str, step: int, rc: int, t_end: float, plan_path: Path, was: Plan,
+                    resident: bool = False) -> InPlace:
     return InPlace(job_id=job_id, step_index=step, rc=rc, t_step_end=round(t_end, 3), t_ready=round(time.time(), 3),
-                   lost=lost, released=released, refused=refused, plan_file=str(plan_path), nodes=nodes,
-                   gpus=planned.plan.gpus_by_partition(), throughput=planned.score.throughput,
-                   cost_per_hour=planned.score.cost_per_hour, was_gpus=step_plan.gpus_by_partition())
+                   lost=r.lost, released=r.released, refused=r.refused, plan_file=str(plan_path), nodes=r.nodes,
+                   gpus=r.planned.plan.gpus_by_partition(), throughput=r.planned.score.throughput,
+                   cost_per_hour=r.planned.score.cost_per_hour, was_gpus=was.gpus_by_partition(), resident=resident)
+
+
+def next_step(run_dir: Path, job_plan_file: Path, step_plan_file: Path, step: int, rc: int,
+              job_id: str) -> InPlace | None:
+    """Plan and prepare the next step; returns the ``in_place`` record, or None when the step lost no node
+    (raises SailorError when it did but no plan fits the survivors: the job ends, a new one follows)."""
+    t_end = time.time()
+    r = replan(run_dir, job_plan_file, _step_nodes(job_plan_file, step - 1), job_id)
+    if r is None:
+        return None  # finished, saved on a signal, asked to resize, or failed: the job ends as it always did
+    plan_path = job_plan_file.with_name(f"{job_plan_file.stem}.step-{step}.json")
+    r.planned.plan.save(plan_path)
+    env = "\n".join([f"PLAN={shlex.quote(str(plan_path))}", f"export MASTER_ADDR={shlex.quote(r.address)}",
+                     f"export MASTER_PORT={step_port(job_id, step)}", f"STEP_NODES={shlex.quote(','.join(r.nodes))}",
+                     "STEP_COMPONENTS=(" + " ".join(shlex.quote(o) for o in r.options) + ")"]) + "\n"
+    atomic_write_text(_env_file(job_plan_file, step), env)
+    return in_place_record(r, job_id, step, rc, t_end, plan_path, load_plan(step_plan_file, validate=False))
 
 
 def _env_file(job_plan_file: Path, step: int) -> Path:

@@ -58,6 +58,8 @@ class Started(RankEvent):
     runtime: str | None = None
     deepspeed: str | None = None
     zero_stage: int | None = None
+    pid: int | None = None  # a resident rank starts once per plan in one process
+    epoch: int | None = None  # its plan's number (0: the job's own)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -196,6 +198,7 @@ class InPlace(RuntimeEvent):
     throughput: float
     cost_per_hour: float
     was_gpus: dict[str, int] = field(default_factory=dict)
+    resident: bool = False  # the surviving ranks went on in their own processes (no new step)
 
 
 @dataclass(frozen=True)

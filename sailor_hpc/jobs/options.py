@@ -102,6 +102,7 @@ class InPlace:
     the surviving nodes when a step loses some (:mod:`sailor_hpc.controller.inplace`)."""
 
     run_dir: PathLike
+    resident: bool = False  # one step per node and resident ranks (sailor_hpc.controller.job_agent)
 
     def __post_init__(self) -> None:
         safety.shell_path(self.run_dir, "--run-dir")

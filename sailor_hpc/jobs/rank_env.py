@@ -34,9 +34,16 @@ def _int(env: Mapping[str, str], key: str) -> int:
         raise SailorError(f"{key}={env[key]!r} is not an integer", field=key) from None
 
 
+#: set by the job agent, which starts one step per node: the job task of the step's task 0, and the job's tasks
+TASK_OFFSET_ENV, JOB_TASKS_ENV = "SAILOR_TASK_OFFSET", "SAILOR_JOB_TASKS"
+
+
 def rank_environment(layout: JobLayout, env: Mapping[str, str]) -> dict[str, str]:
-    """The variables to export for the task described by ``env`` (Slurm's task variables)."""
+    """The variables to export for the task described by ``env`` (Slurm's task variables; under the job agent's
+    one step per node, offset to the job's task numbering)."""
     procid, ntasks = _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS")
+    if TASK_OFFSET_ENV in env:
+        procid, ntasks = procid + _int(env, TASK_OFFSET_ENV), _int(env, JOB_TASKS_ENV)
     if ntasks != layout.num_tasks:
         raise SailorError(f"srun started {ntasks} tasks but the plan has {layout.num_tasks} ranks in this job",
                           field="SLURM_NTASKS", fix="the job script and the plan file disagree: re-render the script")

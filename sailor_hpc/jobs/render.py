@@ -41,6 +41,7 @@ from sailor_hpc.core.training import DataBlend
 from sailor_hpc.jobs.layout import JobLayout, job_layout
 from sailor_hpc.jobs.options import (
     DEFAULT_RENDEZVOUS_WAIT_S,
+    LAUNCH_MODULES,
     ClusterPart,
     InPlace,
     JobOptions,
@@ -290,6 +291,10 @@ def render_job_script(plan: Plan, site: Site, options: JobOptions) -> str:
         "signal_grace_s": grace, "rank_exit_wait_s": max(MIN_RANK_EXIT_WAIT_S, grace), "dry_run": o.dry_run,
         "requeue": o.requeue, "time_min": min_text,
         "in_place": safety.q(safety.shell_path(in_place, "--run-dir")) if in_place is not None else "",
+        # resident ranks rejoin in their processes: megatron_patch's runtime, outside a container (the agent
+        # starts the steps itself)
+        "resident": isinstance(scope, InPlace) and scope.resident and o.launch_module == LAUNCH_MODULES["megatron_patch"]
+        and entry is None and not site.container and not o.dry_run,
         "job_sbatch": [h.text for h in header if h.job_wide],
         "component_sbatch": [h.text for h in header if not h.job_wide],
         "components": components_for(layout, site), "heterogeneous": layout.heterogeneous,

@@ -110,3 +110,9 @@ def run_step(options: Sequence[str], env: Mapping[str, str]) -> subprocess.Compl
     the step: what it leaves out of the batch environment matters); its output captured, its exit code kept
     (a step's failure is the caller's to judge)."""
     return subprocess.run(["srun", *options], env=dict(env), capture_output=True, text=True)
+
+
+def start_step(options: Sequence[str], argv: Sequence[str], env: Mapping[str, str]) -> subprocess.Popen[bytes]:
+    """Start one job step, ``srun OPTIONS ARGV``, from inside an allocation, running on beside the caller: its
+    output goes where the caller's goes (the job's log); the caller polls it."""
+    return subprocess.Popen(["srun", *options, *argv], env=dict(env))
