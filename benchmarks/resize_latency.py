@@ -68,11 +68,14 @@ def _change_row(records: list[dict[str, Any]], event: str, t_change: float) -> d
             "loaded": first.get("loaded_step", 0)}
 
 
-def in_place_cycles(cluster: Any, root: Path, data: str, archive: Path, cycles: int, poll: float) -> list[dict[str, Any]]:
+def in_place_cycles(cluster: Any, root: Path, data: str, archive: Path, cycles: int, poll: float,
+                    resident: bool = False) -> list[dict[str, Any]]:
     """Shrink in place and grow without a gap: tiny-gpt on 2 A100 nodes of one GPU each (V100 blocked); per
-    cycle a100-2 drains, comes back, goes down, comes back. Returns one row per change."""
-    sc = Scenario(cluster, root / "in-place", data, archive, steps=1_000_000, poll_s=poll,
-                  site=one_gpu_a100_site(root), extra_args=["--restart-cost", "0"])
+    cycle a100-2 drains, comes back, goes down, comes back. ``resident``: the surviving ranks go on in their
+    processes (``--resident-ranks``), else a new ``srun`` step starts them. Returns one row per change."""
+    sc = Scenario(cluster, root / ("resident" if resident else "in-place"), data, archive, steps=1_000_000,
+                  poll_s=poll, site=one_gpu_a100_site(root),
+                  extra_args=["--restart-cost", "0", "--resident-ranks" if resident else "--no-resident-ranks"])
     sc.root.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
     try:
@@ -90,7 +93,7 @@ def in_place_cycles(cluster: Any, root: Path, data: str, archive: Path, cycles: 
                 t = sc.set_node("a100-2", state)
                 sc.wait_for(f"the first step after: {event}",
                             lambda r, s=last: r["kind"] == "recovery" and r["seq"] > s, timeout=300)
-                rows.append(_change_row(sc.records(), event, t))
+                rows.append({**_change_row(sc.records(), event, t), "resident": resident})
                 print(f"{event:12s}: ranks idle {rows[-1]['idle']:.1f} s, new job {rows[-1]['new_job']}", flush=True)
     finally:
         sc.cleanup()
@@ -104,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", type=Path, default=None,
                     help="keep the runs here (journals: WORKDIR/run, WORKDIR/in-place/run)")
     ap.add_argument("--only", choices=("restart", "in-place"), default=None, help="run one of the two scenarios")
+    ap.add_argument("--reuse", choices=("both", "yes", "no"), default="both",
+                    help="in place: with process reuse (--resident-ranks), without (a new srun step), or both")
     args = ap.parse_args(argv)
     cluster = get_cluster()
     rows: list[tuple[str, int, dict[str, float]]] = []
@@ -114,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         data, archive = build_inputs(None, root)
         try:
             if args.only != "restart":
-                changes = in_place_cycles(cluster, root, data, archive, args.cycles, args.poll)
+                for resident in {"both": (False, True), "yes": (True,), "no": (False,)}[args.reuse]:
+                    changes += in_place_cycles(cluster, root, data, archive, args.cycles, args.poll, resident)
             if args.only != "in-place":
                 rows = restart_cycles(cluster, root, data, archive, args.cycles, args.poll)
         finally:
@@ -127,22 +133,25 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _print_changes(changes: list[dict[str, Any]], poll: float) -> None:
-    head = f"{'allocation change':17s} {'job':>5s} {'new job':>7s} {'ranks idle':>10s} {'-> 1st step':>11s} " \
-           f"{'queue':>6s} {'resumed at':>10s}"
+    head = f"{'allocation change':17s} {'reuse':>5s} {'job':>7s} {'new job':>7s} {'ranks idle':>10s} " \
+           f"{'-> 1st step':>11s} {'queue':>6s} {'resumed at':>10s}"
     print(f"\nIn place and without a gap (tiny-gpt, 2 A100 nodes of 1 GPU, poll {poll} s); seconds. Ranks idle: "
           "the runtime's last step before the change to its first step under the new plan; -> 1st step: from the "
           "scontrol call (growth: the bigger job's ranks start while the old job trains)")
     print(head)
     print("-" * len(head))
     for c in changes:
-        print(f"{c['event']:17s} {c['job']:>5s} {'yes' if c['new_job'] else 'no':>7s} {c['idle']:10.1f} "
+        print(f"{c['event']:17s} {'yes' if c['resident'] else 'no':>5s} {c['job']:>7s} "
+              f"{'yes' if c['new_job'] else 'no':>7s} {c['idle']:10.2f} "
               f"{c['first_step']:11.1f} {c['queue']:6.1f} {'step ' + str(c['loaded']):>10s}")
-    for label, pick, goal in (("node loss and drain", lambda c: not c["new_job"], 15.0),
-                              ("growth", lambda c: c["new_job"], 5.0)):
-        idle = [c["idle"] for c in changes if pick(c)]
-        if idle:
-            print(f"{label}: ranks idle mean {statistics.mean(idle):.1f} s, max {max(idle):.1f} s over {len(idle)} "
-                  f"(target <= {goal:.0f} s: {'met' if max(idle) <= goal else 'NOT met'})")
+    for event in ("node drains", "node down", "node back"):
+        for reuse in (False, True):
+            idle = [c["idle"] for c in changes if c["event"] == event and c["resident"] == reuse]
+            if idle:
+                goal = 1.0 if reuse and event != "node back" else None
+                verdict = f" (target <= {goal:.0f} s: {'met' if max(idle) <= goal else 'NOT met'})" if goal else ""
+                print(f"{event:12s} {'with' if reuse else 'without':7s} process reuse: ranks idle mean "
+                      f"{statistics.mean(idle):.2f} s, max {max(idle):.2f} s over {len(idle)}{verdict}")
     print(f"new jobs for node loss or drain: {sum(c['new_job'] for c in changes if c['event'] != 'node back')}")
 
 

@@ -164,9 +164,10 @@ def drive(run_dir: Path, *, resume: bool = False) -> int:
 @click.option("--grow-timeout", type=float, default=300.0, show_default=True,
               help="Seconds a bigger job submitted beside the running one may wait in the queue before it is "
                    "cancelled (the run keeps training meanwhile).")
-@click.option("--resident-ranks", is_flag=True, default=False,
+@click.option("--resident-ranks/--no-resident-ranks", default=True, show_default=True,
               help="Recover in place without new processes: one srun step per node, and on a node lost or drained "
-                   "the surviving ranks take the new plan in their own processes (megatron_patch runtime).")
+                   "the surviving ranks take the new plan in their own processes (megatron_patch runtime outside "
+                   "a container; else each change starts a new srun step).")
 @click.option("--save-interval", type=click.IntRange(min=1), default=50, show_default=True,
               help="The job checkpoints every K steps (a lost node costs at most K steps).")
 @click.option("--time", "time_limit", default=None, help="Time limit of each job (it checkpoints before it).")

@@ -45,25 +45,27 @@ Slurm 22.05 facts this relies on, checked on the local cluster (tests/slurm):
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import sys
 import time
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from sailor_hpc.controller.events import node_states
 from sailor_hpc.controller.planning import Planned, plan_on
+from sailor_hpc.controller.spec import RunSpec
 from sailor_hpc.controller.state import RunDir
-from sailor_hpc.core.archive import open_archive
+from sailor_hpc.core.archive import ProfileArchive, open_archive
 from sailor_hpc.core.atomic import atomic_write_text
 from sailor_hpc.core.dist_env import job_port
 from sailor_hpc.core.errors import SailorError, SlurmUnavailable
 from sailor_hpc.core.plan import Plan
 from sailor_hpc.core.plan_io import load_plan
 from sailor_hpc.core.runtime_events import InPlace, InPlaceRefused, encode_event
-from sailor_hpc.core.site import load_site
+from sailor_hpc.core.site import Site, load_site
 from sailor_hpc.jobs.layout import job_layout
 from sailor_hpc.jobs.render import components_for
 from sailor_hpc.slurm.commands import show_nodes, sinfo_nodes
@@ -142,28 +144,64 @@ class Replanned:
     address: str  # where the new plan's rank 0 runs
 
 
-def replan(run_dir: Path, job_plan_file: Path, step_nodes: Collection[str], job_id: str) -> Replanned | None:
+@dataclass
+class SurvivorPlanner:
+    """What every re-plan of one job reads (the run's spec and site, the profiles, the job's plan), read once; and
+    the plans it made, by the GPUs they were made on: the job agent plans each single-node loss ahead, while
+    the ranks train, so a change costs only the Slurm calls that say what was lost."""
+
+    spec: RunSpec
+    site: Site
+    archive: ProfileArchive
+    job_plan: Plan
+    made: dict[str, Planned] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, run_dir: Path, job_plan_file: Path) -> SurvivorPlanner:
+        spec = RunDir(run_dir).spec()
+        site = load_site(spec.planning.site)
+        return cls(spec, site, open_archive(spec.planning.profiles, site), load_plan(job_plan_file, validate=False))
+
+    def plan(self, free: dict[str, dict[str, int]]) -> Planned:
+        key = json.dumps(free, sort_keys=True)
+        if key not in self.made:
+            self.made[key] = plan_on(self.spec, self.site, self.archive, free)
+        return self.made[key]
+
+    def plan_ahead(self, comps: list[Component]) -> None:
+        """The plan for the loss of each one node of ``comps`` (where one fits)."""
+        for node in (n for c in comps for n in c.nodes):
+            try:
+                self.plan(survivors(comps, self.job_plan, {node: "ahead"}))
+            except SailorError:
+                continue  # nothing fits without it: the job would end then anyway
+
+    @property
+    def cpus(self) -> list[int]:
+        return [c.cpus_per_task for c in components_for(job_layout(self.job_plan), self.site)]
+
+
+def replan(planner: SurvivorPlanner, step_nodes: Collection[str], job_id: str,
+           addresses: dict[str, str] | None = None) -> Replanned | None:
     """Which of ``step_nodes`` were lost and the plan on the job's survivors, with the lost nodes released;
-    None when no node was lost. Raises SailorError when no plan fits the survivors or Slurm keeps a lost node."""
-    spec = RunDir(run_dir).spec()
-    site = load_site(spec.planning.site)
-    job_plan = load_plan(job_plan_file, validate=False)
+    None when no node was lost. Raises SailorError when no plan fits the survivors or Slurm keeps a lost node.
+    ``addresses``: the nodes' addresses, read ahead (else asked of Slurm)."""
     comps = job_components(job_id)
     _, _, lost_states = node_states(sinfo_nodes(None))
     lost = {n: lost_states.get(n, "gone from the job") for n in step_nodes
             if n in lost_states or all(n not in c.nodes for c in comps)}
     if not lost:
         return None
-    free = survivors(comps, job_plan, lost)
-    planned: Planned = plan_on(spec, site, open_archive(spec.planning.profiles, site), free)
-    cpus = [c.cpus_per_task for c in components_for(job_layout(job_plan), site)]
-    opts, nodes = step_components(planned.plan, comps, free, len(comps) > 1, cpus)
+    free = survivors(comps, planner.job_plan, lost)
+    planned = planner.plan(free)
+    opts, nodes = step_components(planned.plan, comps, free, len(comps) > 1, planner.cpus)
     released, refused = release(comps, set(nodes), lost)
     if refused:  # the job would hold a drained node for as long as it drains: a new job without it instead
         raise SailorError(f"Slurm refused to release {', '.join(sorted(set(lost) - set(released)))}: "
                           f"{'; '.join(refused)}", field="in-place release",
                           fix="the job ends; the controller submits a new job without the node")
-    address = next((n.raw.get("NodeAddr") for n in show_nodes(None, names=[nodes[0]])), None) or nodes[0]
+    address = (addresses or {}).get(nodes[0]) or next(
+        (n.raw.get("NodeAddr") for n in show_nodes(None, names=[nodes[0]])), None) or nodes[0]
     return Replanned(planned, lost, opts, nodes, released, refused, address)
 
 
@@ -185,7 +223,7 @@ def next_step(run_dir: Path, job_plan_file: Path, step_plan_file: Path, step: in
     """Plan and prepare the next step; returns the ``in_place`` record, or None when the step lost no node
     (raises SailorError when it did but no plan fits the survivors: the job ends, a new one follows)."""
     t_end = time.time()
-    r = replan(run_dir, job_plan_file, _step_nodes(job_plan_file, step - 1), job_id)
+    r = replan(SurvivorPlanner.of(run_dir, job_plan_file), _step_nodes(job_plan_file, step - 1), job_id)
     if r is None:
         return None  # finished, saved on a signal, asked to resize, or failed: the job ends as it always did
     plan_path = job_plan_file.with_name(f"{job_plan_file.stem}.step-{step}.json")

@@ -25,12 +25,13 @@ import argparse
 import os
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from subprocess import Popen
 
-from sailor_hpc.controller.inplace import in_place_record, replan, step_port
+from sailor_hpc.controller.inplace import SurvivorPlanner, in_place_record, replan, step_port
 from sailor_hpc.core.dist_env import EXIT_FAILED, EXIT_SAVED_ON_SIGNAL
 from sailor_hpc.core.errors import SailorError, SlurmUnavailable
 from sailor_hpc.core.plan import Plan
@@ -39,7 +40,7 @@ from sailor_hpc.core.resident import Directive, Held, Seat, read_held, write_dir
 from sailor_hpc.core.runtime_events import InPlaceRefused, encode_event
 from sailor_hpc.jobs.layout import job_layout
 from sailor_hpc.jobs.rank_env import JOB_TASKS_ENV, TASK_OFFSET_ENV
-from sailor_hpc.slurm.control import job_components, start_step
+from sailor_hpc.slurm.control import Component, job_components, node_address, start_step
 
 POLL_S = 0.02
 #: how long the ranks still running may take to notice a change and hold (a rank computing a long step only
@@ -70,6 +71,8 @@ class Agent:
     steps: dict[str, NodeStep] = field(default_factory=dict)
     epoch: int = 0
     plan: Path | None = None
+    planner: SurvivorPlanner | None = None
+    addresses: dict[str, str] = field(default_factory=dict)
 
     def start(self) -> None:
         """One step per node of the job's plan, tasks numbered as one step over the whole job would number them."""
@@ -89,6 +92,18 @@ class Agent:
                 self.steps[node] = NodeStep(node, lay.tasks_per_node, start_step(opts, self.task, env))
                 offset += lay.tasks_per_node
         self.plan = self.job_plan
+        threading.Thread(target=self._prepare, args=(comps,), daemon=True).start()
+
+    def _prepare(self, comps: list[Component]) -> None:
+        """While the ranks start: what a change will need (the planner's inputs, the nodes' addresses, the plan
+        for the loss of each node)."""
+        try:
+            planner = SurvivorPlanner.of(self.run_dir, self.job_plan)
+            self.addresses = {n: node_address(n) or n for n in self.steps}
+            planner.plan_ahead(comps)
+        except (SailorError, SlurmUnavailable, OSError):
+            return  # a change then reads and plans everything itself
+        self.planner = planner
 
     def running(self) -> dict[str, NodeStep]:
         return {n: s for n, s in self.steps.items() if s.proc.poll() is None}
@@ -120,7 +135,8 @@ class Agent:
                 s.proc.send_signal(signal.SIGKILL)
             return self.leave_all(EXIT_FAILED)
         try:
-            r = replan(self.run_dir, self.job_plan, list(self.steps), self.job_id)
+            planner = self.planner or SurvivorPlanner.of(self.run_dir, self.job_plan)
+            r = replan(planner, list(self.steps), self.job_id, self.addresses)
         except (SailorError, SlurmUnavailable) as exc:  # no plan fits the survivors, or Slurm does not answer
             print(encode_event(InPlaceRefused(job_id=self.job_id, step_index=self.epoch + 1, rc=EXIT_FAILED,
                                               reason=str(exc), t=round(time.time(), 3))), flush=True)
@@ -176,7 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--resident-dir", type=Path, required=True, help="where the ranks hold (their --resident)")
     ap.add_argument("--srun-option", action="append", default=[], help="an option of every node's step")
     args = ap.parse_args(argv[:cut])
-    for signum in (signal.SIGUSR1, signal.SIGUSR2):  # the ranks' to act on (a signal sent with --full)
+    # the ranks' to act on (the time limit's USR1, a preemption's TERM reach the whole job): the agent stays to
+    # answer their holds; Slurm's KILL after the grace ends it with them
+    for signum in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM):
         signal.signal(signum, signal.SIG_IGN)
     args.resident_dir.mkdir(parents=True, exist_ok=True)
     agent = Agent(args.run_dir, args.job_plan, args.resident_dir, os.environ.get("SLURM_JOB_ID", ""),

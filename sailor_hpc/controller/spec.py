@@ -112,7 +112,7 @@ class JobSpec:
     python: str = sys.executable
     train_args: tuple[str, ...] = ()
     extra_sbatch: tuple[str, ...] = ()
-    resident_ranks: bool = False  # in place, the surviving ranks go on in their processes (controller.job_agent)
+    resident_ranks: bool = True  # in place, the surviving ranks go on in their processes (controller.job_agent)
 
     def __post_init__(self) -> None:
         _positive_int("steps", self.steps)

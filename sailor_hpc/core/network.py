@@ -41,6 +41,11 @@ class NetworkFit:
     min_bytes: float = DEFAULT_MIN_BYTES
     max_bytes: float = DEFAULT_MAX_BYTES
     latency_s: float = 0.0  # added to every non-empty message (set from the link entry's latency_us)
+    # measured by the profiler (a partition's collective_latency_us / gather_latency_us): the latency per ring
+    # step of a one-element all-reduce and all-gather. Not added to a message (the fit's times hold one each);
+    # the simulator charges them per collective a runtime issues beyond those whose bytes it prices
+    collective_latency_s: float = 0.0
+    gather_latency_s: float = 0.0  # 0: collective_latency_s
 
     def fitted_bandwidth(self, nbytes: float) -> float:
         """Bytes per second the quadratic gives at ``nbytes`` (clamped to the range and the peak)."""
@@ -141,6 +146,10 @@ class NetworkFit:
                    max_gbps=max_gbps, min_bytes=float(rng[0]), max_bytes=float(rng[1]))
 
 
+# a partition's link table may carry what the profiler measured beside its fits (µs per ring step): key -> field
+_LATENCY_KEYS = {"collective_latency_us": "collective_latency_s", "gather_latency_us": "gather_latency_s"}
+
+
 @dataclass(frozen=True)
 class LinkTable:
     """Fits of one link kind keyed by k, the number of GPUs sending at once (aggregate bandwidth)."""
@@ -168,14 +177,45 @@ class LinkTable:
     def to_dict(self) -> dict[str, object]:
         return {str(k): fit.to_dict() for k, fit in sorted(self.fits.items())}
 
+    @property
+    def collective_latency_s(self) -> float:
+        """A small collective's latency per ring step, as measured (0: not measured)."""
+        return max(f.collective_latency_s for f in self.fits.values())
+
+    @property
+    def gather_latency_s(self) -> float:
+        """An all-gather's latency per ring step (the collective latency where none was measured)."""
+        return max(f.gather_latency_s or f.collective_latency_s for f in self.fits.values())
+
+    def to_site_dict(self) -> dict[str, object]:
+        """The table as a partition's network writes it: its fits and, when measured, its latencies."""
+        lat = {key: round(max(getattr(f, field) for f in self.fits.values()) * 1e6, 3)
+               for key, field in _LATENCY_KEYS.items()}
+        return {**self.to_dict(), **{k: v for k, v in lat.items() if v}}
+
     @classmethod
     def parse(cls, f: Fields, latency_s: float = 0.0) -> LinkTable:
+        """``latency_s``: the one-way latency of the link entry holding the table. A table may carry what the
+        profiler measured beside its fits: ``collective_latency_us`` and ``gather_latency_us``, a small
+        all-reduce's and all-gather's latency per ring step."""
         fits = {}
+        latencies = {}
+        for key, field in _LATENCY_KEYS.items():
+            if key not in f.data:
+                continue
+            f.seen.add(key)
+            value = f.data[key]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+                raise f.error(key, f"must be a latency in µs >= 0, got {value!r}",
+                              fix=f"the measured latency per ring step, e.g. {key} = 25")
+            latencies[field] = float(value) * 1e-6
         for key, value in f.data.items():
+            if key in _LATENCY_KEYS:
+                continue
             f.seen.add(key)
             if not (str(key).isascii() and str(key).isdigit()) or int(key) <= 0:
                 raise f.error(str(key), "keys must be the number of GPUs sending at once (\"1\", \"2\", ...)")
-            fits[int(key)] = replace(NetworkFit.parse(f.sub(str(key), value)), latency_s=latency_s)
+            fits[int(key)] = replace(NetworkFit.parse(f.sub(str(key), value)), latency_s=latency_s, **latencies)
         if not fits:
             raise f.error(None, "is empty", fix="give at least one fit, e.g. \"1\" = { constant_gbps = 10 }")
         return cls(fits)

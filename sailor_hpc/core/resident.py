@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -149,5 +150,4 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 def seat_of(env: dict[str, str] | os._Environ[str], local_rank: int) -> Seat:
     """This process's seat: its node (Slurm's name for it, else the host) and its index there."""
-    import socket
     return Seat(env.get(NODE_ENV) or socket.gethostname(), local_rank)

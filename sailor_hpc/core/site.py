@@ -229,7 +229,7 @@ class Site:
             for key in ("cluster", "island"):
                 if getattr(p, key):
                     d[key] = getattr(p, key)
-            net = {k: getattr(p, k).to_dict() for k in ("intra_node", "inter_node") if getattr(p, k)}
+            net = {k: getattr(p, k).to_site_dict() for k in ("intra_node", "inter_node") if getattr(p, k)}
             if net:
                 d["network"] = net
             parts.append(d)

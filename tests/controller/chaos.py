@@ -84,7 +84,9 @@ class Soak:
         """The running job's ranks stopped (SIGSTOP) while a fault that leaves them alone (the controller's, Slurm's
         own) is injected and answered: the run's length then does not depend on how fast the machine trains
         meanwhile, and rounding differences, which grow with every step, stay small."""
-        plans = [r["plan_file"] for r in self.records() if r["kind"] in ("submit_intent", "in_place")]
+        # resident ranks keep the command line of their job's plan through in-place changes
+        plans = [r["plan_file"] for r in self.records()
+                 if r["kind"] == "submit_intent" or (r["kind"] == "in_place" and not r.get("resident"))]
         pids = pause(plans[-1]) if plans and rank_pids(plans[-1]) else []
         try:
             yield

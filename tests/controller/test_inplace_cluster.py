@@ -42,7 +42,7 @@ def story(slurm_cluster, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
     data, archive = story_kit.build_inputs(tmp_path_factory, root)
     reference = story_kit.start_reference(root, data, STEPS)
     sc = Scenario(slurm_cluster, root, data, archive, steps=STEPS, site=story_kit.one_gpu_a100_site(root),
-                  extra_args=["--restart-cost", "0"])
+                  extra_args=["--restart-cost", "0", "--no-resident-ranks"])  # the srun-step loop
     times: dict[str, float] = {}
     with story_kit.cleaned_up(sc, reference):
         sc.blocker("v100-1", 8)

@@ -23,7 +23,9 @@ Layout (version 1; attributes in brackets)::
                                           a TP degree without a row takes the nearest measured one below
                                           it, else above it (:meth:`~sailor_hpc.core.archive.query.ProfileArchive.overhead_tp`)
     /network/<site>/<link>                float64 (3,): quadratic fit coefficients (GB/s vs log2 MB)
-                                          [kind, a, b, senders, max_gbps, min_bytes, max_bytes, provenance]
+                                          [kind, a, b, senders, max_gbps, min_bytes, max_bytes, provenance;
+                                          collective_latency_s, gather_latency_s: the link's latency per ring
+                                          step of a small all-reduce and all-gather, where measured]
 
 Every entry carries ``provenance``: a JSON object with user, host, time, source and the GPU, driver,
 CUDA and torch versions where known.
@@ -234,7 +236,9 @@ class _Reader:
                 self.require(senders >= 1, ds, f"senders {senders} is not positive")
                 a, b, c = (float(x) for x in coeffs)
                 fit = NetworkFit(coeffs=(a, b, c), max_gbps=self.number(ds, "max_gbps") or None,
-                                 min_bytes=self.number(ds, "min_bytes"), max_bytes=self.number(ds, "max_bytes"))
+                                 min_bytes=self.number(ds, "min_bytes"), max_bytes=self.number(ds, "max_bytes"),
+                                 **{k: self.number(ds, k) for k in ("collective_latency_s", "gather_latency_s") if k in ds.attrs})
+                self.require(min(fit.collective_latency_s, fit.gather_latency_s) >= 0, ds, "has a negative latency")
                 yield ds, NetworkEntry(site, kind, self.text(ds, "a"), self.text(ds, "b"), senders, fit, self.provenance(ds))
 
     def atoms(self) -> Iterator[Atom]:
@@ -299,6 +303,9 @@ def _write_entry(h5: h5py.File, entry: Entry, stamp: str | list[str]) -> None:
         ds.attrs.update({"kind": entry.kind, "a": entry.a, "b": entry.b, "senders": entry.senders,
                          "max_gbps": entry.fit.max_gbps or 0.0, "min_bytes": entry.fit.min_bytes,
                          "max_bytes": entry.fit.max_bytes})
+        for key in ("collective_latency_s", "gather_latency_s"):  # measured by the profiler; older entries have none (0)
+            if getattr(entry.fit, key):
+                ds.attrs[key] = getattr(entry.fit, key)
     ds.attrs["provenance"] = json.dumps(entry.provenance, sort_keys=True)
     ds.attrs["written"] = np.array(stamp, dtype=h5py.string_dtype()) if isinstance(stamp, list) else stamp
 
