@@ -199,7 +199,7 @@ class LinkTable:
         profiler measured beside its fits: ``collective_latency_us`` and ``gather_latency_us``, a small
         all-reduce's and all-gather's latency per ring step."""
         fits = {}
-        latencies = {}
+        latencies: dict[str, float] = {}
         for key, field in _LATENCY_KEYS.items():
             if key not in f.data:
                 continue
@@ -215,7 +215,9 @@ class LinkTable:
             f.seen.add(key)
             if not (str(key).isascii() and str(key).isdigit()) or int(key) <= 0:
                 raise f.error(str(key), "keys must be the number of GPUs sending at once (\"1\", \"2\", ...)")
-            fits[int(key)] = replace(NetworkFit.parse(f.sub(str(key), value)), latency_s=latency_s, **latencies)
+            fits[int(key)] = replace(NetworkFit.parse(f.sub(str(key), value)), latency_s=latency_s,
+                                     collective_latency_s=latencies.get("collective_latency_s", 0.0),
+                                     gather_latency_s=latencies.get("gather_latency_s", 0.0))
         if not fits:
             raise f.error(None, "is empty", fix="give at least one fit, e.g. \"1\" = { constant_gbps = 10 }")
         return cls(fits)
