@@ -19,7 +19,7 @@ import datetime
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -221,12 +221,18 @@ def write_net_spec(task: NetworkTask, spec_file: Path) -> None:
 
 def record_network(task: NetworkTask, result: dict[str, Any]) -> dict[str, Any]:
     """Fit a benchmark's result (rank 0's JSON) and write the network entry; the summary for the driver."""
-    fit = fit_bandwidth(result["sizes"], result["p2p_gbps"])
+    # the link's latency per ring step of a small collective, charged by the simulator per collective a runtime
+    # issues (a result without it: none)
+    fit = replace(fit_bandwidth(result["sizes"], result["p2p_gbps"]),
+                  collective_latency_s=float(result.get("all_reduce_latency_s", 0.0)),
+                  gather_latency_s=float(result.get("all_gather_latency_s", 0.0)))
     ar_fit = fit_bandwidth(result["sizes"], result["allreduce_busbw_gbps"])
     prov = make_provenance(f"sailor-hpc profile ({task.sweep})", device=result["device"], backend=result["backend"],
                            hosts=result["hosts"], pairs=result["pairs"], sizes=result["sizes"],
                            p2p_gbps=result["p2p_gbps"], allreduce_busbw_gbps=result["allreduce_busbw_gbps"],
-                           allreduce_fit=list(ar_fit.coeffs or ()), **_slurm_where(), **result["versions"])
+                           allreduce_fit=list(ar_fit.coeffs or ()), collective_latency_s=fit.collective_latency_s,
+                           gather_latency_s=fit.gather_latency_s, **_slurm_where(),
+                           **result["versions"])
     entry = NetworkEntry(task.site_key, "intra" if task.kind == "intra" else "inter", task.a, task.b, task.senders,
                          fit, prov)
     write_entries(task.archive, [entry])

@@ -94,6 +94,31 @@ def allreduce_busbw(nbytes: int, iters: int, warmup: int, device: torch.device) 
     return 2 * (world - 1) / world * n * 4 / seconds / 1e9
 
 
+STREAM = 20  # collectives per latency sample: issued back to back, as a step issues its many small ones
+
+
+def collective_latency_s(kind: str, iters: int, warmup: int, device: torch.device) -> float:
+    """The link's latency per ring step of a one-element ``kind`` ("all_reduce": ``2(W - 1)`` steps, or
+    "all_gather": ``W - 1``): a stream of :data:`STREAM` back to back (median over ``iters``, slowest rank,
+    from a barrier), per collective and step. What every collective pays whatever it moves (the alpha of an
+    alpha-beta model, :mod:`simulator.network`); it decides the cost of runtimes that issue many small
+    collectives (DeepSpeed's ZeRO 3 gathers every parameter tensor on its own)."""
+    world = dist.get_world_size()
+    if world < 2:
+        raise ValueError("a link's latency needs two ranks or more")
+    one = torch.ones(1, dtype=torch.float32, device=device)
+    out = torch.empty(world, dtype=torch.float32, device=device)
+    ops = {"all_reduce": (lambda: dist.all_reduce(one), 2 * (world - 1)),
+           "all_gather": (lambda: dist.all_gather_into_tensor(out, one), world - 1)}
+    op, steps = ops[kind]
+
+    def stream() -> None:
+        for _ in range(STREAM):
+            op()
+
+    return _median_seconds(stream, iters, warmup, device) / (STREAM * steps)
+
+
 def run(spec: NetSpec) -> dict[str, object]:
     """Measure on an initialised process group; the result (rank 0's view) as a dict."""
     cuda = spec.device == "cuda" or (spec.device == "auto" and torch.cuda.is_available())
@@ -105,7 +130,10 @@ def run(spec: NetSpec) -> dict[str, object]:
     dist.all_gather_object(hosts, os.environ.get("SLURMD_NODENAME") or os.uname().nodename)
     p2p = [p2p_gbps(pairs, s, spec.iters, spec.warmup, device) for s in spec.sizes]
     ar = [allreduce_busbw(s, spec.iters, spec.warmup, device) for s in spec.sizes]
-    return {"sizes": list(spec.sizes), "p2p_gbps": p2p, "allreduce_busbw_gbps": ar, "pairs": pairs, "hosts": hosts,
+    latency = {f"{k}_latency_s": collective_latency_s(k, spec.iters, spec.warmup, device)
+               for k in ("all_reduce", "all_gather")}
+    return {"sizes": list(spec.sizes), "p2p_gbps": p2p, "allreduce_busbw_gbps": ar, **latency,
+            "pairs": pairs, "hosts": hosts,
             "device": device.type, "backend": dist.get_backend(), "world": dist.get_world_size()}
 
 
