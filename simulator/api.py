@@ -31,15 +31,12 @@ from simulator.memory import (
     in_flight,
     stage_memory,
 )
-from simulator.network import Endpoint, p2p_transfer, ring_allreduce_seconds
+from simulator.network import Endpoint, collective_latency_seconds, p2p_transfer, ring_allreduce_seconds
 from simulator.runtimes import ZERO_BUCKET_ELEMS, OptimizerImpl, Runtime, get_runtime, optimizer_impl, staging_bytes
 from simulator.schedule import ScheduleResult, pipeline_schedule
 from simulator.tables import ComputeTable, MemoryTable, ProfileTables, tables_for
 from simulator.timeline import Timeline, build_programs, run_programs
-
-# DeepSpeed keeps a parameter smaller than this whole on every rank under ZeRO 3
-# (stage3_param_persistence_threshold, which sailor_hpc.core.ds_config leaves at its default)
-PARAM_PERSISTENCE_THRESHOLD = 100_000
+from simulator.zero_collectives import PARAM_PERSISTENCE_THRESHOLD, buckets_of, layer_tensors, zero_collectives
 
 
 def zero_traffic(stage: int, micro_batches: int, gathers_weights: bool) -> float:
@@ -404,11 +401,26 @@ class StageEvaluator:
                 for blo, bhi in self._buckets(lo, hi, [costs[i][s].tp for i, s in holders]) if overlap else [(lo, hi)]:
                     per_gpu = [self.memory_table(costs[i][s].tp).params(blo, bhi) * elem for i, s in holders]
                     lead = tuple(self._backward_below(costs[i][s], blo) for i, s in holders) if overlap else ()
-                    secs = self.allreduce(eps, per_gpu, elem) * self._zero_traffic(holders, micro_batches)
+                    secs = self._segment_seconds(eps, per_gpu, elem, holders, micro_batches, blo, bhi)
                     grads.append(Collective("grads", holders, secs, blo, bhi, skew=skew, lead=lead))
         if overlap:  # one global order, as the runtime launches its buckets: backward order, last layers first
             return sorted(grads, key=lambda c: -c.last_layer) + tied
         return tied + grads
+
+    def _segment_seconds(self, eps: Sequence[Endpoint], per_gpu: Sequence[float], elem: float,
+                         holders: Sequence[tuple[int, int]], micro_batches: Sequence[int], lo: int, hi: int) -> float:
+        """One gradient segment's collectives in a step: its all-reduce; under the deepspeed runtime its ZeRO
+        traffic in bytes, and the link's latency once per collective DeepSpeed issues
+        (:mod:`simulator.zero_collectives`)."""
+        ring = self.allreduce(eps, per_gpu, elem)
+        if self.options.runtime != "deepspeed":
+            return ring
+        alpha, gather = collective_latency_seconds(self.site, eps)
+        buckets = buckets_of(max(per_gpu), self.options.bucket_elems * elem)
+        m = max((micro_batches[i] for i, _ in holders), default=1) if micro_batches else 1
+        reduces, gathers = zero_collectives(self.options.zero_stage, m, buckets, layer_tensors(self.model, lo, hi))
+        # the ring's bytes (its time less the one latency per bucket its fit holds) as often as ZeRO moves them
+        return (ring - alpha * buckets) * self._zero_traffic(holders, micro_batches) + alpha * reduces + gather * gathers
 
     def _zero_traffic(self, holders: Sequence[tuple[int, int]], micro_batches: Sequence[int]) -> float:
         """:func:`zero_traffic` of the deepspeed runtime's ZeRO stage for a segment held by ``holders``

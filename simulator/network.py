@@ -24,6 +24,13 @@ ring (one per TP slice), at the same time, so a holder's node carries ``t`` ring
 the k = t aggregate fit at the per-stream chunk size (``bytes / holders``). The ring is as slow as its
 slowest link; ``2(H - 1)`` chunk transfers per ring, per bucket (DeepSpeed reduces ``bucket_elems``
 elements at a time).
+
+Latency: a fit's time holds one message's latency, so a collective priced by its bytes pays it once. A
+runtime that issues many small collectives (DeepSpeed's ZeRO 3 gathers every parameter tensor on its own)
+pays it for each: the profiler measures a link's latency per ring step of a small all-reduce and of a small
+all-gather (``collective_latency_us``, ``gather_latency_us`` of a partition's link table; gloo's all-gather
+is several times slower than its all-reduce), and :func:`collective_latency_seconds` prices one collective
+of each kind (the alpha of an alpha-beta model).
 """
 from __future__ import annotations
 
@@ -115,3 +122,14 @@ def ring_allreduce_seconds(site: Site, holders: Sequence[Endpoint], per_gpu_byte
         total = int(full) * chunk_seconds(h.tp, cap / H) + (chunk_seconds(h.tp, rest / H) if rest > 0 else 0.0)
         worst = max(worst, 2 * (H - 1) * h.tp * total)
     return worst
+
+
+def collective_latency_seconds(site: Site, holders: Sequence[Endpoint]) -> tuple[float, float]:
+    """The latency of one small collective among ``holders`` on their slowest-latency link: (all-reduce: a
+    ring's ``2(H - 1)`` steps, all-gather: ``H - 1``); zeros where the site has none measured."""
+    H = len(holders)
+    if H <= 1:
+        return 0.0, 0.0
+    fits = _ring_links(site, holders, max(h.tp for h in holders))
+    return (2 * (H - 1) * max(f.collective_latency_s for f in fits),
+            (H - 1) * max(f.gather_latency_s or f.collective_latency_s for f in fits))
