@@ -18,17 +18,16 @@ import importlib.util
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from megatron_patch import local
-from sailor_hpc.core.archive import ComputeEntry, MemoryEntry, OverheadEntry, ProfileArchive
 from sailor_hpc.core.site import load_site_dict
 from simulator import SimOptions, simulate
 from simulator.memory import in_flight
 from tests.conftest import slurm_missing
 from tests.deepspeed.zero_memory_worker import plan_for
 from tests.megatron_patch.conftest import shipped_data  # noqa: F401 - fixture
+from tests.simulator.conftest import MIXED_OVERHEAD, MIXED_SITE, mixed_archive
 
 if importlib.util.find_spec("deepspeed") is None or importlib.util.find_spec("megatron") is None:
     slurm_missing("needs the deepspeed and runtime extras (make install-test)", module=True)
@@ -36,19 +35,7 @@ if importlib.util.find_spec("deepspeed") is None or importlib.util.find_spec("me
 WORKER = str(Path(__file__).with_name("zero_memory_worker.py"))
 MBS, MICRO, STAGES = 2, 6, 3
 GPUS = ("small", "large", "small")
-OVERHEAD = {"small": 300e6, "large": 900e6}  # per type, as a profile records it
 TOL = 0.06
-
-
-def _partition(name: str) -> dict:
-    return {"name": name, "gpu_type": name, "nodes": 1, "gpus_per_node": 2,
-            "network": {"intra_node": {"1": {"constant_gbps": 1.0}}, "inter_node": {"1": {"constant_gbps": 1.0}}}}
-
-
-SITE = {"name": "mixed", "cost_unit": "GPU-hours",
-        "gpu_types": {"small": {"memory_gib": 8.0}, "large": {"memory_gib": 24.0}},
-        "partitions": [_partition("small"), _partition("large")],
-        "network": {"between": [{"partitions": ["small", "large"], "links": {"1": {"constant_gbps": 1.0}}}]}}
 
 
 @pytest.fixture(scope="module")
@@ -65,13 +52,8 @@ def measured(shipped_data: str) -> tuple[dict[int, dict], dict]:  # noqa: F811
 
 def test_every_stage_on_its_gpu_type(measured: tuple[dict[int, dict], dict]) -> None:
     got, profile = measured
-    archive = ProfileArchive()
-    prov = {"source": "test"}
-    for gpu in OVERHEAD:
-        archive.add(ComputeEntry("tiny-gpt", gpu, MBS, 1, np.array(profile["times"]), prov))
-        archive.add(OverheadEntry(gpu, {1: OVERHEAD[gpu]}, prov))
-    archive.add(MemoryEntry("tiny-gpt", 1, np.array(profile["memory"]), prov))
-    res = simulate(plan_for(0, STAGES, STAGES, MBS, MICRO, GPUS), load_site_dict(SITE, source="<test>"), archive,
+    archive = mixed_archive("tiny-gpt", MBS, profile)
+    res = simulate(plan_for(0, STAGES, STAGES, MBS, MICRO, GPUS), load_site_dict(MIXED_SITE, source="<test>"), archive,
                    options=SimOptions(runtime="deepspeed", backend="gloo"))
     stages = sorted(res.stages, key=lambda s: s.stage)  # rank s runs stage s
     assert [s.gpu_type for s in stages] == list(GPUS)
@@ -81,7 +63,7 @@ def test_every_stage_on_its_gpu_type(measured: tuple[dict[int, dict], dict]) -> 
               f" predicted {float(mem.peak_allocated):,.0f} B")
         assert abs(float(mem.peak_allocated) / peak - 1) <= TOL
         assert float(mem.peak_device) == pytest.approx(float(mem.peak_allocated + mem.allocator_slack)
-                                                       + OVERHEAD[s.gpu_type])
+                                                       + MIXED_OVERHEAD[s.gpu_type])
     assert max(got, key=lambda r: got[r]["peak"]) == max(stages, key=lambda s: s.memory.peak_allocated).stage
     # negative control: the middle stage with one micro-batch fewer in flight
     mid = stages[1].memory

@@ -103,3 +103,30 @@ def validation_dir() -> Path:
     if not VALIDATION.exists():
         pytest.fail(f"Sailor's measured runs are missing from the package ({VALIDATION}): reinstall it")
     return VALIDATION
+
+
+# Two GPU types of different sizes and fixed overheads, one node each: the site of the tests that run a
+# pipeline over mixed GPUs on CPU ranks (the runtime does not read the types, the simulator does)
+MIXED_OVERHEAD = {"small": 300e6, "large": 900e6}  # per type, as a profile records it
+
+
+def _mixed_partition(name: str) -> dict:
+    return {"name": name, "gpu_type": name, "nodes": 1, "gpus_per_node": 2,
+            "network": {"intra_node": {"1": {"constant_gbps": 1.0}}, "inter_node": {"1": {"constant_gbps": 1.0}}}}
+
+
+MIXED_SITE = {"name": "mixed", "cost_unit": "GPU-hours",
+              "gpu_types": {"small": {"memory_gib": 8.0}, "large": {"memory_gib": 24.0}},
+              "partitions": [_mixed_partition("small"), _mixed_partition("large")],
+              "network": {"between": [{"partitions": ["small", "large"], "links": {"1": {"constant_gbps": 1.0}}}]}}
+
+
+def mixed_archive(model: str, mbs: int, profile: dict) -> ProfileArchive:
+    """The layer profile one rank took (``{"times", "memory"}`` at TP 1) on both GPU types, each with its overhead."""
+    archive = ProfileArchive()
+    prov = {"source": "test"}
+    for gpu, overhead in MIXED_OVERHEAD.items():
+        archive.add(ComputeEntry(model, gpu, mbs, 1, np.array(profile["times"]), prov))
+        archive.add(OverheadEntry(gpu, {1: overhead}, prov))
+    archive.add(MemoryEntry(model, 1, np.array(profile["memory"]), prov))
+    return archive

@@ -24,22 +24,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from megatron_patch import local
-from sailor_hpc.core.archive import ComputeEntry, MemoryEntry, OverheadEntry, ProfileArchive
 from sailor_hpc.core.plan import Pipeline, Plan, Stage
 from sailor_hpc.core.site import load_site_dict
 from simulator import SimOptions, simulate
 from simulator.api import StageReport
 from simulator.memory import in_flight
 from tests.megatron_patch.conftest import ADAM, MODEL, events, shipped_data  # noqa: F401 - fixture
+from tests.simulator.conftest import MIXED_OVERHEAD, MIXED_SITE, mixed_archive
 
 WORKER = str(Path(__file__).parents[1] / "megatron_patch" / "memory_worker.py")
 MBS, MICRO = 2, 6
 GPUS = ("small", "large", "small")
-OVERHEAD = {"small": 300e6, "large": 900e6}  # per type, as a profile records it
 PEAK_TOL = 0.05  # the blocks' working set is charged as a whole activation (test_memory_terms_vs_runtime)
 # What a step starts with beyond the model state, none of it modelled; listed from the live tensors at a step's
 # start on this model: three RNG states of 5,056 B, the causal mask (seq^2 bool), the padded vocabulary's mask,
@@ -48,15 +46,6 @@ PEAK_TOL = 0.05  # the blocks' working set is charged as a whole activation (tes
 START_BUFFERS = 17 * 1024
 
 
-def _partition(name: str) -> dict:
-    return {"name": name, "gpu_type": name, "nodes": 1, "gpus_per_node": 2,
-            "network": {"intra_node": {"1": {"constant_gbps": 1.0}}, "inter_node": {"1": {"constant_gbps": 1.0}}}}
-
-
-SITE = {"name": "mixed", "cost_unit": "GPU-hours",
-        "gpu_types": {"small": {"memory_gib": 8.0}, "large": {"memory_gib": 24.0}},
-        "partitions": [_partition("small"), _partition("large")],
-        "network": {"between": [{"partitions": ["small", "large"], "links": {"1": {"constant_gbps": 1.0}}}]}}
 # the embedding with one block, two blocks, the last block with the head
 PLAN = Plan(MODEL, MBS * MICRO, (Pipeline(MBS, MICRO, tuple(
     Stage(a, b, 1, gpu, gpu) for (a, b), gpu in zip(((0, 1), (2, 3), (4, 5)), GPUS, strict=True))),))
@@ -78,13 +67,8 @@ def measured(tmp_path_factory: pytest.TempPathFactory, shipped_data: str) -> tup
 
 
 def _simulated(profile: dict) -> list[StageReport]:
-    archive = ProfileArchive()
-    prov = {"source": "test"}
-    for gpu in OVERHEAD:
-        archive.add(ComputeEntry(MODEL, gpu, MBS, 1, np.array(profile["times"]), prov))
-        archive.add(OverheadEntry(gpu, {1: OVERHEAD[gpu]}, prov))
-    archive.add(MemoryEntry(MODEL, 1, np.array(profile["memory"]), prov))
-    res = simulate(PLAN, load_site_dict(SITE, source="<test>"), archive, options=SimOptions.megatron_patch(backend="gloo"))
+    res = simulate(PLAN, load_site_dict(MIXED_SITE, source="<test>"), mixed_archive(MODEL, MBS, profile),
+                   options=SimOptions.megatron_patch(backend="gloo"))
     return sorted(res.stages, key=lambda s: s.stage)
 
 
@@ -134,7 +118,7 @@ def test_every_term_of_every_stage_on_its_gpu_type(measured: tuple[dict[int, dic
         assert g["step_peak"] - unmodelled <= mem.peak_allocated <= (1 + PEAK_TOL) * g["step_peak"]
         # the device total adds the stage's own GPU type's overhead (no caching allocator on the gloo backend)
         assert float(mem.peak_device) == pytest.approx(float(mem.peak_allocated) + mem.allocator_slack
-                                                       + OVERHEAD[s.gpu_type])
+                                                       + MIXED_OVERHEAD[s.gpu_type])
     assert max(got, key=lambda r: got[r]["step_peak"]) == max(stages, key=lambda s: s.memory.peak_allocated).stage
     # negative control: the first stage with one micro-batch fewer in flight
     first = stages[0].memory.activations * (flights[0] - 1) / flights[0]
