@@ -33,14 +33,18 @@ x 4. Step time: one world of the two ranks alternates, for every ZeRO stage in e
 a measurement and the run it predicts: each rank alone and both at once (so that both cores are as busy as
 under the run), tiny-gpt's layer times and the plain engine's costs at that ZeRO stage as ``sailor-hpc
 profile --runtime deepspeed`` measures them (every block measured; the engines on a group of the rank
-alone), then three steps of the plan; the simulator (runtime ``deepspeed``, gloo) predicts the step from each
-rank's measurement, with and without the engine's costs, and the medians of the per-round values are
-printed with the load. Memory: one run under
+alone), then three steps of the plan, every ``torch.distributed`` collective in them timed (:class:`CollectiveMeter`),
+then the link as the profiler measures it (the all-reduce bandwidth at the gradients' size, the latency per
+ring step of a one-element all-reduce and all-gather); the simulator (runtime ``deepspeed``, gloo) predicts
+the step from each rank's measurement, with and without the engine's costs, and the medians of the per-round
+values are printed with the load, and where the step goes: the collectives' count and the time inside them,
+and the rest, measured and predicted. Memory: one run under
 torch's allocator accounting (``tests/deepspeed/zero_memory_worker.py``), the peak allocated beside the
 simulator's (a ZeRO bucket that ``torch.empty`` allocates and nobody fills counts, as it does on a GPU; the
 resident set size would not count it).
 
     .venv/bin/python benchmarks/simulator_vs_runtime.py [--rounds 5] [--no-pipelines] [--deepspeed | --deepspeed-only]
+        [--clock cpu] [--nice -10] [--raw rounds.json]
 """
 from __future__ import annotations
 
@@ -233,10 +237,12 @@ def pipeline_plans(shape: str, ranks: int):
     return {name: plan(pipes) for name, pipes in PIPE_PLANS[(shape, ranks)].items()}
 
 
-def measured_site(gbps: float) -> dict:
-    """The benchmark site with its intra-node link set to the gloo bandwidth measured at the boundary's size."""
-    part = {**SITE["partitions"][0], "network": {"intra_node": {"1": {"constant_gbps": gbps}},
-                                                  "inter_node": {"1": {"constant_gbps": gbps}}}}
+def measured_site(gbps: float, latency_s: tuple[float, float] = (0.0, 0.0)) -> dict:
+    """The benchmark site with its links set to the gloo bandwidth measured at the boundary's (or gradients')
+    size and, where measured, the link's latency per ring step of a small all-reduce and all-gather."""
+    lat = {k: v * 1e6 for k, v in zip(("collective_latency_us", "gather_latency_us"), latency_s, strict=True) if v}
+    part = {**SITE["partitions"][0], "network": {"intra_node": {"1": {"constant_gbps": gbps}, **lat},
+                                                  "inter_node": {"1": {"constant_gbps": gbps}, **lat}}}
     return {**SITE, "partitions": [part]}
 
 
@@ -279,6 +285,57 @@ ZERO_WORKER = ROOT / "tests" / "deepspeed" / "zero_memory_worker.py"
 
 
 ENGINE_ROUNDS = 3  # paired DeepSpeed/plain steps per engine cost measurement (profiler.ds_engine)
+# torch.distributed's collectives DeepSpeed 0.19 calls through its TorchBackend (looked up at call time, or at
+# the backend's start for the tensor all-gather and reduce-scatter: wrapped before it starts)
+COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather", "reduce_scatter",
+               "broadcast", "reduce", "barrier", "all_reduce_coalesced")
+
+
+class _TimedWork:
+    """An asynchronous collective's handle whose ``wait`` counts into the meter (torch's Work is read-only)."""
+
+    def __init__(self, work: Any, meter: CollectiveMeter) -> None:
+        self._work, self._meter = work, meter
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return self._work.wait(*args, **kwargs)
+        finally:
+            self._meter.seconds += time.perf_counter() - t0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+class CollectiveMeter:
+    """Wall seconds each rank spends inside torch.distributed's collectives (the call and, for an asynchronous
+    one, its ``wait``), and how many it issues: where a step's time goes between computing and waiting."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self.count, self.seconds = 0, 0.0
+        for name in COLLECTIVES:
+            if hasattr(dist, name):
+                setattr(dist, name, self._timed(getattr(dist, name)))
+
+    def _timed(self, op: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            work = op(*args, **kwargs)
+            self.seconds += time.perf_counter() - t0
+            self.count += 1
+            if work is not None and hasattr(work, "wait"):  # an asynchronous one: its wait is inside it too
+                return _TimedWork(work, self)
+            return work
+        return timed
+
+    def take(self) -> tuple[int, float]:
+        """(collectives, seconds) since the last take."""
+        out = (self.count, self.seconds)
+        self.count, self.seconds = 0, 0.0
+        return out
 
 
 def ds_rank_main() -> None:
@@ -301,9 +358,10 @@ def ds_rank_main() -> None:
     from megatron_patch.ds_runtime.launch import _without_shm_op
     from profiler.compute import LayerProfiler
     from profiler.ds_engine import EngineMeter
-    from profiler.netbench import allreduce_busbw
+    from profiler.netbench import allreduce_busbw, collective_latency_s
 
     _without_shm_op()
+    meter = CollectiveMeter()
     deepspeed.init_distributed(dist_backend="gloo")
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -323,14 +381,23 @@ def ds_rank_main() -> None:
             load = os.getloadavg()[0]
             times = prof.measure(DS_MBS)
             costs = {meters[z].key: meters[z].measure(ENGINE_ROUNDS)}
-            steps = []
+            steps, inside, cpu_s = [], [], []
             for _ in range(3):
-                step = torch.tensor([trainers[z].train_step().seconds])
+                meter.take()
+                c0 = time.thread_time()
+                seconds = trainers[z].train_step().seconds
+                cpu_s.append(time.thread_time() - c0)
+                inside.append(meter.take())
+                step = torch.tensor([seconds])
                 dist.all_reduce(step, op=dist.ReduceOp.MAX)  # the step ends with its slowest rank
                 steps.append(float(step))
             gbps = allreduce_busbw(grad_bytes, 10, 2, cpu)  # the link the gradients' collectives see, now
+            latency = [collective_latency_s(k, 5, 1, cpu) for k in ("all_reduce", "all_gather")]  # ... and per collective
             rows.append({"round": r, "zero": z, "load": load, "times": times.tolist(), "costs": costs,
-                         "blocks": meters[z].sizes, "measured_s": statistics.median(steps), "gbps": gbps})
+                         "blocks": meters[z].sizes, "measured_s": statistics.median(steps), "gbps": gbps,
+                         "latency_s": latency,
+                         "collectives": statistics.median(n for n, _ in inside),
+                         "collective_s": statistics.median(s for _, s in inside), "cpu_s": statistics.median(cpu_s)})
     print(json.dumps({"rank": rank, "rows": rows, "memory": prof.memory_table().tolist()}), flush=True)
     dist.destroy_process_group()
 
@@ -383,14 +450,21 @@ def deepspeed_zero(env: dict[str, str], rounds: int, clock: str = "wall") -> dic
     for i, row in enumerate(ranks[0]["rows"]):
         mine = [rk["rows"][i] for rk in ranks]  # each rank measured its own profile at the same time
         plan = _ds_plan(row["zero"])
-        site = load_site_dict(measured_site(row["gbps"]), source="<this machine, gloo all-reduce measured>")
-        predicted = [seconds(simulate(plan, site, _ds_archive(x["times"], rk["memory"], x["costs"], x["blocks"]),
-                                      options=options)) for x, rk in zip(mine, ranks, strict=True)]
+        site = load_site_dict(measured_site(row["gbps"], tuple(row["latency_s"])),
+                              source="<this machine, gloo all-reduce measured>")
+        sims = [simulate(plan, site, _ds_archive(x["times"], rk["memory"], x["costs"], x["blocks"]), options=options)
+                for x, rk in zip(mine, ranks, strict=True)]
+        predicted = [seconds(res) for res in sims]
         layers = [seconds(simulate(plan, site, _ds_archive(x["times"], rk["memory"]), options=options))
                   for x, rk in zip(mine, ranks, strict=True)]
         time_rows.append({"round": row["round"], "zero": row["zero"], "load": row["load"], "gbps": row["gbps"],
+                          "latency_s": [statistics.fmean(x["latency_s"][k] for x in mine) for k in range(2)],
                           "measured_s": row["measured_s"], "predicted_s": statistics.fmean(predicted),
-                          "layers_only_s": statistics.fmean(layers)})
+                          "layers_only_s": statistics.fmean(layers),
+                          "collectives": statistics.fmean(x["collectives"] for x in mine),
+                          "collective_s": statistics.fmean(x["collective_s"] for x in mine),
+                          "cpu_s": statistics.fmean(x["cpu_s"] for x in mine),
+                          "predicted_collective_s": statistics.fmean(res.iteration_time_s - _compute_s(res) for res in sims)})
     return {"time": time_rows, "memory": zero_memory(env), "clock": clock}
 
 
@@ -436,7 +510,10 @@ def print_deepspeed(result: dict[str, Any]) -> None:
               "without the collectives")
     print("step time: each round and ZeRO stage, both ranks measure layers + the engine's costs at once, then run "
           "three steps; medians over rounds of the per-round values (s/step, slowest rank); gloo all-reduce "
-          f"measured at the gradients' size: median {statistics.median(r['gbps'] for r in rows):.3f} GB/s")
+          f"measured at the gradients' size: median {statistics.median(r['gbps'] for r in rows):.3f} GB/s; latency per "
+          f"ring step of a one-element all-reduce / all-gather, streamed: median "
+          f"{statistics.median(r['latency_s'][0] for r in rows) * 1e6:.0f} / "
+          f"{statistics.median(r['latency_s'][1] for r in rows) * 1e6:.0f} us")
     print(f"{'ZeRO':>5}{'measured':>10}{'layers only':>13}{'err %':>7}{'+ engine':>10}{'err %':>7}"
           f"{'   per-round err % (+ engine)':>30}")
     for zero in range(4):
@@ -447,6 +524,18 @@ def print_deepspeed(result: dict[str, Any]) -> None:
         print(f"{zero:>5}{med['measured_s']:>10.4f}{med['layers_only_s']:>13.4f}{statistics.median(bare):>+7.1f}"
               f"{med['predicted_s']:>10.4f}{statistics.median(errs):>+7.1f}   "
               + " ".join(f"{e:+.1f}" for e in errs))
+    print("where the step goes (medians, mean of the two ranks): collectives issued per step, wall seconds inside "
+          "them measured and predicted, the rest of the step (computing or waiting for a core) measured and predicted, "
+          "thread CPU seconds")
+    print(f"{'ZeRO':>5}{'count':>7}{'in coll.':>10}{'predicted':>11}{'rest':>9}{'predicted':>11}{'CPU':>8}")
+    for zero in range(4):
+        mine = [r for r in rows if r["zero"] == zero]
+        med = {k: statistics.median(r[k] for r in mine)
+               for k in ("collectives", "collective_s", "predicted_collective_s", "cpu_s")}
+        rest = statistics.median(r["measured_s"] - r["collective_s"] for r in mine)
+        prest = statistics.median(r["predicted_s"] - r["predicted_collective_s"] for r in mine)
+        print(f"{zero:>5}{med['collectives']:>7.0f}{med['collective_s']:>10.4f}{med['predicted_collective_s']:>11.4f}"
+              f"{rest:>9.4f}{prest:>11.4f}{med['cpu_s']:>8.4f}")
     print("peak allocated (torch's CPU allocator, as max_memory_allocated on a GPU; the smaller of the two replicas'"
           " steady steps), MB")
     print(f"{'ZeRO':>5}{'measured':>10}{'predicted':>11}{'err %':>7}")
@@ -475,6 +564,7 @@ def main() -> int:
     ap.add_argument("--nice", type=int, default=None,
                     help="run the DeepSpeed rounds' ranks at this niceness (e.g. -10, root only): ahead of the host's "
                          "other work, as if on a quieter machine")
+    ap.add_argument("--raw", default=None, help="also write the DeepSpeed rounds' per-round values (JSON) here")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         data = str(Path(tmp) / "data")
@@ -482,6 +572,8 @@ def main() -> int:
         env = {"BENCH_ROUNDS": str(args.rounds), "BENCH_DATA": data, "BENCH_RANK_MAIN": "1",
                **({"BENCH_NICE": str(args.nice)} if args.nice is not None else {})}
         zero = deepspeed_zero(env, args.rounds, args.clock) if args.deepspeed or args.deepspeed_only else None
+        if zero is not None and args.raw:
+            Path(args.raw).write_text(json.dumps(zero))
         if zero is not None and args.deepspeed_only:
             print_deepspeed(zero)
             return 0
