@@ -25,17 +25,33 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slurm: needs the real local Slurm test cluster (fixture slurm_cluster)")
 
 
-# the longest files (minutes each, measured with `make test`'s --durations), longest first: under pytest-xdist
-# (make test) they start first, so that no worker begins one of them while the others run out of work
+# the longest files, longest first (seconds of test time per file in a `make test` run, summed from
+# `pytest --durations=80`: docs/tests.md): under pytest-xdist (make test) they start first, each on a worker of
+# its own, so that no worker begins one of them while the others run out of work (tests/longest_first.py)
 LONG_FILES = (
-    "tests/controller/test_chaos_soak_cluster.py", "tests/controller/test_lifecycle_cluster.py",
-    "tests/deepspeed/test_ds_runtime.py", "tests/controller/test_resize_cluster.py", "tests/planner/test_planner.py",
-    "tests/controller/test_deepspeed_run_cluster.py", "tests/megatron_patch/test_precision.py",
-    "tests/megatron_patch/test_exactness.py", "tests/cli/test_cli.py", "tests/megatron_patch/test_training_run.py",
-    "tests/megatron_patch/test_checkpoint_faults.py", "tests/test_readme_walkthrough.py",
-    "tests/controller/test_time_run_cluster.py", "tests/controller/test_cosched_clusters.py", "tests/test_gpu_check.py",
-    "tests/controller/test_inplace_cluster.py",
+    "tests/profiler/test_profile_sweep.py", "tests/controller/test_resize_cluster.py",
+    "tests/controller/test_startable_cluster.py", "tests/controller/test_lifecycle_cluster.py",
+    "tests/controller/test_deepspeed_run_cluster.py", "tests/controller/test_time_run_cluster.py",
+    "tests/test_readme_walkthrough.py", "tests/controller/test_chaos_soak_cluster.py",
+    "tests/controller/test_inplace_cluster.py", "tests/controller/test_quiet_logs_cluster.py",
+    "tests/controller/test_cosched_clusters.py", "tests/controller/test_slurm_outage_cluster.py",
+    "tests/slurm/test_site_states_cluster.py", "tests/planner/test_planner.py", "tests/test_gpu_check.py",
+    "tests/deepspeed/test_ds_runtime.py", "tests/megatron_patch/test_checkpoint_faults.py",
+    "tests/controller/test_geo_outage_cluster.py", "tests/profiler/test_local_sweep.py",
+    "tests/jobs/test_container_cluster.py", "tests/megatron_patch/test_init_weights.py",
+    "tests/megatron_patch/test_hf_llama.py", "tests/cli/test_site_doctor_cluster.py", "tests/jobs/test_slurm_jobs.py",
+    "tests/deepspeed/test_pipeline_memory.py", "tests/profiler/test_sweep_stops_cluster.py",
+    "tests/megatron_patch/test_precision.py", "tests/slurm/test_start_estimate.py", "tests/slurm/test_slurm_errors.py",
 )
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):  # noqa: ANN001, ANN201 - pytest-xdist's hook
+    """``--dist loadfile`` in the workers' order (LONG_FILES first), not xdist's by-test-count order."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from tests.longest_first import LongestFirst
+    return LongestFirst(config, log)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
