@@ -1,0 +1,164 @@
+"""Where a test run's CPU goes: process accounting of one command (``make test``, a pytest run), by process kind.
+
+    sudo .venv/bin/python benchmarks/test_cpu.py --out /tmp/cpu -- .venv/bin/python -m pytest -n 3 --dist loadfile tests
+
+The suite's processes are not one tree: Slurm job ranks are children of the lab's ``slurmstepd``, not of
+pytest. So the command runs with ``SAILOR_CPU_RUN=<id>`` in its environment, which every descendant inherits
+(Slurm jobs too: ``sbatch`` exports the submitter's environment); a sampler notes each process that carries
+it (``/proc/PID/environ``, every 0.25 s), and Linux's process accounting (``acct(2)``, root only, system-wide
+while it runs) gives each process's CPU at its exit. A process too short-lived for the sampler counts as its
+parent does (pid and lifetime). Prints the run's CPU by kind: new interpreters vs children forked without
+exec (the runtime's zygote), by their ancestry (``python>slurmstepd``: a Slurm job's rank;
+``python>python>python``: a process a pytest worker started). Figures: docs/tests.md.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import ctypes
+import json
+import os
+import struct
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+ACCT_V3 = "<BBHIIIIIIf8H16s"  # struct acct_v3 (linux/acct.h)
+AFORK = 0x01  # forked, never exec'd
+MARK = "SAILOR_CPU_RUN"
+
+
+@dataclass(frozen=True)
+class Proc:
+    pid: int
+    ppid: int
+    btime: int  # start, epoch seconds
+    etime: float  # lifetime, seconds
+    cpu: float  # user + system, seconds
+    forked: bool
+    comm: str
+
+
+def _comp(v: int) -> int:
+    """comp_t: 13-bit mantissa, 3-bit base-8 exponent."""
+    return (v & 0x1FFF) << (3 * (v >> 13))
+
+
+def read_acct(path: Path) -> list[Proc]:
+    data, size = path.read_bytes(), struct.calcsize(ACCT_V3)
+    out = []
+    for off in range(0, len(data) - size + 1, size):
+        f = struct.unpack_from(ACCT_V3, data, off)
+        out.append(Proc(pid=f[6], ppid=f[7], btime=f[8], etime=f[9] / 100, cpu=(_comp(f[10]) + _comp(f[11])) / 100,
+                        forked=bool(f[0] & AFORK), comm=f[18].split(b"\0")[0].decode(errors="replace")))
+    return out
+
+
+def acct(path: Path | None) -> None:
+    """Process accounting on (into ``path``) or off (``None``)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.acct(str(path).encode() if path else None) != 0:
+        raise SystemExit(f"acct: {os.strerror(ctypes.get_errno())} (process accounting needs root)")
+
+
+def sample(run: str, seen: set[tuple[int, int]], stop: threading.Event) -> None:
+    """Note (pid, start second) of every process whose environment carries this run's mark."""
+    boot = next(int(x.split()[1]) for x in open("/proc/stat") if x.startswith("btime"))
+    tick = os.sysconf("SC_CLK_TCK")
+    known: set[tuple[int, int]] = set()
+    needle = f"{MARK}={run}".encode()
+    while not stop.is_set():
+        for d in os.listdir("/proc"):
+            if not d.isdigit():
+                continue
+            try:
+                start = int(open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()[19])
+                if (int(d), start) in known:
+                    continue
+                known.add((int(d), start))
+                if needle in open(f"/proc/{d}/environ", "rb").read().split(b"\0"):
+                    seen.add((int(d), boot + start // tick))
+            except OSError:
+                continue
+        stop.wait(0.25)
+
+
+def report(procs: list[Proc], seen: set[tuple[int, int]], root_pid: int) -> str:
+    by_pid: dict[int, list[Proc]] = collections.defaultdict(list)
+    for p in procs:
+        by_pid[p.pid].append(p)
+
+    def parent(p: Proc) -> Proc | None:
+        return next((q for q in by_pid.get(p.ppid, []) if q is not p and q.btime - 1 <= p.btime <= q.btime + q.etime + 1),
+                    None)
+
+    memo: dict[int, bool] = {}
+
+    def ours(p: Proc, depth: int = 0) -> bool:
+        if id(p) not in memo:
+            q = parent(p)
+            memo[id(p)] = (p.pid == root_pid or any((p.pid, p.btime + dt) in seen for dt in (0, -1, 1))
+                           or (q is not None and depth < 60 and ours(q, depth + 1)))
+        return memo[id(p)]
+
+    def chain(p: Proc) -> str:
+        names: list[str] = []
+        q: Proc | None = p
+        while q is not None and len(names) < 3:
+            names.append(q.comm)
+            q = parent(q)
+        return ">".join(names)
+
+    mine = [p for p in procs if ours(p)]
+    kinds: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+    for p in mine:
+        k = kinds[("forked " if p.forked else "new ") + chain(p)]
+        k[0] += p.cpu
+        k[1] += 1
+    python = [p for p in mine if p.comm.startswith("python") or p.comm == "sailor-hpc"]
+    lines = [f"CPU of the run: {sum(p.cpu for p in mine):.0f} s in {len(mine)} processes; Python: "
+             f"{sum(1 for p in python if not p.forked)} new interpreters "
+             f"({sum(p.cpu for p in python if not p.forked):.0f} s), {sum(1 for p in python if p.forked)} forked "
+             f"({sum(p.cpu for p in python if p.forked):.0f} s)", f"{'CPU s':>7} {'procs':>6}  kind>parent>grandparent"]
+    for name, (cpu, n) in sorted(kinds.items(), key=lambda kv: -kv[1][0])[:20]:
+        lines.append(f"{cpu:7.0f} {n:6d}  {name}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True, help="folder for acct.bin, seen.json and report.txt")
+    ap.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command to measure")
+    args = ap.parse_args()
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        ap.error("give the command to measure after --")
+    args.out.mkdir(parents=True, exist_ok=True)
+    run, seen, stop = uuid.uuid4().hex, set(), threading.Event()
+    acct_file = args.out / "acct.bin"
+    acct_file.write_bytes(b"")
+    acct(acct_file)
+    sampler = threading.Thread(target=sample, args=(run, seen, stop), daemon=True)
+    sampler.start()
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.Popen(command, env={**os.environ, MARK: run})
+        rc = proc.wait()
+    finally:
+        time.sleep(1)  # the last exits' records
+        acct(None)
+        stop.set()
+    (args.out / "seen.json").write_text(json.dumps(sorted(seen)))
+    text = f"{' '.join(command)}: exit {rc}, {time.monotonic() - t0:.0f} s wall\n" + report(
+        read_acct(acct_file), seen, proc.pid)
+    (args.out / "report.txt").write_text(text + "\n")
+    print(text)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
