@@ -153,8 +153,8 @@ def _item(key: str, value: Any) -> Any:
     if isinstance(value, Mapping):
         if key in _FIT_TABLES:
             t = tomlkit.table(is_super_table=False)
-            for k, v in value.items():
-                t[_key(k)] = _inline(v)
+            for k, v in value.items():  # fits inline; a table's measured latencies are plain numbers
+                t[_key(k)] = _inline(v) if isinstance(v, Mapping) else v
             return t
         t = tomlkit.table(is_super_table=bool(value) and all(isinstance(v, Mapping) for v in value.values()))
         for k, v in value.items():
