@@ -12,12 +12,11 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -27,6 +26,9 @@ from sailor_hpc.controller.records import Record, RunStarted, SubmitIntent, enco
 from sailor_hpc.controller.state import job_name
 from tests.data.tiny_archive import write_tiny_archive
 from tests.shared_inputs import build_data, shipped_dataset
+
+if TYPE_CHECKING:
+    from megatron_patch.local import RankProcess
 
 REPO = Path(__file__).resolve().parents[2]
 LOCAL_LAB = REPO / "site_configs" / "local-lab.toml"
@@ -55,15 +57,17 @@ def build_inputs(factory: pytest.TempPathFactory | None, root: Path) -> tuple[st
     return data, write_tiny_archive(root / "tiny.h5")
 
 
-def start_reference(root: Path, data: str, steps: int) -> subprocess.Popen:
-    """The single-process reference run of the same global steps (megatron_patch.reference), in the background;
-    it also keeps the step before the last (a negative control: one step apart is far above the tolerance)."""
+def start_reference(root: Path, data: str, steps: int) -> RankProcess:
+    """The single-process reference run of the same global steps (megatron_patch.reference), in the background,
+    output in ``root/reference.log``; it also keeps the step before the last (a negative control: one step apart
+    is far above the tolerance). Forked from this process's zygote (``megatron_patch.zygote``: the same program
+    without a new interpreter's 3-4 s of imports, for every story after the first)."""
     from megatron_patch import local
     out = open(root / "reference.log", "w")
-    return subprocess.Popen([sys.executable, "-m", "megatron_patch.reference", "--model", MODEL, "--data", data,
-                             "--global-batch", str(GBS), "--steps", str(steps), "--snapshots", f"{steps - 1},{steps}",
-                             "--out", str(root / "ref"), *ADAM],
-                            cwd=REPO, env=local.rank_env(0, 1, local.free_port()), stdout=out, stderr=subprocess.STDOUT)
+    env = local.rank_env(0, 1, local.free_port())
+    argv = ["-m", "megatron_patch.reference", "--model", MODEL, "--data", data, "--global-batch", str(GBS),
+            "--steps", str(steps), "--snapshots", f"{steps - 1},{steps}", "--out", str(root / "ref"), *ADAM]
+    return local.zygote_for(env).start(argv, env, local.REPO, out, out)
 
 
 def one_gpu_a100_site(root: Path) -> Path:
@@ -235,7 +239,7 @@ def step_events(log: Path) -> list[dict[str, Any]]:
     return out
 
 
-def finish(sc: Scenario, reference: subprocess.Popen) -> subprocess.CompletedProcess:
+def finish(sc: Scenario, reference: RankProcess) -> subprocess.CompletedProcess:
     """Wait for the controller to finish the run (exit 0) and for the reference run; the run's status."""
     rc = sc.wait_exit(timeout=300)
     assert rc == 0, sc.controller_output()
@@ -244,7 +248,7 @@ def finish(sc: Scenario, reference: subprocess.Popen) -> subprocess.CompletedPro
 
 
 @contextlib.contextmanager
-def cleaned_up(sc: Scenario, reference: subprocess.Popen) -> Iterator[Scenario]:
+def cleaned_up(sc: Scenario, reference: RankProcess) -> Iterator[Scenario]:
     """The scenario, with its controller, jobs, blockers, nodes and reference run put back whatever happens."""
     try:
         yield sc
