@@ -119,7 +119,10 @@ def test_cpu_sweep_fills_the_archive_and_the_simulator_reads_it(slurm_cluster, p
     from simulator import simulate
     site = load_site(tmp_path / "measured.toml")
     assert [p.gpu_type for p in site.partitions] == ["cpu-A100-40", "cpu-V100-16"]
-    assert site.intra_node_fit("a100", 2) == links["network/cpu-local-lab/intra:a100:a100:2"].fit
+    measured, written = links["network/cpu-local-lab/intra:a100:a100:2"].fit, site.intra_node_fit("a100", 2)
+    assert written.to_dict() == measured.to_dict()  # the latencies per small collective: written in µs to 1e-3
+    assert written.collective_latency_s == pytest.approx(measured.collective_latency_s, abs=1e-9) \
+        and measured.collective_latency_s > 0
     plan = plan_from_dict({"model": "tiny-gpt", "global_batch_size": 8, "pipelines": [
         {"micro_batch_size": 2, "num_micro_batches": 2, "stages": [
             {"layers": [0, 2], "tp": 2, "gpu_type": "cpu-V100-16"}, {"layers": [3, 5], "tp": 1, "gpu_type": "cpu-A100-40"}]},
