@@ -422,6 +422,9 @@ def _resident(args: argparse.Namespace, plan: Plan, env: DistEnv, role: Role, ru
         out = train(args, plan, env, role, runtime, res)
         if isinstance(out, int):
             return out
+        sys.stderr.write(f"rank {env.rank} holds after step {out.held.step if out.held.saved else '?'}: "
+                         f"{out.held.reason}\n")
+        sys.stderr.flush()
         write_held(res.root, out.held)
         directive = wait_directive(res.root, res.epoch + 1)
         rank = directive.rank_of(res.seat) if directive.plan is not None else None

@@ -32,7 +32,7 @@ from pathlib import Path
 from subprocess import Popen
 
 from sailor_hpc.controller.inplace import SurvivorPlanner, in_place_record, replan, step_port
-from sailor_hpc.core.dist_env import EXIT_FAILED, EXIT_SAVED_ON_SIGNAL
+from sailor_hpc.core.dist_env import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_SAVED_ON_SIGNAL
 from sailor_hpc.core.errors import SailorError, SlurmUnavailable
 from sailor_hpc.core.plan import Plan
 from sailor_hpc.core.plan_io import load_plan
@@ -142,8 +142,10 @@ class Agent:
                                               reason=str(exc), t=round(time.time(), 3))), flush=True)
             return self.leave_all(EXIT_FAILED)
         if r is None:  # no node lost: a signal every rank saved on (time limit, stop), or a failure
+            ended = [s.proc.returncode for s in self.steps.values() if s.proc.returncode is not None]
             saved = bool(held) and all(h.saved for h in held.values())
-            return self.leave_all(EXIT_SAVED_ON_SIGNAL if saved else EXIT_FAILED)
+            return self.leave_all(job_code(ended) if any(c not in (0, EXIT_SAVED_ON_SIGNAL) for c in ended)
+                                  else EXIT_SAVED_ON_SIGNAL if saved else EXIT_FAILED)
         nxt = self.epoch + 1
         plan_path = self.job_plan.with_name(f"{self.job_plan.stem}.epoch-{nxt}.json")
         r.planned.plan.save(plan_path)
@@ -164,13 +166,21 @@ class Agent:
             time.sleep(POLL_S)
             running = self.running()
             if not running:
-                codes = [s.proc.returncode for s in self.steps.values()]
-                return max(codes, default=0) if all(c in (0, EXIT_SAVED_ON_SIGNAL) for c in codes) else EXIT_FAILED
+                return job_code([s.proc.returncode for s in self.steps.values()])
             lost_step = any(s.proc.returncode not in (None, 0) for s in self.steps.values())
             if lost_step or read_held(self.root, self.epoch):
                 code = self.change()
                 if code is not None:
                     return code
+
+
+def job_code(codes: list[int]) -> int:
+    """The job's exit code from its steps', as one step over all ranks would give it: bad input (2) wins, so the
+    controller gives up instead of retrying; then any other failure; else saved on a signal (75) or done (0)."""
+    failed = [c for c in codes if c not in (0, EXIT_SAVED_ON_SIGNAL)]
+    if failed:
+        return EXIT_BAD_INPUT if EXIT_BAD_INPUT in failed else failed[0]
+    return max(codes, default=0)
 
 
 def _seat_ranks(plan: Plan, nodes: list[str]) -> dict[str, list[int | None]]:
