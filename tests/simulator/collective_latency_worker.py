@@ -4,8 +4,8 @@ the collectives one step of DeepSpeed issues for tiny-gpt at DP 2 under each ZeR
 on DeepSpeed 0.19.8 by ``benchmarks/simulator_vs_runtime.py --deepspeed-only``'s meter: 2 / 6 / 9 / 59), with
 their real sizes.
 
-Rank 0 prints ``{"latency_s": [all-reduce, all-gather], "gbps", "steps": {zero: seconds}}`` (medians of the
-slowest rank).
+The link and the steps are measured in turn, :data:`ROUNDS` times; rank 0 prints ``{"latency_s": [all-reduce,
+all-gather], "gbps", "steps": {zero: seconds}}``, medians over the rounds of the slowest rank's times.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from sailor_hpc.core.models import get_model  # noqa: E402
 from simulator.zero_collectives import PARAM_GROUPS, layer_tensors  # noqa: E402
 
 MICRO = 4
+ROUNDS = 10
 
 
 def main() -> None:
@@ -61,20 +62,26 @@ def main() -> None:
                 dist.all_gather_into_tensor(full, part)
         dist.all_reduce(scalar)  # the runtime's loss and stop flag
 
-    latency = [collective_latency_s(k, 7, 2, torch.device("cpu")) for k in ("all_reduce", "all_gather")]
-    gbps = allreduce_busbw(grads.numel() * 4, 20, 3, torch.device("cpu"))
-    steps = {}
-    for zero in range(4):
-        times = []
-        for i in range(12):
-            dist.barrier()
-            t0 = time.perf_counter()
-            step(zero)
-            dt = torch.tensor([time.perf_counter() - t0])
-            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-            if i >= 2:
+    # the link and the steps in turn, round after round, so that a busy host's load drifts over both alike
+    cpu = torch.device("cpu")
+    samples: dict[str, list[float]] = {k: [] for k in ("all_reduce", "all_gather", "gbps", "0", "1", "2", "3")}
+    for _ in range(ROUNDS):
+        for kind in ("all_reduce", "all_gather"):
+            samples[kind].append(collective_latency_s(kind, 3, 1, cpu))
+        samples["gbps"].append(allreduce_busbw(grads.numel() * 4, 3, 1, cpu))
+        for zero in range(4):
+            times = []
+            for _ in range(3):
+                dist.barrier()
+                t0 = time.perf_counter()
+                step(zero)
+                dt = torch.tensor([time.perf_counter() - t0])
+                dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # the slowest rank's
                 times.append(float(dt))
-        steps[zero] = statistics.median(times)
+            samples[str(zero)].append(statistics.median(times))
+    latency = [statistics.median(samples[k]) for k in ("all_reduce", "all_gather")]
+    gbps = statistics.median(samples["gbps"])
+    steps = {z: statistics.median(samples[str(z)]) for z in range(4)}
     if dist.get_rank() == 0:
         print(json.dumps({"latency_s": latency, "gbps": gbps, "steps": steps,
                           "load": os.getloadavg()[0]}), flush=True)
