@@ -58,6 +58,10 @@ def test_every_stage_on_its_gpu_type(measured: tuple[dict[int, dict], dict]) -> 
     stages = sorted(res.stages, key=lambda s: s.stage)  # rank s runs stage s
     assert [s.gpu_type for s in stages] == list(GPUS)
     for s in stages:
+        # every steady step does the same work: equal peaks, unless an allocator event went unrecorded
+        # (zero_memory_worker: frees on gloo's worker thread)
+        steady = got[s.stage]["steady_peaks"]
+        assert max(steady) - min(steady) < 1024, f"stage {s.stage}: steady steps' peaks differ: {steady}"
         peak, mem = got[s.stage]["peak"], s.memory
         print(f"stage {s.stage} ({s.gpu_type}, {int(in_flight(s.stage, STAGES, MICRO))} in flight): measured {peak:,} B,"
               f" predicted {float(mem.peak_allocated):,.0f} B")

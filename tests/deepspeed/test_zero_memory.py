@@ -70,10 +70,9 @@ def _predicted(profile: dict, zero: int, stages: int) -> list:
 
 
 def _peak(by_rank: dict[int, dict], label: str, stages: int, rank: int) -> int:
-    """A rank's peak allocated; under the plain engine both replicas do the same work, and the smaller of
-    their peaks is the step's own (now and then one rank's backward peak holds one or two gradient-sized
-    buffers more, 6.80 or 7.68 MB against 5.93 under ZeRO 0: a timing of DeepSpeed's reduction between the
-    ranks, not a term of the step)."""
+    """A rank's peak allocated; under the plain engine both replicas do the same work and the smaller of
+    their peaks is taken (they agree once the worker counts the frees gloo's worker thread would make
+    unrecorded: a gradient-sized bucket, 6.80 or 7.68 MB against 5.93 under ZeRO 0 without that)."""
     if stages == 1:
         return min(by_rank[r]["results"][label]["peak"] for r in by_rank)
     return by_rank[rank]["results"][label]["peak"]

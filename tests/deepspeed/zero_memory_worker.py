@@ -11,9 +11,16 @@ allocator does.
 
 Each rank prints one ``{"event": "zero_memory", ...}`` line: per configuration, from the allocated total
 when the engine's construction began, the peak of each steady step (all but the first: ``steady_peaks``)
-and the least of them (``peak``: under load DeepSpeed's reduction sometimes keeps a gradient-sized buffer a
-moment longer in one step), the total when the last step began (``start``) and the largest single
-allocations inside it. Rank 0 also prints the layer profile a
+and the least of them (``peak``), the total when the last step began (``start``) and the largest single
+allocations inside it.
+
+The profiler records the allocator's events of this (the main) thread only. A tensor handed to a gloo
+collective is also held by the collective's work item on gloo's worker thread; when that thread drops it
+after the main thread did (a matter of scheduling, frequent on a loaded machine), the free happens there,
+unrecorded, and the running sum keeps the buffer for the rest of the run (DeepSpeed's flattened gradient
+bucket: a gradient-sized buffer more from that step on). :func:`_frees_on_this_thread` makes every
+collective wait until gloo has let go of its tensors, so their last reference dies here, when the
+collective is over, as a GPU's caching allocator would count it. Rank 0 also prints the layer profile a
 profiling job takes (``{"event": "profile"}``, micro-batch ``PROFILE_MBS``), for the simulator.
 """
 from __future__ import annotations
@@ -23,6 +30,7 @@ import gc
 import json
 import os
 import sys
+import time
 import warnings
 from typing import Any
 
@@ -50,6 +58,72 @@ def plan_for(zero: int, stages: int, world: int, mbs: int, micro: int, gpus: tup
     return with_zero_stage(Plan(MODEL, world // stages * mbs * micro, (pipe,) * (world // stages)), zero)
 
 
+COLLECTIVES = ("all_reduce", "all_reduce_coalesced", "broadcast", "reduce", "all_gather", "all_gather_into_tensor",
+               "reduce_scatter", "reduce_scatter_tensor", "all_to_all_single", "scatter", "gather")
+
+
+def _tensors(args: Any) -> list[torch.Tensor]:
+    if isinstance(args, torch.Tensor):
+        return [args]
+    if isinstance(args, (list, tuple)):
+        return [t for a in args for t in _tensors(a)]
+    if isinstance(args, dict):
+        return _tensors(list(args.values()))
+    return []
+
+
+def _released(held: list[tuple[torch.Tensor, int]], what: str) -> None:
+    """Wait until gloo's worker thread dropped its references to the collective's tensors (module doc)."""
+    deadline = time.monotonic() + 30
+    while any(t._use_count() > n for t, n in held):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what}: gloo still holds its tensors 30 s after the collective completed")
+        time.sleep(0)
+
+
+class _ReleasingWork:
+    """An async collective's work whose ``wait`` also waits for gloo to let go of the tensors; the work item
+    holds them too, so ``wait`` drops it first (and a waited work only answers ``is_completed``)."""
+
+    def __init__(self, work: Any, held: list[tuple[torch.Tensor, int]], what: str) -> None:
+        self._work: Any = work
+        self._held, self._what = held, what
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        if self._work is None:
+            return True
+        out = self._work.wait(*args, **kwargs)
+        self._work = None
+        _released(self._held, self._what)
+        return out
+
+    def is_completed(self) -> bool:
+        return self._work is None or bool(self._work.is_completed())
+
+    def __getattr__(self, name: str) -> Any:
+        if self._work is None:
+            raise AttributeError(f"{self._what}'s work was waited for and released; {name} is not kept")
+        return getattr(self._work, name)
+
+
+def _frees_on_this_thread() -> None:
+    """Every collective of ``torch.distributed`` (DeepSpeed's comm calls them through the module) returns only
+    once gloo's worker thread holds none of its tensors, so their frees happen on this thread (module doc)."""
+    for name in COLLECTIVES:
+        fn = getattr(dist, name, None)
+        if fn is None:
+            continue
+
+        def collective(*args: Any, _fn: Any = fn, _name: str = name, **kwargs: Any) -> Any:
+            held = [(t, t._use_count()) for t in _tensors((args, kwargs))]
+            work = _fn(*args, **kwargs)
+            if work is not None:  # async_op: a work handle, waited for later
+                return _ReleasingWork(work, held, _name)
+            _released(held, _name)
+            return work
+        setattr(dist, name, collective)
+
+
 def _totals(events: Any) -> tuple[list[int], list[int]]:
     mem = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
     times, totals, total = [], [], 0
@@ -67,6 +141,7 @@ def main() -> None:
     from megatron_patch.ds_runtime.engine import DsTrainer
     from megatron_patch.ds_runtime.launch import _without_shm_op
     _without_shm_op()
+    _frees_on_this_thread()
     deepspeed.init_distributed(dist_backend="gloo")
     torch.set_num_threads(1)
     world, rank = dist.get_world_size(), dist.get_rank()
