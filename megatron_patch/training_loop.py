@@ -41,7 +41,15 @@ from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.paths import writable_dir, writable_file
 from sailor_hpc.core.plan import Plan
 from sailor_hpc.core.plan_io import load_plan
-from sailor_hpc.core.resident import Held, Seat, seat_of, wait_directive, write_held
+from sailor_hpc.core.resident import (
+    Held,
+    Seat,
+    seat_of,
+    store_ready_file,
+    wait_directive,
+    wait_for_file,
+    write_held,
+)
 from sailor_hpc.core.roles import Role, role_of
 from sailor_hpc.core.runtime_events import (
     LABEL_ENV,
@@ -181,6 +189,20 @@ def _device(cuda: bool, local_rank: int) -> Any:
     return torch.device("cuda", torch.cuda.current_device())
 
 
+def _epoch_store(resident: Residency, env: DistEnv, timeout: datetime.timedelta) -> Any:
+    """A rejoining world's rendezvous store: rank 0 listens first and says so, then the others connect."""
+    from torch.distributed import TCPStore
+
+    ready = store_ready_file(resident.root, resident.epoch)
+    if env.rank == 0:
+        store = TCPStore(env.master_addr, env.master_port, env.world_size, True, timeout=timeout,
+                         wait_for_workers=False)
+        ready.touch()
+        return store
+    wait_for_file(ready)
+    return TCPStore(env.master_addr, env.master_port, env.world_size, False, timeout=timeout)
+
+
 def _wait_for(path: str, where: dict[str, Any], poll_s: float = 0.05) -> None:
     """Block until ``path`` exists. Every rank polls by itself: the controller creates the file only once
     the job this one replaces is gone, so no two jobs ever write the checkpoint directory at once."""
@@ -239,9 +261,10 @@ def train(args: argparse.Namespace, plan: Plan, env: DistEnv, role: Role, runtim
 def _train(args: argparse.Namespace, plan: Plan, env: DistEnv, role: Role, runtime: Runtime[T], device: Any,
            cuda: bool, resident: Residency | None) -> int | Interrupted:
     import torch.distributed as dist
-    dist.init_process_group("nccl" if cuda else "gloo", rank=env.rank, world_size=env.world_size,
-                            timeout=datetime.timedelta(minutes=args.timeout_min),
-                            device_id=device if cuda and runtime.device_id else None)
+    timeout = datetime.timedelta(minutes=args.timeout_min)
+    store = _epoch_store(resident, env, timeout) if resident is not None and resident.epoch > 0 else None
+    dist.init_process_group("nccl" if cuda else "gloo", rank=env.rank, world_size=env.world_size, timeout=timeout,
+                            device_id=device if cuda and runtime.device_id else None, store=store)
     from megatron_patch import checkpoint_io
 
     emit(Started(**role_record(role, env), device=str(device), plan_gpus=plan.num_gpus, **runtime.joined(plan, cuda),

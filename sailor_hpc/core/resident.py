@@ -86,6 +86,21 @@ def directive_file(root: Path, epoch: int) -> Path:
     return root / f"epoch-{epoch}.json"
 
 
+def store_ready_file(root: Path, epoch: int) -> Path:
+    """Made by the new rank 0 once its rendezvous store listens: the others connect only then (a client that
+    comes first retries every ~0.5 s, measured on torch 2.13: half a recovery's budget)."""
+    return root / f"store-{epoch}.ready"
+
+
+def wait_for_file(path: Path, poll_s: float = 0.005, timeout_s: float = 600.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise SailorError(f"did not appear within {timeout_s:.0f} s", file=path,
+                              fix="the rank that should make it is gone: the job agent ends the job")
+        time.sleep(poll_s)
+
+
 def write_held(root: Path, held: Held) -> Path:
     path = held_dir(root, held.epoch) / f"{held.node}.{held.local}.json"
     atomic_write_text(path, json.dumps(asdict(held), sort_keys=True) + "\n")
