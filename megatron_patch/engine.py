@@ -35,6 +35,7 @@ from megatron_patch.data import Samples
 from megatron_patch.grad_buckets import GradBuckets
 from megatron_patch.grad_sync import plan_buckets, rank_sets
 from megatron_patch.groups import PlanGroups, plan_groups
+from megatron_patch.init_weights import init_shard
 from megatron_patch.layout import param_layout
 from megatron_patch.model import build_stage_module, padded_vocab_size
 from megatron_patch.optimizer import StageOptimizer, clip_coefficient
@@ -65,9 +66,10 @@ class Trainer:
 
     def __init__(self, plan: Plan, samples: Samples, opts: TrainOptions = TrainOptions(),
                  device: torch.device | None = None, spec: ModelSpec | None = None,
-                 valid: Samples | None = None) -> None:
+                 valid: Samples | None = None, deferred_init: bool = False) -> None:
         """``spec`` overrides the plan's catalog model (benchmarks and tests with other shapes);
-        ``valid``: the samples :meth:`evaluate` reads."""
+        ``valid``: the samples :meth:`evaluate` reads; ``deferred_init``: the initial weights are drawn only by
+        :meth:`initialise`, which a rank that found no checkpoint to load calls."""
         self.plan = plan
         self.spec = spec or plan.model_spec
         self.samples = samples
@@ -100,7 +102,8 @@ class Trainer:
         self.module = build_stage_module(self.spec, self.role.first_layer, self.role.last_layer,
                                          pg_collection=self.pgc, dtype=plan.dtype, padded_vocab=self.padded_vocab,
                                          device=self.device, seed=opts.seed, recompute=plan.recompute,
-                                         te=opts.layer_spec == "te")
+                                         te=opts.layer_spec == "te", init=not deferred_init)
+        self.needs_init = deferred_init
         self.p2p = HeteroP2PCommunicator(table[self.role.pipeline], self.role.stage, self.role.tp_rank,
                                          self.module.config, self.device, self.groups.p2p)
         self.params = self.module.canonical_params()
@@ -115,6 +118,19 @@ class Trainer:
         self.weight = self.pipe.samples / plan.global_batch_size
         self.step = 0
         self.consumed_samples = 0
+
+    def initialise(self) -> None:
+        """Draw the canonical initial weights a deferred build left out (as the build would have: master and model
+        copies, no Adam state yet)."""
+        if not self.needs_init:
+            return
+        for name in self.params:
+            value = init_shard(self.infos[name], self.opts.seed, self.spec.vocab_size, self.role.tp, self.role.tp_rank)
+            # as the build: the model's copy in its own dtype, and the master made from that copy (bf16-rounded)
+            value = value.to(self.params[name].dtype).float()
+            zeros = torch.zeros_like(value)
+            self.optimizer.load_state(name, value.to(self.device), zeros, zeros, 0)
+        self.needs_init = False
 
     # -- data
     def _micro_batches(self, source: Samples, first: int) -> list[dict[str, torch.Tensor]]:

@@ -94,7 +94,8 @@ def _build(args: argparse.Namespace, plan: Plan, device: Any, train: Samples, va
     opts = TrainOptions(adam=adam_from_args(args), seed=args.seed, weighting=args.grad_weighting,
                         layer_spec=args.layer_spec, grad_bucket_mb=args.grad_bucket_mb,
                         schedule=schedule_from_args(args, plan.global_batch_size, args.steps))
-    return Trainer(plan, train, with_precision_from_args(opts, args), device, valid=valid)
+    return Trainer(plan, train, with_precision_from_args(opts, args), device, valid=valid,
+                   deferred_init=bool(args.load or (args.auto_resume and args.save)))  # a checkpoint may overwrite all
 
 
 def _ready(trainer: Trainer, valid: Samples | None) -> Ready:
@@ -115,7 +116,7 @@ def _evaluate(trainer: Trainer, iters: int) -> float:
 RUNTIME: Runtime[Trainer] = Runtime(
     name="megatron_patch", check=nothing, prepare=_prepare,
     device_id=True, joined=lambda _plan, _cuda: {}, build=_build, ready=_ready, loaded=nothing, before_save=nothing,
-    evaluate=_evaluate)
+    evaluate=_evaluate, fresh=lambda trainer: trainer.initialise())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -90,6 +90,10 @@ def _on_signal(signum: int, _frame: Any) -> None:
     _STOP.append(signum)
 
 
+def nothing(*_args: Any) -> None:
+    """A :class:`Runtime` hook that has nothing to do."""
+
+
 @dataclass(frozen=True)
 class Runtime(Generic[T]):
     """What differs between the runtimes; each launch module has one."""
@@ -104,10 +108,7 @@ class Runtime(Generic[T]):
     loaded: Callable[[T], None]  # after a checkpoint was loaded into the trainer
     before_save: Callable[[T], None]  # collective, before each checkpoint is written
     evaluate: Callable[[T, int], float] | None  # validation loss over N batches; None: --eval-interval refused
-
-
-def nothing(*_args: Any) -> None:
-    """A :class:`Runtime` hook that has nothing to do."""
+    fresh: Callable[[T], None] = nothing  # no checkpoint was loaded: a trainer built without its weights draws them
 
 
 def emit(event: RuntimeEvent) -> None:
@@ -285,6 +286,7 @@ def _train(args: argparse.Namespace, plan: Plan, env: DistEnv, role: Role, runti
     if args.wait_for and (resident is None or resident.epoch == 0):
         _wait_for(args.wait_for, where)
     kept = resident.kept if resident is not None else None
+    path = None
     if args.load or (args.auto_resume and args.save):
         t0 = time.perf_counter()
 
@@ -301,6 +303,8 @@ def _train(args: argparse.Namespace, plan: Plan, env: DistEnv, role: Role, runti
                         seconds=time.perf_counter() - t0, from_memory=len(kept.used) if kept else 0))
             log.note("resumed", f"resumed from step {trainer.step} ({path}; {trainer.consumed_samples} samples "
                      "consumed)", step=trainer.step, path=path, consumed_samples=trainer.consumed_samples)
+    if path is None:
+        runtime.fresh(trainer)
 
     def save() -> None:
         if args.save:

@@ -46,7 +46,8 @@ def _steps(log: Path) -> list[int]:
 def _start(env: Env, root: Path, name: str) -> tuple[list[local.RankProcess], Path, Path, Path]:
     save, resident, logs = root / f"{name}-ckpt", root / f"{name}-resident", root / f"{name}-logs"
     resident.mkdir(parents=True)
-    argv = launch_args(env, "A", STEPS, save, "--save-interval", "2", "--resident", str(resident))
+    # --auto-resume with no checkpoint yet: the ranks build without weights and draw them when none loads
+    argv = launch_args(env, "A", STEPS, save, "--save-interval", "2", "--resident", str(resident), "--auto-resume")
     return local.start(argv, 4, logs=logs, fork=True), save, resident, logs
 
 
