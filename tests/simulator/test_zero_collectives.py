@@ -1,6 +1,6 @@
 """The per-collective latency's data path and counts, without a process group: what the profiler measures is
 kept in the archive and the site, and the deepspeed runtime charges it once per collective DeepSpeed issues
-(the counts the benchmark's meter took on a run of DeepSpeed 0.19.8; ``test_collective_latency.py`` checks the
+(the counts the benchmark's meter took on a run of DeepSpeed 0.19.8; ``benchmarks/collective_latency.py`` times the
 price against a timed run)."""
 from __future__ import annotations
 

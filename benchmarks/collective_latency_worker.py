@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from profiler.netbench import allreduce_busbw, collective_latency_s  # noqa: E402
 from sailor_hpc.core.models import get_model  # noqa: E402
