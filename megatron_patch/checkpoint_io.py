@@ -329,7 +329,7 @@ def load(trainer: Checkpointed, path: str, *, missing_ok: bool = False,
     if kept is not None:
         kept.used.clear()
         for n in t.params:
-            own = kept.shard(n, t.role.tp, t.role.tp_rank, t.optimizer.state_of(n)["param"], step)
+            own = kept.shard(n, t.role.tp, t.role.tp_rank, t.params[n], step)
             if own is not None:
                 in_memory[n] = own
     from_files = reader.shards((t.infos[n] for n in t.params if n not in in_memory), t.role.tp, t.role.tp_rank)

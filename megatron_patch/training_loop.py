@@ -467,7 +467,7 @@ def _resident(args: argparse.Namespace, plan: Plan, env: DistEnv, role: Role, ru
         if args.save:  # from now on the run's own newest checkpoint, never the one it started from
             args.load, args.auto_resume = None, True
         _STOP.clear()
-        res = Residency(res.root, res.seat, directive.epoch, out.kept if out.held.saved else None, res.data)
+        res = Residency(res.root, res.seat, directive.epoch, out.kept, res.data)
 
 
 #: how long a rank that refused its input waits at most, under torchrun's agent (which stops every rank the
