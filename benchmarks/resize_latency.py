@@ -8,6 +8,9 @@ Two scenarios (tiny-gpt on CPU ranks, global batch 64, at most 2 GPUs):
   cycle a100-2 drains (the job checkpoints, re-plans on a100-1 and goes on in the same job), comes back
   (a bigger job is submitted beside the running one, which checkpoints once it runs), goes down (Slurm
   kills the step there, the job survives with --no-kill and re-plans on a100-1) and comes back again.
+  Mixed (``--plans mixed``): one GPU per node everywhere, a100-2 blocked, the run trains 1 A100 + a 2-stage
+  V100 pipeline and v100-2 changes; with resident ranks the plan runs as a bundle (one plain job per partition:
+  Slurm ends a whole het job that loses a node), without them as one het job (a node down: a new job).
   Ranks idle: the last training step before the change to the first one after, by the runtime's own
   clock (its step records carry the wall time), in the same job or across the old and the new job.
 * by a new job (today's path where one is needed; goal: recovery <= 60 s): blockers leave one idle A100;
@@ -20,7 +23,8 @@ Two scenarios (tiny-gpt on CPU ranks, global batch 64, at most 2 GPUs):
     queue    -> the new job running (Slurm's queue wait; excluded from the recovery time)
     start    -> its first training step (srun, Python + torch + megatron import, rendezvous, checkpoint load)
 
-Run: ``python benchmarks/resize_latency.py [--cycles 2] [--poll 0.5] [--only in-place|restart]`` (as root;
+Run: ``python benchmarks/resize_latency.py [--cycles 2] [--poll 0.5] [--only in-place|restart]
+[--reuse both|yes|no] [--plans both|same|mixed]`` (as root;
 it starts a local cluster, or uses the one named by SAILOR_SLURM_LAB). Times are wall seconds on this
 shared 2-core machine; the controller observes at its poll interval, so each part is late by up to one poll.
 """
@@ -37,7 +41,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.controller.scenario import Scenario, build_inputs, kind, one_gpu_a100_site  # noqa: E402
+from tests.controller.scenario import Scenario, build_inputs, kind, one_gpu_a100_site, one_gpu_site  # noqa: E402
 from tests.slurm.cluster import get_cluster  # noqa: E402
 
 GOAL_S = 60.0
@@ -69,18 +73,26 @@ def _change_row(records: list[dict[str, Any]], event: str, t_change: float) -> d
 
 
 def in_place_cycles(cluster: Any, root: Path, data: str, archive: Path, cycles: int, poll: float,
-                    resident: bool = False) -> list[dict[str, Any]]:
+                    resident: bool = False, mixed: bool = False) -> list[dict[str, Any]]:
     """Shrink in place and grow without a gap: tiny-gpt on 2 A100 nodes of one GPU each (V100 blocked); per
     cycle a100-2 drains, comes back, goes down, comes back. ``resident``: the surviving ranks go on in their
-    processes (``--resident-ranks``), else a new ``srun`` step starts them. Returns one row per change."""
-    sc = Scenario(cluster, root / ("resident" if resident else "in-place"), data, archive, steps=1_000_000,
-                  poll_s=poll, site=one_gpu_a100_site(root),
-                  extra_args=["--restart-cost", "0", "--resident-ranks" if resident else "--no-resident-ranks"])
+    processes (``--resident-ranks``), else a new ``srun`` step starts them. ``mixed``: a mixed-GPU plan, one GPU
+    per node everywhere, a100-2 blocked: 1 A100 + a 2-stage V100 pipeline on v100-1 + v100-2, whose v100-2
+    changes (resident: a bundle of one job per partition; else one het job). Returns one row per change."""
+    name = ("het-" if mixed else "") + ("resident" if resident else "in-place")
+    sc = Scenario(cluster, root / name, data, archive, steps=1_000_000, poll_s=poll,
+                  site=one_gpu_site(root) if mixed else one_gpu_a100_site(root),
+                  extra_args=["--restart-cost", "0", "--resident-ranks" if resident else "--no-resident-ranks",
+                              *(["--min-gain", "1%", "--max-gpus", "3"] if mixed else [])])
     sc.root.mkdir(parents=True, exist_ok=True)
+    node = "v100-2" if mixed else "a100-2"
     rows: list[dict[str, Any]] = []
     try:
-        sc.blocker("v100-1", 8)
-        sc.blocker("v100-2", 8)
+        if mixed:
+            sc.blocker("a100-2", 4)
+        else:
+            sc.blocker("v100-1", 8)
+            sc.blocker("v100-2", 8)
         sc.start_controller()
         sc.wait_for("the first step", kind("first_step", attempt=1), timeout=300)
         for _ in range(cycles):
@@ -90,11 +102,11 @@ def in_place_cycles(cluster: Any, root: Path, data: str, archive: Path, cycles: 
                 sc.wait_for("a checkpoint since the last change",
                             lambda r, s=last: r["kind"] == "checkpoint" and r["seq"] > s, timeout=300)
                 last = sc.records()[-1]["seq"]
-                t = sc.set_node("a100-2", state)
+                t = sc.set_node(node, state)
                 sc.wait_for(f"the first step after: {event}",
                             lambda r, s=last: r["kind"] == "recovery" and r["seq"] > s, timeout=300)
-                rows.append({**_change_row(sc.records(), event, t), "resident": resident})
-                print(f"{event:12s}: ranks idle {rows[-1]['idle']:.1f} s, new job {rows[-1]['new_job']}", flush=True)
+                rows.append({**_change_row(sc.records(), ("het " if mixed else "") + event, t), "resident": resident})
+                print(f"{event:15s}: ranks idle {rows[-1]['idle']:.1f} s, new job {rows[-1]['new_job']}", flush=True)
     finally:
         sc.cleanup()
     return rows
@@ -109,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", choices=("restart", "in-place"), default=None, help="run one of the two scenarios")
     ap.add_argument("--reuse", choices=("both", "yes", "no"), default="both",
                     help="in place: with process reuse (--resident-ranks), without (a new srun step), or both")
+    ap.add_argument("--plans", choices=("both", "same", "mixed"), default="both",
+                    help="in place: a plan on one GPU type (2 A100), a mixed one (1 A100 + 2 V100), or both")
     args = ap.parse_args(argv)
     cluster = get_cluster()
     rows: list[tuple[str, int, dict[str, float]]] = []
@@ -119,8 +133,10 @@ def main(argv: list[str] | None = None) -> int:
         data, archive = build_inputs(None, root)
         try:
             if args.only != "restart":
-                for resident in {"both": (False, True), "yes": (True,), "no": (False,)}[args.reuse]:
-                    changes += in_place_cycles(cluster, root, data, archive, args.cycles, args.poll, resident)
+                for mixed in {"both": (False, True), "same": (False,), "mixed": (True,)}[args.plans]:
+                    for resident in {"both": (False, True), "yes": (True,), "no": (False,)}[args.reuse]:
+                        changes += in_place_cycles(cluster, root, data, archive, args.cycles, args.poll, resident,
+                                                   mixed)
             if args.only != "in-place":
                 rows = restart_cycles(cluster, root, data, archive, args.cycles, args.poll)
         finally:
@@ -135,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
 def _print_changes(changes: list[dict[str, Any]], poll: float) -> None:
     head = f"{'allocation change':17s} {'reuse':>5s} {'job':>7s} {'new job':>7s} {'ranks idle':>10s} " \
            f"{'-> 1st step':>11s} {'queue':>6s} {'resumed at':>10s}"
-    print(f"\nIn place and without a gap (tiny-gpt, 2 A100 nodes of 1 GPU, poll {poll} s); seconds. Ranks idle: "
+    print(f"\nIn place and without a gap (tiny-gpt, 2 A100 nodes of 1 GPU; het: 1 A100 + 2 V100 nodes of 1 GPU, v100-2 "
+          f"changing; poll {poll} s); seconds. Ranks idle: "
           "the runtime's last step before the change to its first step under the new plan; -> 1st step: from the "
           "scontrol call (growth: the bigger job's ranks start while the old job trains)")
     print(head)
@@ -144,13 +161,13 @@ def _print_changes(changes: list[dict[str, Any]], poll: float) -> None:
         print(f"{c['event']:17s} {'yes' if c['resident'] else 'no':>5s} {c['job']:>7s} "
               f"{'yes' if c['new_job'] else 'no':>7s} {c['idle']:10.2f} "
               f"{c['first_step']:11.1f} {c['queue']:6.1f} {'step ' + str(c['loaded']):>10s}")
-    for event in ("node drains", "node down", "node back"):
+    for event in ("node drains", "node down", "node back", "het node drains", "het node down", "het node back"):
         for reuse in (False, True):
             idle = [c["idle"] for c in changes if c["event"] == event and c["resident"] == reuse]
             if idle:
-                goal = 1.0 if reuse and event != "node back" else None
+                goal = 1.0 if reuse and not event.endswith("node back") else None
                 verdict = f" (target <= {goal:.0f} s: {'met' if max(idle) <= goal else 'NOT met'})" if goal else ""
-                print(f"{event:12s} {'with' if reuse else 'without':7s} process reuse: ranks idle mean "
+                print(f"{event:15s} {'with' if reuse else 'without':7s} process reuse: ranks idle mean "
                       f"{statistics.mean(idle):.2f} s, max {max(idle):.2f} s over {len(idle)}{verdict}")
     print(f"new jobs for node loss or drain: {sum(c['new_job'] for c in changes if c['event'] != 'node back')}")
 

@@ -20,9 +20,10 @@ Part of the one-job attempt (:class:`~sailor_hpc.controller.one_job.OneJob`), ac
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 from sailor_hpc.controller import records, slurm_ops
-from sailor_hpc.controller.attempt_job import prepare_attempt
+from sailor_hpc.controller.attempt_job import prepare_attempt, submit_attempt
 from sailor_hpc.controller.context import RunContext
 from sailor_hpc.controller.events import Observation, all_running, never_now
 from sailor_hpc.controller.planning import plan_on
@@ -44,6 +45,7 @@ class Grower:
         self.cluster = cluster
         self.stop = stop
         self._tails: dict[str, LogTail] = {}
+        self._logs: dict[str, list[Path]] = {}  # the bigger job's logs (a bundle's: one per job)
 
     def grow(self, cur: Attempt, obs: Observation, trigger_t: float, remaining: int, restart_s: float) -> bool:
         """Submit the bigger job on idle GPUs alone, beside the running one, if such a plan is worth it too;
@@ -58,18 +60,18 @@ class Grower:
             return False
         number = len(self.ctx.state.attempts) + 1
         name = job_name(self.ctx.spec.run_id, number)
-        plan_path, script = prepare_attempt(self.ctx.rundir, self.ctx.spec, self.ctx.site, planned.plan, number, name,
-                                            gate=self.ctx.rundir.gate_file(number), exclude=never_now(obs.unusable))
+        plan_path, scripts = prepare_attempt(self.ctx.rundir, self.ctx.spec, self.ctx.site, planned.plan, number,
+                                             name, gate=self.ctx.rundir.gate_file(number), exclude=never_now(obs.unusable))
         self.ctx.note(records.PlanChosen(reason=RESIZE_REASON, available=obs.available, planner_available=planned.available,
                   plan_file=str(plan_path), **planned.summary()))
         try:
-            job, rec = self.cluster.submit(script, plan=str(plan_path), site=self.ctx.spec.planning.site)
+            job, log = submit_attempt(self.cluster, scripts, plan_path, self.ctx.spec.planning.site)
         except SailorError as exc:  # sbatch refused the bigger job: train on where it is, judge again later
             self.ctx.note(records.ErrorSeen(message=str(exc), where="sbatch (bigger job)"))
             self.ctx.note(records.Baseline(available=obs.available))
             return True
         self.ctx.note(records.GrowSubmitted(attempt=cur.number, next_attempt=number, job_id=job.id, job_name=name,
-                  log=rec.log, plan_file=str(plan_path), script=str(script), trigger_t=trigger_t,
+                  log=log, plan_file=str(plan_path), script=" ".join(map(str, scripts)), trigger_t=trigger_t,
                   gpus=planned.summary()["gpus"], throughput=planned.score.throughput,
                   cost_per_hour=planned.score.cost_per_hour))
         return True
@@ -93,10 +95,16 @@ class Grower:
             self.drop_successor(cur, why, queue=idle if succ.running_t is None and not job.final else None)
 
     def _successor_ready(self, succ: Successor) -> bool:
-        """Every rank of the bigger job said it waits for the gate (its log's ``waiting`` records)."""
-        tail = self._tails.setdefault(succ.grown.job_id, LogTail(succ.grown.log))
-        tail.poll()
-        return tail.waiting >= self.ctx.plan(succ.grown.plan_file).num_gpus
+        """Every rank of the bigger job said it waits for the gate (its logs' ``waiting`` records: a bundle's ranks
+        write to their own job's log)."""
+        if succ.grown.job_id not in self._logs:
+            self._logs[succ.grown.job_id] = self.cluster.job(succ.grown.job_id).logs()
+        waiting = 0
+        for log in self._logs[succ.grown.job_id]:
+            tail = self._tails.setdefault(str(log), LogTail(str(log)))
+            tail.poll()
+            waiting += tail.waiting
+        return waiting >= self.ctx.plan(succ.grown.plan_file).num_gpus
 
     def drop_successor(self, cur: Attempt, reason: str, queue: dict[str, dict[str, int]] | None = None) -> str:
         """Cancel the bigger job (the run trains on where it is); returns its final state. ``queue``: the idle

@@ -16,7 +16,12 @@ here for a directive. The agent then
    rendezvous on the new rank 0's node) and prints the ``in_place`` record (``resident``: true) the controller
    journals. The ranks rejoin in their own processes: no new step, no import, no queue.
 
-Het jobs: Slurm 22.05 ends a whole het job when any of its nodes goes down; a drain is recovered here.
+Mixed-GPU plans: Slurm 22.05 ends a whole het job when any of its nodes goes down, ``--no-kill`` or not, so the
+controller runs such a plan as a *bundle*: one plain ``--no-kill`` job per partition, submitted together, meeting
+in one folder and one rendezvous (:mod:`sailor_hpc.jobs.bundle`). Each job has its agent (``--bundle-part``);
+part 0's, beside plan rank 0, does the above for every job's ranks, the others start their steps, say when one
+ends (``ended/<node>.json``) and follow its directives. A node lost in any job but its batch node is recovered
+in place; a lost batch node ends that job (Slurm), and the bundle falls back to a new attempt.
 Exit code: the ranks' (0 done, 75 saved on a signal); 1 when no plan fits the survivors or the ranks failed.
 """
 from __future__ import annotations
@@ -36,16 +41,32 @@ from sailor_hpc.core.dist_env import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_SAVED_ON_
 from sailor_hpc.core.errors import SailorError, SlurmUnavailable
 from sailor_hpc.core.plan import Plan
 from sailor_hpc.core.plan_io import load_plan
-from sailor_hpc.core.resident import Directive, Held, Seat, read_held, write_directive
+from sailor_hpc.core.resident import (
+    Directive,
+    Held,
+    Part,
+    Seat,
+    read_directive,
+    read_ended,
+    read_held,
+    read_parts,
+    write_directive,
+    write_ended,
+    write_part,
+)
 from sailor_hpc.core.runtime_events import InPlaceRefused, encode_event
 from sailor_hpc.jobs.layout import job_layout
 from sailor_hpc.jobs.rank_env import JOB_TASKS_ENV, TASK_OFFSET_ENV
-from sailor_hpc.slurm.control import Component, job_components, node_address, start_step
+from sailor_hpc.slurm.control import job_components, node_address, start_step
+from sailor_hpc.slurm.safety import BUNDLE_SEP, job_ids
+from sailor_hpc.slurm.status import poll_jobs
 
 POLL_S = 0.02
 #: how long the ranks still running may take to notice a change and hold (a rank computing a long step only
 #: notices at its next collective); after it the job ends as a failed one
 SETTLE_S = 120.0
+BUNDLE_WAIT_S = 600.0  # a bundle's jobs that have not all started by then: the job gives up
+BUNDLE_POLL_S = 1.0  # how often a waiting agent asks Slurm whether a job of its bundle ended
 
 
 @dataclass
@@ -62,22 +83,36 @@ class NodeStep:
 
 @dataclass
 class Agent:
+    """One job's agent. A bundle (one job per partition of a mixed-GPU plan) has one per job, sharing ``root``:
+    part 0's, beside plan rank 0, answers every change for all (the *lead*); the others start their job's steps,
+    say when one ends and follow the lead's directives."""
+
     run_dir: Path
     job_plan: Path
     root: Path  # the ranks' --resident folder
     job_id: str
     srun_options: list[str]  # every node's step: --wait, the container's options
     task: list[str]  # what each task runs (rank_env, then the runtime)
+    part: int = 0  # this job's index in its bundle
+    parts: int = 1
+    partition: str | None = None  # a bundle's job runs only this partition's ranks of the plan
     steps: dict[str, NodeStep] = field(default_factory=dict)
+    retired: list[NodeStep] = field(default_factory=list)  # steps of nodes the plan no longer uses
     epoch: int = 0
     plan: Path | None = None
     planner: SurvivorPlanner | None = None
     addresses: dict[str, str] = field(default_factory=dict)
+    members: dict[str, int] = field(default_factory=dict)  # lead: every node of the current plan -> its ranks
+    _marked: set[str] = field(default_factory=set)
+
+    @property
+    def lead(self) -> bool:
+        return self.part == 0
 
     def start(self) -> None:
         """One step per node of the job's plan, tasks numbered as one step over the whole job would number them."""
         plan = load_plan(self.job_plan, validate=False)
-        layout = job_layout(plan)
+        layout = job_layout(plan, None if self.partition is None else {self.partition})
         comps = job_components(self.job_id)
         het = len(comps) > 1
         offset = 0
@@ -91,60 +126,107 @@ class Agent:
                 env = {**os.environ, TASK_OFFSET_ENV: str(offset), JOB_TASKS_ENV: str(layout.num_tasks)}
                 self.steps[node] = NodeStep(node, lay.tasks_per_node, start_step(opts, self.task, env))
                 offset += lay.tasks_per_node
+        write_part(self.root, Part(self.part, self.job_id, {n: s.tasks for n, s in self.steps.items()}))
         self.plan = self.job_plan
-        threading.Thread(target=self._prepare, args=(comps,), daemon=True).start()
+        if self.lead:
+            threading.Thread(target=self._prepare, daemon=True).start()
 
-    def _prepare(self, comps: list[Component]) -> None:
+    def _bundle(self) -> dict[int, Part]:
+        """Every job of the bundle, once all registered (the ranks only train once every job runs)."""
+        deadline = time.monotonic() + BUNDLE_WAIT_S
+        while len(parts := read_parts(self.root)) < self.parts:
+            if time.monotonic() > deadline:
+                raise SailorError(f"{len(parts)} of the bundle's {self.parts} jobs started within {BUNDLE_WAIT_S:.0f} s",
+                                  file=self.root, fix="the run's controller re-plans on what is free")
+            time.sleep(POLL_S)
+        return parts
+
+    def bundle_id(self) -> str:
+        return BUNDLE_SEP.join(p.job_id for _, p in sorted(self._bundle().items()))
+
+    def _prepare(self) -> None:
         """While the ranks start: what a change will need (the planner's inputs, the nodes' addresses, the plan
         for the loss of each node)."""
         try:
+            parts = self._bundle()
+            self.members = self.members or {n: t for p in parts.values() for n, t in p.nodes.items()}
             planner = SurvivorPlanner.of(self.run_dir, self.job_plan)
-            self.addresses = {n: node_address(n) or n for n in self.steps}
-            planner.plan_ahead(comps)
+            self.addresses = {n: node_address(n) or n for p in parts.values() for n in p.nodes}
+            planner.plan_ahead(job_components(self.bundle_id()))
         except (SailorError, SlurmUnavailable, OSError):
             return  # a change then reads and plans everything itself
         self.planner = planner
 
-    def running(self) -> dict[str, NodeStep]:
-        return {n: s for n, s in self.steps.items() if s.proc.poll() is None}
+    def mark_ended(self) -> None:
+        """Say which of this job's node steps ended, and how (the lead reads them for every job)."""
+        for node, s in self.steps.items():
+            if node not in self._marked and (rc := s.proc.poll()) is not None:
+                write_ended(self.root, node, rc)
+                self._marked.add(node)
+
+    def live(self) -> dict[str, int]:
+        """Lead: the current plan's nodes whose step still runs, and their ranks."""
+        if not self.members:
+            self.members = {n: t for p in self._bundle().values() for n, t in p.nodes.items()}
+        ended = read_ended(self.root)
+        return {n: t for n, t in self.members.items() if n not in ended}
 
     def settled(self) -> tuple[dict[str, Held], bool]:
-        """Wait until every rank still running holds; (the markers, whether it settled in time)."""
+        """Wait until every rank still running holds; (the markers, whether it settled in time). A job of the
+        bundle that Slurm ended (its batch node lost) never settles: its ranks are gone without a word."""
         deadline = time.monotonic() + SETTLE_S
+        next_poll = 0.0
         while True:
+            self.mark_ended()
             held = read_held(self.root, self.epoch)
-            if all(seat.key in held for s in self.running().values() for seat in s.seats()):
+            if all(Seat(n, i).key in held for n, t in self.live().items() for i in range(t)):
                 return held, True
             if time.monotonic() > deadline:
                 return held, False
+            if self.parts > 1 and time.monotonic() > next_poll:
+                next_poll = time.monotonic() + BUNDLE_POLL_S
+                if any(s.final for s in poll_jobs(job_ids(self.bundle_id())).values()):
+                    return held, False
             time.sleep(POLL_S)
+
+    def wait_own(self) -> list[int]:
+        """Wait for every step of this job; the codes of the steps of nodes the plan still used."""
+        for s in self.retired:
+            s.proc.wait()
+        codes = [s.proc.wait() for s in self.steps.values()]
+        self.mark_ended()
+        return codes
 
     def leave_all(self, code: int) -> int:
         """Every rank leaves with ``code``; the job's exit code once every step ended."""
         write_directive(self.root, Directive(self.epoch + 1, None, "", 0, 0, {}, exit_code=code))
-        for s in self.steps.values():
-            s.proc.wait()
+        self.wait_own()
         return code
 
+    def kill_own(self) -> None:
+        for s in self.steps.values():
+            if s.proc.poll() is None:
+                s.proc.send_signal(signal.SIGKILL)
+
     def change(self) -> int | None:
-        """Answer a change: the next epoch's directive (None), or the job's exit code."""
+        """Lead: answer a change for every job of the bundle: the next epoch's directive (None), or the exit code."""
         t_end = time.time()
         held, in_time = self.settled()
         if not in_time:
-            for s in self.running().values():
-                s.proc.send_signal(signal.SIGKILL)
+            self.kill_own()
             return self.leave_all(EXIT_FAILED)
         try:
             planner = self.planner or SurvivorPlanner.of(self.run_dir, self.job_plan)
-            r = replan(planner, list(self.steps), self.job_id, self.addresses)
+            r = replan(planner, list(self.members), self.bundle_id(), self.addresses)
         except (SailorError, SlurmUnavailable) as exc:  # no plan fits the survivors, or Slurm does not answer
             print(encode_event(InPlaceRefused(job_id=self.job_id, step_index=self.epoch + 1, rc=EXIT_FAILED,
                                               reason=str(exc), t=round(time.time(), 3))), flush=True)
             return self.leave_all(EXIT_FAILED)
         if r is None:  # no node lost: a signal every rank saved on (time limit, stop), or a failure
-            ended = [s.proc.returncode for s in self.steps.values() if s.proc.returncode is not None]
+            ended = read_ended(self.root)
+            codes = [ended[n] for n in self.members if n in ended]
             saved = bool(held) and all(h.saved for h in held.values())
-            return self.leave_all(job_code(ended) if any(c not in (0, EXIT_SAVED_ON_SIGNAL) for c in ended)
+            return self.leave_all(job_code(codes) if any(c not in (0, EXIT_SAVED_ON_SIGNAL) for c in codes)
                                   else EXIT_SAVED_ON_SIGNAL if saved else EXIT_FAILED)
         nxt = self.epoch + 1
         plan_path = self.job_plan.with_name(f"{self.job_plan.stem}.epoch-{nxt}.json")
@@ -152,26 +234,67 @@ class Agent:
         assert self.plan is not None
         was = load_plan(self.plan, validate=False)
         ranks = _seat_ranks(r.planned.plan, r.nodes)
-        write_directive(self.root, Directive(nxt, str(plan_path), r.address, step_port(self.job_id, nxt),
-                                             r.planned.plan.num_gpus, ranks))
+        directive = Directive(nxt, str(plan_path), r.address, step_port(self.job_id, nxt), r.planned.plan.num_gpus,
+                              ranks)
+        write_directive(self.root, directive)
         print(encode_event(in_place_record(r, self.job_id, nxt, EXIT_FAILED, t_end, plan_path, was, resident=True)),
               flush=True)
-        self.steps = {n: s for n, s in self.steps.items() if n not in r.lost}
-        self.epoch, self.plan = nxt, plan_path
+        self.members = {n: sum(p is not None for p in places) for n, places in ranks.items()}
+        self.follow(directive)
+        self.plan = plan_path
         return None
+
+    def follow(self, d: Directive) -> None:
+        """The steps of nodes ``d`` gives no rank are retired: their ranks leave, and their codes no longer
+        count (a lost node's step failed; an unused one's ranks leave with 0)."""
+        self.retired += [s for n, s in self.steps.items() if n not in d.ranks]
+        self.steps = {n: s for n, s in self.steps.items() if n in d.ranks}
+        self.epoch = d.epoch
 
     def run(self) -> int:
         self.start()
+        return self._lead() if self.lead else self._follower()
+
+    def _lead(self) -> int:
         while True:
             time.sleep(POLL_S)
-            running = self.running()
-            if not running:
-                return job_code([s.proc.returncode for s in self.steps.values()])
-            lost_step = any(s.proc.returncode not in (None, 0) for s in self.steps.values())
-            if lost_step or read_held(self.root, self.epoch):
+            self.mark_ended()
+            live = self.live()
+            if not live:
+                ended = read_ended(self.root)
+                self.wait_own()
+                return job_code([ended[n] for n in self.members if n in ended])
+            ended = read_ended(self.root)
+            failed = any(ended.get(n, 0) != 0 for n in self.members)
+            if failed or read_held(self.root, self.epoch):
                 code = self.change()
                 if code is not None:
                     return code
+
+    def _follower(self) -> int:
+        """A bundle's other jobs: their steps, their ends said, the lead's directives followed; a lead whose job
+        Slurm ended (its node lost) leaves no one to answer: the ranks are ended and so is this job."""
+        next_poll = 0.0
+        lead_job = ""
+        while True:
+            time.sleep(POLL_S)
+            self.mark_ended()
+            d = read_directive(self.root, self.epoch + 1)
+            if d is not None and d.plan is None:
+                self.wait_own()
+                return d.exit_code
+            if d is not None:
+                self.follow(d)
+                continue
+            if all(s.proc.poll() is not None for s in self.steps.values()):
+                return job_code(self.wait_own())
+            if read_held(self.root, self.epoch) and time.monotonic() > next_poll:
+                next_poll = time.monotonic() + BUNDLE_POLL_S
+                lead_job = lead_job or read_parts(self.root)[0].job_id
+                if poll_jobs([lead_job])[lead_job].final and read_directive(self.root, self.epoch + 1) is None:
+                    self.kill_own()
+                    self.wait_own()
+                    return EXIT_FAILED
 
 
 def job_code(codes: list[int]) -> int:
@@ -201,14 +324,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--job-plan", type=Path, required=True, help="the plan the job was submitted with")
     ap.add_argument("--resident-dir", type=Path, required=True, help="where the ranks hold (their --resident)")
     ap.add_argument("--srun-option", action="append", default=[], help="an option of every node's step")
+    ap.add_argument("--bundle-part", default=None, metavar="PARTITION:I/N",
+                    help="a bundle's job I of N, running the plan's ranks on PARTITION (0: the lead)")
     args = ap.parse_args(argv[:cut])
+    part, parts, partition = 0, 1, None
+    if args.bundle_part:
+        partition, _, where = args.bundle_part.rpartition(":")
+        index, _, count = where.partition("/")
+        part, parts = int(index), int(count)
     # the ranks' to act on (the time limit's USR1, a preemption's TERM reach the whole job): the agent stays to
     # answer their holds; Slurm's KILL after the grace ends it with them
     for signum in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM):
         signal.signal(signum, signal.SIG_IGN)
     args.resident_dir.mkdir(parents=True, exist_ok=True)
     agent = Agent(args.run_dir, args.job_plan, args.resident_dir, os.environ.get("SLURM_JOB_ID", ""),
-                  args.srun_option, argv[cut + 1:])
+                  args.srun_option, argv[cut + 1:], part=part, parts=parts, partition=partition)
     return agent.run()
 
 

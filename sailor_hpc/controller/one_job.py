@@ -31,7 +31,7 @@ from __future__ import annotations
 from typing import Any
 
 from sailor_hpc.controller import records, slurm_ops
-from sailor_hpc.controller.attempt_job import prepare_attempt
+from sailor_hpc.controller.attempt_job import prepare_attempt, submit_attempt
 from sailor_hpc.controller.context import RunContext, user_name
 from sailor_hpc.controller.events import (
     Observation,
@@ -58,6 +58,7 @@ from sailor_hpc.jobs.render import cpus_per_task
 from sailor_hpc.slurm.discover import live_availability
 from sailor_hpc.slurm.handle import SlurmJob
 from sailor_hpc.slurm.hostlist import expand_hostlist
+from sailor_hpc.slurm.safety import job_ids
 from sailor_hpc.slurm.start_estimate import StartEstimator
 from sailor_hpc.slurm.status import FINAL_STATES, JobStatus
 from sailor_hpc.slurm.watch import JobWatcher
@@ -118,9 +119,9 @@ class OneJob:
 
     def _cancel_strays(self) -> None:
         cur = self.ctx.state.current
-        keep = {cur.job_id} if cur is not None else set()
+        keep = set(job_ids(cur.job_id)) if cur is not None and cur.job_id is not None else set()
         if cur is not None and cur.successor is not None and cur.waits_for_successor:
-            keep.add(cur.successor.grown.job_id)  # the bigger job growing beside it
+            keep.update(job_ids(cur.successor.grown.job_id))  # the bigger job growing beside it
         for base, info in slurm_ops.owned_jobs(self.spec.run_id, self.cluster).items():
             if info["state"] in FINAL_STATES or base in keep:
                 continue
@@ -200,25 +201,26 @@ class OneJob:
         number = len(st.attempts) + 1
         name = job_name(spec.run_id, number)
         try:
-            plan_path, script = prepare_attempt(self.ctx.rundir, spec, self.site, planned.plan, number, name,
-                                                exclude=never_now(obs.unusable))
+            plan_path, scripts = prepare_attempt(self.ctx.rundir, spec, self.site, planned.plan, number, name,
+                                                 exclude=never_now(obs.unusable))
         except SailorError as exc:  # rendering is deterministic: the spec (time limit, options) must change
             self.ctx.note(records.GaveUp(reason=f"the job script cannot be rendered: {exc}"))
             return
         self.ctx.note(records.PlanChosen(reason=reason, available=obs.available, planner_available=planned.available,
                   plan_file=str(plan_path), **planned.summary()))
-        self.ctx.note(records.SubmitIntent(attempt=number, job_name=name, plan_file=str(plan_path), script=str(script),
-                  reason=reason, trigger=trigger.kind if trigger else None, trigger_t=trigger.t if trigger else None,
+        self.ctx.note(records.SubmitIntent(attempt=number, job_name=name, plan_file=str(plan_path),
+                  script=" ".join(map(str, scripts)), reason=reason, trigger=trigger.kind if trigger else None,
+                  trigger_t=trigger.t if trigger else None,
                   gpus=planned.summary()["gpus"], throughput=planned.score.throughput,
                   cost_per_hour=planned.score.cost_per_hour))
         try:
-            _, rec = self.cluster.submit(script, plan=str(plan_path), site=spec.planning.site)
+            job, log = submit_attempt(self.cluster, scripts, plan_path, spec.planning.site)
         except SailorError as exc:  # sbatch refused the job: the attempt fails (back-off, then give up)
             self.ctx.note(records.ErrorSeen(message=str(exc), where="sbatch"))
             self.ctx.note(records.JobGone(attempt=number, job_id=None, state="NOT_SUBMITTED"))
             self._failed(self.ctx.state.attempt(number), "not submitted")
             return
-        self.ctx.note(records.Submitted(attempt=number, job_id=rec.job_id, log=rec.log))
+        self.ctx.note(records.Submitted(attempt=number, job_id=job.id, log=log))
 
     # ------------------------------------------------------------------------------- watching the job
 

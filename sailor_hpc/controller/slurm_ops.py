@@ -16,6 +16,7 @@ from sailor_hpc.controller.state import job_name_prefix
 from sailor_hpc.core.errors import SailorError, SlurmUnavailable
 from sailor_hpc.slurm.commands import QueueJob, squeue
 from sailor_hpc.slurm.handle import SlurmCluster, SlurmJob
+from sailor_hpc.slurm.safety import BUNDLE_SEP
 from sailor_hpc.slurm.status import FINAL_STATES, RUNNING_STATES, JobRef, JobStatus
 
 
@@ -40,11 +41,11 @@ def owned_jobs(run_id: str, cluster: SlurmCluster) -> dict[str, dict[str, str]]:
 
 
 def find_job_by_name(run_id: str, name: str, cluster: SlurmCluster, since: float) -> SlurmJob | None:
-    """The job called ``name`` (squeue first; sacct for one already forgotten by slurmctld)."""
-    for base, info in owned_jobs(run_id, cluster).items():
-        if info["name"] == name:
-            return cluster.job(base)
-    return next(iter(cluster.named(name, since)), None)
+    """The job called ``name`` (squeue first; sacct for one already forgotten by slurmctld); the jobs of a bundle,
+    which share their name, as one (in submission order)."""
+    ids = [base for base, info in owned_jobs(run_id, cluster).items() if info["name"] == name]
+    ids = ids or [j.id for j in cluster.named(name, since)]
+    return cluster.job(BUNDLE_SEP.join(sorted(set(ids), key=int))) if ids else None
 
 
 def canceller(job: SlurmJob, status: JobStatus, clock: Callable[[], float], sleep: Callable[[float], None],

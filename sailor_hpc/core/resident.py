@@ -11,6 +11,11 @@ leave), with a fresh rendezvous. Both are JSON files written atomically in ``DIR
   checkpoint of that step, its PID);
 * ``epoch-<n>.json``: the agent's answer for epoch ``n`` (1, 2, ...).
 
+A mixed-GPU plan may run as a *bundle*, one plain job per partition (Slurm ends a whole het job when one of
+its nodes goes down, a plain ``--no-kill`` job only that node's step): the bundle's agents share one folder.
+Each writes ``part-<i>.json`` (its job and its nodes' tasks) when it starts and ``ended/<node>.json`` (the exit
+code) when a node's step ends; the first job's agent, beside plan rank 0, answers for every rank.
+
 A rank is named by its node and its index on the node (``SLURM_LOCALID`` of its node's step): both stay the
 same for the process's whole life, whatever rank the plans give it.
 """
@@ -76,6 +81,53 @@ class Directive:
     def rank_of(self, seat: Seat) -> int | None:
         places = self.ranks.get(seat.node, [])
         return places[seat.local] if seat.local < len(places) else None
+
+
+@dataclass(frozen=True)
+class Part:
+    """One job of the agents that share a folder (a bundle's, or a job's alone: index 0 of 1): its nodes and
+    each node's number of ranks."""
+
+    index: int
+    job_id: str
+    nodes: dict[str, int]
+
+
+def write_part(root: Path, part: Part) -> Path:
+    path = root / f"part-{part.index}.json"
+    atomic_write_text(path, json.dumps(asdict(part), sort_keys=True) + "\n")
+    return path
+
+
+def read_parts(root: Path) -> dict[int, Part]:
+    """The jobs that registered so far, by index."""
+    out: dict[int, Part] = {}
+    for path in root.glob("part-*.json"):
+        try:
+            part = Part(**_read_json(path))
+        except TypeError as exc:
+            raise SailorError(f"not a job's part ({exc})", file=path, fix="run one sailor-hpc version in the job") from None
+        out[part.index] = part
+    return out
+
+
+def write_ended(root: Path, node: str, rc: int) -> Path:
+    """A node's step ended with ``rc`` (the node was lost, its ranks failed, left or finished)."""
+    path = root / "ended" / f"{node}.json"
+    atomic_write_text(path, json.dumps({"node": node, "rc": rc}) + "\n")
+    return path
+
+
+def read_ended(root: Path) -> dict[str, int]:
+    """Node -> exit code of its step, for every node whose step ended."""
+    folder = root / "ended"
+    if not folder.is_dir():
+        return {}
+    out = {}
+    for path in folder.glob("*.json"):
+        data = _read_json(path)
+        out[str(data["node"])] = int(data["rc"])
+    return out
 
 
 def held_dir(root: Path, epoch: int) -> Path:

@@ -103,9 +103,32 @@ class InPlace:
 
     run_dir: PathLike
     resident: bool = False  # one step per node and resident ranks (sailor_hpc.controller.job_agent)
+    bundle: BundlePart | None = None  # one partition's job of a mixed-GPU plan's bundle
 
     def __post_init__(self) -> None:
         safety.shell_path(self.run_dir, "--run-dir")
+        if self.bundle is not None and not self.resident:
+            raise SailorError("a bundle's jobs recover together only with resident ranks", field="bundle",
+                              fix="render a mixed-GPU plan as one het job, or with resident=True")
+
+
+@dataclass(frozen=True)
+class BundlePart:
+    """Job ``index`` of the ``count`` plain jobs, one per partition, that run a mixed-GPU plan together (a
+    *bundle*): Slurm ends a whole het job when one of its nodes goes down, a plain ``--no-kill`` job only that
+    node's step. Job 0 holds plan rank 0 and writes the rendezvous address to ``folder``; the others read it
+    there; their agents and resident ranks share the folder (:mod:`sailor_hpc.controller.job_agent`)."""
+
+    partition: str
+    index: int
+    count: int
+    folder: PathLike
+
+    def __post_init__(self) -> None:
+        safety.slurm_word(self.partition, "partition")
+        if not 0 <= self.index < self.count:
+            raise SailorError(f"job {self.index} of {self.count}", field="bundle", fix="0 <= index < count")
+        safety.shell_path(self.folder, "bundle folder")
 
 
 @dataclass(frozen=True)
@@ -236,6 +259,6 @@ class JobOptions:
         return LAUNCH_MODULES[self.runtime]
 
 
-__all__ = ["ClusterPart", "DEFAULT_RENDEZVOUS_WAIT_S", "DEFAULT_STEPS", "DryRun", "InPlace", "JobOptions",
+__all__ = ["BundlePart", "ClusterPart", "DEFAULT_RENDEZVOUS_WAIT_S", "DEFAULT_STEPS", "DryRun", "InPlace", "JobOptions",
            "LAUNCH_MODULES", "Limits", "PathLike", "Training", "UserEntry", "WholePlan", "check_user_entry",
            "parse_time_limit"]

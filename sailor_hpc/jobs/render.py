@@ -42,6 +42,7 @@ from sailor_hpc.jobs.layout import JobLayout, job_layout
 from sailor_hpc.jobs.options import (
     DEFAULT_RENDEZVOUS_WAIT_S,
     LAUNCH_MODULES,
+    BundlePart,
     ClusterPart,
     InPlace,
     JobOptions,
@@ -221,6 +222,25 @@ def cluster_job(plan: Plan, site: Site, cluster: str | None, rendezvous_file: ob
     return ClusterJob(cluster, parts if len(used) > 1 else None, cluster == used[0])
 
 
+def bundle_partitions(plan: Plan) -> list[str]:
+    """The partitions of a (placed) plan in its job layout's order, the one holding plan rank 0 first: a bundle
+    has one job per partition, in this order."""
+    return [c.partition for c in job_layout(plan).components]
+
+
+def bundle_job(plan: Plan, bundle: BundlePart, requeue: bool) -> ClusterJob:
+    """Check that one partition's job of a bundle can run and say which part of the plan it runs."""
+    order = bundle_partitions(plan)
+    if bundle.count != len(order) or bundle.index >= len(order) or order[bundle.index] != bundle.partition:
+        raise SailorError(f"job {bundle.index} of {bundle.count} on partition {bundle.partition!r} is not the "
+                          f"plan's (its partitions in order: {', '.join(order)})", field="bundle",
+                          fix="render one job per partition of the plan, in bundle_partitions' order")
+    if requeue:
+        raise SailorError("one job of a bundle requeued alone would wait for ranks that have left", field="requeue",
+                          fix="render with requeue=False; the controller resubmits every job of the bundle")
+    return ClusterJob(None, (bundle.partition,), bundle.index == 0)
+
+
 def cluster_submit_env(site: Site, cluster: str | None, env: Mapping[str, str]) -> dict[str, str]:
     """The environment to submit (and query) ``cluster``'s job with: its own ``SLURM_CONF`` if it has one."""
     out = dict(env)
@@ -257,6 +277,9 @@ def render_job_script(plan: Plan, site: Site, options: JobOptions) -> str:
     cluster = scope.cluster if isinstance(scope, ClusterPart) else None
     rendezvous_file = scope.rendezvous_file if isinstance(scope, ClusterPart) else None
     part = cluster_job(plan, site, cluster, rendezvous_file, o.requeue)
+    bundle = scope.bundle if isinstance(scope, InPlace) else None
+    if bundle is not None:
+        part, rendezvous_file = bundle_job(plan, bundle, o.requeue), Path(bundle.folder) / "rendezvous"
     plan_file = Path(safety.shell_path(plan_path, "plan_path"))
     _plan_file_matches(plan, plan_file)
     name = get_model(o.model or plan.model).name
@@ -282,6 +305,14 @@ def render_job_script(plan: Plan, site: Site, options: JobOptions) -> str:
             raise SailorError("prelude lines must be single lines", file=site.source, field=f"environment.prelude[{i}]")
     in_place = scope.run_dir if isinstance(scope, InPlace) else None
     python = safety.q(safety.quoted_python_exe(o.python or sys.executable))
+    # resident ranks rejoin in their processes: megatron_patch's runtime, outside a container (the agent starts
+    # the steps itself)
+    resident = (isinstance(scope, InPlace) and scope.resident and o.launch_module == LAUNCH_MODULES["megatron_patch"]
+                and entry is None and not site.container and not o.dry_run)
+    if bundle is not None and not resident:
+        raise SailorError("a bundle's jobs recover together only as resident ranks of megatron_patch's runtime, "
+                          "outside a container and not dry-run", field="bundle",
+                          fix="render the plan as one het job (InPlace without bundle)")
     wrapper = rank_wrapper(site.container, workdir)
     ctx: dict[str, Any] = {
         "version": __version__, "model": name, "model_q": safety.q(name), "num_ranks": layout.world_size,
@@ -291,10 +322,9 @@ def render_job_script(plan: Plan, site: Site, options: JobOptions) -> str:
         "signal_grace_s": grace, "rank_exit_wait_s": max(MIN_RANK_EXIT_WAIT_S, grace), "dry_run": o.dry_run,
         "requeue": o.requeue, "time_min": min_text,
         "in_place": safety.q(safety.shell_path(in_place, "--run-dir")) if in_place is not None else "",
-        # resident ranks rejoin in their processes: megatron_patch's runtime, outside a container (the agent
-        # starts the steps itself)
-        "resident": isinstance(scope, InPlace) and scope.resident and o.launch_module == LAUNCH_MODULES["megatron_patch"]
-        and entry is None and not site.container and not o.dry_run,
+        "resident": resident,
+        "bundle_part": f"{bundle.partition}:{bundle.index}/{bundle.count}" if bundle is not None else "",
+        "bundle_folder": safety.q(safety.shell_path(bundle.folder, "bundle folder")) if bundle is not None else "",
         "job_sbatch": [h.text for h in header if h.job_wide],
         "component_sbatch": [h.text for h in header if not h.job_wide],
         "components": components_for(layout, site), "heterogeneous": layout.heterogeneous,

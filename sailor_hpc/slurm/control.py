@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from sailor_hpc.core.errors import SailorError
 from sailor_hpc.slurm.commands import parse_kv_line, run_slurm
 from sailor_hpc.slurm.hostlist import expand_hostlist
+from sailor_hpc.slurm.safety import job_ids
 from sailor_hpc.slurm.status import JobRef
 
 Env = Mapping[str, str] | None
@@ -22,13 +23,15 @@ SIGNAL_TIMEOUT_S = 10.0  # scancel --signal waits on a job in transition (requeu
 
 
 def signal_job(job_id: str, signal: str, env: Env, *, check: bool = True) -> None:
-    """``scancel --signal=SIGNAL``: to every running step of the job (not its batch script)."""
-    run_slurm(["scancel", f"--signal={signal}", job_id], env, check=check, timeout=SIGNAL_TIMEOUT_S)
+    """``scancel --signal=SIGNAL``: to every running step of the job (of every job of a bundle; not the batch
+    scripts)."""
+    run_slurm(["scancel", f"--signal={signal}", *job_ids(job_id)], env, check=check, timeout=SIGNAL_TIMEOUT_S)
 
 
 def keep_from_requeue(job_id: str, env: Env) -> None:
     """``scontrol update JobId=X Requeue=0``: the job's own ``scontrol requeue`` is then refused and it ends."""
-    run_slurm(["scontrol", "update", f"JobId={job_id}", "Requeue=0"], env, check=False, timeout=SIGNAL_TIMEOUT_S)
+    for jid in job_ids(job_id):
+        run_slurm(["scontrol", "update", f"JobId={jid}", "Requeue=0"], env, check=False, timeout=SIGNAL_TIMEOUT_S)
 
 
 def step_ids(job_id: str, env: Env) -> list[str]:
@@ -63,11 +66,15 @@ class Component:
 
 
 def job_components(job_id: str, env: Env = None) -> list[Component]:
-    """The job's components now, in het offset order (``scontrol -o show job``: one line per component)."""
-    out = run_slurm(["scontrol", "-o", "show", "job", job_id], env).stdout
-    rows = [parse_kv_line(line) for line in out.splitlines() if line.strip()]
-    rows.sort(key=lambda r: int(r.get("HetJobOffset", "0") or 0))
-    return [Component(r["JobId"], r.get("Partition", ""), expand_hostlist(r.get("NodeList", ""))) for r in rows]
+    """The job's components now, in het offset order (``scontrol -o show job``: one line per component); a
+    bundle's, its jobs' in the bundle's order (one each)."""
+    comps = []
+    for jid in job_ids(job_id):
+        out = run_slurm(["scontrol", "-o", "show", "job", jid], env).stdout
+        rows = [parse_kv_line(line) for line in out.splitlines() if line.strip()]
+        rows.sort(key=lambda r: int(r.get("HetJobOffset", "0") or 0))
+        comps += [Component(r["JobId"], r.get("Partition", ""), expand_hostlist(r.get("NodeList", ""))) for r in rows]
+    return comps
 
 
 def shrink_component(component_id: str, keep: list[str], env: Env = None) -> str | None:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from sailor_hpc.slurm.commands import SinfoNode, controller_answers, sinfo_nodes
 from sailor_hpc.slurm.control import jobs_named, keep_from_requeue, signal_job, step_ids
+from sailor_hpc.slurm.safety import job_ids
 from sailor_hpc.slurm.status import JobStatus, poll_jobs
 from sailor_hpc.slurm.submit import JobRecord, cancel_job, log_path, submit_script
 from sailor_hpc.slurm.watch import JobWatcher
@@ -79,5 +80,9 @@ class SlurmJob:
         return step_ids(self.id, self.cluster.env)
 
     def log(self) -> Path:
-        """Where the job writes its output."""
+        """Where the job writes its output (a bundle: its first job, plan rank 0's)."""
         return log_path(self.id, self.cluster.env)
+
+    def logs(self) -> list[Path]:
+        """Where each job of a bundle writes its output (a job alone: its log)."""
+        return [log_path(j, self.cluster.env) for j in job_ids(self.id)]

@@ -89,6 +89,16 @@ def job_id(value: str | int, field: str = "JOBID") -> str:
     return matching(str(value).strip(), field, JOB_ID, "a Slurm job id", "e.g. 1234, 1234_5 (array) or 1234+1 (het)")
 
 
+#: joins the ids of a *bundle*: plain jobs, one per partition, that run one mixed-GPU plan together, so that
+#: Slurm can end one of them (a node lost) without the others, as it ends a whole het job (sailor_hpc.jobs.bundle)
+BUNDLE_SEP = ","
+
+
+def job_ids(value: str | int, field: str = "JOBID") -> list[str]:
+    """The jobs an id names: itself, or each job of a bundle (``1234,1235``), every one checked."""
+    return [job_id(part, field) for part in str(value).split(BUNDLE_SEP)]
+
+
 def q(value: str) -> str:
     """Shell-quote one word (after :func:`no_control_chars`)."""
     return shlex.quote(value)

@@ -15,7 +15,7 @@ from typing import Any
 
 from sailor_hpc.core.errors import SailorError
 from sailor_hpc.slurm.commands import AcctJob, QueueJob, SlurmCommandMissing, SlurmRefused, sacct, squeue
-from sailor_hpc.slurm.safety import job_id as check_id
+from sailor_hpc.slurm.safety import BUNDLE_SEP, job_ids
 
 #: states after which a job never runs again (unless requeued by hand)
 FINAL_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
@@ -207,22 +207,26 @@ def _sort_key(job_id: str) -> tuple[int, int, int]:
 
 
 def poll_jobs(job_ids: Sequence[str], env: Mapping[str, str] | None = None) -> dict[str, JobStatus]:
-    """Status of several jobs with one squeue and one sacct call (ids as Slurm prints them)."""
+    """Status of several jobs with one squeue and one sacct call (ids as Slurm prints them). A bundle's
+    (``12,13``: see :data:`~sailor_hpc.slurm.safety.BUNDLE_SEP`) has its jobs as components, in the bundle's
+    order, and their aggregate state, as a het job's."""
     ids = list(dict.fromkeys(str(j) for j in job_ids))
     if not ids:
         return {}
-    refs = {j: JobRef.parse(j) for j in ids}
-    bad = [j for j, r in refs.items() if r is None]
+    refs = {j: [JobRef.parse(p) for p in j.split(BUNDLE_SEP)] for j in ids}  # a bundle: each of its jobs
+    bad = [j for j, r in refs.items() if None in r]
     if bad:
         raise SailorError(f"{bad[0]!r} is not a Slurm job id", field="JOBID", fix="e.g. 1234, 1234_5 or 1234+1")
-    queue = [_from_queue(r) for r in squeue(env, jobs=ids, all_states=True)]
-    acct = [_from_acct(r) for r in _sacct_rows(env, ids)]
+    plain = list(dict.fromkeys(p for j in ids for p in j.split(BUNDLE_SEP)))
+    queue = [_from_queue(r) for r in squeue(env, jobs=plain, all_states=True)]
+    acct = [_from_acct(r) for r in _sacct_rows(env, plain)]
     out = {}
-    for j, ref in refs.items():
-        assert ref is not None
-        mine_q = [r for r in queue if (rr := JobRef.parse(r.job_id)) is not None and ref.covers(rr)]
-        mine_a = [r for r in acct if (rr := JobRef.parse(r.job_id)) is not None and ref.covers(rr)]
-        if not mine_q and not mine_a and len(ids) == 1:
+    for j, parts in refs.items():
+        def covered(row: ComponentStatus, parts: list[JobRef | None] = parts) -> bool:
+            rr = JobRef.parse(row.job_id)
+            return rr is not None and any(ref is not None and ref.covers(rr) for ref in parts)
+        mine_q, mine_a = [r for r in queue if covered(r)], [r for r in acct if covered(r)]
+        if not mine_q and not mine_a and len(plain) == 1:
             mine_q, mine_a = queue, acct  # e.g. "12" asked for, Slurm answers with its het name "11+1"
         comps = merge_rows(mine_q, mine_a)
         out[j] = JobStatus(job_id=j, components=comps, state=aggregate_state([c.state for c in comps]))
@@ -230,8 +234,8 @@ def poll_jobs(job_ids: Sequence[str], env: Mapping[str, str] | None = None) -> d
 
 
 def job_status(job_id: str | int, env: Mapping[str, str] | None = None) -> JobStatus:
-    """Status of one job (all its het components or array elements)."""
-    jid = check_id(job_id)
+    """Status of one job (all its het components or array elements; every job of a bundle)."""
+    jid = BUNDLE_SEP.join(job_ids(job_id))
     return poll_jobs([jid], env)[jid]
 
 

@@ -105,15 +105,16 @@ def load_record(job_id: str, env: Mapping[str, str] | None = None) -> JobRecord 
 
 
 def cancel_job(job_id: str | int, env: Mapping[str, str] | None = None) -> str:
-    """``scancel`` a job (all het components / array elements of it)."""
-    jid = safety.job_id(job_id)
-    run_slurm(["scancel", jid], env)
-    return jid
+    """``scancel`` a job (all het components / array elements of it; every job of a bundle)."""
+    ids = safety.job_ids(job_id)
+    run_slurm(["scancel", *ids], env)
+    return safety.BUNDLE_SEP.join(ids)
 
 
 def log_path(job_id: str | int, env: Mapping[str, str] | None = None) -> Path:
-    """Where the job writes its output: the submission record, else what slurmctld still knows."""
-    jid = safety.job_id(job_id)
+    """Where the job writes its output: the submission record, else what slurmctld still knows. A bundle's is its
+    first job's, which holds plan rank 0 and the job agent that re-plans (the others' logs lie beside it)."""
+    jid = safety.job_ids(job_id)[0]
     base = jid.split("+")[0]
     rec = load_record(base, env)
     if rec is not None and rec.log:

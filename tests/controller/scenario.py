@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -72,12 +73,23 @@ def start_reference(root: Path, data: str, steps: int) -> RankProcess:
 
 def one_gpu_a100_site(root: Path) -> Path:
     """local-lab, with the A100 partition declared as one GPU (and CPU) per node."""
+    return one_gpu_site(root, ("a100",), "one-gpu-a100.toml")
+
+
+def one_gpu_site(root: Path, partitions: tuple[str, ...] = ("a100", "v100"), name: str = "one-gpu.toml") -> Path:
+    """local-lab, with ``partitions`` declared as one GPU (and CPU) per node: a plan of N such GPUs spans N nodes
+    (Slurm's nodes keep their GPUs, so a job growing beside the running one still fits)."""
     text = LOCAL_LAB.read_text()
-    a100 = text.index('name = "a100"')
-    head, tail = text[:a100], text[a100:]
-    tail = tail.replace("gpus_per_node = 4", "gpus_per_node = 1", 1).replace("cpus_per_node = 4", "cpus_per_node = 1", 1)
-    site = root / "one-gpu-a100.toml"
-    site.write_text(head + tail)
+    for part in partitions:
+        at = text.index(f'name = "{part}"')
+        head, tail = text[:at], text[at:]
+        gpus = re.search(r"gpus_per_node = \d+", tail)
+        cpus = re.search(r"cpus_per_node = \d+", tail)
+        assert gpus is not None and cpus is not None, part
+        tail = tail.replace(gpus.group(0), "gpus_per_node = 1", 1).replace(cpus.group(0), "cpus_per_node = 1", 1)
+        text = head + tail
+    site = root / name
+    site.write_text(text)
     return site
 
 

@@ -118,3 +118,13 @@ def job_options(plan_path: Path, *, dry_run: bool = True, data: Any = None, save
         scope = InPlace(in_place)
     return JobOptions(plan_path=plan_path, work=DryRun() if dry_run else Training(data, save, load),
                       limits=Limits(time, time_min, signal_grace_s), scope=scope, **rest)
+
+
+def tiny_plan(site: Site, gpu: dict[str, str], *pipelines: tuple[str, ...]) -> Plan:
+    """A placed tiny-gpt plan, one pipeline per tuple of partitions (a stage each, its 6 layers split evenly);
+    ``gpu``: each partition's GPU type."""
+    def stages(parts: tuple[str, ...]) -> tuple[Stage, ...]:
+        n = len(parts)
+        return tuple(Stage(i * 6 // n, (i + 1) * 6 // n - 1, 1, gpu[p], p) for i, p in enumerate(parts))
+    pipes = tuple(Pipeline(1, 1, stages(parts)) for parts in pipelines)
+    return place_plan(Plan("tiny-gpt", len(pipes), pipes), site)

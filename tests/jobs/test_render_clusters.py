@@ -10,13 +10,12 @@ from pathlib import Path
 import pytest
 
 from sailor_hpc.core.errors import SailorError
-from sailor_hpc.core.placement import place_plan
-from sailor_hpc.core.plan import Pipeline, Plan, Stage
+from sailor_hpc.core.plan import Plan
 from sailor_hpc.core.site import Site
 from sailor_hpc.jobs.layout import job_layout
 from sailor_hpc.jobs.rank_env import rank_environment
 from sailor_hpc.jobs.render import cluster_submit_env, plan_clusters, render_job_script
-from tests.jobs.conftest import job_options
+from tests.jobs.conftest import job_options, tiny_plan
 from tests.simulator.conftest import two_cluster_site
 
 GPU = {"p1": "G1", "p2": "G2"}
@@ -32,11 +31,7 @@ def _site(conf: Path | None = None) -> Site:
 
 
 def _plan(site: Site, *pipelines: tuple[str, ...]) -> Plan:
-    def stages(parts: tuple[str, ...]) -> tuple[Stage, ...]:  # tiny-gpt's 6 layers split evenly
-        n = len(parts)
-        return tuple(Stage(i * 6 // n, (i + 1) * 6 // n - 1, 1, GPU[p], p) for i, p in enumerate(parts))
-    pipes = tuple(Pipeline(1, 1, stages(parts)) for parts in pipelines)
-    return place_plan(Plan("tiny-gpt", len(pipes), pipes), site)
+    return tiny_plan(site, GPU, *pipelines)
 
 
 def _render(plan: Plan, site: Site, tmp_path: Path, **kw) -> str:

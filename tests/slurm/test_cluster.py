@@ -86,3 +86,29 @@ def test_failed_job_shows_failed_in_sacct_wrapper(slurm_cluster):
     rows = [r for r in sacct(slurm_cluster.env, jobs=[job]) if not r.is_step]
     assert len(rows) == 1 and rows[0].base_state == "FAILED" and rows[0].exit_code == "3:0", rows
     assert rows[0].partition == "v100" and "gres/gpu:v100=1" in rows[0].alloc_tres
+
+
+def test_a_bundle_of_plain_jobs_is_one_job_to_poll_signal_and_cancel(slurm_cluster):
+    """Two plain jobs, one per partition, named as a bundle (``A,B``): its status has both as components in
+    order, its components are theirs, and one ``cancel`` ends both; Slurm's own view (squeue) agrees."""
+    import time
+
+    from sailor_hpc.slurm.control import job_components
+    from sailor_hpc.slurm.handle import SlurmCluster
+    from sailor_hpc.slurm.safety import BUNDLE_SEP
+
+    ids = [slurm_cluster.sbatch(["-p", p, "-w", f"{p}-1", f"--gres=gpu:{p}:1", "-o", "/dev/null", "--wrap",
+                                 "sleep 300"]) for p in ("v100", "a100")]
+    job = SlurmCluster("", slurm_cluster.env).job(BUNDLE_SEP.join(ids))
+    deadline = time.monotonic() + 60
+    while (status := job.status()).state != "RUNNING" or len(status.components) < 2 or any(
+            c.state != "RUNNING" for c in status.components):
+        assert time.monotonic() < deadline, status
+        time.sleep(0.2)
+    assert [c.job_id for c in status.components] == ids and [c.partition for c in status.components] == ["v100", "a100"]
+    assert [(c.job_id, c.partition, c.nodes) for c in job_components(job.id, slurm_cluster.env)] == [
+        (ids[0], "v100", ["v100-1"]), (ids[1], "a100", ["a100-1"])]
+    job.cancel()
+    for j in ids:
+        assert slurm_cluster.wait_job(j) == ["CANCELLED"]
+    assert job.status().state == "CANCELLED"
