@@ -3,9 +3,11 @@
 One run (module fixture), told by its journal and checked against independent facts:
 
 1. Blockers leave 1 idle A100 (a100-1) and 8 idle V100 (v100-1): the run starts heterogeneous,
-   1 A100 + 1 V100. A blocker on v100-2 ends: more V100 idle, but the best plan stays the same ->
-   the controller keeps the job (the gain threshold works both ways).
-2. ``scontrol update nodename=a100-1 state=down`` once a checkpoint exists: the job loses a node;
+   1 A100 + 1 V100, as a bundle of one job per partition (resident ranks). A blocker on v100-2 ends: more
+   V100 idle, but the best plan stays the same -> the controller keeps the job (the gain threshold works
+   both ways).
+2. ``scontrol update nodename=a100-1 state=down`` once a checkpoint exists: the bundle loses the batch node
+   of its A100 job, which Slurm ends (and the V100 job's agent then ends its ranks);
    the controller re-plans onto what is left (2 V100) and resubmits; the training resumes from the
    newest complete checkpoint. The controller is SIGKILLed right after that submission and resumed
    with ``--resume``: it adopts the job, submits nothing twice.
@@ -234,8 +236,11 @@ def test_controller_killed_and_resumed_without_duplicate_jobs(story):
     prefix = f"sailor-{json.loads((sc.run_dir / 'run.json').read_text())['run_id']}-"
     slurm_jobs = {line.split("|")[0].split("+")[0] for line in story["jobs"].splitlines()
                   if line.split("|")[1:2] and line.split("|")[1].startswith(prefix)}
-    journal_jobs = {r["job_id"] for r in records if r["kind"] in ("submitted", "adopted")}
-    assert slurm_jobs == journal_jobs and len(journal_jobs) == 5, (slurm_jobs, journal_jobs)
+    attempts = {r["job_id"] for r in records if r["kind"] in ("submitted", "adopted")}
+    # the mixed plan's attempt is a bundle, one job per partition (its id: theirs joined by ',')
+    journal_jobs = {j for a in attempts for j in a.split(",")}
+    assert slurm_jobs == journal_jobs and len(attempts) == 5, (slurm_jobs, attempts)
+    assert [len(r["job_id"].split(",")) for r in _records(story, "submitted")][0] == 2
     # one job at a time: each submission comes after the previous job is gone
     for prev, nxt in zip(intents, intents[1:]):
         gone = next(r for r in records if r["kind"] == "job_gone" and r.get("attempt") == prev["attempt"])
