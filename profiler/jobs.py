@@ -219,19 +219,27 @@ def write_net_spec(task: NetworkTask, spec_file: Path) -> None:
                                  device="cpu" if task.cpu else "cuda").to_json())
 
 
+# profiler.netbench's result keys -> the NetworkFit fields they become
+NETBENCH_LATENCIES = {"all_reduce_latency_s": "collective_latency_s", "all_gather_latency_s": "gather_latency_s",
+                      "all_reduce_issued_latency_s": "issued_latency_s",
+                      "all_gather_issued_latency_s": "issued_gather_latency_s"}
+
+
 def record_network(task: NetworkTask, result: dict[str, Any]) -> dict[str, Any]:
     """Fit a benchmark's result (rank 0's JSON) and write the network entry; the summary for the driver."""
-    # the link's latency per ring step of a small collective, charged by the simulator per collective a runtime
-    # issues (a result without it: none)
+    # the link's latency per ring step of a small collective, back to back and issued alone after compute,
+    # charged by the simulator per collective a runtime issues (a result without one: none)
+    measured = {field: float(result.get(key, 0.0)) for key, field in NETBENCH_LATENCIES.items()}
     fit = replace(fit_bandwidth(result["sizes"], result["p2p_gbps"]),
-                  collective_latency_s=float(result.get("all_reduce_latency_s", 0.0)),
-                  gather_latency_s=float(result.get("all_gather_latency_s", 0.0)))
+                  collective_latency_s=measured["collective_latency_s"], gather_latency_s=measured["gather_latency_s"],
+                  issued_latency_s=measured["issued_latency_s"],
+                  issued_gather_latency_s=measured["issued_gather_latency_s"])
     ar_fit = fit_bandwidth(result["sizes"], result["allreduce_busbw_gbps"])
     prov = make_provenance(f"sailor-hpc profile ({task.sweep})", device=result["device"], backend=result["backend"],
                            hosts=result["hosts"], pairs=result["pairs"], sizes=result["sizes"],
                            p2p_gbps=result["p2p_gbps"], allreduce_busbw_gbps=result["allreduce_busbw_gbps"],
-                           allreduce_fit=list(ar_fit.coeffs or ()), collective_latency_s=fit.collective_latency_s,
-                           gather_latency_s=fit.gather_latency_s, **_slurm_where(),
+                           allreduce_fit=list(ar_fit.coeffs or ()),
+                           **measured, **_slurm_where(),
                            **result["versions"])
     entry = NetworkEntry(task.site_key, "intra" if task.kind == "intra" else "inter", task.a, task.b, task.senders,
                          fit, prov)

@@ -12,6 +12,9 @@ Ranks come from ``SLURM_PROCID`` / ``SLURM_NTASKS`` (or, in a ``--local`` sweep,
   on the first node (or het group) each send to their partner among the k ranks on the second. Time is
   the slowest rank's, from a barrier to its last completed transfer; the median over iterations.
 * all-reduce over all ranks, as bus bandwidth (``2(n-1)/n * bytes / time``, nccl-tests' convention).
+* the latency per ring step of a one-element all-reduce and all-gather, twice: in a stream of
+  :data:`STREAM` back to back, and each issued alone after a burst of compute (:data:`BURST_S`), as a
+  training step issues its collectives between its layers.
 
 Rank 0 writes the result JSON (sizes, both series, the host of every rank, its software versions).
 """
@@ -94,15 +97,25 @@ def allreduce_busbw(nbytes: int, iters: int, warmup: int, device: torch.device) 
     return 2 * (world - 1) / world * n * 4 / seconds / 1e9
 
 
-STREAM = 20  # collectives per latency sample: issued back to back, as a step issues its many small ones
+BURST_S = 0.003  # compute before each issued collective: a few ms, as a step's layers run between its collectives
+ISSUED_ROUNDS = 15  # the fewest rounds a profile's issued latency takes (each a burst and one collective)
+_BURST_DIM = 64  # the burst's matmuls: small, so every rank stops within tens of µs of its deadline
 
 
-def collective_latency_s(kind: str, iters: int, warmup: int, device: torch.device) -> float:
-    """The link's latency per ring step of a one-element ``kind`` ("all_reduce": ``2(W - 1)`` steps, or
-    "all_gather": ``W - 1``): a stream of :data:`STREAM` back to back (median over ``iters``, slowest rank,
-    from a barrier), per collective and step. What every collective pays whatever it moves (the alpha of an
-    alpha-beta model, :mod:`simulator.network`); it decides the cost of runtimes that issue many small
-    collectives (DeepSpeed's ZeRO 3 gathers every parameter tensor on its own)."""
+def _compute_burst(seconds: float, device: torch.device) -> None:
+    """Keep this rank's core (or GPU) busy with matmuls for ``seconds``: its communication threads idle, as
+    in a step's layers. Timed rather than counted, so the ranks reach the collective together and what is
+    measured after it is the collective's own cost, not one rank's slower compute."""
+    a = torch.rand(_BURST_DIM, _BURST_DIM, device=device)
+    out = torch.empty_like(a)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        torch.mm(a, a, out=out)
+        _sync(device)
+
+
+def _one_element_op(kind: str, device: torch.device) -> tuple[Callable[[], None], int]:
+    """A one-element ``kind`` collective ("all_reduce" or "all_gather") over the world, and its ring steps."""
     world = dist.get_world_size()
     if world < 2:
         raise ValueError("a link's latency needs two ranks or more")
@@ -110,13 +123,49 @@ def collective_latency_s(kind: str, iters: int, warmup: int, device: torch.devic
     out = torch.empty(world, dtype=torch.float32, device=device)
     ops = {"all_reduce": (lambda: dist.all_reduce(one), 2 * (world - 1)),
            "all_gather": (lambda: dist.all_gather_into_tensor(out, one), world - 1)}
-    op, steps = ops[kind]
+    return ops[kind]
+
+
+STREAM = 20  # collectives per streamed latency sample, back to back: the least a small collective costs
+
+
+def collective_latency_s(kind: str, iters: int, warmup: int, device: torch.device) -> float:
+    """The link's latency per ring step of a one-element ``kind`` ("all_reduce": ``2(W - 1)`` steps, or
+    "all_gather": ``W - 1``): a stream of :data:`STREAM` back to back (median over ``iters``, slowest rank,
+    from a barrier), per collective and step. What every collective pays whatever it moves (the alpha of an
+    alpha-beta model, :mod:`simulator.network`) when nothing runs between them; a step's own, issued between
+    its compute, cost more (:func:`issued_latency_s`)."""
+    op, steps = _one_element_op(kind, device)
 
     def stream() -> None:
         for _ in range(STREAM):
             op()
 
     return _median_seconds(stream, iters, warmup, device) / (STREAM * steps)
+
+
+def issued_latency_s(kind: str, rounds: int, warmup: int, device: torch.device, burst_s: float = BURST_S) -> float:
+    """The link's latency per ring step of a one-element ``kind`` collective issued alone after
+    ``burst_s`` of compute on every rank, as a training step issues its collectives (DeepSpeed's, one at a
+    time between its layers), where :func:`collective_latency_s` streams them back to back. Between compute
+    the ranks' communication threads sleep and the peers' must be woken (on an oversubscribed host, each
+    rank must get its core back), which a stream pays once. Per round, the mean over ranks of the time
+    each spends inside the collective (what a step's time inside its collectives counts), from a barrier;
+    the median over ``rounds`` (after ``warmup``)."""
+    op, steps = _one_element_op(kind, device)
+    world = dist.get_world_size()
+    times = []
+    for it in range(warmup + rounds):
+        dist.barrier()
+        _compute_burst(burst_s, device)
+        t0 = time.perf_counter()
+        op()
+        _sync(device)
+        t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
+        dist.all_reduce(t)  # the ranks' sum
+        if it >= warmup:
+            times.append(float(t.item()) / world)
+    return statistics.median(times) / steps
 
 
 def run(spec: NetSpec) -> dict[str, object]:
@@ -132,7 +181,11 @@ def run(spec: NetSpec) -> dict[str, object]:
     ar = [allreduce_busbw(s, spec.iters, spec.warmup, device) for s in spec.sizes]
     latency = {f"{k}_latency_s": collective_latency_s(k, spec.iters, spec.warmup, device)
                for k in ("all_reduce", "all_gather")}
-    return {"sizes": list(spec.sizes), "p2p_gbps": p2p, "allreduce_busbw_gbps": ar, **latency,
+    # one sample a round (not a stream's mean): at least ISSUED_ROUNDS for a steady median
+    rounds = max(spec.iters, ISSUED_ROUNDS)
+    issued = {f"{k}_issued_latency_s": issued_latency_s(k, rounds, spec.warmup, device)
+              for k in ("all_reduce", "all_gather")}
+    return {"sizes": list(spec.sizes), "p2p_gbps": p2p, "allreduce_busbw_gbps": ar, **latency, **issued,
             "pairs": pairs, "hosts": hosts,
             "device": device.type, "backend": dist.get_backend(), "world": dist.get_world_size()}
 

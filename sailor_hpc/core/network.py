@@ -46,6 +46,11 @@ class NetworkFit:
     # the simulator charges them per collective a runtime issues beyond those whose bytes it prices
     collective_latency_s: float = 0.0
     gather_latency_s: float = 0.0  # 0: collective_latency_s
+    # the same two, each collective issued alone after a burst of compute (as a training step issues them): the
+    # ranks' communication threads and the peer must be woken first, which a back-to-back stream never pays.
+    # 0: not measured (older archives and sites), the streamed latency stands in
+    issued_latency_s: float = 0.0
+    issued_gather_latency_s: float = 0.0
 
     def fitted_bandwidth(self, nbytes: float) -> float:
         """Bytes per second the quadratic gives at ``nbytes`` (clamped to the range and the peak)."""
@@ -147,7 +152,8 @@ class NetworkFit:
 
 
 # a partition's link table may carry what the profiler measured beside its fits (µs per ring step): key -> field
-_LATENCY_KEYS = {"collective_latency_us": "collective_latency_s", "gather_latency_us": "gather_latency_s"}
+_LATENCY_KEYS = {"collective_latency_us": "collective_latency_s", "gather_latency_us": "gather_latency_s",
+                 "issued_latency_us": "issued_latency_s", "issued_gather_latency_us": "issued_gather_latency_s"}
 
 
 @dataclass(frozen=True)
@@ -187,6 +193,18 @@ class LinkTable:
         """An all-gather's latency per ring step (the collective latency where none was measured)."""
         return max(f.gather_latency_s or f.collective_latency_s for f in self.fits.values())
 
+    @property
+    def issued_latency_s(self) -> float:
+        """A small all-reduce's latency per ring step when issued alone after computing (the streamed one where
+        that was not measured)."""
+        return max(f.issued_latency_s for f in self.fits.values()) or self.collective_latency_s
+
+    @property
+    def issued_gather_latency_s(self) -> float:
+        """A small all-gather's latency per ring step when issued alone after computing (the streamed one where
+        that was not measured)."""
+        return max(f.issued_gather_latency_s for f in self.fits.values()) or self.gather_latency_s
+
     def to_site_dict(self) -> dict[str, object]:
         """The table as a partition's network writes it: its fits and, when measured, its latencies."""
         lat = {key: round(max(getattr(f, field) for f in self.fits.values()) * 1e6, 3)
@@ -197,7 +215,8 @@ class LinkTable:
     def parse(cls, f: Fields, latency_s: float = 0.0) -> LinkTable:
         """``latency_s``: the one-way latency of the link entry holding the table. A table may carry what the
         profiler measured beside its fits: ``collective_latency_us`` and ``gather_latency_us``, a small
-        all-reduce's and all-gather's latency per ring step."""
+        all-reduce's and all-gather's latency per ring step back to back, and ``issued_latency_us`` and
+        ``issued_gather_latency_us``, the same issued one at a time after computing."""
         fits = {}
         latencies: dict[str, float] = {}
         for key, field in _LATENCY_KEYS.items():
@@ -217,7 +236,9 @@ class LinkTable:
                 raise f.error(str(key), "keys must be the number of GPUs sending at once (\"1\", \"2\", ...)")
             fits[int(key)] = replace(NetworkFit.parse(f.sub(str(key), value)), latency_s=latency_s,
                                      collective_latency_s=latencies.get("collective_latency_s", 0.0),
-                                     gather_latency_s=latencies.get("gather_latency_s", 0.0))
+                                     gather_latency_s=latencies.get("gather_latency_s", 0.0),
+                                     issued_latency_s=latencies.get("issued_latency_s", 0.0),
+                                     issued_gather_latency_s=latencies.get("issued_gather_latency_s", 0.0))
         if not fits:
             raise f.error(None, "is empty", fix="give at least one fit, e.g. \"1\" = { constant_gbps = 10 }")
         return cls(fits)

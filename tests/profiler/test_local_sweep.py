@@ -72,10 +72,11 @@ def test_local_sweep_fills_the_archive_as_a_slurm_sweep_does(tmp_path: Path) -> 
     site = load_site(tmp_path / "measured.toml")
     written_fit = site.intra_node_fit("cpu", 2)
     assert site.partitions[0].gpu_type == "cpu-core" and written_fit.to_dict() == link.fit.to_dict()
-    # the link's measured latencies per small collective, written in µs to 1e-3
-    assert 0 < link.fit.collective_latency_s and 0 < link.fit.gather_latency_s
-    assert written_fit.collective_latency_s == pytest.approx(link.fit.collective_latency_s, abs=1e-9)
-    assert written_fit.gather_latency_s == pytest.approx(link.fit.gather_latency_s, abs=1e-9)
+    # the link's measured latencies per small collective, streamed and issued after compute, written in µs to 1e-3
+    latencies = ("collective_latency_s", "gather_latency_s", "issued_latency_s", "issued_gather_latency_s")
+    for field in latencies:
+        assert 0 < getattr(link.fit, field)
+        assert getattr(written_fit, field) == pytest.approx(getattr(link.fit, field), abs=1e-9)
     assert site.name == "laptop" and site.archive == str(tmp_path / "cpu.h5")
     comments = [line for line in LAPTOP.read_text().splitlines() if line.lstrip().startswith("#")]
     assert [line for line in (tmp_path / "measured.toml").read_text().splitlines() if line.lstrip().startswith("#")] \
@@ -86,7 +87,9 @@ def test_local_sweep_fills_the_archive_as_a_slurm_sweep_does(tmp_path: Path) -> 
         "gpu_types.core (renamed)": "cpu-core", "profiles.archive": "cpu.h5", "partitions[cpu].gpu_type": "cpu-core",
         'partitions[cpu].network.intra_node."2"': link.fit.to_dict(),
         "partitions[cpu].network.intra_node.collective_latency_us": round(link.fit.collective_latency_s * 1e6, 3),
-        "partitions[cpu].network.intra_node.gather_latency_us": round(link.fit.gather_latency_s * 1e6, 3)}
+        "partitions[cpu].network.intra_node.gather_latency_us": round(link.fit.gather_latency_s * 1e6, 3),
+        "partitions[cpu].network.intra_node.issued_latency_us": round(link.fit.issued_latency_s * 1e6, 3),
+        "partitions[cpu].network.intra_node.issued_gather_latency_us": round(link.fit.issued_gather_latency_s * 1e6, 3)}
 
 
 def test_a_timed_out_local_sweep_is_recorded_and_resume_completes_it(tmp_path: Path) -> None:

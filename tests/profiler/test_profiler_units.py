@@ -12,6 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from profiler.fit import fit_bandwidth
+from profiler.jobs import NetworkTask, record_network
 from profiler.keys import device_key
 from profiler.netbench import stream_pairs
 from profiler.progress import Progress
@@ -802,3 +803,21 @@ def test_the_simulator_takes_chain_timed_layers_as_they_are():
     tables = ProfileTables(archive, spec)
     assert tables.compute("G", 1, 1, chain_timing=True).fwd(0, 5) == pytest.approx(6e-3)
     assert tables.compute("G", 2, 1, chain_timing=True).fwd(0, 5) == pytest.approx(12e-3 - 5 * 1e-4)
+
+
+def test_a_network_result_keeps_its_streamed_and_issued_latencies(tmp_path: Path) -> None:
+    """The latencies profiler.netbench reports reach the archive's fit by name; a result from before the issued
+    latency was measured records none (0: the simulator prices with the streamed one)."""
+    sizes = [2 ** 16, 2 ** 18, 2 ** 20]
+    base = {"sizes": sizes, "p2p_gbps": [0.2, 0.4, 0.5], "allreduce_busbw_gbps": [0.1, 0.3, 0.4], "pairs": [[0, 1]],
+            "hosts": ["h", "h"], "device": "cpu", "backend": "gloo", "world": 2, "versions": {},
+            "all_reduce_latency_s": 1e-4, "all_gather_latency_s": 3e-4}
+    for name, issued in (("new", {"all_reduce_issued_latency_s": 4e-4, "all_gather_issued_latency_s": 9e-4}),
+                         ("old", {})):
+        task = NetworkTask("lab", "intra", "cpu", "cpu", 2, 1, tuple(sizes), str(tmp_path / f"{name}.h5"), True,
+                           "test", str(tmp_path), "python")
+        record_network(task, {**base, **issued})
+        (entry,) = read_archive(tmp_path / f"{name}.h5").network["lab"]
+        assert (entry.fit.collective_latency_s, entry.fit.gather_latency_s) == (1e-4, 3e-4)
+        assert (entry.fit.issued_latency_s, entry.fit.issued_gather_latency_s) == ((4e-4, 9e-4) if issued else (0, 0))
+        assert entry.provenance["issued_latency_s"] == entry.fit.issued_latency_s

@@ -25,7 +25,9 @@ Layout (version 1; attributes in brackets)::
     /network/<site>/<link>                float64 (3,): quadratic fit coefficients (GB/s vs log2 MB)
                                           [kind, a, b, senders, max_gbps, min_bytes, max_bytes, provenance;
                                           collective_latency_s, gather_latency_s: the link's latency per ring
-                                          step of a small all-reduce and all-gather, where measured]
+                                          step of a small all-reduce and all-gather back to back, and
+                                          issued_latency_s, issued_gather_latency_s: the same issued one at a
+                                          time after computing, where measured]
 
 Every entry carries ``provenance``: a JSON object with user, host, time, source and the GPU, driver,
 CUDA and torch versions where known.
@@ -62,6 +64,9 @@ from sailor_hpc.core.precision import DTYPES
 
 ARCHIVE_FORMAT = "sailor-hpc-profiles"
 ARCHIVE_VERSION = 1
+# a network entry's measured latencies (NetworkFit's fields of the same names): optional attributes, so archives
+# written before one was measured read as they were (0: not measured)
+LATENCY_ATTRS = ("collective_latency_s", "gather_latency_s", "issued_latency_s", "issued_gather_latency_s")
 
 _POINT_NAME = re.compile(r"^mbs([1-9][0-9]*)_tp([1-9][0-9]*)(?:_([a-z0-9]+))?$")
 _TP_NAME = re.compile(r"^tp([1-9][0-9]*)$")
@@ -237,8 +242,8 @@ class _Reader:
                 a, b, c = (float(x) for x in coeffs)
                 fit = NetworkFit(coeffs=(a, b, c), max_gbps=self.number(ds, "max_gbps") or None,
                                  min_bytes=self.number(ds, "min_bytes"), max_bytes=self.number(ds, "max_bytes"),
-                                 **{k: self.number(ds, k) for k in ("collective_latency_s", "gather_latency_s") if k in ds.attrs})
-                self.require(min(fit.collective_latency_s, fit.gather_latency_s) >= 0, ds, "has a negative latency")
+                                 **{k: self.number(ds, k) for k in LATENCY_ATTRS if k in ds.attrs})
+                self.require(min(getattr(fit, k) for k in LATENCY_ATTRS) >= 0, ds, "has a negative latency")
                 yield ds, NetworkEntry(site, kind, self.text(ds, "a"), self.text(ds, "b"), senders, fit, self.provenance(ds))
 
     def atoms(self) -> Iterator[Atom]:
@@ -303,7 +308,7 @@ def _write_entry(h5: h5py.File, entry: Entry, stamp: str | list[str]) -> None:
         ds.attrs.update({"kind": entry.kind, "a": entry.a, "b": entry.b, "senders": entry.senders,
                          "max_gbps": entry.fit.max_gbps or 0.0, "min_bytes": entry.fit.min_bytes,
                          "max_bytes": entry.fit.max_bytes})
-        for key in ("collective_latency_s", "gather_latency_s"):  # measured by the profiler; older entries have none (0)
+        for key in LATENCY_ATTRS:  # measured by the profiler; older entries have none (0)
             if getattr(entry.fit, key):
                 ds.attrs[key] = getattr(entry.fit, key)
     ds.attrs["provenance"] = json.dumps(entry.provenance, sort_keys=True)
