@@ -411,16 +411,20 @@ class StageEvaluator:
                          holders: Sequence[tuple[int, int]], micro_batches: Sequence[int], lo: int, hi: int) -> float:
         """One gradient segment's collectives in a step: its all-reduce; under the deepspeed runtime its ZeRO
         traffic in bytes, and the link's latency once per collective DeepSpeed issues
-        (:mod:`simulator.zero_collectives`)."""
+        (:mod:`simulator.zero_collectives`), as a collective issued alone after computing costs: DeepSpeed
+        issues them one at a time between its layers and its optimizer's work, never as a stream."""
         ring = self.allreduce(eps, per_gpu, elem)
         if self.options.runtime != "deepspeed":
             return ring
-        alpha, gather = collective_latency_seconds(self.site, eps)
+        streamed, _ = collective_latency_seconds(self.site, eps)
+        alpha, gather = collective_latency_seconds(self.site, eps, issued=True)
         buckets = buckets_of(max(per_gpu), self.options.bucket_elems * elem)
         m = max((micro_batches[i] for i, _ in holders), default=1) if micro_batches else 1
         reduces, gathers = zero_collectives(self.options.zero_stage, m, buckets, layer_tensors(self.model, lo, hi))
-        # the ring's bytes (its time less the one latency per bucket its fit holds) as often as ZeRO moves them
-        return (ring - alpha * buckets) * self._zero_traffic(holders, micro_batches) + alpha * reduces + gather * gathers
+        # the ring's bytes (its time less the one streamed latency per bucket its fit holds) as often as ZeRO
+        # moves them, then each collective's latency as issued
+        return ((ring - streamed * buckets) * self._zero_traffic(holders, micro_batches)
+                + alpha * reduces + gather * gathers)
 
     def _zero_traffic(self, holders: Sequence[tuple[int, int]], micro_batches: Sequence[int]) -> float:
         """:func:`zero_traffic` of the deepspeed runtime's ZeRO stage for a segment held by ``holders``

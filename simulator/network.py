@@ -30,7 +30,11 @@ runtime that issues many small collectives (DeepSpeed's ZeRO 3 gathers every par
 pays it for each: the profiler measures a link's latency per ring step of a small all-reduce and of a small
 all-gather (``collective_latency_us``, ``gather_latency_us`` of a partition's link table; gloo's all-gather
 is several times slower than its all-reduce), and :func:`collective_latency_seconds` prices one collective
-of each kind (the alpha of an alpha-beta model).
+of each kind (the alpha of an alpha-beta model). It measures both back to back, as a stream, and each issued
+alone after a burst of compute (``issued_latency_us``, ``issued_gather_latency_us``), as a training step issues
+them between its layers: there the ranks' communication threads and the peer must be woken first. The
+issued figure prices a runtime's collectives (``issued=True``; the streamed one where it was not measured);
+the streamed one is what a fit's time already holds.
 """
 from __future__ import annotations
 
@@ -124,12 +128,18 @@ def ring_allreduce_seconds(site: Site, holders: Sequence[Endpoint], per_gpu_byte
     return worst
 
 
-def collective_latency_seconds(site: Site, holders: Sequence[Endpoint]) -> tuple[float, float]:
+def collective_latency_seconds(site: Site, holders: Sequence[Endpoint], *, issued: bool = False) -> tuple[float, float]:
     """The latency of one small collective among ``holders`` on their slowest-latency link: (all-reduce: a
-    ring's ``2(H - 1)`` steps, all-gather: ``H - 1``); zeros where the site has none measured."""
+    ring's ``2(H - 1)`` steps, all-gather: ``H - 1``); zeros where the site has none measured. ``issued``: as a
+    collective issued alone after computing costs (the streamed latency where that was not measured), else as
+    one of a back-to-back stream."""
     H = len(holders)
     if H <= 1:
         return 0.0, 0.0
     fits = _ring_links(site, holders, max(h.tp for h in holders))
-    return (2 * (H - 1) * max(f.collective_latency_s for f in fits),
-            (H - 1) * max(f.gather_latency_s or f.collective_latency_s for f in fits))
+    reduce = [f.collective_latency_s for f in fits]
+    gather = [f.gather_latency_s or f.collective_latency_s for f in fits]
+    if issued:
+        reduce = [f.issued_latency_s or r for f, r in zip(fits, reduce, strict=True)]
+        gather = [f.issued_gather_latency_s or g for f, g in zip(fits, gather, strict=True)]
+    return 2 * (H - 1) * max(reduce), (H - 1) * max(gather)

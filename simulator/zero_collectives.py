@@ -16,9 +16,10 @@ and each pays the latency whatever it moves. Counted on DeepSpeed 0.19.8 (``stag
   and backward) for every tensor above DeepSpeed's persistence threshold.
 
 Each collective pays the link's latency of its kind (:func:`simulator.network.collective_latency_seconds`):
-the all-gathers an all-gather's, the rest (all-reduces, reduce-scatters) an all-reduce's. The two differ by
-backend: gloo on this repository's host, back to back, 0.26 ms an all-reduce and 0.9 ms an all-gather of a
-few bytes.
+the all-gathers an all-gather's, the rest (all-reduces, reduce-scatters) an all-reduce's; and as issued
+alone after computing, since DeepSpeed issues them one at a time between its compute, never back to back.
+The two kinds differ by backend: gloo on this repository's host, back to back, 0.26 ms an all-reduce and
+0.9 ms an all-gather of a few bytes.
 """
 from __future__ import annotations
 
