@@ -35,10 +35,11 @@ under the run), tiny-gpt's layer times and the plain engine's costs at that ZeRO
 profile --runtime deepspeed`` measures them (every block measured; the engines on a group of the rank
 alone), then three steps of the plan, every ``torch.distributed`` collective in them timed (:class:`CollectiveMeter`),
 then the link as the profiler measures it (the all-reduce bandwidth at the gradients' size, the latency per
-ring step of a one-element all-reduce and all-gather); the simulator (runtime ``deepspeed``, gloo) predicts
+ring step of a one-element all-reduce and all-gather, streamed and each issued alone after a burst of compute,
+which the simulator charges DeepSpeed's collectives); the simulator (runtime ``deepspeed``, gloo) predicts
 the step from each rank's measurement, with and without the engine's costs, and the medians of the per-round
-values are printed with the load, and where the step goes: the collectives' count and the time inside them,
-and the rest, measured and predicted. Memory: one run under
+values are printed with the load, and where the step goes: the collectives' count and the time inside them
+(also per ``torch.distributed`` function), and the rest, measured and predicted. Memory: one run under
 torch's allocator accounting (``tests/deepspeed/zero_memory_worker.py``), the peak allocated beside the
 simulator's (a ZeRO bucket that ``torch.empty`` allocates and nobody fills counts, as it does on a GPU; the
 resident set size would not count it).
@@ -237,10 +238,14 @@ def pipeline_plans(shape: str, ranks: int):
     return {name: plan(pipes) for name, pipes in PIPE_PLANS[(shape, ranks)].items()}
 
 
-def measured_site(gbps: float, latency_s: tuple[float, float] = (0.0, 0.0)) -> dict:
+LATENCY_KEYS = ("collective_latency_us", "gather_latency_us", "issued_latency_us", "issued_gather_latency_us")
+
+
+def measured_site(gbps: float, latency_s: tuple[float, ...] = ()) -> dict:
     """The benchmark site with its links set to the gloo bandwidth measured at the boundary's (or gradients')
-    size and, where measured, the link's latency per ring step of a small all-reduce and all-gather."""
-    lat = {k: v * 1e6 for k, v in zip(("collective_latency_us", "gather_latency_us"), latency_s, strict=True) if v}
+    size and, where measured, the link's latency per ring step of a small all-reduce and all-gather, streamed
+    and issued alone after compute (:data:`LATENCY_KEYS`, in that order)."""
+    lat = {k: v * 1e6 for k, v in zip(LATENCY_KEYS, latency_s) if v}
     part = {**SITE["partitions"][0], "network": {"intra_node": {"1": {"constant_gbps": gbps}, **lat},
                                                   "inter_node": {"1": {"constant_gbps": gbps}, **lat}}}
     return {**SITE, "partitions": [part]}
@@ -294,15 +299,15 @@ COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", 
 class _TimedWork:
     """An asynchronous collective's handle whose ``wait`` counts into the meter (torch's Work is read-only)."""
 
-    def __init__(self, work: Any, meter: CollectiveMeter) -> None:
-        self._work, self._meter = work, meter
+    def __init__(self, work: Any, meter: CollectiveMeter, name: str) -> None:
+        self._work, self._meter, self._name = work, meter, name
 
     def wait(self, *args: Any, **kwargs: Any) -> Any:
         t0 = time.perf_counter()
         try:
             return self._work.wait(*args, **kwargs)
         finally:
-            self._meter.seconds += time.perf_counter() - t0
+            self._meter.add(self._name, time.perf_counter() - t0, 0)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._work, name)
@@ -310,31 +315,39 @@ class _TimedWork:
 
 class CollectiveMeter:
     """Wall seconds each rank spends inside torch.distributed's collectives (the call and, for an asynchronous
-    one, its ``wait``), and how many it issues: where a step's time goes between computing and waiting."""
+    one, its ``wait``), and how many it issues: where a step's time goes between computing and waiting; per
+    function too (``by_kind``: name -> [count, seconds]), to set each kind's cost beside the link's latency."""
 
     def __init__(self) -> None:
         import torch.distributed as dist
 
         self.count, self.seconds = 0, 0.0
+        self.by_kind: dict[str, list[float]] = {}
         for name in COLLECTIVES:
             if hasattr(dist, name):
-                setattr(dist, name, self._timed(getattr(dist, name)))
+                setattr(dist, name, self._timed(name, getattr(dist, name)))
 
-    def _timed(self, op: Any) -> Any:
+    def add(self, name: str, seconds: float, count: int) -> None:
+        self.seconds += seconds
+        self.count += count
+        kind = self.by_kind.setdefault(name, [0, 0.0])
+        kind[0] += count
+        kind[1] += seconds
+
+    def _timed(self, name: str, op: Any) -> Any:
         def timed(*args: Any, **kwargs: Any) -> Any:
             t0 = time.perf_counter()
             work = op(*args, **kwargs)
-            self.seconds += time.perf_counter() - t0
-            self.count += 1
+            self.add(name, time.perf_counter() - t0, 1)
             if work is not None and hasattr(work, "wait"):  # an asynchronous one: its wait is inside it too
-                return _TimedWork(work, self)
+                return _TimedWork(work, self, name)
             return work
         return timed
 
-    def take(self) -> tuple[int, float]:
-        """(collectives, seconds) since the last take."""
-        out = (self.count, self.seconds)
-        self.count, self.seconds = 0, 0.0
+    def take(self) -> tuple[int, float, dict[str, list[float]]]:
+        """(collectives, seconds, per kind [count, seconds]) since the last take."""
+        out = (self.count, self.seconds, self.by_kind)
+        self.count, self.seconds, self.by_kind = 0, 0.0, {}
         return out
 
 
@@ -358,7 +371,7 @@ def ds_rank_main() -> None:
     from megatron_patch.ds_runtime.launch import _without_shm_op
     from profiler.compute import LayerProfiler
     from profiler.ds_engine import EngineMeter
-    from profiler.netbench import allreduce_busbw, collective_latency_s
+    from profiler.netbench import allreduce_busbw, collective_latency_s, issued_latency_s
 
     _without_shm_op()
     meter = CollectiveMeter()
@@ -394,12 +407,16 @@ def ds_rank_main() -> None:
                 dist.all_reduce(step, op=dist.ReduceOp.MAX)  # the step ends with its slowest rank
                 steps.append(float(step))
             gbps = allreduce_busbw(grad_bytes, 10, 2, cpu)  # the link the gradients' collectives see, now
-            latency = [collective_latency_s(k, 5, 1, cpu) for k in ("all_reduce", "all_gather")]  # ... and per collective
+            # ... and per collective: streamed, then each issued alone after compute (the profiler's 15 rounds)
+            latency = [collective_latency_s(k, 5, 1, cpu) for k in ("all_reduce", "all_gather")] \
+                + [issued_latency_s(k, 15, 2, cpu) for k in ("all_reduce", "all_gather")]
             rows.append({"round": r, "zero": z, "load": load, "times": times.tolist(), "costs": costs,
                          "blocks": meters[z].sizes, "measured_s": statistics.median(steps), "gbps": gbps,
                          "latency_s": latency,
-                         "collectives": statistics.median(n for n, _ in inside),
-                         "collective_s": statistics.median(s for _, s in inside), "cpu_s": statistics.median(cpu_s)})
+                         "collectives": statistics.median(n for n, _, _ in inside),
+                         "collective_s": statistics.median(s for _, s, _ in inside), "cpu_s": statistics.median(cpu_s),
+                         "by_kind": {name: [statistics.median(k.get(name, [0, 0.0])[i] for _, _, k in inside)
+                                            for i in range(2)] for name in {n for _, _, k in inside for n in k}}})
     print(json.dumps({"rank": rank, "rows": rows, "memory": prof.memory_table().tolist()}), flush=True)
     dist.destroy_process_group()
 
@@ -460,7 +477,10 @@ def deepspeed_zero(env: dict[str, str], rounds: int, clock: str = "wall") -> dic
         layers = [seconds(simulate(plan, site, _ds_archive(x["times"], rk["memory"]), options=options))
                   for x, rk in zip(mine, ranks, strict=True)]
         time_rows.append({"round": row["round"], "zero": row["zero"], "load": row["load"], "gbps": row["gbps"],
-                          "latency_s": [statistics.fmean(x["latency_s"][k] for x in mine) for k in range(2)],
+                          "latency_s": [statistics.fmean(x["latency_s"][k] for x in mine)
+                                        for k in range(len(row["latency_s"]))],
+                          "by_kind": {name: [statistics.fmean(x["by_kind"].get(name, [0, 0.0])[i] for x in mine)
+                                             for i in range(2)] for name in row["by_kind"]},
                           "measured_s": row["measured_s"], "predicted_s": statistics.fmean(predicted),
                           "layers_only_s": statistics.fmean(layers),
                           "collectives": statistics.fmean(x["collectives"] for x in mine),
@@ -515,7 +535,10 @@ def print_deepspeed(result: dict[str, Any]) -> None:
           f"measured at the gradients' size: median {statistics.median(r['gbps'] for r in rows):.3f} GB/s; latency per "
           f"ring step of a one-element all-reduce / all-gather, streamed: median "
           f"{statistics.median(r['latency_s'][0] for r in rows) * 1e6:.0f} / "
-          f"{statistics.median(r['latency_s'][1] for r in rows) * 1e6:.0f} us")
+          f"{statistics.median(r['latency_s'][1] for r in rows) * 1e6:.0f} us"
+          + (f"; issued alone after compute (what the prediction charges): median "
+             f"{statistics.median(r['latency_s'][2] for r in rows) * 1e6:.0f} / "
+             f"{statistics.median(r['latency_s'][3] for r in rows) * 1e6:.0f} us" if len(rows[0]["latency_s"]) > 2 else ""))
     print(f"{'ZeRO':>5}{'measured':>10}{'layers only':>13}{'err %':>7}{'+ engine':>10}{'err %':>7}"
           f"{'   per-round err % (+ engine)':>30}")
     for zero in range(4):
@@ -538,6 +561,17 @@ def print_deepspeed(result: dict[str, Any]) -> None:
         prest = statistics.median(r["predicted_s"] - r["predicted_collective_s"] for r in mine)
         print(f"{zero:>5}{med['collectives']:>7.0f}{med['collective_s']:>10.4f}{med['predicted_collective_s']:>11.4f}"
               f"{rest:>9.4f}{prest:>11.4f}{med['cpu_s']:>8.4f}")
+    print("inside the collectives by function (medians over rounds, mean of the two ranks): count a step x ms each")
+    for zero in range(4):
+        mine = [r for r in rows if r["zero"] == zero and "by_kind" in r]
+        names = sorted({n for r in mine for n in r["by_kind"]})
+        each = []
+        for name in names:
+            n = statistics.median(r["by_kind"].get(name, [0, 0.0])[0] for r in mine)
+            ms = statistics.median(r["by_kind"][name][1] / r["by_kind"][name][0] * 1e3 for r in mine
+                                   if r["by_kind"].get(name, [0, 0.0])[0])
+            each.append(f"{name} {n:.0f} x {ms:.2f}")
+        print(f"{zero:>5}   " + ", ".join(each))
     print("peak allocated (torch's CPU allocator, as max_memory_allocated on a GPU; the smaller of the two replicas'"
           " steady steps), MB")
     print(f"{'ZeRO':>5}{'measured':>10}{'predicted':>11}{'err %':>7}")
