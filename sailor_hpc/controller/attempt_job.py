@@ -56,16 +56,18 @@ def write_attempt_script(rundir: RunDir, spec: RunSpec, site: Site, plan: Plan, 
     options = attempt_options(spec.job, plan_path, rundir, model=spec.planning.model,
                               runtime=spec.planning.runtime_of(plan), name=name, scope=scope, gate=gate,
                               exclude=exclude)
+    part = scope.bundle if isinstance(scope, InPlace) else None
     script = rundir.script_file(attempt, scope.cluster if isinstance(scope, ClusterPart)
-                                else scope.bundle.partition if scope.bundle is not None else None)
+                                else f"{part.index}-{part.partition}" if part is not None else None)
     script.parent.mkdir(parents=True, exist_ok=True)
     write_job_script(script, render_job_script(plan, site, options))
     return script
 
 
 def bundled(spec: RunSpec, site: Site, plan: Plan) -> bool:
-    """Whether a one-job attempt runs ``plan`` as a bundle, one plain job per partition: a mixed-GPU plan whose
-    ranks are resident (Slurm ends a whole het job that loses a node; a bundle keeps the other jobs' ranks)."""
+    """Whether a one-job attempt runs ``plan`` as a bundle, one plain job per component of its job layout: a plan
+    that would be a het job, whose ranks are resident (Slurm ends a whole het job that loses a node; a bundle
+    keeps the other jobs' ranks)."""
     return (spec.job.resident_ranks and spec.planning.runtime_of(plan) == "megatron_patch" and not site.container
             and len(bundle_partitions(plan)) > 1)
 
@@ -73,7 +75,7 @@ def bundled(spec: RunSpec, site: Site, plan: Plan) -> bool:
 def prepare_attempt(rundir: RunDir, spec: RunSpec, site: Site, plan: Plan, attempt: int, name: str,
                     gate: Path | None = None, exclude: Sequence[str] = ()) -> tuple[Path, list[Path]]:
     """The plan file and job scripts of a one-job attempt (the run's directory scope: in-place re-planning): one
-    script, or a bundle's, one per partition in :func:`bundle_partitions`' order, sharing a fresh folder."""
+    script, or a bundle's, one per component of the plan's job layout, in order, sharing a fresh folder."""
     plan_path = write_attempt_plan(rundir, plan, attempt)
     base = InPlace(rundir.path, spec.job.resident_ranks)
     if not bundled(spec, site, plan):

@@ -17,8 +17,9 @@ here for a directive. The agent then
    journals. The ranks rejoin in their own processes: no new step, no import, no queue.
 
 Mixed-GPU plans: Slurm 22.05 ends a whole het job when any of its nodes goes down, ``--no-kill`` or not, so the
-controller runs such a plan as a *bundle*: one plain ``--no-kill`` job per partition, submitted together, meeting
-in one folder and one rendezvous (:mod:`sailor_hpc.jobs.bundle`). Each job has its agent (``--bundle-part``);
+controller runs such a plan as a *bundle*: one plain ``--no-kill`` job per component of its job layout (what
+would be a het component), submitted together, meeting in one folder and one rendezvous
+(:class:`sailor_hpc.jobs.options.BundlePart`). Each job has its agent (``--bundle-part``);
 part 0's, beside plan rank 0, does the above for every job's ranks, the others start their steps, say when one
 ends (``ended/<node>.json``) and follow its directives. A node lost in any job but its batch node is recovered
 in place; a lost batch node ends that job (Slurm), and the bundle falls back to a new attempt.
@@ -55,7 +56,7 @@ from sailor_hpc.core.resident import (
     write_part,
 )
 from sailor_hpc.core.runtime_events import InPlaceRefused, encode_event
-from sailor_hpc.jobs.layout import job_layout
+from sailor_hpc.jobs.layout import component_layout, job_layout
 from sailor_hpc.jobs.rank_env import JOB_TASKS_ENV, TASK_OFFSET_ENV
 from sailor_hpc.slurm.control import job_components, node_address, start_step
 from sailor_hpc.slurm.safety import BUNDLE_SEP, job_ids
@@ -83,7 +84,7 @@ class NodeStep:
 
 @dataclass
 class Agent:
-    """One job's agent. A bundle (one job per partition of a mixed-GPU plan) has one per job, sharing ``root``:
+    """One job's agent. A bundle (one job per component of a mixed-GPU plan's layout) has one per job, sharing ``root``:
     part 0's, beside plan rank 0, answers every change for all (the *lead*); the others start their job's steps,
     say when one ends and follow the lead's directives."""
 
@@ -95,7 +96,6 @@ class Agent:
     task: list[str]  # what each task runs (rank_env, then the runtime)
     part: int = 0  # this job's index in its bundle
     parts: int = 1
-    partition: str | None = None  # a bundle's job runs only this partition's ranks of the plan
     steps: dict[str, NodeStep] = field(default_factory=dict)
     retired: list[NodeStep] = field(default_factory=list)  # steps of nodes the plan no longer uses
     epoch: int = 0
@@ -112,7 +112,7 @@ class Agent:
     def start(self) -> None:
         """One step per node of the job's plan, tasks numbered as one step over the whole job would number them."""
         plan = load_plan(self.job_plan, validate=False)
-        layout = job_layout(plan, None if self.partition is None else {self.partition})
+        layout = job_layout(plan) if self.parts == 1 else component_layout(job_layout(plan), self.part)
         comps = job_components(self.job_id)
         het = len(comps) > 1
         offset = 0
@@ -325,12 +325,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--resident-dir", type=Path, required=True, help="where the ranks hold (their --resident)")
     ap.add_argument("--srun-option", action="append", default=[], help="an option of every node's step")
     ap.add_argument("--bundle-part", default=None, metavar="PARTITION:I/N",
-                    help="a bundle's job I of N, running the plan's ranks on PARTITION (0: the lead)")
+                    help="a bundle's job I of N, running component I of the plan's job layout, on PARTITION (0: the lead)")
     args = ap.parse_args(argv[:cut])
-    part, parts, partition = 0, 1, None
-    if args.bundle_part:
-        partition, _, where = args.bundle_part.rpartition(":")
-        index, _, count = where.partition("/")
+    part, parts = 0, 1
+    if args.bundle_part:  # PARTITION:I/N; the partition is for a person reading the job's command line
+        index, _, count = args.bundle_part.rpartition(":")[2].partition("/")
         part, parts = int(index), int(count)
     # the ranks' to act on (the time limit's USR1, a preemption's TERM reach the whole job): the agent stays to
     # answer their holds; Slurm's KILL after the grace ends it with them
@@ -338,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signum, signal.SIG_IGN)
     args.resident_dir.mkdir(parents=True, exist_ok=True)
     agent = Agent(args.run_dir, args.job_plan, args.resident_dir, os.environ.get("SLURM_JOB_ID", ""),
-                  args.srun_option, argv[cut + 1:], part=part, parts=parts, partition=partition)
+                  args.srun_option, argv[cut + 1:], part=part, parts=parts)
     return agent.run()
 
 

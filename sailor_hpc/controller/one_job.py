@@ -470,8 +470,10 @@ class OneJob:
 
     def _canceller(self, cur: Attempt, job: JobStatus) -> tuple[str | None, str | None]:
         """Who cancelled the job outside sailor-hpc (``scancel``), and their name again when it is the run's own
-        user: their decision, not a fault; anyone else's cancel is a fault the run recovers from."""
-        if job.state != "CANCELLED" or cur.stop is not None or cur.lost_nodes or cur.job_id is None:
+        user: their decision, not a fault; anyone else's cancel is a fault the run recovers from. A bundle's job
+        cancelled alone counts (its other jobs then fail: the aggregate state says FAILED)."""
+        cancelled = any(c.state == "CANCELLED" for c in job.components) or job.state == "CANCELLED"
+        if not cancelled or cur.stop is not None or cur.lost_nodes or cur.job_id is None:
             return None, None
         uid = slurm_ops.canceller(self.job(cur), job, self.ctx.clock, self.ctx.sleep)
         return (user_name(uid) if uid is not None else None), self.ctx.users_own(uid)

@@ -11,8 +11,8 @@ leave), with a fresh rendezvous. Both are JSON files written atomically in ``DIR
   checkpoint of that step, its PID);
 * ``epoch-<n>.json``: the agent's answer for epoch ``n`` (1, 2, ...).
 
-A mixed-GPU plan may run as a *bundle*, one plain job per partition (Slurm ends a whole het job when one of
-its nodes goes down, a plain ``--no-kill`` job only that node's step): the bundle's agents share one folder.
+A mixed-GPU plan may run as a *bundle*, one plain job per component of its job layout (Slurm ends a whole het
+job when one of its nodes goes down, a plain ``--no-kill`` job only that node's step): its agents share a folder.
 Each writes ``part-<i>.json`` (its job and its nodes' tasks) when it starts and ``ended/<node>.json`` (the exit
 code) when a node's step ends; the first job's agent, beside plan rank 0, answers for every rank.
 

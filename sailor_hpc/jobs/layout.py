@@ -145,3 +145,16 @@ def job_layout(plan: Plan, partitions: Collection[str] | None = None) -> JobLayo
             tasks += [TaskPlace(component=index, node=n, local=k, rank=r) for k, r in enumerate(slot.ranks)]
     return JobLayout(components=tuple(components), tasks=tuple(tasks),
                      plan_ranks=len(all_roles) if len(roles) < len(all_roles) else 0)
+
+
+def component_layout(layout: JobLayout, index: int) -> JobLayout:
+    """Only component ``index`` of ``layout``, as a job of its own (a bundle's: one plain job per component,
+    which Slurm can end alone, see :class:`sailor_hpc.jobs.options.BundlePart`); its tasks keep their plan ranks."""
+    if not 0 <= index < len(layout.components):
+        raise SailorError(f"the job has {len(layout.components)} components, not a component {index}",
+                          field="component", fix="name a component of the plan's job layout")
+    comp = layout.components[index]
+    tasks = tuple(TaskPlace(component=0, node=t.node, local=t.local, rank=t.rank)
+                  for t in layout.tasks if t.component == index)
+    return JobLayout(components=(Component(0, comp.partition, comp.gpu_type, comp.slots),), tasks=tasks,
+                     plan_ranks=layout.world_size)

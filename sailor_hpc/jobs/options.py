@@ -114,10 +114,11 @@ class InPlace:
 
 @dataclass(frozen=True)
 class BundlePart:
-    """Job ``index`` of the ``count`` plain jobs, one per partition, that run a mixed-GPU plan together (a
-    *bundle*): Slurm ends a whole het job when one of its nodes goes down, a plain ``--no-kill`` job only that
-    node's step. Job 0 holds plan rank 0 and writes the rendezvous address to ``folder``; the others read it
-    there; their agents and resident ranks share the folder (:mod:`sailor_hpc.controller.job_agent`)."""
+    """Job ``index`` of the ``count`` plain jobs that run a mixed-GPU plan together (a *bundle*), one per
+    component of its job layout (``partition``: the component's; a het job would have these components): Slurm
+    ends a whole het job when one of its nodes goes down, a plain ``--no-kill`` job only that node's step. Job 0
+    holds plan rank 0 and writes the rendezvous address to ``folder``; the others read it there; their agents and
+    resident ranks share the folder (:mod:`sailor_hpc.controller.job_agent`)."""
 
     partition: str
     index: int

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from sailor_hpc.core.errors import EXIT_BAD_INPUT, SailorError
 from sailor_hpc.core.plan_io import load_plan
 from sailor_hpc.core.runtime_events import LABEL_ENV
-from sailor_hpc.jobs.layout import JobLayout, job_layout
+from sailor_hpc.jobs.layout import JobLayout, component_layout, job_layout
 
 
 def _int(env: Mapping[str, str], key: str) -> int:
@@ -72,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plan", required=True)
     ap.add_argument("--partitions", default=None,
                     help="comma-separated: this job runs only the plan's ranks on these (one cluster of several)")
+    ap.add_argument("--component", type=int, default=None,
+                    help="this job runs only this component of the plan's job layout (one job of a bundle)")
     args = ap.parse_args(argv[:cut])
     command = argv[cut + 1:]
     if not command:
@@ -80,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         parts = None if args.partitions is None else set(args.partitions.split(","))
         layout = job_layout(load_plan(args.plan), parts)
+        if args.component is not None:
+            layout = component_layout(layout, args.component)
         os.environ.update(rank_environment(layout, os.environ))
     except SailorError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)

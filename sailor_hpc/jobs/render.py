@@ -38,7 +38,7 @@ from sailor_hpc.core.roles import rank_roles
 from sailor_hpc.core.sailor_compat.plans import is_sailor_plan
 from sailor_hpc.core.site import Partition, Site, parse_walltime
 from sailor_hpc.core.training import DataBlend
-from sailor_hpc.jobs.layout import JobLayout, job_layout
+from sailor_hpc.jobs.layout import JobLayout, component_layout, job_layout
 from sailor_hpc.jobs.options import (
     DEFAULT_RENDEZVOUS_WAIT_S,
     LAUNCH_MODULES,
@@ -223,22 +223,22 @@ def cluster_job(plan: Plan, site: Site, cluster: str | None, rendezvous_file: ob
 
 
 def bundle_partitions(plan: Plan) -> list[str]:
-    """The partitions of a (placed) plan in its job layout's order, the one holding plan rank 0 first: a bundle
-    has one job per partition, in this order."""
+    """The partition of each component of a (placed) plan's job layout, in order, plan rank 0's first: a bundle
+    has one job per component (two components may share a partition: nodes with different numbers of ranks)."""
     return [c.partition for c in job_layout(plan).components]
 
 
 def bundle_job(plan: Plan, bundle: BundlePart, requeue: bool) -> ClusterJob:
-    """Check that one partition's job of a bundle can run and say which part of the plan it runs."""
+    """Check that one job of a bundle can run: the plan's component ``bundle.index`` is on its partition."""
     order = bundle_partitions(plan)
     if bundle.count != len(order) or bundle.index >= len(order) or order[bundle.index] != bundle.partition:
         raise SailorError(f"job {bundle.index} of {bundle.count} on partition {bundle.partition!r} is not the "
-                          f"plan's (its partitions in order: {', '.join(order)})", field="bundle",
-                          fix="render one job per partition of the plan, in bundle_partitions' order")
+                          f"plan's (its components' partitions in order: {', '.join(order)})", field="bundle",
+                          fix="render one job per component of the plan, in bundle_partitions' order")
     if requeue:
         raise SailorError("one job of a bundle requeued alone would wait for ranks that have left", field="requeue",
                           fix="render with requeue=False; the controller resubmits every job of the bundle")
-    return ClusterJob(None, (bundle.partition,), bundle.index == 0)
+    return ClusterJob(None, None, bundle.index == 0)
 
 
 def cluster_submit_env(site: Site, cluster: str | None, env: Mapping[str, str]) -> dict[str, str]:
@@ -289,6 +289,8 @@ def render_job_script(plan: Plan, site: Site, options: JobOptions) -> str:
     data, save, load = (work.data, work.save, work.load) if isinstance(work, Training) else (None, None, None)
     entry = _entry_words(work, plan) if isinstance(work, UserEntry) else None
     layout = job_layout(plan, part.partitions)
+    if bundle is not None:
+        layout = component_layout(layout, bundle.index)
     time_text, seconds = job_time(o.limits.time, site, layout)
     min_text = _time_min(o.limits.time_min, seconds)
     grace = (o.limits.signal_grace_s if o.limits.signal_grace_s is not None
@@ -345,7 +347,8 @@ def render_job_script(plan: Plan, site: Site, options: JobOptions) -> str:
         "cluster": part.cluster or "",
         "rendezvous_wait_s": scope.rendezvous_wait_s if isinstance(scope, ClusterPart) else DEFAULT_RENDEZVOUS_WAIT_S,
         "rendezvous_file": safety.q(safety.shell_path(Path(rendezvous_file), "rendezvous_file"))
-        if part.partitions and rendezvous_file is not None else "",
+        if (part.partitions or bundle is not None) and rendezvous_file is not None else "",
+        "component": bundle.index if bundle is not None else None,
     }
     return _environment().get_template(sbatch_templates.TRAIN_TEMPLATE).render(**ctx)
 

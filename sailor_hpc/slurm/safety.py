@@ -89,8 +89,8 @@ def job_id(value: str | int, field: str = "JOBID") -> str:
     return matching(str(value).strip(), field, JOB_ID, "a Slurm job id", "e.g. 1234, 1234_5 (array) or 1234+1 (het)")
 
 
-#: joins the ids of a *bundle*: plain jobs, one per partition, that run one mixed-GPU plan together, so that
-#: Slurm can end one of them (a node lost) without the others, as it ends a whole het job (sailor_hpc.jobs.bundle)
+#: joins the ids of a *bundle*: plain jobs, one per het component it would have, that run one mixed-GPU plan, so that
+#: Slurm can end one of them (a node lost) without the others, as it ends a whole het job (sailor_hpc.jobs.options.BundlePart)
 BUNDLE_SEP = ","
 
 

@@ -17,6 +17,7 @@ from sailor_hpc.controller.spec import RunSpec
 from sailor_hpc.controller.state import RunDir
 from sailor_hpc.core.plan_io import load_plan
 from sailor_hpc.core.site import load_site
+from sailor_hpc.jobs.render import bundle_partitions
 from tests.data.tiny_archive import write_tiny_archive
 from tests.jobs.conftest import LOCAL_LAB, write_plan
 from tests.jobs.test_render import _bash_argv
@@ -96,8 +97,10 @@ def test_run_spec_keeps_the_options_for_every_job_it_submits(tmp_path: Path, slu
     rd = RunDir.existing(run_dir)
     site = load_site(LOCAL_LAB)
     plan = load_plan(write_plan(tmp_path, "het-mixed"), site=site)
-    _, script = prepare_attempt(rd, spec, site, plan, 1, "sailor-x-1")
-    _check(_launch_values(script.read_text()), a, b, eval_iters=5)  # a --train-arg comes last and wins
+    _, scripts = prepare_attempt(rd, spec, site, plan, 1, "sailor-x-1")  # a bundle: a job per layout component
+    assert len(scripts) == len(bundle_partitions(plan)) > 1
+    for script in scripts:
+        _check(_launch_values(script.read_text()), a, b, eval_iters=5)  # a --train-arg comes last and wins
     # options of a new run are refused with --resume (they are in run.json)
     res = CliRunner().invoke(main, ["run", "--resume", str(run_dir), "--lr", "1"])
     assert res.exit_code == 2 and "--resume takes no run options (lr)" in res.output

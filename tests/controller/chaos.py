@@ -121,7 +121,7 @@ class Soak:
             cleanup = lambda: sc.set_node(node, "resume")  # noqa: E731
         elif name in ("operator_cancel", "corrupt"):
             job, _ = self.current_job()
-            proc = sc.cluster.as_operator(["scancel", job])
+            proc = sc.cluster.as_operator(["scancel", *job.split(",")])  # a bundle: every one of its jobs
             assert proc.returncode == 0, proc.stderr
             detail = f"job {job} cancelled by {OPERATOR}"
             if name == "corrupt":  # once the job is gone (its ranks save on the cancel's SIGTERM), before the next loads

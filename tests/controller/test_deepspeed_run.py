@@ -82,8 +82,8 @@ def test_the_job_launches_the_plans_runtime(lab, tmp_path: Path) -> None:
         run = spec.changed(runtime=runtime)
         planned = plan_on(run.changed(min_gain=0.5), site, archive, ONE_A100)  # auto: DeepSpeed's plan
         rd = RunDir.create(tmp_path / runtime, run)
-        plan_path, script = prepare_attempt(rd, run, site, planned.plan, 1, "sailor-ab12-001")
-        assert f"-m {module} " in script.read_text()
+        plan_path, scripts = prepare_attempt(rd, run, site, planned.plan, 1, "sailor-ab12-001")
+        assert scripts and all(f"-m {module} " in script.read_text() for script in scripts)
         # the plan file keeps what chose the runtime: a resumed controller launches the same one
         assert run.planning.runtime_of(load_plan(plan_path)) == ("deepspeed" if runtime == "auto" else "megatron_patch")
 

@@ -1,7 +1,8 @@
-"""A mixed-GPU plan as a *bundle*: one plain job per partition (Slurm ends a whole het job that loses a node, a
-plain ``--no-kill`` job only that node's step). Each script runs its partition's ranks under their plan ranks
-and its own job agent; the first (plan rank 0's) publishes the rendezvous in the bundle's folder, the others wait
-for it there. What cannot run that way is refused. The end-to-end run: tests/controller/test_resident_cluster.py."""
+"""A mixed-GPU plan as a *bundle*: one plain job per component of its job layout (Slurm ends a whole het job
+that loses a node, a plain ``--no-kill`` job only that node's step). Each script runs its component's ranks
+under their plan ranks and its own job agent; the first (plan rank 0's) publishes the rendezvous in the
+bundle's folder, the others wait for it there. What cannot run that way is refused. The end-to-end run:
+tests/controller/test_resident_cluster.py."""
 from __future__ import annotations
 
 import subprocess
@@ -13,7 +14,7 @@ from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.plan import Plan
 from sailor_hpc.core.roles import rank_roles
 from sailor_hpc.core.site import Site, load_site
-from sailor_hpc.jobs.layout import job_layout
+from sailor_hpc.jobs.layout import component_layout, job_layout
 from sailor_hpc.jobs.options import BundlePart, DryRun, InPlace, JobOptions, Training
 from sailor_hpc.jobs.rank_env import rank_environment
 from sailor_hpc.jobs.render import bundle_partitions, render_job_script
@@ -50,20 +51,32 @@ def test_one_script_per_partition_covers_every_rank_once(tmp_path: Path) -> None
     assert 'mv -f "$RDZV.$SLURM_JOB_ID.tmp" "$RDZV"' in lead and "until [" not in lead
     assert f"RDZV={folder}/rendezvous" in other and "read -r MASTER_ADDR MASTER_PORT" in other
     assert "--bundle-part=v100:0/2 " in lead and "--bundle-part=a100:1/2 " in other
-    assert "--partitions v100 " in lead and "#SBATCH --partition=v100" in lead and "--partition=a100" not in lead
-    assert "--partitions a100 " in other and "#SBATCH --nodes=1" in other
+    assert "--component 0 " in lead and "#SBATCH --partition=v100" in lead and "--partition=a100" not in lead
+    assert "--component 1 " in other and "#SBATCH --nodes=1" in other and "--partitions" not in other
+
+
+def test_each_job_runs_one_layout_component_and_every_rank_runs_once(tmp_path: Path) -> None:
+    """Two components may share a partition (its nodes run different numbers of ranks): one job each."""
+    site = load_site(LOCAL_LAB)
+    # 5 one-stage A100 pipelines: 4 ranks on a100-1, 1 on a100-2 (4 GPUs a node), two components
+    plan = tiny_plan(site, GPU, ("v100", "v100"), *[("a100",)] * 5)
+    full = job_layout(plan)
+    assert bundle_partitions(plan) == ["v100", "a100", "a100"]
     got = {}
-    for part in order:
-        layout = job_layout(plan, [part])
+    for i, part in enumerate(bundle_partitions(plan)):
+        text = _render(plan, site, tmp_path, BundlePart(part, i, len(full.components), tmp_path / "b"))
+        assert f"--component {i} " in text and f"#SBATCH --partition={part}\n" in text
+        layout = component_layout(full, i)
+        assert layout.world_size == full.world_size and len(layout.components) == 1
         for procid in range(layout.num_tasks):
             env = rank_environment(layout, {"SLURM_PROCID": str(procid), "SLURM_NTASKS": str(layout.num_tasks)})
-            got[int(env["RANK"])] = part
-    assert got == {r.rank: str(r.partition) for r in rank_roles(plan)}
+            got[int(env["RANK"])] = (part, env["WORLD_SIZE"])
+    assert got == {r.rank: (str(r.partition), str(full.world_size)) for r in rank_roles(plan)}
 
 
 @pytest.mark.parametrize("bundle, resident, kw, field", [
     (BundlePart("a100", 0, 2, "f"), True, {}, "bundle"),  # rank 0 is on v100: job 0 must be the V100 job
-    (BundlePart("v100", 0, 3, "f"), True, {}, "bundle"),  # the plan has two partitions, not three
+    (BundlePart("v100", 0, 3, "f"), True, {}, "bundle"),  # the plan has two components, not three
     (BundlePart("v100", 0, 2, "f"), True, {"requeue": True}, "requeue"),  # one job requeued alone would wait
     (BundlePart("v100", 0, 2, "f"), True, {"work": DryRun()}, "bundle"),  # a dry run has no resident ranks
 ])
