@@ -167,7 +167,9 @@ def drive(run_dir: Path, *, resume: bool = False) -> int:
 @click.option("--resident-ranks/--no-resident-ranks", default=True, show_default=True,
               help="Recover in place without new processes: one srun step per node, and on a node lost or drained "
                    "the surviving ranks take the new plan in their own processes (megatron_patch runtime outside "
-                   "a container; else each change starts a new srun step).")
+                   "a container; else each change starts a new srun step). A mixed-GPU plan then runs as a bundle "
+                   "of plain jobs, one per het component, so that a node lost is recovered in place (Slurm ends a "
+                   "whole het job); --no-resident-ranks keeps one het job, whose components Slurm starts together.")
 @click.option("--save-interval", type=click.IntRange(min=1), default=50, show_default=True,
               help="The job checkpoints every K steps (a lost node costs at most K steps).")
 @click.option("--time", "time_limit", default=None, help="Time limit of each job (it checkpoints before it).")
