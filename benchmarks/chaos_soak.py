@@ -6,7 +6,7 @@ Prints, per fault, how long the run took to answer it and train past a checkpoin
 controller's own recovery time where the fault moved the run, and the jobs used; then the steps trained (and
 trained twice, after rollbacks) and the largest parameter and Adam-moment difference from the reference.
 
-Run: ``python benchmarks/chaos_soak.py [--seed 7] [--faults 7] [--workdir DIR]`` (as root, with setpriv: an
+Run: ``python benchmarks/chaos_soak.py [--seed 7] [--faults 7] [--workdir DIR] [--mixed]`` (as root, with setpriv: an
 operator's cancel runs scancel as another user; it starts a local cluster, or uses SAILOR_SLURM_LAB's).
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ sys.path.insert(0, str(REPO))
 
 from sailor_hpc.core.checkpoint import step_dir  # noqa: E402
 from tests.controller.chaos import FAULTS, Soak, describe, final_step, step_account  # noqa: E402
-from tests.controller.scenario import Scenario, build_inputs, start_reference  # noqa: E402
+from tests.controller.scenario import Scenario, build_inputs, one_gpu_site, start_reference  # noqa: E402
 from tests.slurm.cluster import get_cluster  # noqa: E402
 
 TOLERANCE = 5e-6  # as the tests: the reference and the runs differ only in reduction order
@@ -32,6 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--faults", type=int, default=len(FAULTS), help=f"how many (kinds: {', '.join(FAULTS)})")
     ap.add_argument("--workdir", type=Path, default=None, help="keep the run here (journal: WORKDIR/run)")
+    ap.add_argument("--mixed", action="store_true",
+                    help="one GPU per node, a100-2 held from the start: the run trains 1 A100 + 2 V100 as a bundle "
+                         "of one job per het component, and every fault meets that bundle")
     args = ap.parse_args(argv)
     from tests.megatron_patch.conftest import max_diff
     cluster = get_cluster()
@@ -39,8 +42,13 @@ def main(argv: list[str] | None = None) -> int:
         root = args.workdir.absolute() if args.workdir else Path(tmp)
         root.mkdir(parents=True, exist_ok=True)
         data, archive = build_inputs(None, root)
-        sc = Scenario(cluster, root, data, archive, steps=1_000_000, save_interval=5)
-        soak = Soak(sc, args.seed)
+        if args.mixed:
+            sc = Scenario(cluster, root, data, archive, steps=1_000_000, save_interval=5, site=one_gpu_site(root),
+                          extra_args=["--max-gpus", "3", "--min-gain", "1%", "--restart-cost", "0"])
+            soak = Soak(sc, args.seed, hold=("a100-2",))
+        else:
+            sc = Scenario(cluster, root, data, archive, steps=1_000_000, save_interval=5)
+            soak = Soak(sc, args.seed)
         try:
             results = soak.run(args.faults)
             step = final_step(sc)

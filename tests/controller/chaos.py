@@ -50,6 +50,7 @@ class Soak:
     seed: int
     results: list[FaultResult] = field(default_factory=list)
     held: list[str] = field(default_factory=list)  # blockers the ``grow`` fault frees
+    hold: tuple[str, ...] = ("a100-1", "a100-2")  # the A100 nodes held from the start
 
     # ------------------------------------------------------------------------------------------ set-up
 
@@ -62,8 +63,9 @@ class Soak:
         return out[:n]
 
     def hold_a100s(self) -> None:
-        """Blockers on every A100 before the run starts (the run begins on V100s; ``grow`` frees them)."""
-        self.held = [self.sc.blocker("a100-1", 4), self.sc.blocker("a100-2", 4)]
+        """Blockers on the A100s of ``hold`` before the run starts (all of them: the run begins on V100s; ``grow``
+        frees them)."""
+        self.held = [self.sc.blocker(node, 4) for node in self.hold]
 
     # ------------------------------------------------------------------------------------------- journal
 
