@@ -185,9 +185,17 @@ class Agent:
                 return held, False
             if self.parts > 1 and time.monotonic() > next_poll:
                 next_poll = time.monotonic() + BUNDLE_POLL_S
-                if any(s.final for s in poll_jobs(job_ids(self.bundle_id())).values()):
+                if self._a_job_ended(job_ids(self.bundle_id())):
                     return held, False
             time.sleep(POLL_S)
+
+    @staticmethod
+    def _a_job_ended(jobs: list[str]) -> bool:
+        """Whether Slurm ended one of ``jobs`` (not known while Slurm does not answer: asked again later)."""
+        try:
+            return any(s.final for s in poll_jobs(jobs).values())
+        except (SailorError, SlurmUnavailable):
+            return False
 
     def wait_own(self) -> list[int]:
         """Wait for every step of this job; the codes of the steps of nodes the plan still used."""
@@ -253,7 +261,14 @@ class Agent:
 
     def run(self) -> int:
         self.start()
-        return self._lead() if self.lead else self._follower()
+        if not self.lead:
+            return self._follower()
+        try:
+            return self._lead()
+        except SailorError as exc:  # the bundle's other jobs never all started: nothing to answer for
+            print(f"sailor-hpc job agent: {exc}", file=sys.stderr, flush=True)
+            self.kill_own()
+            return self.leave_all(EXIT_FAILED)
 
     def _lead(self) -> int:
         while True:
@@ -291,7 +306,7 @@ class Agent:
             if read_held(self.root, self.epoch) and time.monotonic() > next_poll:
                 next_poll = time.monotonic() + BUNDLE_POLL_S
                 lead_job = lead_job or read_parts(self.root)[0].job_id
-                if poll_jobs([lead_job])[lead_job].final and read_directive(self.root, self.epoch + 1) is None:
+                if self._a_job_ended([lead_job]) and read_directive(self.root, self.epoch + 1) is None:
                     self.kill_own()
                     self.wait_own()
                     return EXIT_FAILED
