@@ -1,5 +1,5 @@
 """One way to turn a run's spec into its jobs: the job options, plan file and script of an attempt, whatever
-its scope (one job, a partition's job of a bundle, or one cluster's part of a group).
+its scope (one job, one job of a bundle, or one cluster's part of a group).
 
 Every job of a run trains the same way (its data, checkpoints, steps, runtime, interpreter, the site's extra
 ``sbatch`` options, time limits and signal grace); only the scope differs: :class:`InPlace` for the one job of a

@@ -78,9 +78,6 @@ class NodeStep:
     tasks: int
     proc: Popen[bytes]
 
-    def seats(self) -> list[Seat]:
-        return [Seat(self.node, i) for i in range(self.tasks)]
-
 
 @dataclass
 class Agent:
@@ -104,6 +101,7 @@ class Agent:
     addresses: dict[str, str] = field(default_factory=dict)
     members: dict[str, int] = field(default_factory=dict)  # lead: every node of the current plan -> its ranks
     _marked: set[str] = field(default_factory=set)
+    _parts: dict[int, Part] = field(default_factory=dict)  # the bundle's jobs, once every one registered
 
     @property
     def lead(self) -> bool:
@@ -132,14 +130,17 @@ class Agent:
             threading.Thread(target=self._prepare, daemon=True).start()
 
     def _bundle(self) -> dict[int, Part]:
-        """Every job of the bundle, once all registered (the ranks only train once every job runs)."""
+        """Every job of the bundle, once all registered (the ranks only train once every job runs); read once."""
         deadline = time.monotonic() + BUNDLE_WAIT_S
-        while len(parts := read_parts(self.root)) < self.parts:
-            if time.monotonic() > deadline:
+        while not self._parts:
+            if len(parts := read_parts(self.root)) == self.parts:
+                self._parts = parts
+            elif time.monotonic() > deadline:
                 raise SailorError(f"{len(parts)} of the bundle's {self.parts} jobs started within {BUNDLE_WAIT_S:.0f} s",
                                   file=self.root, fix="the run's controller re-plans on what is free")
-            time.sleep(POLL_S)
-        return parts
+            else:
+                time.sleep(POLL_S)
+        return self._parts
 
     def bundle_id(self) -> str:
         return BUNDLE_SEP.join(p.job_id for _, p in sorted(self._bundle().items()))
@@ -149,7 +150,6 @@ class Agent:
         for the loss of each node)."""
         try:
             parts = self._bundle()
-            self.members = self.members or {n: t for p in parts.values() for n, t in p.nodes.items()}
             planner = SurvivorPlanner.of(self.run_dir, self.job_plan)
             self.addresses = {n: node_address(n) or n for p in parts.values() for n in p.nodes}
             planner.plan_ahead(job_components(self.bundle_id()))
@@ -164,11 +164,11 @@ class Agent:
                 write_ended(self.root, node, rc)
                 self._marked.add(node)
 
-    def live(self) -> dict[str, int]:
-        """Lead: the current plan's nodes whose step still runs, and their ranks."""
+    def live(self, ended: dict[str, int]) -> dict[str, int]:
+        """Lead: the current plan's nodes whose step has not ``ended``, and their ranks (at first: every node of
+        every job of the bundle)."""
         if not self.members:
             self.members = {n: t for p in self._bundle().values() for n, t in p.nodes.items()}
-        ended = read_ended(self.root)
         return {n: t for n, t in self.members.items() if n not in ended}
 
     def settled(self) -> tuple[dict[str, Held], bool]:
@@ -179,7 +179,7 @@ class Agent:
         while True:
             self.mark_ended()
             held = read_held(self.root, self.epoch)
-            if all(Seat(n, i).key in held for n, t in self.live().items() for i in range(t)):
+            if all(Seat(n, i).key in held for n, t in self.live(read_ended(self.root)).items() for i in range(t)):
                 return held, True
             if time.monotonic() > deadline:
                 return held, False
@@ -274,12 +274,10 @@ class Agent:
         while True:
             time.sleep(POLL_S)
             self.mark_ended()
-            live = self.live()
-            if not live:
-                ended = read_ended(self.root)
+            ended = read_ended(self.root)
+            if not self.live(ended):
                 self.wait_own()
                 return job_code([ended[n] for n in self.members if n in ended])
-            ended = read_ended(self.root)
             failed = any(ended.get(n, 0) != 0 for n in self.members)
             if failed or read_held(self.root, self.epoch):
                 code = self.change()
@@ -290,7 +288,6 @@ class Agent:
         """A bundle's other jobs: their steps, their ends said, the lead's directives followed; a lead whose job
         Slurm ended (its node lost) leaves no one to answer: the ranks are ended and so is this job."""
         next_poll = 0.0
-        lead_job = ""
         while True:
             time.sleep(POLL_S)
             self.mark_ended()
@@ -305,8 +302,7 @@ class Agent:
                 return job_code(self.wait_own())
             if read_held(self.root, self.epoch) and time.monotonic() > next_poll:
                 next_poll = time.monotonic() + BUNDLE_POLL_S
-                lead_job = lead_job or read_parts(self.root)[0].job_id
-                if self._a_job_ended([lead_job]) and read_directive(self.root, self.epoch + 1) is None:
+                if self._a_job_ended([self._bundle()[0].job_id]) and read_directive(self.root, self.epoch + 1) is None:
                     self.kill_own()
                     self.wait_own()
                     return EXIT_FAILED
