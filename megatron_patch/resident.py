@@ -9,16 +9,26 @@ needs torch:
   torch 2.13), so the rank shuts its TCP connections down: every peer blocked on it gets "connection closed"
   at once and does the same, and the failure reaches every rank in milliseconds (a rank waits on a peer, that
   one on another, down to the rank that is gone).
+* :class:`Waker`: a lost node whose processes live on (a network cut, a hung node) closes no connection, and
+  its peers would wait in their collective until the timeout. The job agent, which sees the node's step end,
+  writes a wake marker; a thread of each rank watches for it and shuts the rank's connections down (the main
+  thread's collective fails at once, as above).
 * :class:`Kept`: the rank's own shards of the layers it trained, at a step it saved: after the change, the layers
   the new plan leaves on this rank (same TP shard) are restored from memory, the others from the checkpoint's
   files (which the save just wrote: from the page cache).
 """
 from __future__ import annotations
 
+import faulthandler
 import os
 import socket
+import sys
+import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from sailor_hpc.core.resident import wake_file
 
 if TYPE_CHECKING:
     import torch
@@ -43,6 +53,59 @@ class Kept:
             return None
         self.used.append(name)
         return kept
+
+
+class Waker:
+    """Watches ``wake-<epoch>`` while this rank trains ``epoch``; when the agent writes it, shuts the rank's
+    connections down from this thread, so the main thread's collective fails. :meth:`stop` (under the lock,
+    before the rank joins another epoch's groups) ends the watch: a late wake never touches the next groups."""
+
+    POLL_S = 0.05
+    STACKS_AFTER_S = 10.0  # still training this long after a wake: print every thread's stack (where it hangs)
+
+    def __init__(self, root: Path, epoch: int) -> None:
+        self._path = wake_file(root, epoch)
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name=f"sailor-wake-{epoch}", daemon=True)
+
+    def __enter__(self) -> Waker:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped.set()
+
+    def _watch(self) -> None:
+        while not self._stopped.wait(self.POLL_S):
+            if not self._path.exists():
+                continue
+            with self._lock:
+                if self._stopped.is_set():
+                    return
+                n = interrupt_communication()
+            sys.stderr.write(f"woken by the job agent ({self._path.name}): {n} connections shut down\n")
+            sys.stderr.flush()
+            if not self._stopped.wait(self.STACKS_AFTER_S):
+                sys.stderr.write(f"still training {self.STACKS_AFTER_S:.0f} s after the wake; every thread:\n")
+                faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+            return
+
+
+def interrupt_communication() -> int:
+    """Make every collective of this process fail now, from any thread (NCCL: abort; gloo: shut down its TCP
+    connections); how many connections were shut down (0 for NCCL)."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        c10d._abort_process_group()
+        return 0
+    return _shutdown_tcp_sockets()
 
 
 def kept_state(trainer: Any) -> Kept:
@@ -80,6 +143,14 @@ def _fds() -> list[int]:
         return []
 
 
+#: the broken gloo groups of every change, referenced for the process's life: never destructed. A gloo group's
+#: destructor waits until its worker threads drained their queue, and a worker blocked in a collective with a
+#: lost peer may never return; the destructor then hangs the rank where the trainer that held the group is
+#: freed (seen on the local cluster: a survivor of a node loss stuck there, never holding). The cost: each
+#: change leaves its groups' idle threads and buffers behind.
+_ABANDONED: list[Any] = []
+
+
 def abort_communication() -> None:
     """Leave every process group at once, waking the peers blocked on this rank, then forget them all."""
     import torch.distributed as dist
@@ -91,6 +162,7 @@ def abort_communication() -> None:
         c10d._abort_process_group()
         return
     _shutdown_tcp_sockets()
+    _ABANDONED.extend(c10d._world.pg_map)
     try:
         dist.destroy_process_group()
     except (RuntimeError, ValueError, AssertionError):

@@ -248,15 +248,16 @@ def train(args: argparse.Namespace, plan: Plan, env: DistEnv, role: Role, runtim
     os.environ["MASTER_PORT"] = str(env.master_port)
     if resident is None:
         return _train(args, plan, env, role, runtime, device, cuda, None)
-    from megatron_patch.resident import abort_communication
-    try:
-        return _train(args, plan, env, role, runtime, device, cuda, resident)
-    except RuntimeError as exc:  # a peer's connection closed (its node lost) or timed out: hold, the agent decides
-        abort_communication()
-        first = (str(exc).strip().splitlines() or [""])[0]
-        return Interrupted(Held(epoch=resident.epoch, node=resident.seat.node, local=resident.seat.local,
-                                step=-1, saved=False, pid=os.getpid(), reason=f"{type(exc).__name__}: {first[:300]}"),
-                           None)
+    from megatron_patch.resident import Waker, abort_communication
+    with Waker(resident.root, resident.epoch):  # the agent's wake: a node lost whose connections stay open
+        try:
+            return _train(args, plan, env, role, runtime, device, cuda, resident)
+        except RuntimeError as exc:  # a peer's connection closed (its node lost), timed out or woken: hold
+            abort_communication()
+            first = (str(exc).strip().splitlines() or [""])[0]
+            return Interrupted(Held(epoch=resident.epoch, node=resident.seat.node, local=resident.seat.local,
+                                    step=-1, saved=False, pid=os.getpid(),
+                                    reason=f"{type(exc).__name__}: {first[:300]}"), None)
 
 
 def _train(args: argparse.Namespace, plan: Plan, env: DistEnv, role: Role, runtime: Runtime[T], device: Any,

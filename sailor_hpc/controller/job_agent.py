@@ -8,7 +8,9 @@ through a100-2 going DOWN, and through ``scontrol update JobId=<id> NodeList=a10
 run with ``--resident DIR`` (:mod:`sailor_hpc.core.resident`): when training stops short they hold and wait
 here for a directive. The agent then
 
-1. waits until every rank still running holds (a node's step that ended counts as lost ranks);
+1. waits until every rank still running holds (a node's step that ended counts as lost ranks); once a step
+   ended badly or a rank failed, it tells the others to leave their communicators at once (``wake-<epoch>``:
+   a lost node's processes may live on, their connections open, where it is cut off or hung);
 2. asks :func:`sailor_hpc.controller.inplace.replan` which nodes were lost and plans on the survivors, with the
    run's objective and constraints, releasing drained nodes; none lost (a time-limit or stop signal, a failure):
    every rank leaves, the job ends with their exit code, as a job of one step would;
@@ -54,6 +56,7 @@ from sailor_hpc.core.resident import (
     write_directive,
     write_ended,
     write_part,
+    write_wake,
 )
 from sailor_hpc.core.runtime_events import InPlaceRefused, encode_event
 from sailor_hpc.jobs.layout import component_layout, job_layout
@@ -66,6 +69,8 @@ POLL_S = 0.02
 #: how long the ranks still running may take to notice a change and hold (a rank computing a long step only
 #: notices at its next collective); after it the job ends as a failed one
 SETTLE_S = 120.0
+#: a node's step that ended well while the others still train: lost after this (see :meth:`Agent.lost`)
+ENDED_GRACE_S = 5.0
 BUNDLE_WAIT_S = 600.0  # a bundle's jobs that have not all started by then: the job gives up
 BUNDLE_POLL_S = 1.0  # how often a waiting agent asks Slurm whether a job of its bundle ended
 
@@ -101,6 +106,8 @@ class Agent:
     addresses: dict[str, str] = field(default_factory=dict)
     members: dict[str, int] = field(default_factory=dict)  # lead: every node of the current plan -> its ranks
     _marked: set[str] = field(default_factory=set)
+    _woken: int = -1  # the epoch whose ranks were told to leave their communicators
+    _ended_seen: dict[str, float] = field(default_factory=dict)  # node -> when its ended marker was first read
     _parts: dict[int, Part] = field(default_factory=dict)  # the bundle's jobs, once every one registered
 
     @property
@@ -179,8 +186,10 @@ class Agent:
         while True:
             self.mark_ended()
             held = read_held(self.root, self.epoch)
-            if all(Seat(n, i).key in held for n, t in self.live(read_ended(self.root)).items() for i in range(t)):
+            ended = read_ended(self.root)
+            if all(Seat(n, i).key in held for n, t in self.live(ended).items() for i in range(t)):
                 return held, True
+            self.wake_on_failure(held, ended)
             if time.monotonic() > deadline:
                 return held, False
             if self.parts > 1 and time.monotonic() > next_poll:
@@ -188,6 +197,29 @@ class Agent:
                 if self._a_job_ended(job_ids(self.bundle_id())):
                     return held, False
             time.sleep(POLL_S)
+
+    def lost(self, ended: dict[str, int]) -> list[str]:
+        """The plan's nodes whose step ended mid-epoch: badly, or well but with the others still at work after
+        :data:`ENDED_GRACE_S` (Slurm's step of a node set DOWN may end with 0; at the end of training every
+        node's step ends well within a moment of the others')."""
+        now = time.monotonic()
+        for n in ended:
+            self._ended_seen.setdefault(n, now)
+        return sorted(n for n in self.members if n in ended
+                      and (ended[n] != 0 or now - self._ended_seen[n] > ENDED_GRACE_S))
+
+    def wake_on_failure(self, held: dict[str, Held], ended: dict[str, int]) -> None:
+        """A node's step ended badly (the node lost) or a rank's collective failed: no rank can finish this epoch.
+        Tell those still training to leave their communicators now: a lost node's processes may live on (a
+        network cut, a hung node), their connections open, and their peers would wait for the timeout."""
+        if self._woken == self.epoch:
+            return
+        lost = self.lost(ended)
+        failed = sorted(k for k, h in held.items() if not h.saved)
+        if lost or failed:
+            write_wake(self.root, self.epoch, f"step ended on {', '.join(lost)}" if lost
+                       else f"rank {failed[0]} failed: {held[failed[0]].reason}")
+            self._woken = self.epoch
 
     @staticmethod
     def _a_job_ended(jobs: list[str]) -> bool:
@@ -223,6 +255,10 @@ class Agent:
         if not in_time:
             self.kill_own()
             return self.leave_all(EXIT_FAILED)
+        ended = read_ended(self.root)
+        if not held and not self.live(ended):  # every rank finished after all (a slow last one): no change
+            self.wait_own()
+            return job_code([ended[n] for n in self.members if n in ended])
         try:
             planner = self.planner or SurvivorPlanner.of(self.run_dir, self.job_plan)
             r = replan(planner, list(self.members), self.bundle_id(), self.addresses)
@@ -278,8 +314,7 @@ class Agent:
             if not self.live(ended):
                 self.wait_own()
                 return job_code([ended[n] for n in self.members if n in ended])
-            failed = any(ended.get(n, 0) != 0 for n in self.members)
-            if failed or read_held(self.root, self.epoch):
+            if self.lost(ended) or read_held(self.root, self.epoch):
                 code = self.change()
                 if code is not None:
                     return code

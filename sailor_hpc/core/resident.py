@@ -9,7 +9,11 @@ leave), with a fresh rendezvous. Both are JSON files written atomically in ``DIR
 
 * ``held-<epoch>/<node>.<local>.json``: a rank of epoch ``epoch`` holds (its step, whether its state is the
   checkpoint of that step, its PID);
-* ``epoch-<n>.json``: the agent's answer for epoch ``n`` (1, 2, ...).
+* ``epoch-<n>.json``: the agent's answer for epoch ``n`` (1, 2, ...);
+* ``wake-<epoch>.json``: the agent saw a node of epoch ``epoch`` lost (its step ended) or a rank fail: every
+  rank still training must leave its communicators now. A lost node's processes may live on where it is
+  unreachable (a network cut, a hung node), so no connection closes and its peers would wait in a collective
+  until the timeout (30 minutes); each rank watches for this file and shuts its own connections down.
 
 A mixed-GPU plan may run as a *bundle*, one plain job per component of its job layout (Slurm ends a whole het
 job when one of its nodes goes down, a plain ``--no-kill`` job only that node's step): its agents share a folder.
@@ -151,6 +155,18 @@ def wait_for_file(path: Path, poll_s: float = 0.005, timeout_s: float = 600.0) -
             raise SailorError(f"did not appear within {timeout_s:.0f} s", file=path,
                               fix="the rank that should make it is gone: the job agent ends the job")
         time.sleep(poll_s)
+
+
+def wake_file(root: Path, epoch: int) -> Path:
+    return root / f"wake-{epoch}.json"
+
+
+def write_wake(root: Path, epoch: int, reason: str) -> Path:
+    """Tell every rank of ``epoch`` still training to leave its communicators (once: the first reason stays)."""
+    path = wake_file(root, epoch)
+    if not path.exists():
+        atomic_write_text(path, json.dumps({"epoch": epoch, "reason": reason, "t": round(time.time(), 3)}) + "\n")
+    return path
 
 
 def write_held(root: Path, held: Held) -> Path:

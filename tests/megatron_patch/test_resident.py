@@ -6,6 +6,9 @@ tests/controller/test_resident_cluster.py) by hand, on local gloo ranks:
 - a rank is SIGKILLed mid-run (its node lost): every survivor's blocked collective fails within a second (the
   failure cascades through the connections the survivors shut down), each says it holds, takes a place in a
   new two-rank plan, loads the newest complete checkpoint and trains on, in the same process;
+- a rank is frozen (SIGSTOP: its node cut off or hung, its processes alive, its connections open): no
+  collective fails, the survivors would wait for the collective timeout; the agent's wake marker (written when
+  the node's step ends) makes each survivor shut its own connections down, hold within seconds and rejoin;
 - SIGUSR1 (a drain, a resize): every rank saves, holds, and the two that stay restore the layers they keep
   from their own memory (``from_memory``), the others' layers from the files.
 
@@ -22,7 +25,7 @@ from pathlib import Path
 
 from megatron_patch import local
 from sailor_hpc.core.checkpoint import latest_complete, step_dir, step_of
-from sailor_hpc.core.resident import Directive, read_held, write_directive
+from sailor_hpc.core.resident import Directive, read_held, write_directive, write_wake
 from tests.megatron_patch.conftest import Env, events, launch_args, max_diff
 
 STEPS = 12
@@ -77,6 +80,28 @@ def test_survivors_of_a_lost_rank_rejoin_a_new_plan(runtime_env: Env, ref_file: 
         assert loaded["step"] == step_of(newest) and loaded["from_memory"] == 0
         assert events(results[old], "done")[0]["step"] == STEPS
     assert not events(results[2], "done") and len(events(results[2], "start")) == 1  # it left
+    assert max_diff(step_dir(save, STEPS), ref_file(STEPS))["param"] <= 1e-6
+
+
+def test_survivors_of_a_frozen_rank_leave_when_woken(runtime_env: Env, ref_file: Callable[[int], Path]) -> None:
+    procs, save, resident, logs = _start(runtime_env, runtime_env.root, "frozen")
+    _wait("a checkpoint of step 4", lambda: (step_of(latest_complete(save) or "step_00000000") or 0) >= 4)
+    procs[3].send_signal(signal.SIGSTOP)  # its node cut off: alive, its connections open
+    time.sleep(3.0)
+    assert not read_held(resident, 0), "a survivor held with no connection closed"  # they wait in a collective
+    t_wake = time.time()
+    write_wake(resident, 0, "step ended on the frozen rank's node")  # what the job agent writes then
+    _wait("the three survivors holding", lambda: len(read_held(resident, 0)) == 3, timeout=60)
+    held = read_held(resident, 0)
+    assert all(not h.saved for h in held.values()) and max(h.t for h in held.values()) - t_wake < 5.0, held
+    procs[3].kill()
+    write_directive(resident, _directive(runtime_env, 1, [0, 1, None, None]))
+    results = local.wait(procs[:3], timeout=300)
+    assert [r.returncode for r in results] == [0, 0, 0], [r.stderr[-3000:] for r in results]
+    assert all("woken by the job agent" in r.stderr for r in results), [r.stderr[-2000:] for r in results]
+    for r in results[:2]:
+        assert [s["world_size"] for s in events(r, "start")] == [4, 2]
+        assert events(r, "done")[0]["step"] == STEPS
     assert max_diff(step_dir(save, STEPS), ref_file(STEPS))["param"] <= 1e-6
 
 
