@@ -93,7 +93,7 @@ def test_ctrl_c_names_the_jobs_left_running_and_a_second_cancels_them(slurm_clus
             time.sleep(0.1)
 
     try:
-        wait_for("2 queued")
+        wait_for("2 queued", timeout=180.0)  # a lab whose controller is busy with another file's jobs: seconds each
         proc.send_signal(signal.SIGINT)
         wait_for("Ctrl-C again")
         said = "".join(lines)
