@@ -80,8 +80,10 @@ def test_ctrl_c_names_the_jobs_left_running_and_a_second_cancels_them(slurm_clus
     env = {**slurm_cluster.env,
            "PYTHONPATH": os.pathsep.join([str(REPO), slurm_cluster.env.get("PYTHONPATH", "")])}
     # --begin keeps the jobs pending: they are still queued whenever the signals come
+    # SIGINT as a terminal gives it (a worker process may have it ignored, which its children would inherit)
     proc = subprocess.Popen(_sweep(slurm_cluster, tmp_path, "--mbs", "1", "--tp", "1,2", "--begin", "now+1hour"), env=env,
-                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)  # type: ignore[union-attr]
     reader.start()
@@ -95,7 +97,7 @@ def test_ctrl_c_names_the_jobs_left_running_and_a_second_cancels_them(slurm_clus
     try:
         wait_for("2 queued", timeout=180.0)  # a lab whose controller is busy with another file's jobs: seconds each
         proc.send_signal(signal.SIGINT)
-        wait_for("Ctrl-C again")
+        wait_for("Ctrl-C again", timeout=180.0)
         said = "".join(lines)
         states = _pending(slurm_cluster, tmp_path / "jobs")
         assert len(states) == 2 and set(states.values()) == {"PENDING"}, states  # still queued after the first
