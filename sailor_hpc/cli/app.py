@@ -1,4 +1,5 @@
-"""The root ``sailor-hpc`` command group; every command module registers itself on :data:`main`.
+"""The root ``sailor-hpc`` command group; every command module registers itself on :data:`main` when the
+command is named (:data:`COMMAND_MODULES`).
 
 Every :class:`~sailor_hpc.core.errors.Problem` (and an ``OSError`` on a path the user gave) becomes
 one message naming file, field and fix, and the exit code its type carries: 2 bad input
@@ -8,6 +9,7 @@ A reader that closes the pipe early (``sailor-hpc run status DIR | head``) ends 
 """
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
@@ -53,7 +55,30 @@ def _refuse(ctx: click.Context, exc: Problem) -> None:
     ctx.exit(exc.exit_code)
 
 
-@click.group(cls=_Group)
+#: each command of ``sailor-hpc`` and the module (of this package) that defines it. A call imports the module of
+#: its command only: ``sailor-hpc run status`` or ``logs`` need neither the planner nor the simulator (numpy,
+#: h5py), and every command in one process cost ~1 s of CPU per call (the suite makes ~130 such calls).
+COMMAND_MODULES = {
+    "checkpoint": "checkpoint_cmds", "sbatch": "job_cmds", "submit": "job_cmds", "status": "job_cmds",
+    "cancel": "job_cmds", "logs": "job_cmds", "models": "model_cmds", "plan": "plan_cmds", "profile": "profile_cmds",
+    "profiles": "profiles_cmds", "run": "run_cmds", "simulate": "simulate_cmds", "validate-sim": "simulate_cmds",
+    "site": "site_cmds",
+}
+
+
+class _Root(_Group):
+    """The root group: commands are imported when named (their modules register on it, as at import)."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMAND_MODULES)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in self.commands and cmd_name in COMMAND_MODULES:
+            importlib.import_module(f"{__package__}.{COMMAND_MODULES[cmd_name]}")
+        return super().get_command(ctx, cmd_name)
+
+
+@click.group(cls=_Root)
 @click.version_option(package_name="sailor-hpc")
 def main() -> None:
     """Plan and run LLM training on the mixed GPU partitions of a SLURM site."""

@@ -143,3 +143,6 @@ def import_multizone_cmd(output: Path, gpus_per_zone: int) -> None:
     load_site_dict(doc, source="<sailor multizone>")  # what we write must validate
     atomic_write_text(output, dump_toml(doc, HEADER))
     click.echo(f"wrote {output}")
+
+
+from sailor_hpc.cli import site_doctor  # noqa: E402,F401  (registers "site doctor" on the group above)

@@ -37,6 +37,27 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.CompletedProcess([EXE, *args], res.exit_code, res.stdout, res.stderr)
 
 
+def test_each_command_comes_from_the_module_the_root_names() -> None:
+    """The root imports a command's module only when a call names it (:data:`COMMAND_MODULES`): every module's
+    commands are the ones it is named for, and a call imports no other command's module."""
+    probe = ("import sys\nfrom click.testing import CliRunner\nfrom sailor_hpc.cli import main\n"
+             "CliRunner().invoke(main, ['site', 'show', 'nope.toml'])\n"
+             "print(' '.join(sorted(m for m in sys.modules if m.startswith(('sailor_hpc.cli.', 'planner', "
+             "'simulator', 'profiler', 'sailor_hpc.controller')))))")
+    loaded = set(subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                                timeout=120).stdout.split())
+    assert {m for m in loaded if m.endswith(("_cmds", "doctor"))} == {"sailor_hpc.cli.site_cmds",
+                                                                      "sailor_hpc.cli.site_doctor"}, loaded
+    assert not {m for m in loaded if m.startswith(("planner", "simulator", "profiler", "sailor_hpc.controller"))}
+    import importlib
+
+    from sailor_hpc.cli.app import COMMAND_MODULES
+    for module in set(COMMAND_MODULES.values()):
+        importlib.import_module(f"sailor_hpc.cli.{module}")
+    assert {n: c.callback.__module__ for n, c in main.commands.items() if c.callback} == \
+        {n: f"sailor_hpc.cli.{m}" for n, m in COMMAND_MODULES.items()}
+
+
 def test_site_show_and_validate() -> None:
     out = script("site", "show", str(SITE_CONFIGS / "a100-v100.toml"))
     assert out.returncode == 0 and "a100" in out.stdout and "V100-16" in out.stdout

@@ -10,6 +10,7 @@ import sys
 import tomllib
 from pathlib import Path
 
+import click
 import pytest
 from click.testing import CliRunner
 
@@ -476,11 +477,12 @@ def test_renders_for_other_sites_or_plans_do_not_replace_a_queued_jobs_plan(tmp_
 
 def test_missing_data_hint_offers_dry_run_only_where_the_command_has_it(tmp_path):
     runner = CliRunner()
-    assert "--dry-run" not in {o for p in main.commands["plan"].params for o in p.opts}
+    ctx = click.Context(main)
+    assert "--dry-run" not in {o for p in main.get_command(ctx, "plan").params for o in p.opts}
     res = runner.invoke(main, ["plan", "--site", str(LOCAL_LAB), "--model", "tiny-gpt", "--sbatch",
                                str(tmp_path / "job.sh")])
     assert res.exit_code == 2 and "--data" in res.output and "--dry-run" not in res.output, res.output
-    assert "--dry-run" in {o for p in main.commands["sbatch"].params for o in p.opts}
+    assert "--dry-run" in {o for p in main.get_command(ctx, "sbatch").params for o in p.opts}
     res = runner.invoke(main, ["sbatch", str(write_plan(tmp_path, "het-mixed")), "--site", str(LOCAL_LAB)])
     assert res.exit_code == 2 and "or --dry-run" in res.output
 

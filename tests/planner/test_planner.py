@@ -369,11 +369,12 @@ def _options_of(words: list[str]) -> set[str]:
 
     from sailor_hpc.cli import main
 
-    cmd = main
+    cmd: click.Command = main
     for word in words:
-        if not isinstance(cmd, click.Group) or word not in cmd.commands:
+        sub = cmd.get_command(click.Context(cmd), word) if isinstance(cmd, click.Group) else None
+        if sub is None:
             break
-        cmd = cmd.commands[word]
+        cmd = sub
     return {o for p in cmd.get_params(click.Context(cmd)) for o in getattr(p, "opts", []) if o.startswith("-")}
 
 
