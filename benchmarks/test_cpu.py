@@ -65,8 +65,23 @@ def acct(path: Path | None) -> None:
         raise SystemExit(f"acct: {os.strerror(ctypes.get_errno())} (process accounting needs root)")
 
 
-def sample(run: str, seen: set[tuple[int, int]], stop: threading.Event) -> None:
-    """Note (pid, start second) of every process whose environment carries this run's mark."""
+def program(cmdline: bytes) -> str:
+    """What a process runs, in a few words: ``-m MODULE``, ``-c CODE...``, a script and its first two arguments."""
+    args = [a.decode(errors="replace") for a in cmdline.split(b"\0") if a]
+    if not args:
+        return "?"
+    for flag in ("-m", "-c"):
+        if flag in args[1:-1]:
+            i = args.index(flag)
+            return f"{flag} {args[i + 1][:40] if flag == '-c' else args[i + 1]}"
+    script = next((a for a in args[1:] if not a.startswith("-")), args[0]) if Path(args[0]).name.startswith(
+        "python") else args[0]
+    rest = args[args.index(script) + 1:] if script in args else []
+    return " ".join([Path(script).name, *[a for a in rest if not a.startswith(("-", "/"))][:2]])
+
+
+def sample(run: str, seen: dict[tuple[int, int], str], stop: threading.Event) -> None:
+    """Note (pid, start second) and the program of every process whose environment carries this run's mark."""
     boot = next(int(x.split()[1]) for x in open("/proc/stat") if x.startswith("btime"))
     tick = os.sysconf("SC_CLK_TCK")
     known: set[tuple[int, int]] = set()
@@ -81,13 +96,13 @@ def sample(run: str, seen: set[tuple[int, int]], stop: threading.Event) -> None:
                     continue
                 known.add((int(d), start))
                 if needle in open(f"/proc/{d}/environ", "rb").read().split(b"\0"):
-                    seen.add((int(d), boot + start // tick))
+                    seen[(int(d), boot + start // tick)] = program(open(f"/proc/{d}/cmdline", "rb").read())
             except OSError:
                 continue
         stop.wait(0.25)
 
 
-def report(procs: list[Proc], seen: set[tuple[int, int]], root_pid: int) -> str:
+def report(procs: list[Proc], seen: dict[tuple[int, int], str], root_pid: int) -> str:
     by_pid: dict[int, list[Proc]] = collections.defaultdict(list)
     for p in procs:
         by_pid[p.pid].append(p)
@@ -126,6 +141,17 @@ def report(procs: list[Proc], seen: set[tuple[int, int]], root_pid: int) -> str:
              f"({sum(p.cpu for p in python if p.forked):.0f} s)", f"{'CPU s':>7} {'procs':>6}  kind>parent>grandparent"]
     for name, (cpu, n) in sorted(kinds.items(), key=lambda kv: -kv[1][0])[:20]:
         lines.append(f"{cpu:7.0f} {n:6d}  {name}")
+    # the new interpreters by what they ran (a process the sampler never saw alive: "?")
+    programs: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+    for p in python:
+        if not p.forked:
+            what = next((seen[(p.pid, p.btime + dt)] for dt in (0, -1, 1) if (p.pid, p.btime + dt) in seen), "?")
+            k = programs[what]
+            k[0] += p.cpu
+            k[1] += 1
+    lines += ["", f"{'CPU s':>7} {'procs':>6}  new interpreters by program"]
+    for name, (cpu, n) in sorted(programs.items(), key=lambda kv: -kv[1][0])[:25]:
+        lines.append(f"{cpu:7.0f} {n:6d}  {name}")
     return "\n".join(lines)
 
 
@@ -138,7 +164,8 @@ def main() -> int:
     if not command:
         ap.error("give the command to measure after --")
     args.out.mkdir(parents=True, exist_ok=True)
-    run, seen, stop = uuid.uuid4().hex, set(), threading.Event()
+    run, stop = uuid.uuid4().hex, threading.Event()
+    seen: dict[tuple[int, int], str] = {}
     acct_file = args.out / "acct.bin"
     acct_file.write_bytes(b"")
     acct(acct_file)
@@ -152,7 +179,7 @@ def main() -> int:
         time.sleep(1)  # the last exits' records
         acct(None)
         stop.set()
-    (args.out / "seen.json").write_text(json.dumps(sorted(seen)))
+    (args.out / "seen.json").write_text(json.dumps(sorted([pid, t, what] for (pid, t), what in seen.items())))
     text = f"{' '.join(command)}: exit {rc}, {time.monotonic() - t0:.0f} s wall\n" + report(
         read_acct(acct_file), seen, proc.pid)
     (args.out / "report.txt").write_text(text + "\n")
