@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_patch import patch
+from megatron_patch import patch, resident
 from megatron_patch.data import Samples
 from megatron_patch.grad_buckets import GradBuckets
 from megatron_patch.grad_sync import plan_buckets, rank_sets
@@ -190,7 +190,7 @@ class Trainer:
             for k in range(iters):
                 total += self._weighted_loss(self._pipeline(self.valid, k * self.plan.global_batch_size, True))
         vec = torch.tensor([total / iters], dtype=torch.float64, device=self.device)
-        dist.all_reduce(vec)
+        resident.wait(dist.all_reduce(vec, async_op=True))
         return float(vec[0])
 
     # -- training
@@ -208,7 +208,7 @@ class Trainer:
         vec = torch.tensor([self.sync.owned_sq_norm(), self._weighted_loss(losses), float(stop_requested),
                             float(overflow)],
                            dtype=torch.float64, device=self.device)
-        dist.all_reduce(vec)
+        resident.wait(dist.all_reduce(vec, async_op=True))
         skipped = bool(vec[3] > 0)
         grad_norm = math.sqrt(float(vec[0])) if not skipped else float("nan")
         scale = self.scaler.scale if self.scaler is not None else 1.0

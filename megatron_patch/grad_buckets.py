@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_patch import resident
 from megatron_patch.grad_sync import Bucket, Piece
 from megatron_patch.layout import ParamInfo, chunk_views
 from megatron_patch.main_grad import attach_main_grads, main_grad_of
@@ -161,7 +162,7 @@ class GradBuckets:
             self._launch(self.order[self.next], by_hook=False)
         for local in self.order:
             if local.work is not None:
-                local.work.wait()
+                resident.wait(local.work)
                 local.work = None
             for p, offset in local.pieces:
                 if not p.whole:

@@ -24,6 +24,7 @@ import os
 import socket
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -55,6 +56,34 @@ class Kept:
         return kept
 
 
+#: set while a resident rank trains (:class:`Waker`), and by its wake: :func:`wait` returns early on it
+_WAKE: threading.Event | None = None
+WAIT_POLL_S = (0.00005, 0.001)  # first and longest pause between looks: a short wait adds ~50 us, a long one ~1 ms
+
+
+def wait(work: Any) -> None:
+    """``work.wait()``, which a wake interrupts on gloo: a gloo op whose peer was lost may never complete even
+    with every connection shut down (seen on the local cluster: a survivor blocked in its gradient bucket's
+    wait, woken, never holding), so a resident rank polls the work and raises on the wake instead. NCCL's
+    waits do not block the host (and its abort ends them): they stay as they are."""
+    wake = _WAKE
+    if wake is None or _backend() == "nccl":
+        work.wait()
+        return
+    pause = WAIT_POLL_S[0]
+    while not work.is_completed():
+        if wake.is_set():
+            raise RuntimeError("woken by the job agent while waiting on a collective")
+        time.sleep(pause)
+        pause = min(2 * pause, WAIT_POLL_S[1])
+    work.wait()  # the op's own error, if it failed
+
+
+def _backend() -> str:
+    import torch.distributed as dist
+    return str(dist.get_backend()) if dist.is_initialized() else ""
+
+
 class Waker:
     """Watches ``wake-<epoch>`` while this rank trains ``epoch``; when the agent writes it, shuts the rank's
     connections down from this thread, so the main thread's collective fails. :meth:`stop` (under the lock,
@@ -70,6 +99,8 @@ class Waker:
         self._thread = threading.Thread(target=self._watch, name=f"sailor-wake-{epoch}", daemon=True)
 
     def __enter__(self) -> Waker:
+        global _WAKE
+        _WAKE = self._woken = threading.Event()
         self._thread.start()
         return self
 
@@ -77,8 +108,10 @@ class Waker:
         self.stop()
 
     def stop(self) -> None:
+        global _WAKE
         with self._lock:
             self._stopped.set()
+            _WAKE = None
 
     def _watch(self) -> None:
         while not self._stopped.wait(self.POLL_S):
@@ -87,6 +120,7 @@ class Waker:
             with self._lock:
                 if self._stopped.is_set():
                     return
+                self._woken.set()
                 n = interrupt_communication()
             sys.stderr.write(f"woken by the job agent ({self._path.name}): {n} connections shut down\n")
             sys.stderr.flush()
