@@ -157,9 +157,8 @@ AccountingStorageTRES=gres/gpu,gres/gpu:a100,gres/gpu:v100
 JobCompType=jobcomp/filetxt
 JobCompLoc=$L/log/jobcomp.txt
 SchedulerType=sched/backfill
-# het jobs are only started by the backfill scheduler; the main scheduler's pass (default every 60 s) is what
-# sets a pending job's reason (a node DOWN) and starts a job whose --begin passed: a story waited ~57 s for it
-SchedulerParameters=bf_interval=1,sched_interval=5
+# het jobs are only started by the backfill scheduler
+SchedulerParameters=bf_interval=1
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 # the fake nodes declare more CPUs/memory than the host has
