@@ -30,6 +30,7 @@ from pathlib import Path
 ACCT_V3 = "<BBHIIIIIIf8H16s"  # struct acct_v3 (linux/acct.h)
 AFORK = 0x01  # forked, never exec'd
 MARK = "SAILOR_CPU_RUN"
+TEST_VAR = "PYTEST_CURRENT_TEST"  # pytest's name of the running test, inherited by what the test starts
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,12 @@ def program(cmdline: bytes) -> str:
     return " ".join([Path(script).name, *[a for a in rest if not a.startswith(("-", "/"))][:2]])
 
 
-def sample(run: str, seen: dict[tuple[int, int], str], stop: threading.Event) -> None:
+def test_file(current_test: str) -> str:
+    """The test file of a ``PYTEST_CURRENT_TEST`` value (``tests/x.py::test (call)``), or "" outside a test."""
+    return current_test.split("::", 1)[0]
+
+
+def sample(run: str, seen: dict[tuple[int, int], tuple[str, str]], stop: threading.Event) -> None:
     """Note (pid, start second) and the program of every process whose environment carries this run's mark."""
     boot = next(int(x.split()[1]) for x in open("/proc/stat") if x.startswith("btime"))
     tick = os.sysconf("SC_CLK_TCK")
@@ -95,14 +101,18 @@ def sample(run: str, seen: dict[tuple[int, int], str], stop: threading.Event) ->
                 if (int(d), start) in known:
                     continue
                 known.add((int(d), start))
-                if needle in open(f"/proc/{d}/environ", "rb").read().split(b"\0"):
-                    seen[(int(d), boot + start // tick)] = program(open(f"/proc/{d}/cmdline", "rb").read())
+                environ = open(f"/proc/{d}/environ", "rb").read().split(b"\0")
+                if needle in environ:
+                    test = next((v[len(TEST_VAR) + 1:].decode(errors="replace") for v in environ
+                                 if v.startswith(TEST_VAR.encode() + b"=")), "")
+                    seen[(int(d), boot + start // tick)] = (program(open(f"/proc/{d}/cmdline", "rb").read()),
+                                                            test_file(test))
             except OSError:
                 continue
         stop.wait(0.25)
 
 
-def report(procs: list[Proc], seen: dict[tuple[int, int], str], root_pid: int) -> str:
+def report(procs: list[Proc], seen: dict[tuple[int, int], tuple[str, str]], root_pid: int) -> str:
     by_pid: dict[int, list[Proc]] = collections.defaultdict(list)
     for p in procs:
         by_pid[p.pid].append(p)
@@ -141,17 +151,28 @@ def report(procs: list[Proc], seen: dict[tuple[int, int], str], root_pid: int) -
              f"({sum(p.cpu for p in python if p.forked):.0f} s)", f"{'CPU s':>7} {'procs':>6}  kind>parent>grandparent"]
     for name, (cpu, n) in sorted(kinds.items(), key=lambda kv: -kv[1][0])[:20]:
         lines.append(f"{cpu:7.0f} {n:6d}  {name}")
-    # the new interpreters by what they ran (a process the sampler never saw alive: "?")
+    def noted(p: Proc) -> tuple[str, str] | None:
+        return next((seen[(p.pid, p.btime + dt)] for dt in (0, -1, 1) if (p.pid, p.btime + dt) in seen), None)
+
+    # the new interpreters by what they ran (a process the sampler never saw alive: "?"), and the run's
+    # processes by the test file that started them (a short-lived one counts for its nearest noted ancestor)
     programs: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
-    for p in python:
-        if not p.forked:
-            what = next((seen[(p.pid, p.btime + dt)] for dt in (0, -1, 1) if (p.pid, p.btime + dt) in seen), "?")
-            k = programs[what]
+    files: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+    for p in mine:
+        note, q, depth = noted(p), parent(p), 0
+        while note is None and q is not None and depth < 60:
+            note, q, depth = noted(q), parent(q), depth + 1
+        if (p.comm.startswith("python") or p.comm == "sailor-hpc") and not p.forked:
+            k = programs[(noted(p) or ("?", ""))[0]]
             k[0] += p.cpu
             k[1] += 1
-    lines += ["", f"{'CPU s':>7} {'procs':>6}  new interpreters by program"]
-    for name, (cpu, n) in sorted(programs.items(), key=lambda kv: -kv[1][0])[:25]:
-        lines.append(f"{cpu:7.0f} {n:6d}  {name}")
+        k = files[(note or ("", ""))[1] or "(outside a test)"]
+        k[0] += p.cpu
+        k[1] += 1
+    for title, table, top in (("new interpreters by program", programs, 25), ("processes by test file", files, 40)):
+        lines += ["", f"{'CPU s':>7} {'procs':>6}  {title}"]
+        for name, (cpu, n) in sorted(table.items(), key=lambda kv: -kv[1][0])[:top]:
+            lines.append(f"{cpu:7.0f} {n:6d}  {name}")
     return "\n".join(lines)
 
 
@@ -165,7 +186,7 @@ def main() -> int:
         ap.error("give the command to measure after --")
     args.out.mkdir(parents=True, exist_ok=True)
     run, stop = uuid.uuid4().hex, threading.Event()
-    seen: dict[tuple[int, int], str] = {}
+    seen: dict[tuple[int, int], tuple[str, str]] = {}
     acct_file = args.out / "acct.bin"
     acct_file.write_bytes(b"")
     acct(acct_file)
@@ -179,7 +200,7 @@ def main() -> int:
         time.sleep(1)  # the last exits' records
         acct(None)
         stop.set()
-    (args.out / "seen.json").write_text(json.dumps(sorted([pid, t, what] for (pid, t), what in seen.items())))
+    (args.out / "seen.json").write_text(json.dumps(sorted([pid, t, *what] for (pid, t), what in seen.items())))
     text = f"{' '.join(command)}: exit {rc}, {time.monotonic() - t0:.0f} s wall\n" + report(
         read_acct(acct_file), seen, proc.pid)
     (args.out / "report.txt").write_text(text + "\n")

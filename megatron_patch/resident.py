@@ -56,7 +56,7 @@ class Kept:
         return kept
 
 
-#: set while a resident rank trains (:class:`Waker`), and by its wake: :func:`wait` returns early on it
+#: while a resident rank trains on gloo (:class:`Waker`), the event its wake sets: :func:`wait` returns early on it
 _WAKE: threading.Event | None = None
 WAIT_POLL_S = (0.00005, 0.001)  # first and longest pause between looks: a short wait adds ~50 us, a long one ~1 ms
 
@@ -67,7 +67,7 @@ def wait(work: Any) -> None:
     wait, woken, never holding), so a resident rank polls the work and raises on the wake instead. NCCL's
     waits do not block the host (and its abort ends them): they stay as they are."""
     wake = _WAKE
-    if wake is None or _backend() == "nccl":
+    if wake is None:
         work.wait()
         return
     pause = WAIT_POLL_S[0]
@@ -79,28 +79,26 @@ def wait(work: Any) -> None:
     work.wait()  # the op's own error, if it failed
 
 
-def _backend() -> str:
-    import torch.distributed as dist
-    return str(dist.get_backend()) if dist.is_initialized() else ""
-
-
 class Waker:
     """Watches ``wake-<epoch>`` while this rank trains ``epoch``; when the agent writes it, shuts the rank's
     connections down from this thread, so the main thread's collective fails. :meth:`stop` (under the lock,
-    before the rank joins another epoch's groups) ends the watch: a late wake never touches the next groups."""
+    before the rank joins another epoch's groups) ends the watch: a late wake never touches the next groups.
+    ``gloo``: the rank's groups block the host in their waits, which :func:`wait` then polls."""
 
     POLL_S = 0.05
     STACKS_AFTER_S = 10.0  # still training this long after a wake: print every thread's stack (where it hangs)
 
-    def __init__(self, root: Path, epoch: int) -> None:
+    def __init__(self, root: Path, epoch: int, gloo: bool) -> None:
         self._path = wake_file(root, epoch)
+        self._gloo = gloo
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._watch, name=f"sailor-wake-{epoch}", daemon=True)
 
     def __enter__(self) -> Waker:
         global _WAKE
-        _WAKE = self._woken = threading.Event()
+        self._woken = threading.Event()
+        _WAKE = self._woken if self._gloo else None
         self._thread.start()
         return self
 
@@ -192,10 +190,9 @@ def abort_communication() -> None:
 
     if not dist.is_initialized():
         return
-    if dist.get_backend() == "nccl":
-        c10d._abort_process_group()
-        return
-    _shutdown_tcp_sockets()
+    interrupt_communication()
+    if not dist.is_initialized():
+        return  # NCCL's abort forgot every group
     _ABANDONED.extend(c10d._world.pg_map)
     try:
         dist.destroy_process_group()

@@ -249,7 +249,7 @@ def train(args: argparse.Namespace, plan: Plan, env: DistEnv, role: Role, runtim
     if resident is None:
         return _train(args, plan, env, role, runtime, device, cuda, None)
     from megatron_patch.resident import Waker, abort_communication
-    with Waker(resident.root, resident.epoch):  # the agent's wake: a node lost whose connections stay open
+    with Waker(resident.root, resident.epoch, gloo=not cuda):  # the agent's wake: a node lost whose connections stay open
         try:
             return _train(args, plan, env, role, runtime, device, cuda, resident)
         except RuntimeError as exc:  # a peer's connection closed (its node lost), timed out or woken: hold

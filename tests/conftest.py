@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import NoReturn
@@ -131,3 +133,13 @@ def lab_site(tmp_path: Path) -> Path:
     dst = tmp_path / "site.toml"
     shutil.copy(SITE_CONFIGS / "local-lab.toml", dst)
     return dst
+
+
+@pytest.fixture(scope="session")
+def bare_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An interpreter with no package installed (a venv without pip or site packages): the interpreter a user
+    may pass by mistake, on any machine (the system's python may have torch or submitit)."""
+    venv = tmp_path_factory.mktemp("bare-venv")
+    subprocess.run([getattr(sys, "_base_executable", sys.executable), "-m", "venv", "--without-pip", str(venv)],
+                   check=True, capture_output=True, timeout=120)
+    return venv / "bin" / "python"

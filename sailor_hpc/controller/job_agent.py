@@ -257,8 +257,7 @@ class Agent:
             return self.leave_all(EXIT_FAILED)
         ended = read_ended(self.root)
         if not held and not self.live(ended):  # every rank finished after all (a slow last one): no change
-            self.wait_own()
-            return job_code([ended[n] for n in self.members if n in ended])
+            return self.finished(ended)
         try:
             planner = self.planner or SurvivorPlanner.of(self.run_dir, self.job_plan)
             r = replan(planner, list(self.members), self.bundle_id(), self.addresses)
@@ -288,6 +287,11 @@ class Agent:
         self.plan = plan_path
         return None
 
+    def finished(self, ended: dict[str, int]) -> int:
+        """Lead, every step of the plan ended: the job's exit code once this job's steps are reaped."""
+        self.wait_own()
+        return job_code([ended[n] for n in self.members if n in ended])
+
     def follow(self, d: Directive) -> None:
         """The steps of nodes ``d`` gives no rank are retired: their ranks leave, and their codes no longer
         count (a lost node's step failed; an unused one's ranks leave with 0)."""
@@ -312,8 +316,7 @@ class Agent:
             self.mark_ended()
             ended = read_ended(self.root)
             if not self.live(ended):
-                self.wait_own()
-                return job_code([ended[n] for n in self.members if n in ended])
+                return self.finished(ended)
             if self.lost(ended) or read_held(self.root, self.epoch):
                 code = self.change()
                 if code is not None:

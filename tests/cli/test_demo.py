@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.cli.test_plan_table import plan_blocks, read_table
+from tests.conftest import slurm_missing
 
 REPO = Path(__file__).resolve().parents[2]
 VENV = Path(sys.prefix)
@@ -20,7 +21,7 @@ PNG = b"\x89PNG\r\n\x1a\n"
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
     if shutil.which("make") is None or not (VENV / "bin" / "sailor-hpc").exists():
-        pytest.skip("needs make and the sailor-hpc of this interpreter's venv")
+        slurm_missing("needs make and the sailor-hpc of this interpreter's venv")
     out = tmp_path_factory.mktemp("demo") / "out"
     # -o: the venv is installed already (make would reinstall it when setup.cfg is newer than its stamp)
     r = subprocess.run(["make", "--no-print-directory", "-C", str(REPO), "-o", f"{VENV}/.installed", "demo",

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -80,7 +79,7 @@ def _extra_partition_site(directory: Path) -> Path:
     return path
 
 
-def test_submit_refuses_before_sbatch(slurm_cluster, env, work: Path, tmp_path: Path):
+def test_submit_refuses_before_sbatch(slurm_cluster, env, work: Path, tmp_path: Path, bare_python: Path):
     plan = write_plan(work, "a100-only")
     submit = ["submit", str(plan), "--site", str(LOCAL_LAB), "--data", str(work / "data"),
               "--save", str(work / "ckpt"), "--script", str(work / "job.sbatch")]
@@ -92,11 +91,9 @@ def test_submit_refuses_before_sbatch(slurm_cluster, env, work: Path, tmp_path: 
     site = _extra_partition_site(tmp_path)
     out = _refused(slurm_cluster, env, work, *[str(site) if a == str(LOCAL_LAB) else a for a in submit])
     assert "no partition 'h100x'" in out and str(site) in out
-    # the compute side's interpreter has no torch (the system's python here)
-    probe = subprocess.run(["/usr/bin/python3", "-c", "import torch"], capture_output=True)
-    if probe.returncode != 0:
-        out = _refused(slurm_cluster, env, work, *submit, "--python", "/usr/bin/python3")
-        assert "has no torch, megatron.core" in out and "--python" in out
+    # the compute side's interpreter has no torch
+    out = _refused(slurm_cluster, env, work, *submit, "--python", str(bare_python))
+    assert "has no torch, megatron.core" in out and "--python" in out
     # an interpreter this machine does not see: asked of a compute node by a one-task job (here it has none either)
     out = _refused(slurm_cluster, env, work, *submit, "--python", str(tmp_path / "nowhere" / "python"))
     assert "is not a Python interpreter that runs on a node of partition a100" in out, out
@@ -132,17 +129,14 @@ def test_profile_refuses_before_its_jobs(slurm_cluster, env, work: Path, tmp_pat
     assert "no partition 'h100x'" in out
 
 
-def test_a_rendered_job_warns_of_an_interpreter_without_torch(slurm_cluster, env, work: Path):
-    probe = subprocess.run(["/usr/bin/python3", "-c", "import torch"], capture_output=True)
-    if probe.returncode == 0:
-        pytest.skip("the system's python has torch here")
+def test_a_rendered_job_warns_of_an_interpreter_without_torch(slurm_cluster, env, work: Path, bare_python: Path):
     plan = write_plan(work, "a100-only")
     proc = slurm_cluster.run(["sailor-hpc", "sbatch", str(plan), "--site", str(LOCAL_LAB), "--data",
-                              str(work / "data"), "--save", str(work / "ckpt"), "--python", "/usr/bin/python3",
+                              str(work / "data"), "--save", str(work / "ckpt"), "--python", str(bare_python),
                               "-o", str(work / "job.sbatch")], env=env, cwd=work)
     assert proc.returncode == 0, proc.stderr
     warnings = [line for line in proc.stderr.splitlines() if line.startswith("warning:")]
-    assert len(warnings) == 1 and "/usr/bin/python3, which has no torch, megatron.core" in warnings[0], proc.stderr
+    assert len(warnings) == 1 and f"{bare_python}, which has no torch, megatron.core" in warnings[0], proc.stderr
     assert (work / "job.sbatch").exists()
 
 

@@ -512,7 +512,7 @@ def test_unwritable_log_dir_is_refused(tmp_path):
     if os.geteuid() == 0:
         setpriv = shutil.which("setpriv")
         if setpriv is None:
-            pytest.skip("root writes into read-only directories, and setpriv (util-linux) is missing to stop it")
+            slurm_missing("root writes into read-only directories, and setpriv (util-linux) is missing to stop it")
         argv = [setpriv, "--bounding-set", "-dac_override,-dac_read_search", "--", *argv]
     res = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and "--log-dir" in res.stderr and "cannot be created" in res.stderr, res.stderr

@@ -42,7 +42,8 @@ def _sweep_jobs(cluster, folder: Path) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("broken", ["srun", "python"])
-def test_an_environment_failure_stops_the_sweep_at_its_first_job(slurm_cluster, tmp_path: Path, broken: str):
+def test_an_environment_failure_stops_the_sweep_at_its_first_job(slurm_cluster, tmp_path: Path, broken: str,
+                                                                 bare_python: Path):
     """srun: the site's prelude leaves the jobs a PATH without srun (submitit's batch script cannot start its
     step); python: an interpreter without submitit or torch, passed with --skip-runtime-check. Either is the
     same on every job."""
@@ -54,9 +55,7 @@ def test_an_environment_failure_stops_the_sweep_at_its_first_job(slurm_cluster, 
         doc["environment"]["prelude"] = ["export PATH=/nonexistent"]
         cause = "srun: command not found"
     else:
-        if subprocess.run(["/usr/bin/python3", "-c", "import submitit"], capture_output=True).returncode == 0:
-            pytest.skip("the system's python has submitit here")
-        extra, cause = ("--python", "/usr/bin/python3", "--skip-runtime-check"), "No module named"
+        extra, cause = ("--python", str(bare_python), "--skip-runtime-check"), "No module named"
     site = tmp_path / "site.toml"
     site.write_text(dump_toml(doc))
     env = {**slurm_cluster.env,
