@@ -67,9 +67,11 @@ demo: $(VENV)/.installed
 
 # Installs Debian's Slurm (root) so the tests can start a real local cluster; then the whole suite, a file per
 # worker (pytest-xdist --dist loadfile keeps a file's tests and module fixtures on one worker; every worker
-# starts its own lab, with its own ports and job ids: tests/slurm/cluster.py). TEST_WORKERS=1 runs it serially.
+# starts its own lab, with its own ports and job ids: tests/slurm/cluster.py). Of the 4 workers, the last runs only
+# the files that wait on Slurm's clock (tests/longest_first.py); the labs' job ranks fork from a zygote
+# (megatron_patch/fork_server.py). TEST_WORKERS=1 runs it serially.
 # Bytecode is written (PYTHONDONTWRITEBYTECODE unset): every rank and CLI process imports the project afresh.
-TEST_WORKERS ?= 3
+TEST_WORKERS ?= 4
 test: $(VENV)/.installed-test
 	-bash tests/slurm/install.sh
 	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q --durations=20 $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) tests

@@ -8,10 +8,12 @@ or fail when ``SAILOR_REQUIRE_SLURM=1``. See tests/slurm/cluster.py for the othe
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import NoReturn
@@ -44,6 +46,13 @@ LONG_FILES = (
     "tests/megatron_patch/test_hf_llama.py", "tests/cli/test_site_doctor_cluster.py", "tests/jobs/test_slurm_jobs.py",
     "tests/deepspeed/test_pipeline_memory.py", "tests/profiler/test_sweep_stops_cluster.py",
     "tests/megatron_patch/test_precision.py", "tests/slurm/test_start_estimate.py", "tests/slurm/test_slurm_errors.py",
+)
+
+# the files whose time is mostly waits on Slurm's clock (reservations, time limits, blockers ending), with little
+# CPU of their own: with 4 workers or more, the last one runs only these (tests/longest_first.py)
+WAITING_FILES = (
+    "tests/slurm/test_site_states_cluster.py", "tests/controller/test_time_run_cluster.py",
+    "tests/slurm/test_start_estimate.py",
 )
 
 
@@ -101,16 +110,67 @@ def slurm_missing(reason: str, *, module: bool = False) -> NoReturn:
 
 
 @pytest.fixture(scope="session")
-def slurm_cluster() -> Iterator[SlurmCluster]:
-    """The running test cluster: ``.lab``, ``.env`` (SLURM_CONF, PATH, ...), ``.run([...])``."""
+def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
+    """The running test cluster: ``.lab``, ``.env`` (SLURM_CONF, PATH, ...), ``.run([...])``. Its jobs' ranks
+    fork from this session's fork server (``megatron_patch.fork_server``) unless ``SAILOR_FORK_RANKS=0``."""
     try:
         cluster = get_cluster()
     except ClusterUnavailable as exc:
         slurm_missing(f"no local Slurm test cluster: {exc}")
     try:
-        yield cluster
+        with fork_server(tmp_path_factory, cluster.env):
+            yield cluster
     finally:
         cluster.stop()
+
+
+@contextlib.contextmanager
+def ranks_as_new_interpreters(cluster: SlurmCluster) -> Iterator[None]:
+    """The jobs submitted with ``cluster.env`` meanwhile start their ranks as on a real site: no fork server."""
+    from megatron_patch.fork_server import FORK_SERVER_ENV
+
+    server = cluster.env.pop(FORK_SERVER_ENV, None)
+    try:
+        yield
+    finally:
+        if server is not None:
+            cluster.env[FORK_SERVER_ENV] = server
+
+
+@contextlib.contextmanager
+def fork_server(tmp_path_factory: pytest.TempPathFactory, env: dict[str, str]) -> Iterator[Path | None]:
+    """A fork server for the ranks of the jobs submitted with ``env`` (and of ``tests/slurm/ranks.py``'s look-ups:
+    this process's environment names it too), stopped at the end."""
+    if os.environ.get("SAILOR_FORK_RANKS") == "0":
+        yield None
+        return
+    from megatron_patch.fork_server import FORK_SERVER_ENV
+
+    path = tmp_path_factory.mktemp("fork-server") / "socket"
+    log = open(path.with_name("server.log"), "w")
+    server = subprocess.Popen([sys.executable, "-m", "megatron_patch.fork_server", str(path)], stdin=subprocess.PIPE,
+                              stdout=log, stderr=log, env=env)
+    deadline = time.monotonic() + 60
+    while not path.exists() and server.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    before = os.environ.get(FORK_SERVER_ENV)  # the session's, around a test module's own server
+    env[FORK_SERVER_ENV] = os.environ[FORK_SERVER_ENV] = str(path)
+    try:
+        yield path
+    finally:
+        env.pop(FORK_SERVER_ENV, None)
+        if before is None:
+            os.environ.pop(FORK_SERVER_ENV, None)
+        else:
+            os.environ[FORK_SERVER_ENV] = before
+        assert server.stdin is not None
+        server.stdin.close()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+        log.close()
 
 
 @pytest.fixture(scope="session")

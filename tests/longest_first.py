@@ -7,6 +7,11 @@ so a worker that starts a 1-3-test story takes a second long file at once. This 
 workers collected (``tests/conftest.py`` sorts ``LONG_FILES`` first, longest first) and gives a worker its
 next file when one test of its current file is left: a worker runs a test only once it knows the next one
 (pytest's teardown of a module fixture needs it), so with none left to send it would wait forever.
+
+With four workers or more, the last one is the *waiter*: it runs only ``WAITING_FILES`` (tests that wait on
+Slurm's clock: reservations, time limits, the minute-long scheduler pass, with little CPU of their own), which
+the others leave to it, and it stops when they are done. The suite is CPU-bound on the 2-core machine, so a
+fourth worker that computes slows every test down; one that mostly waits does not.
 """
 from __future__ import annotations
 
@@ -15,6 +20,8 @@ from xdist.remote import Producer
 from xdist.scheduler import LoadFileScheduling
 from xdist.workermanage import WorkerController
 
+WAITER_FROM = 4  # workers from which the last one is the waiter
+
 
 class LongestFirst(LoadFileScheduling):
     """Files in collection order; a worker's next file once a single test of its current one is pending."""
@@ -22,13 +29,41 @@ class LongestFirst(LoadFileScheduling):
     def __init__(self, config: pytest.Config, log: Producer | None = None) -> None:
         super().__init__(config, log)
         config.option.loadscopereorder = False  # what --no-loadscope-reorder sets: the collection's order
+        from tests.conftest import WAITING_FILES
+        self.waiting = frozenset(WAITING_FILES)
+        self.waiter: WorkerController | None = None
+
+    def schedule(self) -> None:
+        # every worker has registered by now (xdist's nodes: its assignment table's keys, which lose a worker
+        # when it ends: the waiter is chosen once)
+        if len(self.nodes) >= WAITER_FROM and self.waiting:
+            self.waiter = self.nodes[-1]
+        super().schedule()
+
+    def _suits(self, node: WorkerController, scope: str) -> bool:
+        if self.waiter is None or self.waiter not in self.assigned_work:  # none, or it ended (crashed)
+            return True
+        return (scope in self.waiting) == (node is self.waiter)
+
+    def _next_scope(self, node: WorkerController) -> str | None:
+        return next((scope for scope in self.workqueue if self._suits(node, scope)), None)
+
+    def _assign_work_unit(self, node: WorkerController) -> None:
+        scope = self._next_scope(node)
+        if scope is None:  # nothing left for it (the waiter's files, or the others')
+            node.shutdown()
+            return
+        work_unit = self.workqueue.pop(scope)
+        self.assigned_work.setdefault(node, {})[scope] = work_unit
+        collection = self.registered_collections[node]
+        node.send_runtest_some([collection.index(nodeid) for nodeid, done in work_unit.items() if not done])
 
     def _reschedule(self, node: WorkerController) -> None:
         if node.shutting_down:
             return
-        if not self.workqueue:
+        if self._next_scope(node) is None:
             node.shutdown()
             return
-        if self._pending_of(self.assigned_work[node]) > 1:
+        if self._pending_of(self.assigned_work.get(node, {})) > 1:
             return
         self._assign_work_unit(node)

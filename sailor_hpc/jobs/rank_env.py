@@ -8,7 +8,9 @@ the plan numbers ranks pipeline by pipeline. This wrapper reads ``SLURM_PROCID``
 layout expects (task count, local index), exports ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` /
 ``LOCAL_WORLD_SIZE`` (the torchrun variables, which ``sailor_hpc.core.dist_env`` prefers over Slurm's),
 ``OMP_NUM_THREADS`` (this component's CPUs per task, unless set) and ``SAILOR_LABEL_RANKS`` (the runtime labels
-each rank's lines in the job's one log), then replaces itself with the command.
+each rank's lines in the job's one log), then replaces itself with the command. Where the task's
+environment names a fork server (``SAILOR_FORK_SERVER``: the test cluster's), the command is forked from a
+zygote there instead, and this process stands in for it in the step (:mod:`megatron_patch.fork_server`).
 It imports no torch, so it costs a few tens of milliseconds per rank.
 """
 from __future__ import annotations
@@ -18,6 +20,7 @@ import os
 import sys
 from collections.abc import Mapping
 
+from megatron_patch.fork_server import FORK_SERVER_ENV, exit_as, run_forked
 from sailor_hpc.core.errors import EXIT_BAD_INPUT, SailorError
 from sailor_hpc.core.plan_io import load_plan
 from sailor_hpc.core.runtime_events import LABEL_ENV
@@ -89,6 +92,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
     sys.stdout.flush()
+    if server := os.environ.get(FORK_SERVER_ENV):
+        code = run_forked(command, server)
+        if code is not None:
+            return exit_as(code)
     os.execvp(command[0], command)
     return 0  # not reached
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,10 +18,19 @@ from sailor_hpc.jobs.render import placed_plan_file, render_job_script, write_jo
 from sailor_hpc.slurm.status import poll_jobs
 from sailor_hpc.slurm.submit import check_script
 from sailor_hpc.slurm.watch import JobWatcher
+from tests.conftest import ranks_as_new_interpreters
 from tests.jobs.conftest import LOCAL_LAB, PLANS, write_plan
 from tests.slurm import ranks
 
 pytestmark = pytest.mark.slurm
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _ranks_as_new_interpreters(slurm_cluster) -> Iterator[None]:
+    """This file's jobs start their ranks as a user's do (srun -> rank_env -> exec), not from the lab's fork
+    server: the path every other Slurm test shortens."""
+    with ranks_as_new_interpreters(slurm_cluster):
+        yield
 
 
 def _cli(cluster, env, *args, check=True, **kw):

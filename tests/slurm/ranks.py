@@ -7,23 +7,36 @@ is acted on: what happens is then the same on a slow machine as on a fast one.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import time
 from pathlib import Path
 
+from megatron_patch.fork_server import FORK_SERVER_ENV, forked_dir
+
 
 def rank_pids(plan_file: str | Path) -> list[int]:
     """The training processes of the step started with ``--plan plan_file`` (every fake node runs on this
-    machine); srun and rank_env carry the same arguments, so only ``python -m`` a runtime's launch module counts."""
+    machine); srun and rank_env carry the same arguments, so only ``python -m`` a runtime's launch module counts.
+    A rank forked by the session's fork server has the zygote's command line: the server's notes give its own."""
     pids = []
     for proc in Path("/proc").iterdir():
         with contextlib.suppress(FileNotFoundError, ProcessLookupError, PermissionError):
             argv = (proc / "cmdline").read_bytes().split(b"\0") if proc.name.isdigit() else []
-            if argv[1:2] == [b"-m"] and argv[2:3] in ([b"megatron_patch.launch"], [b"megatron_patch.ds_runtime.launch"]) \
-                    and str(plan_file).encode() in argv:
+            if _runs_plan([a.decode(errors="replace") for a in argv], plan_file):
                 pids.append(int(proc.name))
+    server = os.environ.get(FORK_SERVER_ENV)
+    for note in forked_dir(server).glob("*.json") if server else ():
+        with contextlib.suppress(FileNotFoundError, ValueError):
+            if _runs_plan(json.loads(note.read_text())["argv"], plan_file) and Path(f"/proc/{note.stem}").exists():
+                pids.append(int(note.stem))
     return pids
+
+
+def _runs_plan(argv: list[str], plan_file: str | Path) -> bool:
+    return argv[1:2] == ["-m"] and argv[2:3] in (["megatron_patch.launch"], ["megatron_patch.ds_runtime.launch"]) \
+        and str(plan_file) in argv
 
 
 def pause(plan_file: str | Path, sig: signal.Signals = signal.SIGSTOP) -> list[int]:
