@@ -144,13 +144,17 @@ def report(procs: list[Proc], seen: dict[tuple[int, int], tuple[str, str]], root
         k = kinds[("forked " if p.forked else "new ") + chain(p)]
         k[0] += p.cpu
         k[1] += 1
-    python = [p for p in mine if p.comm.startswith("python") or p.comm == "sailor-hpc"]
+    def is_python(p: Proc) -> bool:
+        return p.comm.startswith("python") or p.comm == "sailor-hpc"
+
+    python = [p for p in mine if is_python(p)]
     lines = [f"CPU of the run: {sum(p.cpu for p in mine):.0f} s in {len(mine)} processes; Python: "
              f"{sum(1 for p in python if not p.forked)} new interpreters "
              f"({sum(p.cpu for p in python if not p.forked):.0f} s), {sum(1 for p in python if p.forked)} forked "
              f"({sum(p.cpu for p in python if p.forked):.0f} s)", f"{'CPU s':>7} {'procs':>6}  kind>parent>grandparent"]
     for name, (cpu, n) in sorted(kinds.items(), key=lambda kv: -kv[1][0])[:20]:
         lines.append(f"{cpu:7.0f} {n:6d}  {name}")
+
     def noted(p: Proc) -> tuple[str, str] | None:
         return next((seen[(p.pid, p.btime + dt)] for dt in (0, -1, 1) if (p.pid, p.btime + dt) in seen), None)
 
@@ -159,11 +163,12 @@ def report(procs: list[Proc], seen: dict[tuple[int, int], tuple[str, str]], root
     programs: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
     files: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
     for p in mine:
-        note, q, depth = noted(p), parent(p), 0
+        own = noted(p)
+        note, q, depth = own, parent(p), 0
         while note is None and q is not None and depth < 60:
             note, q, depth = noted(q), parent(q), depth + 1
-        if (p.comm.startswith("python") or p.comm == "sailor-hpc") and not p.forked:
-            k = programs[(noted(p) or ("?", ""))[0]]
+        if is_python(p) and not p.forked:
+            k = programs[(own or ("?", ""))[0]]
             k[0] += p.cpu
             k[1] += 1
         k = files[(note or ("", ""))[1] or "(outside a test)"]

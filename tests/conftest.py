@@ -118,7 +118,8 @@ def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmClu
     except ClusterUnavailable as exc:
         slurm_missing(f"no local Slurm test cluster: {exc}")
     try:
-        with fork_server(tmp_path_factory, cluster.env):
+        with contextlib.nullcontext() if os.environ.get("SAILOR_FORK_RANKS") == "0" else fork_server(
+                tmp_path_factory, cluster.env):
             yield cluster
     finally:
         cluster.stop()
@@ -138,12 +139,9 @@ def ranks_as_new_interpreters(cluster: SlurmCluster) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def fork_server(tmp_path_factory: pytest.TempPathFactory, env: dict[str, str]) -> Iterator[Path | None]:
+def fork_server(tmp_path_factory: pytest.TempPathFactory, env: dict[str, str]) -> Iterator[Path]:
     """A fork server for the ranks of the jobs submitted with ``env`` (and of ``tests/slurm/ranks.py``'s look-ups:
     this process's environment names it too), stopped at the end."""
-    if os.environ.get("SAILOR_FORK_RANKS") == "0":
-        yield None
-        return
     from megatron_patch.fork_server import FORK_SERVER_ENV
 
     path = tmp_path_factory.mktemp("fork-server") / "socket"
@@ -153,6 +151,11 @@ def fork_server(tmp_path_factory: pytest.TempPathFactory, env: dict[str, str]) -
     deadline = time.monotonic() + 60
     while not path.exists() and server.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
+    if not path.exists():
+        server.kill()
+        log.close()
+        raise RuntimeError(f"the fork server did not start (exit {server.wait()}): "
+                           f"{path.with_name('server.log').read_text()[-2000:]}")
     before = os.environ.get(FORK_SERVER_ENV)  # the session's, around a test module's own server
     env[FORK_SERVER_ENV] = os.environ[FORK_SERVER_ENV] = str(path)
     try:

@@ -53,10 +53,8 @@ class LongestFirst(LoadFileScheduling):
         if scope is None:  # nothing left for it (the waiter's files, or the others')
             node.shutdown()
             return
-        work_unit = self.workqueue.pop(scope)
-        self.assigned_work.setdefault(node, {})[scope] = work_unit
-        collection = self.registered_collections[node]
-        node.send_runtest_some([collection.index(nodeid) for nodeid, done in work_unit.items() if not done])
+        self.workqueue.move_to_end(scope, last=False)  # xdist's own assignment takes the queue's first file
+        super()._assign_work_unit(node)
 
     def _reschedule(self, node: WorkerController) -> None:
         if node.shutting_down:
