@@ -10,7 +10,8 @@ Two scenarios (tiny-gpt on CPU ranks, global batch 64, at most 2 GPUs):
   kills the step there, the job survives with --no-kill and re-plans on a100-1) and comes back again.
   Mixed (``--plans mixed``): one GPU per node everywhere, a100-2 blocked, the run trains 1 A100 + a 2-stage
   V100 pipeline and v100-2 changes; with resident ranks the plan runs as a bundle (one plain job per partition:
-  Slurm ends a whole het job that loses a node), without them as one het job (a node down: a new job).
+  Slurm ends a whole het job that loses a node), without them as one het job (a node down: a new job). Last, the
+  V100 job's batch node goes down ("het batch down": Slurm ends that job of the bundle; the A100 job goes on).
   Ranks idle: the last training step before the change to the first one after, by the runtime's own
   clock (its step records carry the wall time), in the same job or across the old and the new job.
 * by a new job (today's path where one is needed; goal: recovery <= 60 s): blockers leave one idle A100;
@@ -41,6 +42,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from sailor_hpc.slurm.hostlist import expand_hostlist  # noqa: E402
 from tests.controller.scenario import Scenario, build_inputs, kind, one_gpu_a100_site, one_gpu_site  # noqa: E402
 from tests.slurm.cluster import get_cluster  # noqa: E402
 
@@ -107,9 +109,30 @@ def in_place_cycles(cluster: Any, root: Path, data: str, archive: Path, cycles: 
                             lambda r, s=last: r["kind"] == "recovery" and r["seq"] > s, timeout=300)
                 rows.append({**_change_row(sc.records(), ("het " if mixed else "") + event, t), "resident": resident})
                 print(f"{event:15s}: ranks idle {rows[-1]['idle']:.1f} s, new job {rows[-1]['new_job']}", flush=True)
+        if mixed:  # last, the V100 job's batch node (a bundle's: Slurm ends that job; a het job's: the whole job)
+            last = sc.records()[-1]["seq"]
+            sc.wait_for("a checkpoint since the last change",
+                        lambda r, s=last: r["kind"] == "checkpoint" and r["seq"] > s, timeout=300)
+            last = sc.records()[-1]["seq"]
+            t = sc.set_node(_v100_batch_host(sc), "down")
+            sc.wait_for("the first step after: batch node down",
+                        lambda r, s=last: r["kind"] == "recovery" and r["seq"] > s, timeout=300)
+            rows.append({**_change_row(sc.records(), "het batch down", t), "resident": resident})
+            print(f"batch node down: ranks idle {rows[-1]['idle']:.1f} s, new job {rows[-1]['new_job']}", flush=True)
     finally:
         sc.cleanup()
     return rows
+
+
+def _v100_batch_host(sc: Scenario) -> str:
+    """The node running the batch script of the run's V100 job (a bundle's job, or a het job's component)."""
+    for line in sc.slurm("scontrol", "-o", "show", "job").splitlines():
+        fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
+        if fields.get("Partition") == "v100" and fields.get("JobState") == "RUNNING" \
+                and not fields.get("JobName", "").startswith("blocker"):
+            nodes = expand_hostlist(fields["NodeList"])  # a het job's component: its batch script is the first's
+            return fields["BatchHost"] if fields.get("BatchHost") in nodes else nodes[0]
+    raise RuntimeError("no running V100 job of the run")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -161,7 +184,8 @@ def _print_changes(changes: list[dict[str, Any]], poll: float) -> None:
         print(f"{c['event']:17s} {'yes' if c['resident'] else 'no':>5s} {c['job']:>7s} "
               f"{'yes' if c['new_job'] else 'no':>7s} {c['idle']:10.2f} "
               f"{c['first_step']:11.1f} {c['queue']:6.1f} {'step ' + str(c['loaded']):>10s}")
-    for event in ("node drains", "node down", "node back", "het node drains", "het node down", "het node back"):
+    for event in ("node drains", "node down", "node back", "het node drains", "het node down", "het node back",
+                  "het batch down"):
         for reuse in (False, True):
             idle = [c["idle"] for c in changes if c["event"] == event and c["resident"] == reuse]
             if idle:

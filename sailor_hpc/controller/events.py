@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from sailor_hpc.core.plan import Plan
 from sailor_hpc.jobs.layout import job_layout
 from sailor_hpc.slurm.commands import SinfoNode
-from sailor_hpc.slurm.status import RUNNING_STATES, JobStatus
+from sailor_hpc.slurm.safety import BUNDLE_SEP
+from sailor_hpc.slurm.status import RUNNING_STATES, ComponentStatus, JobStatus
 
 
 @dataclass
@@ -74,6 +75,8 @@ def own_gpus(plan: Plan, job: JobStatus, hosts_of: Mapping[str, list[str]]) -> d
     out: dict[str, dict[str, int]] = {}
     comps = job_layout(plan).components
     for comp, status in zip(comps, job.components):
+        if status.final:  # a bundle's job that Slurm ended: its nodes are no longer the run's
+            continue
         for host in hosts_of.get(status.nodes, []):
             part = out.setdefault(comp.partition, {})
             part[host] = part.get(host, 0) + comp.tasks_per_node
@@ -140,5 +143,20 @@ def idle_increase(baseline: Mapping[str, int], available: Mapping[str, int]) -> 
 
 def all_running(job: JobStatus) -> bool:
     """Every component runs (a completing one is ending, and its GPUs are no longer the run's)."""
-    return bool(job.components) and all(c.state in RUNNING_STATES and c.state != "COMPLETING"
-                                        for c in job.components)
+    return bool(job.components) and all(_runs(c) for c in job.components)
+
+
+def trains(job: JobStatus) -> bool:
+    """The job's ranks may be training: every component runs; a bundle's (``12,13``), its first job runs and every
+    other job runs or ended. That first job's agent answers for the whole bundle
+    (:mod:`sailor_hpc.controller.job_agent`): a job Slurm ended with its batch node is its to re-plan without
+    (in place), any other end is its to end the bundle for, which the controller then sees."""
+    ids = job.job_id.split(BUNDLE_SEP)
+    if len(ids) == 1:
+        return all_running(job)
+    return (any(c.job_id == ids[0] and _runs(c) for c in job.components)
+            and all(_runs(c) or c.final for c in job.components))
+
+
+def _runs(c: ComponentStatus) -> bool:
+    return c.state in RUNNING_STATES and c.state != "COMPLETING"

@@ -71,6 +71,7 @@ from sailor_hpc.jobs.render import components_for
 from sailor_hpc.slurm.commands import show_nodes, sinfo_nodes
 from sailor_hpc.slurm.control import Component, job_components, shrink_component
 from sailor_hpc.slurm.hostlist import expand_hostlists
+from sailor_hpc.slurm.safety import BUNDLE_SEP, job_ids
 
 EXIT_NEXT_STEP, EXIT_END_JOB = 0, 1
 STEP_PORT_STRIDE = 9973
@@ -90,11 +91,14 @@ def survivors(comps: list[Component], job_plan: Plan, lost: dict[str, str]) -> d
 
 def step_components(plan: Plan, comps: list[Component], free: dict[str, dict[str, int]],
                     heterogeneous: bool, cpus: list[int]) -> tuple[list[str], list[str]]:
-    """The next step's ``srun`` options per component, and its nodes in rank order.
+    """The next step's ``srun`` options per component, and its nodes in rank order. A component without nodes
+    is a bundle's job that Slurm ended (:func:`bundle_components`): the plan runs on the others.
 
     Raises SailorError when the plan's components are not the job's (a partition left out or added):
     Slurm keeps at least one node per component, so such a plan needs a new job."""
     layout = job_layout(plan).components
+    kept = [(c, n) for c, n in zip(comps, cpus, strict=True) if c.nodes]
+    comps, cpus = [c for c, _ in kept], [n for _, n in kept]
     if [c.partition for c in layout] != [c.partition for c in comps]:
         raise SailorError(f"the plan on the survivors uses partitions {[c.partition for c in layout]}, the job has "
                           f"{[c.partition for c in comps]}", field="in-place plan",
@@ -181,12 +185,24 @@ class SurvivorPlanner:
         return [c.cpus_per_task for c in components_for(job_layout(self.job_plan), self.site)]
 
 
+def bundle_components(job_id: str, ended: Collection[str] = ()) -> list[Component]:
+    """The job's components now (:func:`~sailor_hpc.slurm.control.job_components`); a bundle's job in ``ended``
+    (Slurm ended it with its batch node: its nodes are no longer the run's) as a component without nodes, so
+    that the others keep their places in the job's layout."""
+    if not ended:
+        return job_components(job_id)
+    ids = job_ids(job_id)
+    running = iter(job_components(BUNDLE_SEP.join(j for j in ids if j not in ended)))
+    return [Component(j, "", []) if j in ended else next(running) for j in ids]
+
+
 def replan(planner: SurvivorPlanner, step_nodes: Collection[str], job_id: str,
-           addresses: dict[str, str] | None = None) -> Replanned | None:
+           addresses: dict[str, str] | None = None, ended: Collection[str] = ()) -> Replanned | None:
     """Which of ``step_nodes`` were lost and the plan on the job's survivors, with the lost nodes released;
     None when no node was lost. Raises SailorError when no plan fits the survivors or Slurm keeps a lost node.
-    ``addresses``: the nodes' addresses, read ahead (else asked of Slurm)."""
-    comps = job_components(job_id)
+    ``addresses``: the nodes' addresses, read ahead (else asked of Slurm); ``ended``: a bundle's jobs that Slurm
+    ended, whose nodes are all lost."""
+    comps = bundle_components(job_id, ended)
     _, _, lost_states = node_states(sinfo_nodes(None))
     lost = {n: lost_states.get(n, "gone from the job") for n in step_nodes
             if n in lost_states or all(n not in c.nodes for c in comps)}

@@ -23,8 +23,10 @@ controller runs such a plan as a *bundle*: one plain ``--no-kill`` job per compo
 would be a het component), submitted together, meeting in one folder and one rendezvous
 (:class:`sailor_hpc.jobs.options.BundlePart`). Each job has its agent (``--bundle-part``);
 part 0's, beside plan rank 0, does the above for every job's ranks, the others start their steps, say when one
-ends (``ended/<node>.json``) and follow its directives. A node lost in any job but its batch node is recovered
-in place; a lost batch node ends that job (Slurm), and the bundle falls back to a new attempt.
+ends (``ended/<node>.json``) and follow its directives. A lost batch node ends its job (Slurm 22.05: FAILED,
+``JobLaunchFailure``, its other nodes released): the lead takes every node of that job as lost and re-plans on
+the other jobs, whose ranks go on in their processes. Only the loss of the lead's own batch node, where this
+agent runs, ends the bundle (its followers then end their ranks) and falls back to a new attempt.
 Exit code: the ranks' (0 done, 75 saved on a signal); 1 when no plan fits the survivors or the ranks failed.
 """
 from __future__ import annotations
@@ -39,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from subprocess import Popen
 
+from sailor_hpc.controller.events import node_states
 from sailor_hpc.controller.inplace import SurvivorPlanner, in_place_record, replan, step_port
 from sailor_hpc.core.dist_env import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_SAVED_ON_SIGNAL
 from sailor_hpc.core.errors import SailorError, SlurmUnavailable
@@ -61,6 +64,7 @@ from sailor_hpc.core.resident import (
 from sailor_hpc.core.runtime_events import InPlaceRefused, encode_event
 from sailor_hpc.jobs.layout import component_layout, job_layout
 from sailor_hpc.jobs.rank_env import JOB_TASKS_ENV, TASK_OFFSET_ENV
+from sailor_hpc.slurm.commands import sinfo_nodes
 from sailor_hpc.slurm.control import job_components, node_address, start_step
 from sailor_hpc.slurm.safety import BUNDLE_SEP, job_ids
 from sailor_hpc.slurm.status import poll_jobs
@@ -73,6 +77,8 @@ SETTLE_S = 120.0
 ENDED_GRACE_S = 5.0
 BUNDLE_WAIT_S = 600.0  # a bundle's jobs that have not all started by then: the job gives up
 BUNDLE_POLL_S = 1.0  # how often a waiting agent asks Slurm whether a job of its bundle ended
+BUNDLE_WATCH_S = 2.0  # how often the lead asks Slurm, while the ranks train, whether a job of its bundle ended
+JOB_ENDED_RC = 137  # the ended marker the lead writes for each node of a job Slurm ended: its ranks were killed
 
 
 @dataclass
@@ -109,6 +115,7 @@ class Agent:
     _woken: int = -1  # the epoch whose ranks were told to leave their communicators
     _ended_seen: dict[str, float] = field(default_factory=dict)  # node -> when its ended marker was first read
     _parts: dict[int, Part] = field(default_factory=dict)  # the bundle's jobs, once every one registered
+    dropped: set[str] = field(default_factory=set)  # lead: jobs of the bundle Slurm ended with their batch node
 
     @property
     def lead(self) -> bool:
@@ -131,7 +138,8 @@ class Agent:
                 env = {**os.environ, TASK_OFFSET_ENV: str(offset), JOB_TASKS_ENV: str(layout.num_tasks)}
                 self.steps[node] = NodeStep(node, lay.tasks_per_node, start_step(opts, self.task, env))
                 offset += lay.tasks_per_node
-        write_part(self.root, Part(self.part, self.job_id, {n: s.tasks for n, s in self.steps.items()}))
+        write_part(self.root, Part(self.part, self.job_id, {n: s.tasks for n, s in self.steps.items()},
+                                   batch_node=os.environ.get("SLURMD_NODENAME", "")))
         self.plan = self.job_plan
         if self.lead:
             threading.Thread(target=self._prepare, daemon=True).start()
@@ -151,6 +159,37 @@ class Agent:
 
     def bundle_id(self) -> str:
         return BUNDLE_SEP.join(p.job_id for _, p in sorted(self._bundle().items()))
+
+    def running_jobs(self) -> list[str]:
+        """The bundle's jobs the lead has not re-planned without."""
+        return [j for j in job_ids(self.bundle_id()) if j not in self.dropped]
+
+    def drop_ended(self, ask_jobs: bool = True) -> bool:
+        """Lead: whether every job of the bundle that Slurm ended lost its batch node (then its nodes are marked
+        ended, and a change re-plans without them); False when one ended otherwise (cancelled, failed), which
+        ends the bundle. A job whose batch node is down counts at once: Slurm kills its batch script then, and its
+        steps once it ends (3-10 s later, measured). Other ends are asked of Slurm (``ask_jobs``). While Slurm does
+        not answer: True, as if none ended (asked again later)."""
+        parts = {p.job_id: p for p in self._bundle().values()}
+        others = [j for j in self.running_jobs() if j != self.job_id]
+        if not others:
+            return True
+        said = read_ended(self.root)  # a job whose agent said every node's step ended ended by itself
+        try:
+            _, _, lost = node_states(sinfo_nodes(None))
+            ended = [j for j in others if lost.get(parts[j].batch_node, "").lower().startswith("down")]
+            rest = [j for j in others if j not in ended and not all(n in said for n in parts[j].nodes)]
+            if ask_jobs and rest:
+                ended += [j for j, s in poll_jobs(rest).items() if s.final]
+        except (SailorError, SlurmUnavailable):
+            return True
+        if any(not set(parts[j].nodes) & set(lost) for j in ended):
+            return False
+        for j in ended:
+            for node in parts[j].nodes:
+                write_ended(self.root, node, JOB_ENDED_RC)
+            self.dropped.add(j)
+        return True
 
     def _prepare(self) -> None:
         """While the ranks start: what a change will need (the planner's inputs, the nodes' addresses, the plan
@@ -180,7 +219,8 @@ class Agent:
 
     def settled(self) -> tuple[dict[str, Held], bool]:
         """Wait until every rank still running holds; (the markers, whether it settled in time). A job of the
-        bundle that Slurm ended (its batch node lost) never settles: its ranks are gone without a word."""
+        bundle that Slurm ended says nothing: asked of Slurm, it counts as lost nodes if its batch node was lost
+        (:meth:`drop_ended`), else the bundle cannot settle."""
         deadline = time.monotonic() + SETTLE_S
         next_poll = 0.0
         while True:
@@ -194,7 +234,7 @@ class Agent:
                 return held, False
             if self.parts > 1 and time.monotonic() > next_poll:
                 next_poll = time.monotonic() + BUNDLE_POLL_S
-                if self._a_job_ended(job_ids(self.bundle_id())):
+                if not self.drop_ended():
                     return held, False
             time.sleep(POLL_S)
 
@@ -258,9 +298,12 @@ class Agent:
         ended = read_ended(self.root)
         if not held and not self.live(ended):  # every rank finished after all (a slow last one): no change
             return self.finished(ended)
+        if self.parts > 1 and not self.drop_ended():  # a job of the bundle ended, not with its batch node
+            self.kill_own()
+            return self.leave_all(EXIT_FAILED)
         try:
             planner = self.planner or SurvivorPlanner.of(self.run_dir, self.job_plan)
-            r = replan(planner, list(self.members), self.bundle_id(), self.addresses)
+            r = replan(planner, list(self.members), self.bundle_id(), self.addresses, ended=self.dropped)
         except (SailorError, SlurmUnavailable) as exc:  # no plan fits the survivors, or Slurm does not answer
             print(encode_event(InPlaceRefused(job_id=self.job_id, step_index=self.epoch + 1, rc=EXIT_FAILED,
                                               reason=str(exc), t=round(time.time(), 3))), flush=True)
@@ -311,9 +354,13 @@ class Agent:
             return self.leave_all(EXIT_FAILED)
 
     def _lead(self) -> int:
+        next_poll = time.monotonic() + BUNDLE_WATCH_S
         while True:
             time.sleep(POLL_S)
             self.mark_ended()
+            if self.parts > 1 and time.monotonic() > next_poll:  # a job Slurm ends leaves no agent to say so
+                next_poll = time.monotonic() + BUNDLE_WATCH_S
+                self.drop_ended(ask_jobs=False)
             ended = read_ended(self.root)
             if not self.live(ended):
                 return self.finished(ended)

@@ -46,6 +46,7 @@ from sailor_hpc.controller.events import (
     node_states,
     own_gpus,
     stuck_reason,
+    trains,
 )
 from sailor_hpc.controller.grow import Grower
 from sailor_hpc.controller.planning import Planned, judge_pending, plan_on, plan_on_queue
@@ -142,8 +143,8 @@ class OneJob:
             watcher = self._watcher(cur)
             watcher.poll()
             obs.job = watcher.status(cur.job_id)
-            if obs.job is not None and all_running(obs.job):
-                hosts = {c.nodes: self._hosts_of(c.nodes) for c in obs.job.components}
+            if obs.job is not None and trains(obs.job):
+                hosts = {c.nodes: self._hosts_of(c.nodes) for c in obs.job.components if not c.final}
                 obs.job_nodes = sorted({h for hs in hosts.values() for h in hs})
                 own = own_gpus(self.ctx.plan(self.ctx.rundir.plan_file(cur.number)), obs.job, hosts)  # what it holds
         obs.free = free_for_run(idle, own, obs.unusable, obs.lost)
@@ -241,6 +242,7 @@ class OneJob:
         running = job is not None and all_running(job)
         if running and cur.running_t is None:
             self.ctx.note(records.JobRunning(attempt=cur.number, job_id=cur.job_id, nodes=obs.job_nodes))
+        running = job is not None and trains(job)  # a bundle's job ended: its lead's agent answers (re-plans, or ends)
         self.first_step(cur, tail)
         self._in_place_recovered(cur, tail)
         if cur.waits_for_successor:
@@ -505,7 +507,7 @@ class OneJob:
 
     def _checkpoint_and_wait(self, cur: Attempt, job: SlurmJob) -> None:
         """Ask a running job to save a complete checkpoint and end; wait until it did (or its stop timeout)."""
-        if not all_running(job.status()):
+        if not trains(job.status()):
             return  # pending or ending: nothing of it to save
         self._stop(cur, USER_STOP)
         tail = self._tail(cur)

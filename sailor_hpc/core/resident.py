@@ -90,11 +90,12 @@ class Directive:
 @dataclass(frozen=True)
 class Part:
     """One job of the agents that share a folder (a bundle's, or a job's alone: index 0 of 1): its nodes and
-    each node's number of ranks."""
+    each node's number of ranks, and the node its agent (the batch script) runs on."""
 
     index: int
     job_id: str
     nodes: dict[str, int]
+    batch_node: str = ""
 
 
 def write_part(root: Path, part: Part) -> Path:

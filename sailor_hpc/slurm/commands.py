@@ -82,6 +82,24 @@ def run_slurm(args: Sequence[str], env: Mapping[str, str] | None = None, *, time
     return proc
 
 
+def run_for_jobs(args: Sequence[str], ids: Sequence[str], env: Mapping[str, str] | None = None, *,
+                 timeout: float = DEFAULT_TIMEOUT_S, check: bool = True) -> None:
+    """``args`` with every id of ``ids`` (``scancel`` ...); a bundle's (several plain jobs) one job at a time, refused
+    only when every job refuses: a bundle goes on without a job Slurm ended (a lost batch node), and ``scancel``
+    exits 1 for an ended job after acting on the others."""
+    if len(ids) <= 1:
+        run_slurm([*args, *ids], env, timeout=timeout, check=check)
+        return
+    refused: list[SailorError] = []
+    for job in ids:
+        try:
+            run_slurm([*args, job], env, timeout=timeout, check=check)
+        except SailorError as exc:  # that job ended
+            refused.append(exc)
+    if len(refused) == len(ids):
+        raise refused[0]
+
+
 def controller_answers(env: Mapping[str, str] | None = None, timeout: float = PING_TIMEOUT_S) -> bool:
     """Whether slurmctld answers ``scontrol ping`` (exit 0) within ``timeout``."""
     full_env = slurm_env(env)

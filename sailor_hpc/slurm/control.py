@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from sailor_hpc.core.errors import SailorError
-from sailor_hpc.slurm.commands import parse_kv_line, run_slurm
+from sailor_hpc.slurm.commands import parse_kv_line, run_for_jobs, run_slurm
 from sailor_hpc.slurm.hostlist import expand_hostlist
 from sailor_hpc.slurm.safety import job_ids
 from sailor_hpc.slurm.status import JobRef
@@ -23,9 +23,9 @@ SIGNAL_TIMEOUT_S = 10.0  # scancel --signal waits on a job in transition (requeu
 
 
 def signal_job(job_id: str, signal: str, env: Env, *, check: bool = True) -> None:
-    """``scancel --signal=SIGNAL``: to every running step of the job (of every job of a bundle; not the batch
-    scripts)."""
-    run_slurm(["scancel", f"--signal={signal}", *job_ids(job_id)], env, check=check, timeout=SIGNAL_TIMEOUT_S)
+    """``scancel --signal=SIGNAL``: to every running step of the job (not its batch script); of every job of a
+    bundle that still runs."""
+    run_for_jobs(["scancel", f"--signal={signal}"], job_ids(job_id), env, check=check, timeout=SIGNAL_TIMEOUT_S)
 
 
 def keep_from_requeue(job_id: str, env: Env) -> None:

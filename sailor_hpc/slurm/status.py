@@ -92,6 +92,10 @@ class ComponentStatus:
     source: str = "squeue"
     cancelled_by: int | None = None  # the uid that cancelled it, once accounting has the job
 
+    @property
+    def final(self) -> bool:
+        return self.state in FINAL_STATES
+
 
 @dataclass
 class JobStatus:

@@ -20,7 +20,7 @@ from typing import Any
 from sailor_hpc.core.atomic import atomic_write_text
 from sailor_hpc.core.errors import SailorError
 from sailor_hpc.slurm import safety
-from sailor_hpc.slurm.commands import parse_kv_line, run_slurm, slurm_env
+from sailor_hpc.slurm.commands import parse_kv_line, run_for_jobs, run_slurm, slurm_env
 
 
 @dataclass(frozen=True)
@@ -105,9 +105,9 @@ def load_record(job_id: str, env: Mapping[str, str] | None = None) -> JobRecord 
 
 
 def cancel_job(job_id: str | int, env: Mapping[str, str] | None = None) -> str:
-    """``scancel`` a job (all het components / array elements of it; every job of a bundle)."""
+    """``scancel`` a job (all het components / array elements of it; every job of a bundle that still runs)."""
     ids = safety.job_ids(job_id)
-    run_slurm(["scancel", *ids], env)
+    run_for_jobs(["scancel"], ids, env)
     return safety.BUNDLE_SEP.join(ids)
 
 

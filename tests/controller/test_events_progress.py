@@ -4,7 +4,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from sailor_hpc.controller.events import draining_only, free_for_run, idle_increase, is_lost, lost_nodes, own_gpus
+from sailor_hpc.controller.events import (
+    draining_only,
+    free_for_run,
+    idle_increase,
+    is_lost,
+    lost_nodes,
+    own_gpus,
+    trains,
+)
 from sailor_hpc.controller.progress import LogTail
 from sailor_hpc.core.plan import plan_from_dict
 from sailor_hpc.slurm.status import ComponentStatus, JobStatus
@@ -41,6 +49,30 @@ def test_free_gpus_for_the_run_count_its_own_job():
     assert free == {"a100": {"a100-1": 4, "a100-2": 3}, "v100": {"v100-1": 8}}
     assert idle_increase({"a100": 1, "v100": 8}, {"a100": 1, "v100": 16}) == {"v100": (8, 16)}
     assert idle_increase({"a100": 1}, {"a100": 0, "v100": 2}) == {"v100": (0, 2)}
+
+
+def _bundle(*states: str) -> JobStatus:
+    comps = [ComponentStatus(str(12 + i), "a100" if i == 0 else "v100", s, f"n{i}") for i, s in enumerate(states)]
+    return JobStatus(",".join(c.job_id for c in comps), comps, "RUNNING")
+
+
+def test_a_bundle_trains_while_its_lead_job_runs():
+    assert trains(_bundle("RUNNING", "RUNNING"))
+    # a job Slurm ended (its batch node lost): the lead's agent re-plans without it, or ends the bundle
+    assert trains(_bundle("RUNNING", "NODE_FAIL")) and trains(_bundle("RUNNING", "FAILED"))
+    assert not trains(_bundle("COMPLETED", "RUNNING"))  # the lead ended: nobody answers for the others
+    assert not trains(_bundle("RUNNING", "PENDING"))  # not started together yet
+    assert not trains(_bundle("COMPLETING", "RUNNING"))
+    # a job alone, or a het job: every component
+    assert not trains(JobStatus("12", [ComponentStatus("12+0", "a100", "RUNNING", "n0"),
+                                       ComponentStatus("12+1", "v100", "FAILED", "n1")], "FAILED"))
+    # the ended job's nodes are not the run's any more
+    plan = plan_from_dict(PLANS["het-mixed"])
+    job = JobStatus("12,13,14", [ComponentStatus("12", "v100", "RUNNING", "v100-1"),
+                                 ComponentStatus("13", "a100", "NODE_FAIL", "a100-1"),
+                                 ComponentStatus("14", "a100", "RUNNING", "a100-2")], "RUNNING")
+    hosts = {"v100-1": ["v100-1"], "a100-1": ["a100-1"], "a100-2": ["a100-2"]}
+    assert own_gpus(plan, job, hosts) == {"v100": {"v100-1": 2}, "a100": {"a100-2": 1}}
 
 
 def test_log_tail_reads_json_lines_as_they_come(tmp_path: Path):

@@ -38,3 +38,16 @@ def test_a_plan_that_leaves_a_component_out_needs_a_new_job():
     only_a100 = _plan(plan_doc([(4, 2, [stage(0, 5, 1, A100, "a100", 0, [0])])]))
     with pytest.raises(SailorError, match="partitions"):
         step_components(only_a100, comps, {"a100": {"a100-1": 1}}, True, [1, 1])
+
+
+def test_a_bundle_goes_on_without_a_job_slurm_ended():
+    # the V100 job of a bundle ended with its batch node (no nodes): the plan runs on the A100 job alone
+    comps = [Component("7", "v100", []), Component("8", "a100", ["a100-1", "a100-2"])]
+    free = survivors(comps, HET, {"a100-2": "down"})
+    assert free == {"a100": {"a100-1": 1}}
+    only_a100 = _plan(plan_doc([(4, 2, [stage(0, 5, 1, A100, "a100", 0, [0])])]))
+    opts, nodes = step_components(only_a100, comps, free, True, [3, 1])
+    assert opts == ["--het-group=0 -N 1 -n 1 --ntasks-per-node=1 --nodelist=a100-1 --cpus-per-task=1"]
+    assert nodes == ["a100-1"]
+    with pytest.raises(SailorError, match="partitions"):  # the ended job cannot run a part of the plan
+        step_components(HET, comps, {"v100": {"v100-1": 2}, "a100": {"a100-1": 1}}, True, [1, 1])

@@ -12,7 +12,10 @@ partition, submitted together, one rendezvous, one resident folder.
    go on under the new plan in their processes;
 3. ``resume``: a bigger bundle is submitted beside it and takes over (a resize: the old ranks save and leave);
 4. ``down`` of v100-2: Slurm ends that node's step only (the V100 job lives on, on v100-1), the ranks still
-   running see their peer's connection close, hold, and go on under the 2-GPU plan in their processes.
+   running see their peer's connection close, hold, and go on under the 2-GPU plan in their processes;
+5. ``down`` of v100-1, the V100 job's batch node: Slurm ends that job (FAILED), its agent with it; the A100 job's
+   agent learns it from Slurm, takes the job's nodes as lost, and the A100 rank goes on alone under a 1-GPU plan
+   in its process.
 
 Checked: both changes are in place (no new job) and resident (no new step: sacct shows one step per node of each
 job), the surviving ranks have the same PIDs before and after each change, and the final parameters equal a
@@ -64,6 +67,10 @@ def story(slurm_cluster, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
         sc.set_node("v100-2", "down")
         sc.wait_for("the first step after the node went down",
                     lambda r: r["kind"] == "recovery" and r.get("in_place") and r["attempt"] == 2)
+        last = sc.records()[-1]["seq"]
+        sc.set_node("v100-1", "down")
+        sc.wait_for("the first step after the V100 job's batch node went down",
+                    lambda r: r["kind"] == "recovery" and r.get("in_place") and r["attempt"] == 2 and r["seq"] > last)
         status = story_kit.finish(sc, reference)
         records = sc.records()
         bundles = [r["job_id"] for r in records if r["kind"] == "submitted"]
@@ -91,18 +98,22 @@ def test_every_attempt_is_a_bundle_of_one_job_per_partition(story):
 
 
 def test_drain_and_down_keep_the_surviving_ranks_in_their_processes(story):
-    drain, down = _records(story, "in_place")
+    drain, down, batch = _records(story, "in_place")
     assert drain["attempt"] == 1 and drain["resident"] and drain["released"] == ["v100-2"], drain
     assert down["attempt"] == 2 and down["resident"] and down["nodes"] == ["a100-1", "v100-1"], down
     assert down["gpus"] == {"a100": 1, "v100": 1}, down
+    # the V100 job ended with its batch node: its nodes are lost, the A100 job goes on alone
+    assert batch["attempt"] == 2 and batch["resident"] and batch["nodes"] == ["a100-1"], batch
+    assert batch["gpus"] == {"a100": 1} and "v100-1" in batch["lost"], batch
     assert not _records(story, "in_place_refused")
-    for change in (drain, down):
+    assert [r["attempt"] for r in _records(story, "submitted")] == [1, 2]  # no new bundle after the batch node
+    for change, partitions in ((drain, {"a100", "v100"}), (down, {"a100", "v100"}), (batch, {"a100"})):
         starts = _starts(story, change["attempt"])
         before = {e["pid"] for e in starts if e["epoch"] == 0}
-        after = [e for e in starts if e["epoch"] == 1]
-        # the two ranks of the new plan (one per partition): processes of the old plan, not new ones
-        assert len(before) == 3 and len(after) == 2 and {e["pid"] for e in after} <= before, starts
-        assert {e["partition"] for e in after} == {"a100", "v100"}, after
+        after = [e for e in starts if e["epoch"] == change["step_index"]]
+        # the ranks of the new plan: processes of the old plan, not new ones
+        assert len(before) == 3 and len(after) == len(partitions) and {e["pid"] for e in after} <= before, starts
+        assert {e["partition"] for e in after} == partitions, after
         rec = next(r for r in _records(story, "recovery") if r.get("in_place") and r["seq"] > change["seq"])
         assert rec["new_job"] is False
         print(f"{rec['trigger']}: ranks idle {rec['ranks_idle_s']:.2f} s, in the same processes")
@@ -121,7 +132,7 @@ def test_final_parameters_equal_the_uninterrupted_reference(story):
     final = latest_complete(story["sc"].save)
     assert final is not None and read_manifest(final)["step"] == STEPS
     diff = max_diff(final, story["root"] / "ref" / f"ref_step_{STEPS}.pt")
-    print(f"\nafter {STEPS} steps, 2 bundles, 2 resident changes: max |delta| vs reference {diff}")
+    print(f"\nafter {STEPS} steps, 2 bundles, 3 resident changes: max |delta| vs reference {diff}")
     assert diff["param"] <= 1e-6
     ref_losses = json.loads((story["root"] / "ref" / "losses.json").read_text())
     for log in story["logs"].values():

@@ -93,6 +93,7 @@ def test_a_bundle_of_plain_jobs_is_one_job_to_poll_signal_and_cancel(slurm_clust
     order, its components are theirs, and one ``cancel`` ends both; Slurm's own view (squeue) agrees."""
     import time
 
+    from sailor_hpc.core.errors import SailorError
     from sailor_hpc.slurm.control import job_components
     from sailor_hpc.slurm.handle import SlurmCluster
     from sailor_hpc.slurm.safety import BUNDLE_SEP
@@ -108,7 +109,14 @@ def test_a_bundle_of_plain_jobs_is_one_job_to_poll_signal_and_cancel(slurm_clust
     assert [c.job_id for c in status.components] == ids and [c.partition for c in status.components] == ["v100", "a100"]
     assert [(c.job_id, c.partition, c.nodes) for c in job_components(job.id, slurm_cluster.env)] == [
         (ids[0], "v100", ["v100-1"]), (ids[1], "a100", ["a100-1"])]
+    # one job ended alone (as Slurm ends one that loses its batch node): the bundle's other job still takes a signal
+    # and a cancel, the ended one refusing both
+    slurm_cluster.run(["scancel", ids[0]])
+    assert slurm_cluster.wait_job(ids[0]) == ["CANCELLED"]
+    job.signal("CONT")
     job.cancel()
     for j in ids:
         assert slurm_cluster.wait_job(j) == ["CANCELLED"]
     assert job.status().state == "CANCELLED"
+    with pytest.raises(SailorError):  # no job of it runs
+        job.signal("CONT")
