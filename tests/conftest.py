@@ -51,8 +51,8 @@ LONG_FILES = (
 # the files whose time is mostly waits on Slurm's clock (reservations, time limits, blockers ending), with little
 # CPU of their own: with 4 workers or more, the last one runs only these (tests/longest_first.py)
 WAITING_FILES = (
-    "tests/slurm/test_site_states_cluster.py", "tests/controller/test_time_run_cluster.py",
-    "tests/slurm/test_start_estimate.py",
+    "tests/slurm/test_site_states_cluster.py", "tests/controller/test_startable_cluster.py",
+    "tests/controller/test_time_run_cluster.py", "tests/slurm/test_start_estimate.py",
 )
 
 

@@ -19,6 +19,7 @@ import pytest
 from sailor_hpc.core.checkpoint import newest_step
 from tests.controller import scenario as story_kit
 from tests.controller.scenario import Scenario, kind
+from tests.slurm import ranks
 
 pytestmark = pytest.mark.slurm
 
@@ -116,6 +117,8 @@ def test_a_bigger_job_that_timed_out_is_not_retried_until_the_queue_changes(slur
         a100_2 = sc.blocker("a100-2", 4)
         sc.start_controller()
         sc.wait_for("the first step", kind("first_step", attempt=1), timeout=120)
+        # what is checked is the controller's, not training's: the ranks wait stopped, their cores left to other tests
+        ranks.pause(sc.plan_file(1))
         slurm_cluster.run(["scancel", sc.blockers[0]])  # 4 A100 idle on a100-1: a bigger plan
         sc.wait_for("the bigger job cancelled", kind("grow_cancelled", attempt=1), timeout=60)
         # the queue dips and comes back as it was (before, the same bigger job was then submitted again at once)
@@ -130,6 +133,7 @@ def test_a_bigger_job_that_timed_out_is_not_retried_until_the_queue_changes(slur
         slurm_cluster.run(["scancel", a100_2])  # the queue changes: a bigger job is tried again
         sc.wait_for("a second bigger job", lambda r: r["kind"] == "grow_submitted" and r["seq"] > last_seq, timeout=60)
         records = sc.records()
+        ranks.resume(sc.plan_file(1))
     assert quiet == 1, [r for r in records if r["kind"].startswith("grow")]
     cancelled = [r for r in records if r["kind"] == "grow_cancelled"][0]
     assert cancelled["queue"]["a100"]["a100-1"] == 4 and cancelled["queue"]["a100"]["a100-2"] == 0, cancelled

@@ -75,7 +75,9 @@ def test_down_partition_is_left_out_and_an_unplanned_job_is_waited_for(site_stat
     cluster.run(["scontrol", "update", "PartitionName=v100", "State=DOWN"])
     hold = _block(cluster, ["-p", "a100", "-N", "2", "--gres=gpu:a100:4", "-t", "1", "--wrap", "sleep 57"])
     _started(cluster, hold, 30)
-    after = _block(cluster, ["-p", "a100", "-N", "2", "--gres=gpu:a100:4", "-t", "1", "-d", f"afterok:{hold}",
+    # afterany: a hold whose batch script starts late under load runs into its limit (TIMEOUT), which afterok
+    # would take for a failure and never start the dependent job
+    after = _block(cluster, ["-p", "a100", "-N", "2", "--gres=gpu:a100:4", "-t", "1", "-d", f"afterany:{hold}",
                              "--wrap", "sleep 57"])
     archive = write_tiny_archive(tmp_path / "tiny.h5")
     proc = cluster.run(["sailor-hpc", "plan", "--site", str(LAB), "--profiles", str(archive), "--model", "tiny-gpt",
