@@ -83,16 +83,19 @@ def run_forked(command: Sequence[str], server: str) -> int | None:
         return None
     request = {"python": os.path.abspath(python), "argv": list(command[1:]), "env": dict(os.environ),
                "cwd": os.getcwd(), "cpus": sorted(os.sched_getaffinity(0))}
+    # the rank may run (and be signalled: Slurm's USR1, a test's) before this task has its pidfd: until the
+    # handlers that forward are in place, a signal waits blocked instead of ending the task with the rank left on
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         conn.connect(server)
         socket.send_fds(conn, [json.dumps(request).encode()], [sys.stdout.fileno(), sys.stderr.fileno()])
         reply, fds, _, _ = socket.recv_fds(conn, STATUS_BYTES, 1)
     except OSError:
+        fds = []
+    if not fds:  # no server, or refused (its log says why): nothing started; exec keeps a mask, so restore it
         conn.close()
-        return None
-    if not fds:  # refused: the server's log says why
-        conn.close()
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         return None
     pidfd = fds[0]
 
@@ -104,6 +107,7 @@ def run_forked(command: Sequence[str], server: str) -> int | None:
 
     for sig in FORWARDED:
         signal.signal(sig, forward)
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # what came meanwhile is forwarded now
     status = conn.recv(STATUS_BYTES)  # the server's end closes without a word only if it was killed
     return int(json.loads(status)["exit"]) if status else -signal.SIGKILL
 

@@ -15,14 +15,15 @@ The changes the controller reacts to are pure functions of observations:
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 from sailor_hpc.core.plan import Plan
 from sailor_hpc.jobs.layout import job_layout
 from sailor_hpc.slurm.commands import SinfoNode
+from sailor_hpc.slurm.hostlist import expand_hostlist
 from sailor_hpc.slurm.safety import BUNDLE_SEP
-from sailor_hpc.slurm.status import RUNNING_STATES, ComponentStatus, JobStatus
+from sailor_hpc.slurm.status import RUNNING_STATES, ComponentStatus, JobStatus, aggregate_state
 
 
 @dataclass
@@ -156,6 +157,17 @@ def trains(job: JobStatus) -> bool:
         return all_running(job)
     return (any(c.job_id == ids[0] and _runs(c) for c in job.components)
             and all(_runs(c) or c.final for c in job.components))
+
+
+def without_ended_jobs(job: JobStatus, lost: Collection[str]) -> JobStatus:
+    """A bundle's status without the jobs it went on without (ended, every node of theirs lost: a lost batch node,
+    answered in place): the state of what the run still had is the others'. Anything else is left as it is."""
+    if BUNDLE_SEP not in job.job_id:
+        return job
+    keep = [c for c in job.components if not (c.final and c.nodes and set(expand_hostlist(c.nodes)) <= set(lost))]
+    if not keep or len(keep) == len(job.components):
+        return job
+    return JobStatus(job.job_id, keep, aggregate_state([c.state for c in keep]))
 
 
 def _runs(c: ComponentStatus) -> bool:

@@ -47,6 +47,7 @@ from sailor_hpc.controller.events import (
     own_gpus,
     stuck_reason,
     trains,
+    without_ended_jobs,
 )
 from sailor_hpc.controller.grow import Grower
 from sailor_hpc.controller.planning import Planned, judge_pending, plan_on, plan_on_queue
@@ -426,6 +427,7 @@ class OneJob:
     def _end(self, cur: Attempt, job: JobStatus, tail: LogTail | None, why: str | None = None) -> None:
         """The job stopped training (or must): make sure it is gone, then decide what comes next."""
         prog = tail.progress if tail is not None else None
+        job = without_ended_jobs(job, {**cur.lost_nodes, **cur.released})
         if job.state == "FAILED" and not any(c.exit_code for c in job.components):
             job = self._with_exit_codes(cur, job)
         by, by_user = self._canceller(cur, job)

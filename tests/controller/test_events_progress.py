@@ -12,6 +12,7 @@ from sailor_hpc.controller.events import (
     lost_nodes,
     own_gpus,
     trains,
+    without_ended_jobs,
 )
 from sailor_hpc.controller.progress import LogTail
 from sailor_hpc.core.plan import plan_from_dict
@@ -146,3 +147,16 @@ def test_runtime_events_round_trip_and_a_renamed_field_is_named(tmp_path: Path):
     assert got == [Stepped(step=3, loss=1.0, iter_s=0.5, t=9.0), change]
     assert len(tail.malformed) == 1 and "field 'step' is missing" in tail.malformed[0] and str(log) in tail.malformed[0]
     assert tail.progress.last_step is None and tail.progress.before_t == 9.0  # the in-place step: a new account
+
+
+def test_a_bundle_that_went_on_without_a_job_ends_in_the_state_of_the_others():
+    done = JobStatus("12,13", [ComponentStatus("12", "a100", "COMPLETED", "a100-1"),
+                               ComponentStatus("13", "v100", "NODE_FAIL", "v100-[1-2]")], "NODE_FAIL")
+    assert without_ended_jobs(done, {"v100-1": "down", "v100-2": "gone from the job"}).state == "COMPLETED"
+    # a job with a node the run did not lose (cancelled by someone): its state stays the bundle's
+    assert without_ended_jobs(done, {"v100-1": "down"}).state == "NODE_FAIL"
+    cancelled = JobStatus("12,13", [ComponentStatus("12", "a100", "FAILED", "a100-1"),
+                                    ComponentStatus("13", "v100", "CANCELLED", "v100-1")], "FAILED")
+    assert without_ended_jobs(cancelled, {}).state == "FAILED"
+    alone = JobStatus("12", [ComponentStatus("12", "a100", "NODE_FAIL", "a100-1")], "NODE_FAIL")
+    assert without_ended_jobs(alone, {"a100-1": "down"}) is alone

@@ -107,6 +107,8 @@ def test_drain_and_down_keep_the_surviving_ranks_in_their_processes(story):
     assert batch["gpus"] == {"a100": 1} and "v100-1" in batch["lost"], batch
     assert not _records(story, "in_place_refused")
     assert [r["attempt"] for r in _records(story, "submitted")] == [1, 2]  # no new bundle after the batch node
+    # the run's jobs ended as the A100 job did: the V100 job's NODE_FAIL was answered in place
+    assert [r["state"] for r in _records(story, "job_gone") if r["attempt"] == 2] == ["COMPLETED"]
     for change, partitions in ((drain, {"a100", "v100"}), (down, {"a100", "v100"}), (batch, {"a100"})):
         starts = _starts(story, change["attempt"])
         before = {e["pid"] for e in starts if e["epoch"] == 0}
