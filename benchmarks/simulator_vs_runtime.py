@@ -37,9 +37,11 @@ alone), then three steps of the plan, every ``torch.distributed`` collective in 
 then the link as the profiler measures it (the all-reduce bandwidth at the gradients' size, the latency per
 ring step of a one-element all-reduce and all-gather, streamed and each issued alone after a burst of compute,
 which the simulator charges DeepSpeed's collectives); the simulator (runtime ``deepspeed``, gloo) predicts
-the step from each rank's measurement, with and without the engine's costs, and the medians of the per-round
-values are printed with the load, and where the step goes: the collectives' count and the time inside them
-(also per ``torch.distributed`` function), and the rest, measured and predicted. Memory: one run under
+the step from each rank's measurement, with and without the engine's costs (the step's prediction is the
+slower rank's: a synchronous step ends with its slowest replica, and the measured step is the slower rank's
+too), and the medians of the per-round values are printed with the load, and where the step goes: the
+collectives' count and the time inside them (also per ``torch.distributed`` function), and the rest, measured
+and predicted. Memory: one run under
 torch's allocator accounting (``tests/deepspeed/zero_memory_worker.py``), the peak allocated beside the
 simulator's (a ZeRO bucket that ``torch.empty`` allocates and nobody fills counts, as it does on a GPU; the
 resident set size would not count it).
@@ -481,12 +483,15 @@ def deepspeed_zero(env: dict[str, str], rounds: int, clock: str = "wall") -> dic
                                         for k in range(len(row["latency_s"]))],
                           "by_kind": {name: [statistics.fmean(x["by_kind"].get(name, [0, 0.0])[i] for x in mine)
                                              for i in range(2)] for name in row["by_kind"]},
-                          "measured_s": row["measured_s"], "predicted_s": statistics.fmean(predicted),
-                          "layers_only_s": statistics.fmean(layers),
+                          # a step ends with its slowest replica: measured as the slower rank's, predicted from
+                          # the slower rank's own measurement (each rank's prediction prices both replicas at its speed)
+                          "measured_s": row["measured_s"], "predicted_s": max(predicted),
+                          "predicted_by_rank": predicted, "layers_only_s": max(layers),
                           "collectives": statistics.fmean(x["collectives"] for x in mine),
                           "collective_s": statistics.fmean(x["collective_s"] for x in mine),
                           "cpu_s": statistics.fmean(x["cpu_s"] for x in mine),
-                          "predicted_collective_s": statistics.fmean(res.iteration_time_s - _compute_s(res) for res in sims)})
+                          "predicted_collective_s": max(sims, key=seconds).iteration_time_s
+                          - _compute_s(max(sims, key=seconds))})
     return {"time": time_rows, "memory": zero_memory(env), "clock": clock}
 
 
@@ -549,9 +554,9 @@ def print_deepspeed(result: dict[str, Any]) -> None:
         print(f"{zero:>5}{med['measured_s']:>10.4f}{med['layers_only_s']:>13.4f}{statistics.median(bare):>+7.1f}"
               f"{med['predicted_s']:>10.4f}{statistics.median(errs):>+7.1f}   "
               + " ".join(f"{e:+.1f}" for e in errs))
-    print("where the step goes (medians, mean of the two ranks): collectives issued per step, wall seconds inside "
-          "them measured and predicted, the rest of the step (computing or waiting for a core) measured and predicted, "
-          "thread CPU seconds")
+    print("where the step goes (medians; measured: mean of the two ranks, predicted: the slower rank's): collectives "
+          "issued per step, wall seconds inside them measured and predicted, the rest of the step (computing or waiting "
+          "for a core) measured and predicted, thread CPU seconds")
     print(f"{'ZeRO':>5}{'count':>7}{'in coll.':>10}{'predicted':>11}{'rest':>9}{'predicted':>11}{'CPU':>8}")
     for zero in range(4):
         mine = [r for r in rows if r["zero"] == zero]
