@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import NoReturn
@@ -109,6 +110,9 @@ def slurm_missing(reason: str, *, module: bool = False) -> NoReturn:
     pytest.skip(reason, allow_module_level=module)
 
 
+_SESSION_LABS: list[SlurmCluster] = []  # the session's lab, once a test started it
+
+
 @pytest.fixture(scope="session")
 def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
     """The running test cluster: ``.lab``, ``.env`` (SLURM_CONF, PATH, ...), ``.run([...])``. Its jobs' ranks
@@ -117,12 +121,35 @@ def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmClu
         cluster = get_cluster()
     except ClusterUnavailable as exc:
         slurm_missing(f"no local Slurm test cluster: {exc}")
+    _SESSION_LABS.append(cluster)
     try:
         with contextlib.nullcontext() if os.environ.get("SAILOR_FORK_RANKS") == "0" else fork_server(
                 tmp_path_factory, cluster.env):
             yield cluster
     finally:
+        _SESSION_LABS.remove(cluster)
         cluster.stop()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def lab_left_as_found(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After each test file, the session lab as every file expects to find it: its nodes up and no job left. A
+    file that leaves a node down or drained, or a job, has a clean-up to mend: it is named in a warning (the
+    run's warnings summary), and the lab is put back, so that its leftovers do not fail the files after it."""
+    yield
+    for cluster in _SESSION_LABS:
+        nodes = cluster.run(["sinfo", "-h", "-N", "-o", "%N %t"]).stdout.split("\n")
+        taken = sorted({n for n, _, st in (line.partition(" ") for line in nodes if line.strip())
+                        if st.rstrip("*~#!%$@^-").lower() in ("down", "drain", "drng", "fail", "failg")})
+        jobs = cluster.run(["squeue", "-h", "-o", "%i %j"]).stdout.split()
+        if not taken and not jobs:
+            continue
+        for node in taken:
+            cluster.run(["scontrol", "update", f"nodename={node}", "state=resume"])
+        for job in jobs[::2]:
+            cluster.run(["scancel", job])
+        warnings.warn(f"{request.module.__name__} left the lab with nodes {taken or 'up'} and jobs "
+                      f"{' '.join(jobs) or 'none'}: put back", stacklevel=1)
 
 
 @contextlib.contextmanager
