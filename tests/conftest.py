@@ -111,6 +111,7 @@ def slurm_missing(reason: str, *, module: bool = False) -> NoReturn:
 
 
 _SESSION_LABS: list[SlurmCluster] = []  # the session's lab, once a test started it
+LEFT_JOB_GRACE_S = 10.0  # how long a job a test file cancelled may take to leave the queue before it counts as left
 
 
 @pytest.fixture(scope="session")
@@ -142,6 +143,10 @@ def lab_left_as_found(request: pytest.FixtureRequest) -> Iterator[None]:
         taken = sorted({n for n, _, st in (line.partition(" ") for line in nodes if line.strip())
                         if st.rstrip("*~#!%$@^-").lower() in ("down", "drain", "drng", "fail", "failg")})
         jobs = cluster.run(["squeue", "-h", "-o", "%i %j"]).stdout.split()
+        deadline = time.monotonic() + LEFT_JOB_GRACE_S  # jobs the file cancelled take a moment to end
+        while jobs and time.monotonic() < deadline:
+            time.sleep(0.5)
+            jobs = cluster.run(["squeue", "-h", "-o", "%i %j"]).stdout.split()
         if not taken and not jobs:
             continue
         for node in taken:
