@@ -57,6 +57,12 @@ def is_lost(state: str) -> bool:
     return "*" in s or any(w in s for w in _LOST_WORDS)
 
 
+def ends_its_jobs(state: str) -> bool:
+    """Whether Slurm ends the jobs on a node in this ``sinfo`` state (down: at once; a draining node lets
+    them run, so its jobs are lost to the plan, not ended)."""
+    return state.lower().startswith("down")
+
+
 def node_states(rows: list[SinfoNode]) -> tuple[dict[str, str], dict[str, str], dict[str, str]]:
     """(every node's state, the states of nodes no new job can use, the states of lost nodes) from ``sinfo -N``."""
     states: dict[str, str] = {}

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from subprocess import Popen
 
-from sailor_hpc.controller.events import node_states
+from sailor_hpc.controller.events import ends_its_jobs, node_states
 from sailor_hpc.controller.inplace import SurvivorPlanner, in_place_record, replan, step_port
 from sailor_hpc.core.dist_env import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_SAVED_ON_SIGNAL
 from sailor_hpc.core.errors import SailorError, SlurmUnavailable
@@ -177,7 +177,7 @@ class Agent:
         said = read_ended(self.root)  # a job whose agent said every node's step ended ended by itself
         try:
             _, _, lost = node_states(sinfo_nodes(None))
-            ended = [j for j in others if lost.get(parts[j].batch_node, "").lower().startswith("down")]
+            ended = [j for j in others if ends_its_jobs(lost.get(parts[j].batch_node, ""))]
             rest = [j for j in others if j not in ended and not all(n in said for n in parts[j].nodes)]
             if ask_jobs and rest:
                 ended += [j for j, s in poll_jobs(rest).items() if s.final]

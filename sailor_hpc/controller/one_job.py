@@ -445,7 +445,7 @@ class OneJob:
             # ranks that saved on the signal have left their step: end the rest (the batch script) at once,
             # which matters when a bigger job waits for this one to be gone before it loads
             grace = 0.0 if saved_on_signal(tail, self.ctx.checkpoint_step()) else 10.0
-            final = slurm_ops.cancel_and_wait(self.job(cur), grace_s=grace)
+            final = slurm_ops.cancel_and_wait(self.job(cur), grace_s=grace, lost={**cur.lost_nodes, **cur.released})
         if tail is not None:
             tail.poll()  # its last words: saved, done, error
         if not early:  # else newer checkpoints are the bigger job's: journaled once it is the run's job

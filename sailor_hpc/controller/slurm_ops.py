@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import getpass
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
+from sailor_hpc.controller.events import without_ended_jobs
 from sailor_hpc.controller.state import job_name_prefix
 from sailor_hpc.core.errors import SailorError, SlurmUnavailable
 from sailor_hpc.slurm.commands import QueueJob, squeue
@@ -82,8 +83,9 @@ def request_checkpoint(job: SlurmJob, signal: str = "USR1") -> None:
 
 
 def cancel_and_wait(job: SlurmJob, timeout_s: float = 120.0, poll_s: float = 0.5,
-                    grace_s: float = 10.0) -> str:
-    """End the job and return its final state once every component is final (or forgotten).
+                    grace_s: float = 10.0, lost: Collection[str] = ()) -> str:
+    """End the job and return its final state once every component is final (or forgotten); a bundle's without
+    the jobs it went on without, whose nodes are all among ``lost`` (:func:`events.without_ended_jobs`).
 
     How, measured on the local cluster: the ranks take SIGTERM as "checkpoint and stop", so a plain
     ``scancel`` leaves them running until Slurm's KillWait (30 s by default) runs out; ``scancel``
@@ -102,7 +104,7 @@ def cancel_and_wait(job: SlurmJob, timeout_s: float = 120.0, poll_s: float = 0.5
         watcher.poll()
         st = watcher.status(job.id)
         if st is not None and st.final:
-            return st.state
+            return without_ended_jobs(st, lost).state
         running = st is not None and any(c.state in RUNNING_STATES for c in st.components)
         if running and not hung_up:
             # only to running steps: scancel --signal on a requeued (pending) job blocks until it times out
