@@ -14,7 +14,9 @@ Ranks come from ``SLURM_PROCID`` / ``SLURM_NTASKS`` (or, in a ``--local`` sweep,
 * all-reduce over all ranks, as bus bandwidth (``2(n-1)/n * bytes / time``, nccl-tests' convention).
 * the latency per ring step of a one-element all-reduce and all-gather, twice: in a stream of
   :data:`STREAM` back to back, and each issued alone after a burst of compute (:data:`BURST_S`), as a
-  training step issues its collectives between its layers.
+  training step issues its collectives between its layers (the mean over rounds: a step pays the slow ones).
+* how far the ranks drift apart doing the same work (:func:`replica_jitter`): the wait for the slowest
+  rank that a step's gradient reduction pays.
 
 Rank 0 writes the result JSON (sizes, both series, the host of every rank, its software versions).
 """
@@ -35,6 +37,7 @@ from profiler.netspec import NetSpec
 from profiler.versions import versions
 from sailor_hpc.core.atomic import atomic_write_text
 from sailor_hpc.core.dist_env import read_env
+from simulator.iteration import expected_max_normal
 
 
 def stream_pairs(kind: str, senders: int, world: int) -> list[tuple[int, int]]:
@@ -114,6 +117,71 @@ def _compute_burst(seconds: float, device: torch.device) -> None:
         _sync(device)
 
 
+SPREAD_SPAN_S = 0.05  # compute between two collectives when measuring how far replicas drift apart
+SPREAD_ROUNDS = 15
+
+
+def _fixed_work(seconds: float, device: torch.device) -> Callable[[], float]:
+    """The same matmuls as :func:`_compute_burst`, counted instead of timed: as many as take about ``seconds`` on
+    the slowest rank now (every rank does the same work), run to the end whatever it takes, as a step's layers
+    are."""
+    a = torch.rand(_BURST_DIM, _BURST_DIM, device=device)
+    out = torch.empty_like(a)
+
+    def run(n: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            torch.mm(a, a, out=out)
+        _sync(device)
+        return time.perf_counter() - t0
+
+    probe = min(seconds, 0.2)
+    n, took = 16, run(16)
+    while took < probe / 4:  # grow the probe until it is long enough to time
+        n *= 2
+        took = run(n)
+    count = torch.tensor([n * seconds / took], dtype=torch.float64, device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MIN)  # the slowest rank's count: no rank takes much over ``seconds``
+    iterations = max(1, int(count.item()))
+    return lambda: run(iterations)
+
+
+def replica_jitter(rounds: int, warmup: int, device: torch.device, span_s: float = SPREAD_SPAN_S) -> float:
+    """How far replicas doing the same work drift apart, as the simulator charges it
+    (:mod:`simulator.iteration`: a collective waits ``jitter * E[max of W standard normals]`` per second of
+    compute since its ranks last met). Each round every rank does the same work, about ``span_s`` of
+    matmuls, then one all-reduce; the mean time inside it (mean over rounds: a step pays every late arrival,
+    not the median one), less the same after a *timed* burst, where every rank arrives at once, is the wait
+    for the slowest rank. Per second of the work (as long as it took), over E[max] of the world. 0 for one
+    rank, or where the ranks kept together better than the measurement resolves (a negative difference)."""
+    world = dist.get_world_size()
+    if world < 2:
+        return 0.0
+    work = _fixed_work(span_s, device)
+    one = torch.ones(1, dtype=torch.float32, device=device)
+
+    def inside(prepare: Callable[[], float | None]) -> tuple[float, float]:
+        """(mean seconds inside the all-reduce, mean seconds the preparation took), over rounds and ranks."""
+        times, took = [], []
+        for it in range(warmup + rounds):
+            dist.barrier()
+            t_prep = time.perf_counter()
+            prepare()
+            t0 = time.perf_counter()
+            dist.all_reduce(one)
+            _sync(device)
+            if it >= warmup:
+                times.append(time.perf_counter() - t0)
+                took.append(t0 - t_prep)
+        mean = torch.tensor([statistics.fmean(times), statistics.fmean(took)], dtype=torch.float64, device=device)
+        dist.all_reduce(mean)  # the ranks' sums
+        return float(mean[0].item()) / world, float(mean[1].item()) / world
+
+    waited, span = inside(work)
+    aligned, _ = inside(lambda: _compute_burst(span_s, device))
+    return max(0.0, (waited - aligned) / span / expected_max_normal(world))
+
+
 def _one_element_op(kind: str, device: torch.device) -> tuple[Callable[[], None], int]:
     """A one-element ``kind`` collective ("all_reduce" or "all_gather") over the world, and its ring steps."""
     world = dist.get_world_size()
@@ -151,7 +219,8 @@ def issued_latency_s(kind: str, rounds: int, warmup: int, device: torch.device, 
     the ranks' communication threads sleep and the peers' must be woken (on an oversubscribed host, each
     rank must get its core back), which a stream pays once. Per round, the mean over ranks of the time
     each spends inside the collective (what a step's time inside its collectives counts), from a barrier;
-    the median over ``rounds`` (after ``warmup``)."""
+    the mean over ``rounds`` (after ``warmup``): a rank not woken at once costs a round milliseconds where
+    the median one costs a tenth of that, and a step pays every such round, not the median one."""
     op, steps = _one_element_op(kind, device)
     world = dist.get_world_size()
     times = []
@@ -165,7 +234,7 @@ def issued_latency_s(kind: str, rounds: int, warmup: int, device: torch.device, 
         dist.all_reduce(t)  # the ranks' sum
         if it >= warmup:
             times.append(float(t.item()) / world)
-    return statistics.median(times) / steps
+    return statistics.fmean(times) / steps
 
 
 def run(spec: NetSpec) -> dict[str, object]:
@@ -181,11 +250,13 @@ def run(spec: NetSpec) -> dict[str, object]:
     ar = [allreduce_busbw(s, spec.iters, spec.warmup, device) for s in spec.sizes]
     latency = {f"{k}_latency_s": collective_latency_s(k, spec.iters, spec.warmup, device)
                for k in ("all_reduce", "all_gather")}
-    # one sample a round (not a stream's mean): at least ISSUED_ROUNDS for a steady median
+    # one sample a round (not a stream's mean): at least ISSUED_ROUNDS for a steady mean
     rounds = max(spec.iters, ISSUED_ROUNDS)
     issued = {f"{k}_issued_latency_s": issued_latency_s(k, rounds, spec.warmup, device)
               for k in ("all_reduce", "all_gather")}
+    jitter = replica_jitter(max(spec.iters, SPREAD_ROUNDS), spec.warmup, device)
     return {"sizes": list(spec.sizes), "p2p_gbps": p2p, "allreduce_busbw_gbps": ar, **latency, **issued,
+            "replica_jitter": jitter,
             "pairs": pairs, "hosts": hosts,
             "device": device.type, "backend": dist.get_backend(), "world": dist.get_world_size()}
 

@@ -31,7 +31,7 @@ from simulator.memory import (
     in_flight,
     stage_memory,
 )
-from simulator.network import Endpoint, collective_latency_seconds, p2p_transfer, ring_allreduce_seconds
+from simulator.network import Endpoint, collective_latency_seconds, measured_jitter, p2p_transfer, ring_allreduce_seconds
 from simulator.runtimes import ZERO_BUCKET_ELEMS, OptimizerImpl, Runtime, get_runtime, optimizer_impl, staging_bytes
 from simulator.schedule import ScheduleResult, pipeline_schedule
 from simulator.tables import ComputeTable, MemoryTable, ProfileTables, tables_for
@@ -186,6 +186,7 @@ class StageEvaluator:
         self._heads: dict[int, HeadShape] = {}
         self._schedules: dict[tuple, ScheduleResult] = {}  # one pipeline's schedule: its per-stage numbers -> result
         self._rings: dict[tuple, float] = {}
+        self._jitters: dict[tuple, float] = {}
 
     # ------------------------------------------------------------------ stages
     def compute_table(self, gpu: str, mbs: int, tp: int) -> ComputeTable:
@@ -324,10 +325,15 @@ class StageEvaluator:
         return hit
 
     def replica_jitter(self, holders: Sequence[Endpoint]) -> float:
-        """The largest step-time variation among the partitions the holders run on."""
-        names = {p.name for p in self.site.partitions}
-        return max((self.site.partition(h.partition).replica_jitter for h in holders if h.partition in names),
-                   default=0.0)
+        """The largest step-time variation among the partitions the holders run on, or measured on the links
+        between them (:func:`profiler.netbench.replica_jitter`), whichever is larger."""
+        key = tuple(holders)
+        if key not in self._jitters:
+            names = {p.name for p in self.site.partitions}
+            given = max((self.site.partition(h.partition).replica_jitter for h in holders if h.partition in names),
+                        default=0.0)
+            self._jitters[key] = max(given, measured_jitter(self.site, holders))
+        return self._jitters[key]
 
     def allreduce(self, holders: Sequence[Endpoint], per_gpu_bytes: Sequence[float], elem_bytes: float) -> float:
         """Seconds of one ring all-reduce (cached: the planner's plans repeat each other's rings)."""

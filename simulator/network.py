@@ -143,3 +143,11 @@ def collective_latency_seconds(site: Site, holders: Sequence[Endpoint], *, issue
         reduce = [f.issued_latency_s or r for f, r in zip(fits, reduce, strict=True)]
         gather = [f.issued_gather_latency_s or g for f, g in zip(fits, gather, strict=True)]
     return 2 * (H - 1) * max(reduce), (H - 1) * max(gather)
+
+
+def measured_jitter(site: Site, holders: Sequence[Endpoint]) -> float:
+    """How far the holders drift apart as the profiler measured it on their ring's links (0: not measured,
+    or one holder)."""
+    if len(holders) <= 1:
+        return 0.0
+    return max(f.replica_jitter for f in _ring_links(site, holders, max(h.tp for h in holders)))

@@ -51,6 +51,9 @@ class NetworkFit:
     # 0: not measured (older archives and sites), the streamed latency stands in
     issued_latency_s: float = 0.0
     issued_gather_latency_s: float = 0.0
+    # measured by the profiler over the link's ranks: how far replicas doing the same work drift apart, as a
+    # partition's replica_jitter (the simulator takes the larger of the two); 0: not measured
+    replica_jitter: float = 0.0
 
     def fitted_bandwidth(self, nbytes: float) -> float:
         """Bytes per second the quadratic gives at ``nbytes`` (clamped to the range and the peak)."""
@@ -154,6 +157,8 @@ class NetworkFit:
 # a partition's link table may carry what the profiler measured beside its fits (µs per ring step): key -> field
 _LATENCY_KEYS = {"collective_latency_us": "collective_latency_s", "gather_latency_us": "gather_latency_s",
                  "issued_latency_us": "issued_latency_s", "issued_gather_latency_us": "issued_gather_latency_s"}
+JITTER_KEY = "replica_jitter"  # ... and the replicas' drift measured over the link (a fraction, as a partition's)
+MAX_JITTER = 0.5  # a coefficient of variation of a step's time at or above this is a broken node, not jitter
 
 
 @dataclass(frozen=True)
@@ -205,10 +210,17 @@ class LinkTable:
         that was not measured)."""
         return max(f.issued_gather_latency_s for f in self.fits.values()) or self.gather_latency_s
 
+    @property
+    def replica_jitter(self) -> float:
+        """How far replicas drift apart over this link, as measured (0: not measured)."""
+        return max(f.replica_jitter for f in self.fits.values())
+
     def to_site_dict(self) -> dict[str, object]:
-        """The table as a partition's network writes it: its fits and, when measured, its latencies."""
+        """The table as a partition's network writes it: its fits and, when measured, its latencies and the
+        replicas' drift."""
         lat = {key: round(max(getattr(f, field) for f in self.fits.values()) * 1e6, 3)
                for key, field in _LATENCY_KEYS.items()}
+        lat[JITTER_KEY] = round(self.replica_jitter, 4)
         return {**self.to_dict(), **{k: v for k, v in lat.items() if v}}
 
     @classmethod
@@ -216,9 +228,17 @@ class LinkTable:
         """``latency_s``: the one-way latency of the link entry holding the table. A table may carry what the
         profiler measured beside its fits: ``collective_latency_us`` and ``gather_latency_us``, a small
         all-reduce's and all-gather's latency per ring step back to back, and ``issued_latency_us`` and
-        ``issued_gather_latency_us``, the same issued one at a time after computing."""
+        ``issued_gather_latency_us``, the same issued one at a time after computing; and ``replica_jitter``,
+        how far replicas drift apart (:func:`profiler.netbench.replica_jitter`)."""
         fits = {}
         latencies: dict[str, float] = {}
+        if JITTER_KEY in f.data:
+            f.seen.add(JITTER_KEY)
+            value = f.data[JITTER_KEY]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < MAX_JITTER:
+                raise f.error(JITTER_KEY, f"must be a fraction in [0, {MAX_JITTER}), got {value!r}",
+                              fix="the drift `sailor-hpc profile` measured over this link, e.g. replica_jitter = 0.02")
+            latencies[JITTER_KEY] = float(value)
         for key, field in _LATENCY_KEYS.items():
             if key not in f.data:
                 continue
@@ -229,7 +249,7 @@ class LinkTable:
                               fix=f"the measured latency per ring step, e.g. {key} = 25")
             latencies[field] = float(value) * 1e-6
         for key, value in f.data.items():
-            if key in _LATENCY_KEYS:
+            if key in _LATENCY_KEYS or key == JITTER_KEY:
                 continue
             f.seen.add(key)
             if not (str(key).isascii() and str(key).isdigit()) or int(key) <= 0:
@@ -238,7 +258,8 @@ class LinkTable:
                                      collective_latency_s=latencies.get("collective_latency_s", 0.0),
                                      gather_latency_s=latencies.get("gather_latency_s", 0.0),
                                      issued_latency_s=latencies.get("issued_latency_s", 0.0),
-                                     issued_gather_latency_s=latencies.get("issued_gather_latency_s", 0.0))
+                                     issued_gather_latency_s=latencies.get("issued_gather_latency_s", 0.0),
+                                     replica_jitter=latencies.get(JITTER_KEY, 0.0))
         if not fits:
             raise f.error(None, "is empty", fix="give at least one fit, e.g. \"1\" = { constant_gbps = 10 }")
         return cls(fits)

@@ -16,7 +16,7 @@ from sailor_hpc.core.clusters import Cluster, Links, check_cluster_links, parse_
 from sailor_hpc.core.container import Container, parse_container
 from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.fields import Fields, read_text
-from sailor_hpc.core.network import LinkTable, NetworkFit, require_table
+from sailor_hpc.core.network import MAX_JITTER, LinkTable, NetworkFit, require_table
 from sailor_hpc.core.precision import DTYPES, default_dtypes
 from sailor_hpc.core.sbatch_values import constraint, parse_sbatch_option, slurm_word
 
@@ -307,8 +307,8 @@ def _parse_partition(f: Fields, gpu_types: dict[str, GpuType], clusters: tuple[C
     if cost < 0:
         raise f.error("cost_per_gpu_hour", f"must be >= 0, got {cost}")
     jitter = f.opt("replica_jitter", float, 0.0)
-    if not 0.0 <= jitter < 0.5:
-        raise f.error("replica_jitter", f"must be a fraction in [0, 0.5), got {jitter}",
+    if not 0.0 <= jitter < MAX_JITTER:
+        raise f.error("replica_jitter", f"must be a fraction in [0, {MAX_JITTER}), got {jitter}",
                       fix="give the coefficient of variation of a replica's step time, e.g. 0.013 for 1.3 %")
     cluster = f.opt("cluster", str, "")
     names = [c.name for c in clusters]

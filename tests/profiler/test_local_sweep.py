@@ -77,6 +77,9 @@ def test_local_sweep_fills_the_archive_as_a_slurm_sweep_does(tmp_path: Path) -> 
     for field in latencies:
         assert 0 < getattr(link.fit, field)
         assert getattr(written_fit, field) == pytest.approx(getattr(link.fit, field), abs=1e-9)
+    # ... and how far the two ranks drifted apart doing the same work (0 where they kept together), to 1e-4
+    assert 0 <= link.fit.replica_jitter == min(link.provenance["replica_jitter"], 0.45) < 0.5
+    assert written_fit.replica_jitter == pytest.approx(link.fit.replica_jitter, abs=1e-4)
     assert site.name == "laptop" and site.archive == str(tmp_path / "cpu.h5")
     comments = [line for line in LAPTOP.read_text().splitlines() if line.lstrip().startswith("#")]
     assert [line for line in (tmp_path / "measured.toml").read_text().splitlines() if line.lstrip().startswith("#")] \
@@ -89,7 +92,9 @@ def test_local_sweep_fills_the_archive_as_a_slurm_sweep_does(tmp_path: Path) -> 
         "partitions[cpu].network.intra_node.collective_latency_us": round(link.fit.collective_latency_s * 1e6, 3),
         "partitions[cpu].network.intra_node.gather_latency_us": round(link.fit.gather_latency_s * 1e6, 3),
         "partitions[cpu].network.intra_node.issued_latency_us": round(link.fit.issued_latency_s * 1e6, 3),
-        "partitions[cpu].network.intra_node.issued_gather_latency_us": round(link.fit.issued_gather_latency_s * 1e6, 3)}
+        "partitions[cpu].network.intra_node.issued_gather_latency_us": round(link.fit.issued_gather_latency_s * 1e6, 3),
+        **({"partitions[cpu].network.intra_node.replica_jitter": round(link.fit.replica_jitter, 4)}
+           if round(link.fit.replica_jitter, 4) else {})}
 
 
 def test_a_timed_out_local_sweep_is_recorded_and_resume_completes_it(tmp_path: Path) -> None:

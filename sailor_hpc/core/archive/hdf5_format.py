@@ -27,7 +27,8 @@ Layout (version 1; attributes in brackets)::
                                           collective_latency_s, gather_latency_s: the link's latency per ring
                                           step of a small all-reduce and all-gather back to back, and
                                           issued_latency_s, issued_gather_latency_s: the same issued one at a
-                                          time after computing, where measured]
+                                          time after computing; replica_jitter: how far the link's replicas
+                                          drift apart doing the same work; each where measured]
 
 Every entry carries ``provenance``: a JSON object with user, host, time, source and the GPU, driver,
 CUDA and torch versions where known.
@@ -59,14 +60,15 @@ from sailor_hpc.core.archive.entries import (
 )
 from sailor_hpc.core.archive.merge import Atom, View, merged_entries
 from sailor_hpc.core.errors import SailorError
-from sailor_hpc.core.network import NetworkFit
+from sailor_hpc.core.network import MAX_JITTER, NetworkFit
 from sailor_hpc.core.precision import DTYPES
 
 ARCHIVE_FORMAT = "sailor-hpc-profiles"
 ARCHIVE_VERSION = 1
 # a network entry's measured latencies (NetworkFit's fields of the same names): optional attributes, so archives
 # written before one was measured read as they were (0: not measured)
-LATENCY_ATTRS = ("collective_latency_s", "gather_latency_s", "issued_latency_s", "issued_gather_latency_s")
+LATENCY_ATTRS = ("collective_latency_s", "gather_latency_s", "issued_latency_s", "issued_gather_latency_s",
+                 "replica_jitter")
 
 _POINT_NAME = re.compile(r"^mbs([1-9][0-9]*)_tp([1-9][0-9]*)(?:_([a-z0-9]+))?$")
 _TP_NAME = re.compile(r"^tp([1-9][0-9]*)$")
@@ -244,6 +246,7 @@ class _Reader:
                                  min_bytes=self.number(ds, "min_bytes"), max_bytes=self.number(ds, "max_bytes"),
                                  **{k: self.number(ds, k) for k in LATENCY_ATTRS if k in ds.attrs})
                 self.require(min(getattr(fit, k) for k in LATENCY_ATTRS) >= 0, ds, "has a negative latency")
+                self.require(fit.replica_jitter < MAX_JITTER, ds, f"has a replica_jitter of {MAX_JITTER} or more")
                 yield ds, NetworkEntry(site, kind, self.text(ds, "a"), self.text(ds, "b"), senders, fit, self.provenance(ds))
 
     def atoms(self) -> Iterator[Atom]:
