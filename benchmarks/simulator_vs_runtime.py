@@ -33,13 +33,16 @@ x 4. Step time: one world of the two ranks alternates, for every ZeRO stage in e
 a measurement and the run it predicts: each rank alone and both at once (so that both cores are as busy as
 under the run), tiny-gpt's layer times and the plain engine's costs at that ZeRO stage as ``sailor-hpc
 profile --runtime deepspeed`` measures them (every block measured; the engines on a group of the rank
-alone), then three steps of the plan, every ``torch.distributed`` collective in them timed (:class:`CollectiveMeter`),
-then the link as the profiler measures it (the all-reduce bandwidth at the gradients' size, the latency per
-ring step of a one-element all-reduce and all-gather, streamed and each issued alone after a burst of compute,
-which the simulator charges DeepSpeed's collectives); the simulator (runtime ``deepspeed``, gloo) predicts
-the step from each rank's measurement, with and without the engine's costs (the step's prediction is the
-slower rank's: a synchronous step ends with its slowest replica, and the measured step is the slower rank's
-too), and the medians of the per-round values are printed with the load, and where the step goes: the
+alone), then :data:`DS_STEPS` steps of the plan, every ``torch.distributed`` collective in them timed
+(:class:`CollectiveMeter`), then the link as the profiler measures it (the all-reduce bandwidth at the gradients'
+size, the latency per ring step of a one-element all-reduce and all-gather, streamed and each issued alone
+after a burst of compute, which the simulator charges DeepSpeed's collectives, and how far the two ranks
+drift apart doing the same work, ``profiler.netbench.replica_jitter``: the median over the rounds, as one
+profile would measure it); the simulator (runtime ``deepspeed``, gloo) predicts the step from each rank's
+measurement, with and without the engine's costs. The measured step is the slower rank's (a synchronous step
+ends with its slowest replica); the prediction is the mean of the two ranks' (a typical replica's speed,
+as one profile of a GPU type gives it) with the simulator's wait for the slower replica from the measured
+drift. The medians of the per-round values are printed with the load, and where the step goes: the
 collectives' count and the time inside them (also per ``torch.distributed`` function), and the rest, measured
 and predicted. Memory: one run under
 torch's allocator accounting (``tests/deepspeed/zero_memory_worker.py``), the peak allocated beside the
@@ -243,11 +246,14 @@ def pipeline_plans(shape: str, ranks: int):
 LATENCY_KEYS = ("collective_latency_us", "gather_latency_us", "issued_latency_us", "issued_gather_latency_us")
 
 
-def measured_site(gbps: float, latency_s: tuple[float, ...] = ()) -> dict:
+def measured_site(gbps: float, latency_s: tuple[float, ...] = (), jitter: float = 0.0) -> dict:
     """The benchmark site with its links set to the gloo bandwidth measured at the boundary's (or gradients')
     size and, where measured, the link's latency per ring step of a small all-reduce and all-gather, streamed
-    and issued alone after compute (:data:`LATENCY_KEYS`, in that order)."""
-    lat = {k: v * 1e6 for k, v in zip(LATENCY_KEYS, latency_s) if v}
+    and issued alone after compute (:data:`LATENCY_KEYS`, in that order), and how far the ranks drift apart
+    (``replica_jitter``), as a profile's network measurement writes them."""
+    lat: dict[str, float] = {k: v * 1e6 for k, v in zip(LATENCY_KEYS, latency_s) if v}
+    if jitter:
+        lat["replica_jitter"] = jitter
     part = {**SITE["partitions"][0], "network": {"intra_node": {"1": {"constant_gbps": gbps}, **lat},
                                                   "inter_node": {"1": {"constant_gbps": gbps}, **lat}}}
     return {**SITE, "partitions": [part]}
@@ -287,11 +293,10 @@ def pipelines(env: dict[str, str]) -> list[dict]:
     return rows
 
 
-DS_MBS, DS_MICRO, DS_STEPS = 4, 4, 8
+DS_MBS, DS_MICRO, DS_STEPS = 4, 4, 5
 ZERO_WORKER = ROOT / "tests" / "deepspeed" / "zero_memory_worker.py"
 
 
-ENGINE_ROUNDS = 3  # paired DeepSpeed/plain steps per engine cost measurement (profiler.ds_engine)
 # torch.distributed's collectives DeepSpeed 0.19 calls through its TorchBackend (looked up at call time, or at
 # the backend's start for the tensor all-gather and reduce-scatter: wrapped before it starts)
 COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather", "reduce_scatter",
@@ -372,8 +377,8 @@ def ds_rank_main() -> None:
     from megatron_patch.ds_runtime.engine import DsTrainer
     from megatron_patch.ds_runtime.launch import _without_shm_op
     from profiler.compute import LayerProfiler
-    from profiler.ds_engine import EngineMeter
-    from profiler.netbench import allreduce_busbw, collective_latency_s, issued_latency_s
+    from profiler.ds_engine import ENGINE_ROUNDS, EngineMeter
+    from profiler.netbench import allreduce_busbw, collective_latency_s, issued_latency_s, replica_jitter
 
     _without_shm_op()
     meter = CollectiveMeter()
@@ -399,7 +404,7 @@ def ds_rank_main() -> None:
             dist.barrier()
             costs = {meters[z].key: meters[z].measure(ENGINE_ROUNDS)}
             steps, inside, cpu_s = [], [], []
-            for _ in range(3):
+            for _ in range(DS_STEPS):
                 meter.take()
                 c0 = time.thread_time()
                 seconds = trainers[z].train_step().seconds
@@ -412,9 +417,10 @@ def ds_rank_main() -> None:
             # ... and per collective: streamed, then each issued alone after compute (the profiler's 15 rounds)
             latency = [collective_latency_s(k, 5, 1, cpu) for k in ("all_reduce", "all_gather")] \
                 + [issued_latency_s(k, 15, 2, cpu) for k in ("all_reduce", "all_gather")]
+            jitter = replica_jitter(15, 2, cpu)
             rows.append({"round": r, "zero": z, "load": load, "times": times.tolist(), "costs": costs,
                          "blocks": meters[z].sizes, "measured_s": statistics.median(steps), "gbps": gbps,
-                         "latency_s": latency,
+                         "latency_s": latency, "jitter": jitter,
                          "collectives": statistics.median(n for n, _, _ in inside),
                          "collective_s": statistics.median(s for _, s, _ in inside), "cpu_s": statistics.median(cpu_s),
                          "by_kind": {name: [statistics.median(k.get(name, [0, 0.0])[i] for _, _, k in inside)
@@ -427,7 +433,7 @@ def _ds_archive(times: list, memory: list, costs: dict | None = None, blocks: li
     """A profile archive of tiny-gpt at micro-batch :data:`DS_MBS` (with DeepSpeed's engine costs of one ZeRO stage)."""
     import numpy as np
 
-    from profiler.ds_engine import KEY, document
+    from profiler.ds_engine import ENGINE_ROUNDS, KEY, document
     from sailor_hpc.core.archive import ComputeEntry, MemoryEntry, OverheadEntry, ProfileArchive
 
     archive, prov = ProfileArchive(), {"source": "benchmark", "profiled_blocks": shape_spec("tiny").num_layers}
@@ -456,6 +462,7 @@ def _compute_s(res: Any) -> float:
 def deepspeed_zero(env: dict[str, str], rounds: int, clock: str = "wall") -> dict[str, Any]:
     """Every ZeRO stage of a DP-2 one-stage plan under DeepSpeed, measured beside the simulator (see the doc):
     the rounds of :func:`ds_rank_main` in one world of two ranks, and one allocator-counted run."""
+    from profiler.jobs import MAX_JITTER_KEPT
     from sailor_hpc.core.site import load_site_dict
     from simulator import SimOptions, simulate
 
@@ -468,10 +475,13 @@ def deepspeed_zero(env: dict[str, str], rounds: int, clock: str = "wall") -> dic
         raise RuntimeError(bad[0].stderr[-3000:])
     ranks = [json.loads(r.stdout.strip().splitlines()[-1]) for r in out]
     time_rows: list[dict[str, Any]] = []
+    # how far the replicas drift apart is the host's, which a profile measures once: the median of the
+    # rounds' measurements (each a few dozen collectives, heavy-tailed; both ranks report the same figure)
+    jitter = min(statistics.median(x["jitter"] for x in ranks[0]["rows"]), MAX_JITTER_KEPT)
     for i, row in enumerate(ranks[0]["rows"]):
         mine = [rk["rows"][i] for rk in ranks]  # each rank measured its own profile at the same time
         plan = _ds_plan(row["zero"])
-        site = load_site_dict(measured_site(row["gbps"], tuple(row["latency_s"])),
+        site = load_site_dict(measured_site(row["gbps"], tuple(row["latency_s"]), jitter),
                               source="<this machine, gloo all-reduce measured>")
         sims = [simulate(plan, site, _ds_archive(x["times"], rk["memory"], x["costs"], x["blocks"]), options=options)
                 for x, rk in zip(mine, ranks, strict=True)]
@@ -483,15 +493,16 @@ def deepspeed_zero(env: dict[str, str], rounds: int, clock: str = "wall") -> dic
                                         for k in range(len(row["latency_s"]))],
                           "by_kind": {name: [statistics.fmean(x["by_kind"].get(name, [0, 0.0])[i] for x in mine)
                                              for i in range(2)] for name in row["by_kind"]},
-                          # a step ends with its slowest replica: measured as the slower rank's, predicted from
-                          # the slower rank's own measurement (each rank's prediction prices both replicas at its speed)
-                          "measured_s": row["measured_s"], "predicted_s": max(predicted),
-                          "predicted_by_rank": predicted, "layers_only_s": max(layers),
+                          # a step ends with its slowest replica: measured as the slower rank's; predicted for a
+                          # typical replica (the mean of the ranks' predictions, each from its own profile) with the
+                          # simulator's wait for the slower one, from the measured drift
+                          "measured_s": row["measured_s"], "predicted_s": statistics.fmean(predicted),
+                          "predicted_by_rank": predicted, "layers_only_s": statistics.fmean(layers), "jitter": jitter,
                           "collectives": statistics.fmean(x["collectives"] for x in mine),
                           "collective_s": statistics.fmean(x["collective_s"] for x in mine),
                           "cpu_s": statistics.fmean(x["cpu_s"] for x in mine),
-                          "predicted_collective_s": max(sims, key=seconds).iteration_time_s
-                          - _compute_s(max(sims, key=seconds))})
+                          "predicted_collective_s": statistics.fmean(res.iteration_time_s - _compute_s(res)
+                                                                     for res in sims)})
     return {"time": time_rows, "memory": zero_memory(env), "clock": clock}
 
 
@@ -536,14 +547,16 @@ def print_deepspeed(result: dict[str, Any]) -> None:
         print("clock: each rank's thread CPU time (its own work, whatever else the host runs), measured and predicted "
               "without the collectives")
     print("step time: each round and ZeRO stage, both ranks measure layers + the engine's costs at once, then run "
-          "three steps; medians over rounds of the per-round values (s/step, slowest rank); gloo all-reduce "
+          f"{DS_STEPS} steps; medians over rounds of the per-round values (s/step, slowest rank); gloo all-reduce "
           f"measured at the gradients' size: median {statistics.median(r['gbps'] for r in rows):.3f} GB/s; latency per "
           f"ring step of a one-element all-reduce / all-gather, streamed: median "
           f"{statistics.median(r['latency_s'][0] for r in rows) * 1e6:.0f} / "
           f"{statistics.median(r['latency_s'][1] for r in rows) * 1e6:.0f} us"
           + (f"; issued alone after compute (what the prediction charges): median "
              f"{statistics.median(r['latency_s'][2] for r in rows) * 1e6:.0f} / "
-             f"{statistics.median(r['latency_s'][3] for r in rows) * 1e6:.0f} us" if len(rows[0]["latency_s"]) > 2 else ""))
+             f"{statistics.median(r['latency_s'][3] for r in rows) * 1e6:.0f} us" if len(rows[0]["latency_s"]) > 2 else "")
+          + (f"; the ranks' drift (replica_jitter, median of the rounds): {rows[0]['jitter']:.3f}" if "jitter" in rows[0]
+             else ""))
     print(f"{'ZeRO':>5}{'measured':>10}{'layers only':>13}{'err %':>7}{'+ engine':>10}{'err %':>7}"
           f"{'   per-round err % (+ engine)':>30}")
     for zero in range(4):
@@ -554,7 +567,7 @@ def print_deepspeed(result: dict[str, Any]) -> None:
         print(f"{zero:>5}{med['measured_s']:>10.4f}{med['layers_only_s']:>13.4f}{statistics.median(bare):>+7.1f}"
               f"{med['predicted_s']:>10.4f}{statistics.median(errs):>+7.1f}   "
               + " ".join(f"{e:+.1f}" for e in errs))
-    print("where the step goes (medians; measured: mean of the two ranks, predicted: the slower rank's): collectives "
+    print("where the step goes (medians; measured and predicted: mean of the two ranks): collectives "
           "issued per step, wall seconds inside them measured and predicted, the rest of the step (computing or waiting "
           "for a core) measured and predicted, thread CPU seconds")
     print(f"{'ZeRO':>5}{'count':>7}{'in coll.':>10}{'predicted':>11}{'rest':>9}{'predicted':>11}{'CPU':>8}")

@@ -199,6 +199,9 @@ class _Runner:
         return d_lo - lo * per_micro, per_micro
 
 
+ENGINE_ROUNDS = 5  # paired DeepSpeed/plain steps per cost: the difference of two noisy steps needs several
+
+
 class EngineMeter:
     """What one DeepSpeed engine (``kind``: ``engine`` or ``pipe``) adds under one ZeRO stage, at one transformer
     block and at the profiled ``blocks`` (the engines built once, measured as often as asked)."""
@@ -241,7 +244,7 @@ def _split(sizes: Sequence[int], values: Sequence[float]) -> list[float]:
 
 
 def engine_costs(spec: ModelSpec, mbs: int, *, device: torch.device, dtype: str = "fp32", blocks: int | None = None,
-                 zero_stages: Sequence[int] = ZERO_STAGES, engines: Sequence[str] = tuple(ENGINES), rounds: int = 5,
+                 zero_stages: Sequence[int] = ZERO_STAGES, engines: Sequence[str] = tuple(ENGINES), rounds: int = ENGINE_ROUNDS,
                  seed: int = 1234) -> dict[str, Any]:
     """What DeepSpeed's engines add to a step of micro-batch ``mbs`` (see the module doc); a world of one rank.
     ``zero_stages`` and ``engines`` choose what is measured (default: everything each engine runs)."""
@@ -259,4 +262,4 @@ def engine_costs(spec: ModelSpec, mbs: int, *, device: torch.device, dtype: str 
     return document(costs, sizes, rounds)
 
 
-__all__ = ["ENGINES", "EngineMeter", "KEY", "MICRO_BATCHES", "document", "engine_costs"]
+__all__ = ["ENGINE_ROUNDS", "ENGINES", "EngineMeter", "KEY", "MICRO_BATCHES", "document", "engine_costs"]
