@@ -378,7 +378,14 @@ def ds_rank_main() -> None:
     from megatron_patch.ds_runtime.launch import _without_shm_op
     from profiler.compute import LayerProfiler
     from profiler.ds_engine import ENGINE_ROUNDS, EngineMeter
-    from profiler.netbench import allreduce_busbw, collective_latency_s, issued_latency_s, replica_jitter
+    from profiler.netbench import (
+        ISSUED_ROUNDS,
+        SPREAD_ROUNDS,
+        allreduce_busbw,
+        collective_latency_s,
+        issued_latency_s,
+        replica_jitter,
+    )
 
     _without_shm_op()
     meter = CollectiveMeter()
@@ -414,10 +421,11 @@ def ds_rank_main() -> None:
                 dist.all_reduce(step, op=dist.ReduceOp.MAX)  # the step ends with its slowest rank
                 steps.append(float(step))
             gbps = allreduce_busbw(grad_bytes, 10, 2, cpu)  # the link the gradients' collectives see, now
-            # ... and per collective: streamed, then each issued alone after compute (the profiler's 15 rounds)
+            # ... and per collective: streamed, then each issued alone after compute, and the ranks' drift (as many
+            # rounds as a profile takes)
             latency = [collective_latency_s(k, 5, 1, cpu) for k in ("all_reduce", "all_gather")] \
-                + [issued_latency_s(k, 15, 2, cpu) for k in ("all_reduce", "all_gather")]
-            jitter = replica_jitter(15, 2, cpu)
+                + [issued_latency_s(k, ISSUED_ROUNDS, 2, cpu) for k in ("all_reduce", "all_gather")]
+            jitter = replica_jitter(SPREAD_ROUNDS, 2, cpu)
             rows.append({"round": r, "zero": z, "load": load, "times": times.tolist(), "costs": costs,
                          "blocks": meters[z].sizes, "measured_s": statistics.median(steps), "gbps": gbps,
                          "latency_s": latency, "jitter": jitter,

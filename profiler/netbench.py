@@ -101,7 +101,9 @@ def allreduce_busbw(nbytes: int, iters: int, warmup: int, device: torch.device) 
 
 
 BURST_S = 0.003  # compute before each issued collective: a few ms, as a step's layers run between its collectives
-ISSUED_ROUNDS = 15  # the fewest rounds a profile's issued latency takes (each a burst and one collective)
+# the fewest rounds a profile's issued latency takes (each a burst and one collective): its mean is heavy-tailed
+# (gloo, two ranks here: 170-880 us per ring step in five measurements of 15 rounds, 410-550 us of 40)
+ISSUED_ROUNDS = 40
 _BURST_DIM = 64  # the burst's matmuls: small, so every rank stops within tens of µs of its deadline
 
 
@@ -118,7 +120,7 @@ def _compute_burst(seconds: float, device: torch.device) -> None:
 
 
 SPREAD_SPAN_S = 0.05  # compute between two collectives when measuring how far replicas drift apart
-SPREAD_ROUNDS = 15
+SPREAD_ROUNDS = 40  # 4 s: the drift over 15 rounds ranged 0-0.34 here, over 40 rounds 0.04-0.17
 
 
 def _fixed_work(seconds: float, device: torch.device) -> Callable[[], float]:
