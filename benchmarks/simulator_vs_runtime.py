@@ -470,7 +470,7 @@ def _compute_s(res: Any) -> float:
 def deepspeed_zero(env: dict[str, str], rounds: int, clock: str = "wall") -> dict[str, Any]:
     """Every ZeRO stage of a DP-2 one-stage plan under DeepSpeed, measured beside the simulator (see the doc):
     the rounds of :func:`ds_rank_main` in one world of two ranks, and one allocator-counted run."""
-    from profiler.jobs import MAX_JITTER_KEPT
+    from sailor_hpc.core.network import MAX_JITTER_KEPT
     from sailor_hpc.core.site import load_site_dict
     from simulator import SimOptions, simulate
 

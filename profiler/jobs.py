@@ -39,6 +39,7 @@ from sailor_hpc.core.archive import (
 from sailor_hpc.core.dist_env import job_port, read_env
 from sailor_hpc.core.errors import SailorError
 from sailor_hpc.core.models import get_model
+from sailor_hpc.core.network import MAX_JITTER_KEPT
 from sailor_hpc.slurm.container import NO_CONTAINER, RankWrapper
 from sailor_hpc.slurm.control import node_address as slurm_node_address
 from sailor_hpc.slurm.control import run_step
@@ -219,7 +220,6 @@ def write_net_spec(task: NetworkTask, spec_file: Path) -> None:
                                  device="cpu" if task.cpu else "cuda").to_json())
 
 
-MAX_JITTER_KEPT = 0.45  # below what a site accepts (sailor_hpc.core.network.MAX_JITTER)
 # profiler.netbench's result keys -> the NetworkFit fields they become
 NETBENCH_LATENCIES = {"all_reduce_latency_s": "collective_latency_s", "all_gather_latency_s": "gather_latency_s",
                       "all_reduce_issued_latency_s": "issued_latency_s",

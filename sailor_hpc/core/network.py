@@ -159,6 +159,8 @@ _LATENCY_KEYS = {"collective_latency_us": "collective_latency_s", "gather_latenc
                  "issued_latency_us": "issued_latency_s", "issued_gather_latency_us": "issued_gather_latency_s"}
 JITTER_KEY = "replica_jitter"  # ... and the replicas' drift measured over the link (a fraction, as a partition's)
 MAX_JITTER = 0.5  # a coefficient of variation of a step's time at or above this is a broken node, not jitter
+# what a profile keeps of a larger measured drift (an oversubscribed host's), so that its site still loads
+MAX_JITTER_KEPT = 0.9 * MAX_JITTER
 
 
 @dataclass(frozen=True)
