@@ -60,7 +60,7 @@ from sailor_hpc.jobs.render import cpus_per_task
 from sailor_hpc.slurm.discover import live_availability
 from sailor_hpc.slurm.handle import SlurmJob
 from sailor_hpc.slurm.hostlist import expand_hostlist
-from sailor_hpc.slurm.safety import job_ids
+from sailor_hpc.slurm.safety import BUNDLE_SEP, job_ids
 from sailor_hpc.slurm.start_estimate import StartEstimator
 from sailor_hpc.slurm.status import FINAL_STATES, JobStatus
 from sailor_hpc.slurm.watch import JobWatcher
@@ -262,8 +262,8 @@ class OneJob:
         if not job.final and any(c.state == "COMPLETING" for c in job.components):
             return  # ending (its GPUs may already show as idle): its final state will say how
         if running:
-            if saved_on_signal(tail, self.ctx.checkpoint_step()) and not _shrinks_in_place(cur):  # ours, a preemption's or the
-                self._end(cur, job, tail)  # time limit's: the checkpoint is committed, no need to wait for the exit
+            if saved_on_signal(tail, self.ctx.checkpoint_step()) and not _answered_in_place(cur):  # ours, a preemption's or
+                self._end(cur, job, tail)  # the time limit's: the checkpoint is committed, no need to wait for the exit
             elif cur.stop is not None and self.ctx.clock() - cur.stop.t > _stop_timeout(tail):
                 self._end(cur, job, tail, why="did not stop after its checkpoint signal")
             elif cur.stop is None and cur.first_step_t is not None and not cur.lost_nodes and not cur.waits_for_successor:
@@ -551,10 +551,14 @@ def _stop_timeout(tail: LogTail | None) -> float:
     return max(STOP_TIMEOUT_S, STOP_MARGIN * needs)
 
 
-def _shrinks_in_place(cur: Attempt) -> bool:
-    """Asked to checkpoint because a node drains: the job's batch script re-plans on its other nodes
-    (or ends, if no plan fits them), so the controller waits for the job instead of ending it."""
-    return cur.stop is not None and cur.stop.reason == DRAIN_REASON
+def _answered_in_place(cur: Attempt) -> bool:
+    """The job's batch script answers the stop itself: it re-plans on its other nodes (or ends, if no plan fits
+    them), so the controller waits for the job instead of ending it on the saved checkpoint. Asked to checkpoint
+    because a node drains; or a bundle that lost nodes without our signal: Slurm ended one of its jobs with its
+    batch node, whose ranks' SIGTERM made every rank save, and the lead job's agent re-plans without that job."""
+    if cur.stop is not None:
+        return cur.stop.reason == DRAIN_REASON
+    return bool(cur.lost_nodes) and BUNDLE_SEP in (cur.job_id or "")
 
 
 def _classify(cur: Attempt, job: JobStatus, prog: Any) -> str:

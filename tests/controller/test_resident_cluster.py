@@ -13,9 +13,10 @@ partition, submitted together, one rendezvous, one resident folder.
 3. ``resume``: a bigger bundle is submitted beside it and takes over (a resize: the old ranks save and leave);
 4. ``down`` of v100-2: Slurm ends that node's step only (the V100 job lives on, on v100-1), the ranks still
    running see their peer's connection close, hold, and go on under the 2-GPU plan in their processes;
-5. ``down`` of v100-1, the V100 job's batch node: Slurm ends that job (FAILED), its agent with it; the A100 job's
-   agent learns it from Slurm, takes the job's nodes as lost, and the A100 rank goes on alone under a 1-GPU plan
-   in its process.
+5. ``down`` of v100-1, the V100 job's batch node: Slurm ends that job (FAILED), its agent with it; its rank's
+   SIGTERM makes every rank save (the A100 job's agent is held back meanwhile, so the controller sees that
+   checkpoint first and must not end the bundle on it); the A100 job's agent learns the end from Slurm, takes
+   the job's nodes as lost, and the A100 rank goes on alone under a 1-GPU plan in its process.
 
 Checked: both changes are in place (no new job) and resident (no new step: sacct shows one step per node of each
 job), the surviving ranks have the same PIDs before and after each change, and the final parameters equal a
@@ -24,7 +25,9 @@ single-process reference run of the same steps (<= 1e-6), every step's loss the 
 from __future__ import annotations
 
 import json
+import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +71,18 @@ def story(slurm_cluster, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
         sc.wait_for("the first step after the node went down",
                     lambda r: r["kind"] == "recovery" and r.get("in_place") and r["attempt"] == 2)
         last = sc.records()[-1]["seq"]
-        sc.set_node("v100-1", "down")
+        # slurmd's SIGTERM to the V100 job makes every rank save and hold: with the lead's agent held back, the
+        # controller sees that checkpoint before the agent's answer, and must wait for it rather than end the job
+        lead = ranks.agent_pids(sc.plan_file(2), part=0)
+        assert len(lead) == 1, lead
+        os.kill(lead[0], signal.SIGSTOP)
+        try:
+            sc.set_node("v100-1", "down")
+            sc.wait_for("the checkpoint saved on Slurm's SIGTERM",
+                        lambda r: r["kind"] == "checkpoint" and r["seq"] > last)
+            time.sleep(4 * sc.poll_s)  # the controller's next looks at it
+        finally:
+            os.kill(lead[0], signal.SIGCONT)
         sc.wait_for("the first step after the V100 job's batch node went down",
                     lambda r: r["kind"] == "recovery" and r.get("in_place") and r["attempt"] == 2 and r["seq"] > last)
         status = story_kit.finish(sc, reference)

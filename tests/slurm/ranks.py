@@ -39,6 +39,21 @@ def _runs_plan(argv: list[str], plan_file: str | Path) -> bool:
         and str(plan_file) in argv
 
 
+def agent_pids(plan_file: str | Path, part: int) -> list[int]:
+    """The job agent (``sailor_hpc.controller.job_agent``) of part ``part`` of the bundle submitted with
+    ``--plan plan_file`` (0: the lead, which answers the bundle's changes)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError, PermissionError):
+            argv = [a.decode(errors="replace") for a in (proc / "cmdline").read_bytes().split(b"\0")] \
+                if proc.name.isdigit() else []
+            parts = [a.removeprefix("--bundle-part=") for a in argv if a.startswith("--bundle-part=")]
+            if argv[1:3] == ["-m", "sailor_hpc.controller.job_agent"] and str(plan_file) in argv \
+                    and [p.rpartition(":")[2].partition("/")[0] for p in parts] == [str(part)]:  # PARTITION:I/N
+                pids.append(int(proc.name))
+    return pids
+
+
 def pause(plan_file: str | Path, sig: signal.Signals = signal.SIGSTOP) -> list[int]:
     """Send ``sig`` to every rank of the step started with ``--plan plan_file``. SIGSTOP makes a step as
     slow as a test needs, so a change the test makes next never races with the run's last step."""
