@@ -63,9 +63,12 @@ def test_the_task_environment_differs_only_in_step_variables_from_the_zygote_key
 
 
 def test_signals_reach_the_rank_and_its_death_is_the_task_s(server: Path, tmp_path: Path):
+    # short sleeps, as a rank's steps are: Python runs a handler between bytecodes, so a signal that lands between
+    # the print and a long sleep's system call would wait for the sleep's end (1 in ~100 tries under load)
     handler = ("import signal, sys, time\n"
                "signal.signal(signal.SIGUSR1, lambda s, f: (print('USR1', flush=True), sys.exit(7)))\n"
-               "print('ready', flush=True); time.sleep(60)")
+               "print('ready', flush=True)\n"
+               "for _ in range(600): time.sleep(0.1)")
     proc = _stand_in(server, [sys.executable, "-c", handler], _env(), tmp_path)
     assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
     proc.send_signal(signal.SIGUSR1)
