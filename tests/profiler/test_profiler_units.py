@@ -227,7 +227,8 @@ def _chain_alone(prof, mbs: int) -> float:
 def test_per_layer_times_sum_to_the_chain(tiny_prof):
     """Every layer is timed as its slice of one chain: within a repetition the layers' seconds add up to the
     chain's (the marks telescope), and their medians add up to an independently timed chain of the same
-    layers within a generous tolerance (interleaved, minima: the machine is shared)."""
+    layers within a generous tolerance (interleaved pairs, the median of their ratios: the machine is shared, and
+    a quiet moment halves one side's time, so the minima of the two sides need not meet)."""
     import torch
 
     from profiler.compute import Repetitions
@@ -241,13 +242,14 @@ def test_per_layer_times_sum_to_the_chain(tiny_prof):
     torch.set_num_threads(1)
     try:
         chained, alone = [], []
-        for _ in range(15):  # seconds on a loaded 2-core machine swing 3x: many pairs, their minima
+        for _ in range(15):  # seconds on a loaded 2-core machine swing 3x: many pairs
             chained.append(_chain_alone(prof, 4))
             s = prof.sample(4, Repetitions(warmup=0, iters=1, min_time_s=0.0))
             alone.append(float(s.fwd.sum() + s.bwd.sum()))
     finally:
         torch.set_num_threads(threads)
-    assert min(chained[1:]) / 1.5 < min(alone[1:]) < min(chained[1:]) * 1.5, (alone, chained)
+    ratio = float(np.median([a / c for a, c in zip(alone[1:], chained[1:])]))
+    assert 1 / 1.5 < ratio < 1.5, (ratio, alone, chained)
 
 
 def _quick_inputs(prof, mbs: int):
