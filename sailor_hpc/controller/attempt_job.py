@@ -41,9 +41,9 @@ def attempt_options(job: JobSpec, plan_path: Path, rundir: RunDir, *, model: str
                       requeue=not isinstance(scope, ClusterPart) and scope.bundle is None)
 
 
-def write_attempt_plan(rundir: RunDir, plan: Plan, attempt: int) -> Path:
-    """The attempt's plan file (one per attempt: every cluster's job of a group reads the same plan)."""
-    path = rundir.plan_file(attempt)
+def write_attempt_plan(rundir: RunDir, plan: Plan, attempt: int, try_: int = 1) -> Path:
+    """The plan file of the attempt's ``try_``-th job (every cluster's job of a group reads the same plan)."""
+    path = rundir.plan_file(attempt, try_)
     path.parent.mkdir(parents=True, exist_ok=True)
     plan.save(path)
     return path
@@ -51,14 +51,14 @@ def write_attempt_plan(rundir: RunDir, plan: Plan, attempt: int) -> Path:
 
 def write_attempt_script(rundir: RunDir, spec: RunSpec, site: Site, plan: Plan, plan_path: Path, attempt: int, *,
                          name: str, scope: InPlace | ClusterPart, gate: Path | None = None,
-                         exclude: Sequence[str] = ()) -> Path:
+                         exclude: Sequence[str] = (), try_: int = 1) -> Path:
     """Render and write the job script of the attempt (of one cluster's part for a :class:`ClusterPart`)."""
     options = attempt_options(spec.job, plan_path, rundir, model=spec.planning.model,
                               runtime=spec.planning.runtime_of(plan), name=name, scope=scope, gate=gate,
                               exclude=exclude)
     part = scope.bundle if isinstance(scope, InPlace) else None
     script = rundir.script_file(attempt, scope.cluster if isinstance(scope, ClusterPart)
-                                else f"{part.index}-{part.partition}" if part is not None else None)
+                                else f"{part.index}-{part.partition}" if part is not None else None, try_)
     script.parent.mkdir(parents=True, exist_ok=True)
     write_job_script(script, render_job_script(plan, site, options))
     return script
@@ -76,17 +76,18 @@ def prepare_attempt(rundir: RunDir, spec: RunSpec, site: Site, plan: Plan, attem
                     gate: Path | None = None, exclude: Sequence[str] = ()) -> tuple[Path, list[Path]]:
     """The plan file and job scripts of a one-job attempt (the run's directory scope: in-place re-planning): one
     script, or a bundle's, one per component of the plan's job layout, in order, sharing a fresh folder."""
-    plan_path = write_attempt_plan(rundir, plan, attempt)
+    try_ = rundir.next_try(attempt)
+    plan_path = write_attempt_plan(rundir, plan, attempt, try_)
     base = InPlace(rundir.path, spec.job.resident_ranks)
     if not bundled(spec, site, plan):
         return plan_path, [write_attempt_script(rundir, spec, site, plan, plan_path, attempt, name=name, scope=base,
-                                                gate=gate, exclude=exclude)]
+                                                gate=gate, exclude=exclude, try_=try_)]
     folder = rundir.path / "resident" / f"bundle-{attempt:03d}-{uuid.uuid4().hex[:8]}"
     folder.mkdir(parents=True)
     parts = bundle_partitions(plan)
     return plan_path, [write_attempt_script(rundir, spec, site, plan, plan_path, attempt, name=name,
                                             scope=replace(base, bundle=BundlePart(p, i, len(parts), folder)),
-                                            gate=gate, exclude=exclude)
+                                            gate=gate, exclude=exclude, try_=try_)
                        for i, p in enumerate(parts)]
 
 

@@ -128,7 +128,8 @@ class Groups:
         if not set(used) <= set(clusters):
             raise SailorError(f"the plan for clusters {', '.join(clusters)} uses {', '.join(used)}",
                               field="plan_for", fix="plan only on the clusters given")
-        plan_path = write_attempt_plan(self.ctx.rundir, plan, attempt)
+        try_ = self.ctx.rundir.next_try(attempt)
+        plan_path = write_attempt_plan(self.ctx.rundir, plan, attempt, try_)
         rdzv = directory / f"rendezvous.{attempt}.{uuid.uuid4().hex}"  # fresh: an old one holds an old address
         start = self.ctx.checkpoint_step()  # journaled by next_attempt_due just before
         names = {c: f"{job_name_prefix(s.run_id)}{attempt:03d}-{c}" for c in used}
@@ -140,7 +141,7 @@ class Groups:
         jobs = {}
         for cluster in used:
             script = write_attempt_script(self.ctx.rundir, s, self.site, plan, plan_path, attempt, name=names[cluster],
-                                          scope=ClusterPart(cluster, rdzv))
+                                          scope=ClusterPart(cluster, rdzv), try_=try_)
             jobs[cluster] = self.ctx.cluster(cluster).submit(script, plan=str(plan_path), site=s.planning.site)[0].id
         self.ctx.note(records.GroupSubmitted(group=attempt, jobs=jobs, clusters=list(used), start_step=start,
                                          plan_file=str(plan_path)))

@@ -147,7 +147,7 @@ class OneJob:
             if obs.job is not None and trains(obs.job):
                 hosts = {c.nodes: self._hosts_of(c.nodes) for c in obs.job.components if not c.final}
                 obs.job_nodes = sorted({h for hs in hosts.values() for h in hs})
-                own = own_gpus(self.ctx.plan(self.ctx.rundir.plan_file(cur.number)), obs.job, hosts)  # what it holds
+                own = own_gpus(self.ctx.plan(cur.plan_file), obs.job, hosts)  # what it holds
         obs.free = free_for_run(idle, own, obs.unusable, obs.lost)
         obs.idle = free_for_run(idle, {}, obs.unusable, obs.lost)
         for name in names:

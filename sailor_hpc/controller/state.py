@@ -51,6 +51,10 @@ def job_name_prefix(run_id: str) -> str:
     return f"sailor-{run_id}-"
 
 
+def _attempt_stem(attempt: int, try_: int) -> str:
+    return f"attempt-{attempt:03d}" + (f".{try_}" if try_ > 1 else "")
+
+
 class RunDir:
     """Paths of one controlled run."""
 
@@ -69,17 +73,27 @@ class RunDir:
     def logs(self) -> Path:
         return self.path / "logs"
 
-    def plan_file(self, attempt: int) -> Path:
-        return self.path / "plans" / f"attempt-{attempt:03d}.json"
+    def plan_file(self, attempt: int, try_: int = 1) -> Path:
+        """The plan of the attempt's ``try_``-th job. A later job under the same number (a bigger job dropped
+        before it took over, then another one) gets a file of its own: the journal names the earlier one, and
+        a plan file, once written, is never rewritten (the controller reads each once)."""
+        return self.path / "plans" / f"{_attempt_stem(attempt, try_)}.json"
+
+    def next_try(self, attempt: int) -> int:
+        """The first try of ``attempt`` that has no plan file yet."""
+        try_ = 1
+        while self.plan_file(attempt, try_).exists():
+            try_ += 1
+        return try_
 
     def gate_file(self, attempt: int) -> Path:
         """Created once the job this attempt takes over from is gone: its ranks wait for it to load."""
         return self.path / "gates" / f"attempt-{attempt:03d}.go"
 
-    def script_file(self, attempt: int, cluster: str | None = None) -> Path:
-        """The attempt's job script; across clusters, ``cluster``'s job's."""
-        return self.path / "scripts" / (f"attempt-{attempt:03d}.sbatch" if cluster is None
-                                        else f"attempt-{attempt:03d}-{cluster}.sbatch")
+    def script_file(self, attempt: int, cluster: str | None = None, try_: int = 1) -> Path:
+        """The job script of the attempt's ``try_``-th job; across clusters, ``cluster``'s job's."""
+        stem = _attempt_stem(attempt, try_)
+        return self.path / "scripts" / (f"{stem}.sbatch" if cluster is None else f"{stem}-{cluster}.sbatch")
 
     def spec(self) -> RunSpec:
         return RunSpec.read(self.spec_file)

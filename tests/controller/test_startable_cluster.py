@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from sailor_hpc.core.checkpoint import newest_step
+from sailor_hpc.core.plan_io import load_plan
 from tests.controller import scenario as story_kit
 from tests.controller.scenario import Scenario, kind
 from tests.slurm import ranks
@@ -135,6 +136,14 @@ def test_a_bigger_job_that_timed_out_is_not_retried_until_the_queue_changes(slur
         records = sc.records()
         ranks.resume(sc.plan_file(1))
     assert quiet == 1, [r for r in records if r["kind"].startswith("grow")]
+    # both tries are the same next attempt; each has its own plan and script, holding what its record says (a
+    # plan file rewritten by the second try left the controller counting the first try's ranks: a grow to a
+    # smaller plan then waited its whole time-out)
+    tries = [r for r in records if r["kind"] == "grow_submitted"]
+    assert len({r["next_attempt"] for r in tries}) == 1 and len({r["plan_file"] for r in tries}) == 2, tries
+    assert len({r["script"] for r in tries}) == 2, tries
+    for r in tries:
+        assert load_plan(r["plan_file"], validate=False).gpus_by_partition() == r["gpus"], r
     cancelled = [r for r in records if r["kind"] == "grow_cancelled"][0]
     assert cancelled["queue"]["a100"]["a100-1"] == 4 and cancelled["queue"]["a100"]["a100-2"] == 0, cancelled
     print("\n" + "\n".join(f"{r['kind']}: {r.get('reason') or r.get('note') or r.get('gpus') or ''}" for r in records
