@@ -24,7 +24,6 @@ from megatron_patch import patch
 from megatron_patch.data import Samples, build_samples, train_split
 from megatron_patch.init_weights import canonical_init
 from megatron_patch.layout import arch_of, param_layout
-from megatron_patch.local import free_port
 from megatron_patch.mcore_import import quiet_fallback_notices
 from megatron_patch.model import layer_spec, transformer_config
 from megatron_patch.optimizer import adamw, set_lr
@@ -168,8 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     quiet_fallback_notices()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ:
-        os.environ["MASTER_PORT"] = str(free_port())
+    # one rank: its store binds a port the kernel picks (0), with no window for another process to take it
+    os.environ.setdefault("MASTER_PORT", "0")
     dist.init_process_group("gloo", rank=0, world_size=1)
     train(args)
     dist.destroy_process_group()

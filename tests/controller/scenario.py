@@ -65,7 +65,9 @@ def start_reference(root: Path, data: str, steps: int) -> RankProcess:
     without a new interpreter's 3-4 s of imports, for every story after the first)."""
     from megatron_patch import local
     out = open(root / "reference.log", "w")
-    env = local.rank_env(0, 1, local.free_port())
+    # one rank: port 0, bound by its store at once (a port picked free here could be taken meanwhile: EADDRINUSE
+    # was seen with several stories and their jobs running)
+    env = local.rank_env(0, 1, 0)
     argv = ["-m", "megatron_patch.reference", "--model", MODEL, "--data", data, "--global-batch", str(GBS),
             "--steps", str(steps), "--snapshots", f"{steps - 1},{steps}", "--out", str(root / "ref"), *ADAM]
     return local.zygote_for(env).start(argv, env, local.REPO, out, out)
