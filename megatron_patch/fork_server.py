@@ -106,7 +106,7 @@ def run_forked(command: Sequence[str], server: str) -> int | None:
 def _stand_in(conn: socket.socket, pidfd: int, mask: set[int | signal.Signals]) -> int:
     """Forward every signal to the rank at ``pidfd`` until the server tells its exit status. The signals come
     through a wakeup descriptor, not Python handlers: a handler runs only between bytecodes, so a signal caught
-    just before ``recv`` blocks would wait for the rank's exit (seen under load, 1 in 130 tries)."""
+    just before ``recv`` blocks would wait for the rank's exit (the same race in a sleeping rank: 1 in ~100 tries)."""
     wake_r, wake_w = socket.socketpair()
     wake_r.setblocking(False)
     wake_w.setblocking(False)
